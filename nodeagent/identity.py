@@ -1,0 +1,63 @@
+"""Who a cgroup belongs to: what runs in it, and who may write its attributes."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Runtime(enum.StrEnum):
+    DOCKER = "docker"
+    CONTAINERD = "containerd"
+    CRIO = "crio"
+    PODMAN = "podman"
+    SYSTEMD = "systemd"
+    NODEAGENT = "nodeagent"
+    KUBELET = "kubelet"  # a pod-level cgroup: the kubelet made it, its containers live below
+
+
+class Kind(enum.StrEnum):
+    CONTAINER = "container"
+    POD = "pod"
+    SERVICE = "service"
+    JOB = "job"
+
+
+class Owner(enum.StrEnum):
+    """Who manages the cgroup's attributes.
+
+    systemd's rule is that nobody else writes the attributes of cgroups it owns,
+    so only NODEAGENT (our delegated subtree) and CGROUPFS (trees made by a runtime
+    with the cgroupfs driver) are writable by the agent.
+    """
+
+    NODEAGENT = "nodeagent"
+    CGROUPFS = "cgroupfs"
+    SYSTEMD = "systemd"
+
+    @property
+    def writable(self) -> bool:
+        return self is not Owner.SYSTEMD
+
+
+class QosTier(enum.StrEnum):
+    GUARANTEED = "guaranteed"
+    BURSTABLE = "burstable"
+    BESTEFFORT = "besteffort"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadIdentity:
+    """What discovery learned about one cgroup from its place in the tree alone.
+
+    `path` is relative to the cgroup root, '/'-separated, with no leading slash.
+    """
+
+    path: str
+    kind: Kind
+    runtime: Runtime
+    owner: Owner
+    name: str
+    container_id: str | None = None
+    pod_uid: str | None = None
+    qos: QosTier | None = None
