@@ -1,0 +1,70 @@
+"""A minimal sd_notify(3): systemd's Type=notify readiness and watchdog protocol, stdlib only.
+
+Messages are newline-separated VAR=VALUE assignments in one datagram to $NOTIFY_SOCKET.
+Every function returns False instead of raising when there is no systemd to tell, so the
+daemon runs the same outside a unit.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def notify(message: str) -> bool:
+    """Send `message` to $NOTIFY_SOCKET; True if sent, False when unset, unsupported or failed.
+
+    Failure is not raised: a daemon must not die because its supervisor's socket went away.
+    The caller may log the False.
+    """
+    address = os.environ.get("NOTIFY_SOCKET", "")
+    if address.startswith("@"):
+        address = "\0" + address[1:]  # abstract namespace
+    elif not address.startswith("/"):
+        return False  # unset, or a transport (e.g. vsock:) we do not speak
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.sendto(message.encode(), address)
+    except OSError:
+        return False
+    return True
+
+
+def ready() -> bool:
+    """Startup finished: systemd stops waiting and starts units ordered after us."""
+    return notify("READY=1")
+
+
+def watchdog() -> bool:
+    """Keep-alive ping; systemd restarts the service when one is missing for WatchdogSec."""
+    return notify("WATCHDOG=1")
+
+
+def status(text: str) -> bool:
+    """Free-form status line shown by `systemctl status`; newlines would start new fields."""
+    return notify("STATUS=" + " ".join(text.splitlines()))
+
+
+def stopping() -> bool:
+    """Shutdown began, so systemd does not mistake a slow stop for a hang."""
+    return notify("STOPPING=1")
+
+
+def watchdog_interval() -> float | None:
+    """WatchdogSec in seconds if systemd expects pings from this process, else None.
+
+    Ping at half of it, as sd_watchdog_enabled(3) advises. WATCHDOG_PID, when set, names the
+    process the watchdog is meant for; a child that inherited the environment must not ping.
+    """
+    pid = os.environ.get("WATCHDOG_PID")
+    if pid is not None:
+        try:
+            if int(pid) != os.getpid():
+                return None
+        except ValueError:
+            return None
+    try:
+        usec = int(os.environ.get("WATCHDOG_USEC", ""))
+    except ValueError:
+        return None
+    return usec / 1_000_000 if usec > 0 else None
