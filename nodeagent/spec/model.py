@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import math
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -18,7 +20,22 @@ def _size_or_max(value: object) -> object:
 
 
 def _cores_or_max(value: object) -> object:
-    return MAX if value == MAX else value
+    """Cores as a positive finite float, or 'max'.
+
+    Checked here rather than by the union: a union reports one error per member, and
+    plain float coercion would take `true` as 1 core and a negative quota the kernel rejects.
+    """
+    if value == MAX:
+        return MAX
+    cores = math.nan
+    if isinstance(value, int | float | str) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError, OverflowError):
+            cores = float(value)
+    if not 0 < cores < math.inf:
+        raise ValueError(
+            f"expected a positive number of cores such as 1.5, or 'max', got {value!r}"
+        )
+    return cores
 
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
@@ -36,7 +53,8 @@ class WorkloadClass(enum.StrEnum):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: `.inf` shares or thresholds would make the fair-share arithmetic NaN.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class AgentSettings(_Strict):
@@ -63,7 +81,7 @@ class Tenant(_Strict):
 
 
 class Match(_Strict):
-    """All given fields must match. `path` and `name` are shell globs; the others compare exactly."""
+    """All given fields must match. `path` and `name` are shell globs; the rest compare exactly."""
 
     path: str | None = None
     name: str | None = None

@@ -1,0 +1,488 @@
+"""The policy loader: every problem is reported as FILE:LINE:COL: message, never as a traceback."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nodeagent.errors import NodeagentError
+from nodeagent.identity import QosTier, Runtime
+from nodeagent.spec.load import MAX_BYTES, PolicyError, Problem, load_policy, parse_policy
+from nodeagent.spec.model import PolicySpec, WorkloadClass
+
+REPO = Path(__file__).resolve().parents[2]
+HEAD = "version: 1\ntenants:\n  research: {shares: 2}\n  prod: {shares: 1}\n"
+
+
+def problems(text: str) -> list[str]:
+    """The loader's report for `text`, one string per problem."""
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text, "p.yaml")
+    return [str(p) for p in info.value.problems]
+
+
+def file_problems(path: Path) -> list[str]:
+    with pytest.raises(PolicyError) as info:
+        load_policy(path)
+    return [str(p) for p in info.value.problems]
+
+
+# The shipped example
+
+
+def test_shipped_example_loads() -> None:
+    spec = load_policy(REPO / "config" / "policy.yaml")
+    assert {name: t.shares for name, t in spec.tenants.items()} == {"research": 2, "prod": 1}
+    assert [r.name for r in spec.rules] == [
+        "research-training",
+        "prod-inference",
+        "docker-batch",
+        "k8s-besteffort",
+    ]
+    assert spec.rules[0].match.path == "nodeagent.slice/research-*"
+    assert spec.rules[0].workload_class is WorkloadClass.TRAINING
+    docker = spec.rules[2]
+    assert docker.match.runtime is Runtime.DOCKER
+    assert docker.limits.cpu_max == 1.5
+    assert docker.limits.memory_max == 4 * 1024**3
+    assert docker.limits.memory_high == 3 * 1024**3
+    assert spec.rules[3].match.qos is QosTier.BESTEFFORT
+
+
+def test_shipped_example_states_the_defaults() -> None:
+    """The example documents each default by spelling it out; they must stay true."""
+    example = load_policy(REPO / "config" / "policy.yaml")
+    defaults = parse_policy("version: 1\ntenants: {a: {shares: 1}}\n", "d.yaml")
+    assert example.agent == defaults.agent
+    assert example.fair_share == defaults.fair_share
+
+
+def test_minimal_policy_and_utf8_bom(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_bytes(b"\xef\xbb\xbf" + HEAD.encode())
+    spec = load_policy(path)
+    assert isinstance(spec, PolicySpec)
+    assert spec.rules == ()
+
+
+# Errors and their messages
+
+
+def test_problem_and_error_format() -> None:
+    a, b = Problem("f.yaml", 3, 7, "one"), Problem("f.yaml", 9, 1, "two")
+    assert str(a) == "f.yaml:3:7: one"
+    error = PolicyError([a, b])
+    assert isinstance(error, NodeagentError)
+    assert error.problems == (a, b)
+    assert str(error) == "f.yaml:3:7: one\nf.yaml:9:1: two"
+
+
+def test_wrong_type_points_at_the_value() -> None:
+    text = HEAD + "rules:\n  - name: r\n    match: {}\n    tenant: prod\n    limits:\n"
+    text += "      memory_max: lots\n"
+    assert problems(text) == [
+        "p.yaml:10:19: rules[0].limits.memory_max: "
+        "expected a size such as 512Mi, 4Gi or a number of bytes, got 'lots'"
+    ]
+
+
+def test_unknown_key_points_at_the_key_and_suggests() -> None:
+    text = HEAD + "agent:\n  resync_interval: 5s\n  intervall: 2s\n"
+    assert problems(text) == [
+        "p.yaml:7:3: unknown key 'intervall' in agent; did you mean 'interval'?"
+    ]
+
+
+def test_unknown_key_without_a_close_match_has_no_suggestion() -> None:
+    assert problems(HEAD + "colour: blue\n") == ["p.yaml:5:1: unknown key 'colour'"]
+
+
+def test_unknown_key_suggests_the_class_alias() -> None:
+    text = HEAD + "rules:\n  - name: r\n    match: {}\n    tenant: prod\n    clas: batch\n"
+    assert problems(text) == ["p.yaml:9:5: unknown key 'clas' in rules[0]; did you mean 'class'?"]
+
+
+def test_bad_class_is_located_through_its_alias() -> None:
+    text = HEAD + "rules:\n  - name: r\n    match: {}\n    tenant: prod\n    class: trainng\n"
+    assert problems(text) == [
+        "p.yaml:9:12: rules[0].class: must be 'inference', 'training', 'batch' or "
+        "'besteffort', got 'trainng'; did you mean 'training'?"
+    ]
+
+
+def test_missing_key_points_at_the_parent_mapping() -> None:
+    text = HEAD + "rules:\n  - name: r\n    tenant: prod\n"
+    assert problems(text) == ["p.yaml:6:5: missing required key 'match' in rules[0]"]
+
+
+def test_missing_top_level_keys() -> None:
+    assert problems("# a policy\nrules: []\n") == [
+        "p.yaml:2:1: missing required key 'version'",
+        "p.yaml:2:1: missing required key 'tenants'",
+    ]
+
+
+def test_every_problem_is_reported_in_file_order() -> None:
+    text = (
+        "version: 2\n"
+        "agent: {interval: 1d, socket_group: 5}\n"
+        "tenants:\n"
+        "  a: {shares: .inf}\n"
+        "  1: {shares: 1}\n"
+        "rules:\n"
+        "  - {name: r, match: {runtime: dokcer}, tenant: a, limits: {cpu_max: -1}}\n"
+    )
+    assert problems(text) == [
+        "p.yaml:1:10: version: must be 1, got 2",
+        "p.yaml:2:19: agent.interval: must be less than or equal to 3600, got 86400.0",
+        "p.yaml:2:37: agent.socket_group: must be a string, got 5",
+        "p.yaml:4:15: tenants.a.shares: must be a finite number, got inf",
+        "p.yaml:5:3: key '1' in tenants must be a string",
+        "p.yaml:7:32: rules[0].match.runtime: must be 'docker', 'containerd', 'crio', "
+        "'podman', 'systemd', 'nodeagent' or 'kubelet', got 'dokcer'; did you mean 'docker'?",
+        "p.yaml:7:70: rules[0].limits.cpu_max: "
+        "expected a positive number of cores such as 1.5, or 'max', got -1",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "where"),
+    [
+        ("{}", "2:10: tenants: must not be empty"),
+        ("[a, b]", "2:10: tenants: must be a mapping, got a list"),
+        ("{a: 1}", "2:14: tenants.a: must be a mapping, got 1"),
+        ("{a: {shares: 0}}", "2:23: tenants.a.shares: must be greater than 0, got 0"),
+    ],
+)
+def test_bad_tenants(value: str, where: str) -> None:
+    assert problems(f"version: 1\ntenants: {value}\n") == [f"p.yaml:{where}"]
+
+
+@pytest.mark.parametrize("value", ["true", "0", "-1", ".inf", ".nan", "lots", "[1]"])
+def test_bad_cpu_max(value: str) -> None:
+    text = HEAD + f"rules:\n  - {{name: r, match: {{}}, tenant: a, limits: {{cpu_max: {value}}}}}\n"
+    [problem] = [p for p in problems(text) if "cpu_max" in p]
+    assert problem.startswith("p.yaml:6:55: rules[0].limits.cpu_max: expected a positive number")
+
+
+@pytest.mark.parametrize(("value", "cores"), [("max", "max"), ("1.5", 1.5), ("'2'", 2.0)])
+def test_good_cpu_max(value: str, cores: object) -> None:
+    text = (
+        HEAD + f"rules:\n  - {{name: r, match: {{}}, tenant: prod, limits: {{cpu_max: {value}}}}}\n"
+    )
+    assert parse_policy(text, "p.yaml").rules[0].limits.cpu_max == cores
+
+
+# Checks after the schema
+
+
+def test_unknown_tenant_with_and_without_suggestion() -> None:
+    text = HEAD + (
+        "rules:\n  - {name: a, match: {}, tenant: reserch}\n  - {name: b, match: {}, tenant: zzz}\n"
+    )
+    assert problems(text) == [
+        "p.yaml:6:34: rules[0].tenant: unknown tenant 'reserch'; did you mean 'research'?",
+        "p.yaml:7:34: rules[1].tenant: unknown tenant 'zzz'; tenants are 'research', 'prod'",
+    ]
+
+
+def test_duplicate_rule_names() -> None:
+    text = HEAD + (
+        "rules:\n"
+        "  - {name: a, match: {}, tenant: prod}\n"
+        "  - {name: b, match: {}, tenant: prod}\n"
+        "  - {name: a, match: {}, tenant: prod}\n"
+    )
+    assert problems(text) == [
+        "p.yaml:8:12: rules[2].name: duplicate rule name 'a' (first at line 6)"
+    ]
+
+
+@pytest.mark.parametrize("root", ["/abs.slice", "a/../b", "..", "a//b", "a/", "./a", "/"])
+def test_managed_root_must_be_a_clean_relative_path(root: str) -> None:
+    assert problems(HEAD + f"agent:\n  managed_root: '{root}'\n") == [
+        "p.yaml:6:17: agent.managed_root: must be a path relative to the cgroup root, such as "
+        f"nodeagent.slice, without '..' or empty parts, got {root!r}"
+    ]
+
+
+def test_nested_managed_root_is_fine() -> None:
+    spec = parse_policy(HEAD + "agent: {managed_root: nodeagent.slice/gpu.slice}\n", "p.yaml")
+    assert spec.agent.managed_root == "nodeagent.slice/gpu.slice"
+
+
+def test_memory_high_above_memory_max() -> None:
+    text = HEAD + (
+        "rules:\n"
+        "  - name: r\n"
+        "    match: {}\n"
+        "    tenant: prod\n"
+        "    limits: {memory_max: 1Gi, memory_high: 2Gi}\n"
+    )
+    assert problems(text) == [
+        "p.yaml:9:44: rules[0].limits.memory_high: "
+        "memory_high (2147483648 bytes) is above memory_max (1073741824 bytes)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("high", "cap"), [("1Gi", "1Gi"), ("max", "1Gi"), ("2Gi", "max"), ("2Gi", "null")]
+)
+def test_memory_high_not_above_memory_max(high: str, cap: str) -> None:
+    text = HEAD + "rules:\n  - name: r\n    match: {}\n    tenant: prod\n"
+    text += f"    limits: {{memory_max: {cap}, memory_high: {high}}}\n"
+    assert parse_policy(text, "p.yaml").rules[0].limits.memory_high is not None
+
+
+def test_cpu_quota_below_kernel_minimum() -> None:
+    text = HEAD + "rules:\n  - {name: r, match: {}, tenant: prod, limits: {cpu_max: 0.005}}\n"
+    assert problems(text) == [
+        "p.yaml:6:58: rules[0].limits.cpu_max: 0.005 cores is less than the kernel's minimum "
+        "quota of 1000us per 100000us period"
+    ]
+    ok = text.replace("0.005}", "0.005, cpu_period_us: 1000000}")
+    assert parse_policy(ok, "p.yaml").rules[0].limits.cpu_max == 0.005
+
+
+# YAML-level problems
+
+
+def test_duplicate_keys() -> None:
+    text = HEAD + "agent:\n  interval: 1s\n  interval: 2s\ntenants: {x: {shares: 1}}\n"
+    assert problems(text) == [
+        "p.yaml:7:3: duplicate key 'interval' (first at line 6)",
+        "p.yaml:8:1: duplicate key 'tenants' (first at line 2)",
+    ]
+
+
+def test_merge_keys_are_not_duplicates() -> None:
+    text = HEAD + (
+        "rules:\n"
+        "  - name: a\n"
+        "    match: {}\n"
+        "    tenant: prod\n"
+        "    limits: &small {cpu_max: 1, memory_max: 1Gi}\n"
+        "  - name: b\n"
+        "    match: {}\n"
+        "    tenant: prod\n"
+        "    limits: {<<: *small, cpu_max: 2}\n"
+    )
+    spec = parse_policy(text, "p.yaml")
+    assert spec.rules[1].limits.cpu_max == 2
+    assert spec.rules[1].limits.memory_max == 1024**3
+
+
+def test_yaml_syntax_error() -> None:
+    assert problems(HEAD + "agent:\n  interval: 1s\n   socket: x\n") == [
+        "p.yaml:7:10: mapping values are not allowed here"
+    ]
+
+
+def test_unclosed_flow_mapping() -> None:
+    [problem] = problems("version: 1\ntenants: {a: {shares: 1}\n")
+    assert problem.startswith(
+        "p.yaml:3:1: while parsing a flow mapping (line 2): expected ',' or '}'"
+    )
+
+
+def test_two_documents() -> None:
+    assert problems(HEAD + "---\nversion: 1\n") == [
+        "p.yaml:5:1: expected a single document in the stream (line 1): but found another document"
+    ]
+
+
+def test_control_character() -> None:
+    assert problems('version: 1\nname: "a\x01b"\n') == [
+        "p.yaml:2:9: unacceptable character #x0001: special characters are not allowed"
+    ]
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n  # another\n", "---\n", "~\n"])
+def test_empty_policy(text: str) -> None:
+    assert problems(text) == [
+        "p.yaml:1:1: the policy is empty; see config/policy.yaml for an example"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "got"), [("- a\n- b\n", "a list"), ("hello\n", "'hello'"), ("\n\n42\n", "42")]
+)
+def test_top_level_must_be_a_mapping(text: str, got: str) -> None:
+    line = text.count("\n", 0, len(text) - len(text.lstrip("\n"))) + 1
+    assert problems(text) == [
+        f"p.yaml:{line}:1: the policy must be a mapping with keys such as version, tenants "
+        f"and rules, got {got}"
+    ]
+
+
+def test_python_tags_are_refused() -> None:
+    text = HEAD + "agent: !!python/object/apply:os.system ['true']\n"
+    assert problems(text) == [
+        "p.yaml:5:8: could not determine a constructor for the tag "
+        "'tag:yaml.org,2002:python/object/apply:os.system'"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("!!int abc", "invalid int value: invalid literal for int() with base 10: 'abc'"),
+        ("!!bool maybe", "invalid bool value: 'maybe'"),
+        ("2021-13-01", "invalid timestamp value: month must be in 1..12"),
+    ],
+)
+def test_bad_tagged_scalars(value: str, message: str) -> None:
+    assert problems(f"version: 1\nstamp: {value}\n") == [f"p.yaml:2:8: {message}"]
+
+
+def test_alias_bomb_is_refused() -> None:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 9):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    assert problems("\n".join(lines) + "\n") == [
+        "p.yaml:1:1: the policy has more than 100000 YAML nodes, counting each use of an alias; "
+        "a policy is far smaller"
+    ]
+
+
+def test_recursive_alias_is_refused() -> None:
+    assert problems("version: 1\nloop: &l [1, *l]\n") == [
+        "p.yaml:2:7: an alias refers to a node that contains it"
+    ]
+
+
+def test_deep_nesting() -> None:
+    assert problems("[" * 5000) == ["p.yaml:1:1: the policy is nested too deeply"]
+
+
+# Files
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+    assert file_problems(path) == [f"{path}:1:1: cannot read: No such file or directory"]
+
+
+def test_directory(tmp_path: Path) -> None:
+    assert file_problems(tmp_path) == [f"{tmp_path}:1:1: cannot read: Is a directory"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_file(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(HEAD)
+    path.chmod(0)
+    assert file_problems(path) == [f"{path}:1:1: cannot read: Permission denied"]
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"version: 1\x00\n", "not a text file: it contains NUL bytes"),
+        (b"version: 1\n\xff\xfe", "not a text file: invalid UTF-8 at byte 11"),
+    ],
+)
+def test_binary_file(tmp_path: Path, data: bytes, message: str) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_bytes(data)
+    assert file_problems(path) == [f"{path}:1:1: {message}"]
+
+
+def test_huge_file(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_bytes(b"#" * (MAX_BYTES + 1))
+    assert file_problems(path) == [f"{path}:1:1: larger than 1 MiB; a policy is a few kilobytes"]
+
+
+def test_file_problems_name_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(HEAD + "colour: blue\n")
+    assert file_problems(str(path)) == [f"{path}:5:1: unknown key 'colour'"]
+
+
+# Nothing but PolicyError, whatever the input
+
+
+def check_outcome(load: object, filename: str) -> None:
+    """`load` either gives a spec or raises PolicyError with well-formed problems."""
+    assert callable(load)
+    try:
+        spec = load()
+    except PolicyError as e:
+        assert e.problems
+        for p in e.problems:
+            assert p.file == filename
+            assert p.line >= 1
+            assert p.col >= 1
+            assert p.message
+    else:
+        assert isinstance(spec, PolicySpec)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text())
+def test_any_text_gives_a_spec_or_policy_error(text: str) -> None:
+    check_outcome(lambda: parse_policy(text, "t.yaml"), "t.yaml")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary())
+def test_any_bytes_give_a_spec_or_policy_error(data: bytes) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "p.yaml")
+        with open(path, "wb") as f:
+            f.write(data)
+        check_outcome(lambda: load_policy(path), path)
+
+
+KEYS = st.sampled_from(
+    [
+        "version", "agent", "fair_share", "tenants", "rules", "name", "match", "tenant",
+        "class", "workload_class", "limits", "shares", "interval", "managed_root", "half_life",
+        "cpu_max", "memory_max", "memory_high", "cpu_period_us", "runtime", "qos", "path",
+    ]
+)  # fmt: skip
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.sampled_from(["max", "4Gi", "1.5", "30s", "docker", "a", "..", "/x", "nodeagent.slice"])
+    | st.text(max_size=8)
+)
+DATA = st.recursive(
+    SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(KEYS | st.text(max_size=6) | st.integers(), inner, max_size=5)
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(KEYS, DATA, max_size=6))
+def test_any_yaml_mapping_gives_a_spec_or_policy_error(data: dict[str, object]) -> None:
+    text = yaml.safe_dump(data)
+    check_outcome(lambda: parse_policy(text, "t.yaml"), "t.yaml")
+
+
+YAML_PIECES = st.sampled_from(
+    [
+        "{", "}", "[", "]", ":", "- ", ",", "'", '"', "#", "?", " ", "\n", "\t", "a", "1", ".",
+        "~", "!!int ", "!!bool ", "!!float ", "!!timestamp ", "!!binary ", "!!set ", "!!omap ",
+        "<<: ", "&a ", "*a", "version: 1\n", "tenants:", "rules:\n- ", "2020-01-01", "0x", "1e9",
+    ]
+)  # fmt: skip
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(YAML_PIECES, max_size=40).map("".join))
+def test_yaml_like_text_gives_a_spec_or_policy_error(text: str) -> None:
+    check_outcome(lambda: parse_policy(text, "t.yaml"), "t.yaml")
