@@ -1,0 +1,1 @@
+"""The cgroup v2 filesystem: safe paths, interface-file parsers, validated values, detection."""

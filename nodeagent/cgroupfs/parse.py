@@ -1,0 +1,74 @@
+"""Parsers for cgroup v2 interface files (see the kernel's cgroup-v2.rst, "Interface Files").
+
+They take the file's text and nothing else, so they are tested on captured
+kernel output and fuzzed without a kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nodeagent.cgroupfs.values import CpuMax
+
+
+def flat_keyed(text: str) -> dict[str, int]:
+    """'KEY VALUE' lines: cpu.stat, memory.stat, memory.events, cgroup.events."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key and value:
+            out[key] = int(value)
+    return out
+
+
+def single_int(text: str) -> int:
+    """memory.current, cpu.weight and other one-number files."""
+    return int(text.strip())
+
+
+def limit(text: str) -> int | None:
+    """memory.max/high/low/min: a byte count, or 'max' (returned as None)."""
+    value = text.strip()
+    return None if value == "max" else int(value)
+
+
+def cpu_max(text: str) -> CpuMax:
+    """cpu.max: '$MAX $PERIOD', where $MAX may be 'max'."""
+    quota, _, period = text.strip().partition(" ")
+    return CpuMax(None if quota == "max" else int(quota), int(period) if period else 100_000)
+
+
+def controllers(text: str) -> frozenset[str]:
+    """cgroup.controllers and cgroup.subtree_control: space-separated names."""
+    return frozenset(text.split())
+
+
+@dataclass(frozen=True, slots=True)
+class PsiLine:
+    avg10: float
+    avg60: float
+    avg300: float
+    total_us: int
+
+
+@dataclass(frozen=True, slots=True)
+class Psi:
+    """Pressure stall information; `full` is absent for cpu on older kernels."""
+
+    some: PsiLine
+    full: PsiLine | None
+
+
+def psi(text: str) -> Psi:
+    """cpu.pressure / memory.pressure: 'some avg10=.. avg60=.. avg300=.. total=..' lines."""
+    lines: dict[str, PsiLine] = {}
+    for line in text.splitlines():
+        kind, *fields = line.split()
+        values = dict(field.split("=", 1) for field in fields)
+        lines[kind] = PsiLine(
+            float(values["avg10"]),
+            float(values["avg60"]),
+            float(values["avg300"]),
+            int(values["total"]),
+        )
+    return Psi(lines["some"], lines.get("full"))

@@ -1,0 +1,182 @@
+"""Safe access to a cgroup tree under an injectable root.
+
+Every path is relative to the root and walked one component at a time with
+O_NOFOLLOW, so no path can leave the root through '..' or a symlink, even one
+planted after validation. A cgroup that disappears under us raises
+`CgroupVanished`, which callers treat as normal: workloads come and go.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from nodeagent.errors import NodeagentError, UnsafePath
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_VANISHED = {errno.ENOENT, errno.ENODEV, errno.ESTALE}
+
+
+class CgroupVanished(Exception):
+    """The cgroup was removed while we were using it. Not an error: skip it."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"cgroup {path or '/'} vanished")
+        self.path = path
+
+
+class CgroupWriteError(NodeagentError):
+    """The kernel refused a write; the message names the cgroup, file and value."""
+
+
+def split_path(path: str) -> tuple[str, ...]:
+    """Components of a relative cgroup path; refuses anything that could escape the root."""
+    if path in ("", "/"):
+        return ()
+    if path.startswith("/") or "\0" in path:
+        raise UnsafePath(f"cgroup path {path!r} must be relative to the cgroup root")
+    parts = tuple(path.split("/"))
+    if any(p in ("", ".", "..") for p in parts):
+        raise UnsafePath(f"cgroup path {path!r} has an empty, '.' or '..' component")
+    return parts
+
+
+class CgroupDir:
+    """An open cgroup directory; files are opened relative to it, never following symlinks."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+
+    def read(self, name: str) -> str:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        except OSError as e:
+            raise self._translate(e, name) from e
+        try:
+            return os.read(fd, 1 << 16).decode()
+        except OSError as e:
+            raise self._translate(e, name) from e
+        finally:
+            os.close(fd)
+
+    def read_optional(self, name: str) -> str | None:
+        """Like read, but None when the file is absent because its controller is not enabled."""
+        try:
+            return self.read(name)
+        except CgroupVanished:
+            if self.has("cgroup.procs"):
+                return None
+            raise
+
+    def write(self, name: str, value: str) -> None:
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        except OSError as e:
+            raise self._translate(e, name) from e
+        try:
+            os.write(fd, value.encode())
+        except OSError as e:
+            if e.errno in _VANISHED:
+                raise CgroupVanished(self.path) from e
+            raise CgroupWriteError(
+                f"cgroup {self.path or '/'}: writing {value!r} to {name} failed: {e.strerror}"
+            ) from e
+        finally:
+            os.close(fd)
+
+    def has(self, name: str) -> bool:
+        try:
+            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except OSError as e:
+            if e.errno in _VANISHED:
+                return False
+            raise
+        return True
+
+    def subdirs(self) -> list[str]:
+        """Child cgroups, skipping anything that is not a real directory (symlinks included)."""
+        try:
+            with os.scandir(self.fd) as it:
+                return [e.name for e in it if e.is_dir(follow_symlinks=False)]
+        except OSError as e:
+            raise self._translate(e, ".") from e
+
+    def _translate(self, e: OSError, name: str) -> Exception:
+        if e.errno in _VANISHED:
+            return CgroupVanished(self.path)
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            return UnsafePath(f"cgroup {self.path or '/'}: {name} is a symlink or not a file")
+        return NodeagentError(f"cgroup {self.path or '/'}: cannot open {name}: {e.strerror}")
+
+
+class CgroupTree:
+    """A cgroup hierarchy rooted at `root` (normally /sys/fs/cgroup; a fixture tree in tests)."""
+
+    def __init__(self, root: str = "/sys/fs/cgroup") -> None:
+        self.root = os.path.realpath(root)
+
+    def path_of(self, path: str) -> str:
+        """The absolute path, for messages and audit logs only: never opened by name."""
+        return os.path.join(self.root, *split_path(path))
+
+    @contextmanager
+    def open(self, path: str) -> Iterator[CgroupDir]:
+        parts = split_path(path)
+        try:
+            fd = os.open(self.root, _DIR_FLAGS)
+        except OSError as e:
+            raise NodeagentError(f"cannot open cgroup root {self.root}: {e.strerror}") from e
+        try:
+            for part in parts:
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = child
+        except OSError as e:
+            os.close(fd)
+            if e.errno in _VANISHED:
+                raise CgroupVanished(path) from e
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise UnsafePath(f"cgroup path {path!r} passes through a symlink") from e
+            raise NodeagentError(f"cannot open cgroup {path}: {e.strerror}") from e
+        try:
+            yield CgroupDir(path, fd)
+        finally:
+            os.close(fd)
+
+    def exists(self, path: str) -> bool:
+        try:
+            with self.open(path):
+                return True
+        except CgroupVanished:
+            return False
+
+    def mkdir(self, path: str) -> bool:
+        """Create one cgroup whose parent exists; False when it already existed."""
+        parts = split_path(path)
+        if not parts:
+            return False
+        with self.open("/".join(parts[:-1])) as parent:
+            try:
+                os.mkdir(parts[-1], 0o755, dir_fd=parent.fd)
+            except FileExistsError:
+                st = os.stat(parts[-1], dir_fd=parent.fd, follow_symlinks=False)
+                if not stat.S_ISDIR(st.st_mode):
+                    raise UnsafePath(
+                        f"cgroup path {path!r} exists and is not a directory"
+                    ) from None
+                return False
+        return True
+
+    def rmdir(self, path: str) -> None:
+        parts = split_path(path)
+        if not parts:
+            raise UnsafePath("refusing to remove the cgroup root")
+        with self.open("/".join(parts[:-1])) as parent:
+            try:
+                os.rmdir(parts[-1], dir_fd=parent.fd)
+            except FileNotFoundError:
+                return

@@ -1,0 +1,118 @@
+"""Values nodeagent writes to cgroup interface files, validated before they reach the kernel.
+
+The kernel accepts some bad values silently (it rounds memory down to a page) and
+rejects others with EINVAL mid-tick; checking here turns both into a clear error
+at plan time. Each value also knows whether it is looser than another, which the
+executor needs to order writes so that a parent is never tighter than its child.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from nodeagent.errors import InvalidValue
+
+WEIGHT_MIN, WEIGHT_MAX = 1, 10_000
+QUOTA_MIN_US = 1000
+PERIOD_MIN_US, PERIOD_MAX_US = 1000, 1_000_000
+
+
+class Attribute(enum.StrEnum):
+    CPU_WEIGHT = "cpu.weight"
+    CPU_MAX = "cpu.max"
+    MEMORY_MAX = "memory.max"
+    MEMORY_HIGH = "memory.high"
+    MEMORY_LOW = "memory.low"
+
+
+@dataclass(frozen=True, slots=True)
+class CpuWeight:
+    value: int
+
+    def __post_init__(self) -> None:
+        if not WEIGHT_MIN <= self.value <= WEIGHT_MAX:
+            raise InvalidValue(f"cpu.weight {self.value} is outside {WEIGHT_MIN}..{WEIGHT_MAX}")
+
+    def render(self) -> str:
+        return str(self.value)
+
+    def looser_than(self, other: CpuWeight) -> bool:
+        """Weights are relative, not limits: no order between parent and child is needed."""
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class CpuMax:
+    """A bandwidth limit: `quota_us` of CPU time per `period_us`; quota None means 'max'."""
+
+    quota_us: int | None
+    period_us: int = 100_000
+
+    def __post_init__(self) -> None:
+        if not PERIOD_MIN_US <= self.period_us <= PERIOD_MAX_US:
+            raise InvalidValue(
+                f"cpu.max period {self.period_us} µs is outside {PERIOD_MIN_US}..{PERIOD_MAX_US}"
+            )
+        if self.quota_us is not None and self.quota_us < QUOTA_MIN_US:
+            raise InvalidValue(f"cpu.max quota {self.quota_us} µs is below {QUOTA_MIN_US}")
+
+    @classmethod
+    def from_cores(cls, cores: float | None, period_us: int = 100_000) -> CpuMax:
+        if cores is None:
+            return cls(None, period_us)
+        return cls(max(QUOTA_MIN_US, round(cores * period_us)), period_us)
+
+    @property
+    def cores(self) -> float | None:
+        return None if self.quota_us is None else self.quota_us / self.period_us
+
+    def render(self) -> str:
+        return f"{'max' if self.quota_us is None else self.quota_us} {self.period_us}"
+
+    def looser_than(self, other: CpuMax) -> bool:
+        mine, theirs = self.cores, other.cores
+        return theirs is not None and (mine is None or mine > theirs)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLimit:
+    """A memory limit in bytes; None means 'max'. Must be page-aligned so what we write is kept."""
+
+    bytes: int | None
+    page_size: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.bytes is None:
+            return
+        if self.bytes < 0:
+            raise InvalidValue(f"memory limit {self.bytes} is negative")
+        if self.bytes % self.page_size:
+            raise InvalidValue(
+                f"memory limit {self.bytes} is not a multiple of the page size {self.page_size}"
+            )
+
+    @classmethod
+    def aligned(cls, value: int | None, page_size: int) -> MemoryLimit:
+        """Round down to a page, as the kernel would, so the written value reads back equal."""
+        return cls(None if value is None else value - value % page_size, page_size)
+
+    def render(self) -> str:
+        return "max" if self.bytes is None else str(self.bytes)
+
+    def looser_than(self, other: MemoryLimit) -> bool:
+        return other.bytes is not None and (self.bytes is None or self.bytes > other.bytes)
+
+
+Value = CpuWeight | CpuMax | MemoryLimit
+
+
+def is_looser(new: Value, old: Value) -> bool:
+    """True when `new` relaxes `old`; values of different types are never compared."""
+    if isinstance(new, CpuWeight) and isinstance(old, CpuWeight):
+        return new.looser_than(old)
+    if isinstance(new, CpuMax) and isinstance(old, CpuMax):
+        return new.looser_than(old)
+    if isinstance(new, MemoryLimit) and isinstance(old, MemoryLimit):
+        return new.looser_than(old)
+    return False

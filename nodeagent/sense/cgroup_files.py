@@ -1,0 +1,68 @@
+"""Read one cgroup's interface files into a CgroupSample."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from nodeagent.cgroupfs import parse
+from nodeagent.cgroupfs.tree import CgroupDir
+from nodeagent.cgroupfs.values import Attribute, CpuWeight, MemoryLimit, Value
+from nodeagent.snapshot import CgroupSample
+
+T = TypeVar("T")
+
+# The files one tick reads for each workload; the benchmark reads the same list raw.
+TICK_FILES = (
+    "cgroup.events",
+    "cpu.stat",
+    "cpu.weight",
+    "cpu.max",
+    "cpu.pressure",
+    "memory.current",
+    "memory.max",
+    "memory.high",
+    "memory.low",
+    "memory.min",
+    "memory.events",
+    "memory.stat",
+    "memory.pressure",
+)
+
+_MEMORY_LIMITS = (Attribute.MEMORY_MAX, Attribute.MEMORY_HIGH, Attribute.MEMORY_LOW)
+
+
+def read_sample(d: CgroupDir, page_size: int) -> CgroupSample:
+    def get(name: str, parser: Callable[[str], T]) -> T | None:
+        text = d.read_optional(name)
+        return None if text is None else parser(text)
+
+    events = get("cgroup.events", parse.flat_keyed) or {}
+    cpu = get("cpu.stat", parse.flat_keyed) or {}
+    mem_stat = get("memory.stat", parse.flat_keyed) or {}
+    settings: dict[Attribute, Value] = {}
+    weight = get(Attribute.CPU_WEIGHT, parse.single_int)
+    if weight is not None:
+        settings[Attribute.CPU_WEIGHT] = CpuWeight(weight)
+    cpu_max = get(Attribute.CPU_MAX, parse.cpu_max)
+    if cpu_max is not None:
+        settings[Attribute.CPU_MAX] = cpu_max
+    for attr in _MEMORY_LIMITS:
+        text = d.read_optional(attr)
+        if text is not None:
+            settings[attr] = MemoryLimit(parse.limit(text), page_size)
+    return CgroupSample(
+        populated=bool(events["populated"]) if "populated" in events else None,
+        cpu_usage_us=cpu.get("usage_usec"),
+        cpu_nr_periods=cpu.get("nr_periods"),
+        cpu_nr_throttled=cpu.get("nr_throttled"),
+        cpu_throttled_us=cpu.get("throttled_usec"),
+        memory_current=get("memory.current", parse.single_int),
+        memory_min=get("memory.min", parse.limit),
+        memory_anon=mem_stat.get("anon"),
+        memory_file=mem_stat.get("file"),
+        memory_events=get("memory.events", parse.flat_keyed) or {},
+        cpu_psi=get("cpu.pressure", parse.psi),
+        memory_psi=get("memory.pressure", parse.psi),
+        settings=settings,
+    )

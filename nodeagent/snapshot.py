@@ -1,0 +1,68 @@
+"""Frozen pictures of the node, taken once per tick and handed to pure policies.
+
+Everything a policy may look at is here, including the time and the page size,
+so that policies never read a clock or a file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from nodeagent.cgroupfs.parse import Psi
+from nodeagent.cgroupfs.values import Attribute, Value
+from nodeagent.identity import WorkloadIdentity
+
+
+@dataclass(frozen=True, slots=True)
+class CgroupSample:
+    """One cgroup's interface files as read in one tick; None where a file is absent
+    (its controller is not enabled for the cgroup)."""
+
+    populated: bool | None = None
+    cpu_usage_us: int | None = None
+    cpu_nr_periods: int | None = None
+    cpu_nr_throttled: int | None = None
+    cpu_throttled_us: int | None = None
+    memory_current: int | None = None
+    memory_min: int | None = None
+    memory_anon: int | None = None
+    memory_file: int | None = None
+    memory_events: Mapping[str, int] = field(default_factory=dict)
+    cpu_psi: Psi | None = None
+    memory_psi: Psi | None = None
+    settings: Mapping[Attribute, Value] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadState:
+    identity: WorkloadIdentity
+    sample: CgroupSample
+    cpu_rate: float | None = None
+    """Cores used since the previous tick; None on a workload's first tick."""
+    throttled_fraction: float | None = None
+    """Share of CFS periods that were throttled since the previous tick."""
+
+    @property
+    def path(self) -> str:
+        return self.identity.path
+
+
+@dataclass(frozen=True, slots=True)
+class NodeState:
+    cpu_count: int
+    cpu_busy: float | None
+    """Busy fraction of all CPUs since the previous tick, from /proc/stat."""
+    memory_total: int
+    memory_available: int
+    page_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSnapshot:
+    seq: int
+    wall_time: float
+    elapsed: float | None
+    """Seconds since the previous snapshot (monotonic); None for the first."""
+    node: NodeState
+    workloads: tuple[WorkloadState, ...]
