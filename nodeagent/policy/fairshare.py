@@ -1,0 +1,85 @@
+"""Fair share between tenants: cpu.weight follows shares, corrected by decayed usage.
+
+Each tenant with active workloads gets a slice of a weight budget (on average
+`weight_per_workload` per active workload, so managed cgroups compete evenly
+with unmanaged siblings at the kernel default of 100). The slice is
+proportional to s·F, where s is the tenant's normalised share and
+F = 2^(-u/s) is Slurm's fair-share factor with u the tenant's normalised decayed
+usage: a tenant that has used exactly its share keeps it, one that used more is
+pulled back. The slice is split evenly across the tenant's active workloads, so
+a tenant's CPU does not grow with the number of cgroups it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from nodeagent.cgroupfs.values import WEIGHT_MAX, WEIGHT_MIN, Attribute, CpuWeight
+from nodeagent.policy.base import Decision, PolicyInput
+from nodeagent.snapshot import WorkloadState
+from nodeagent.spec.model import FairShareSettings
+
+
+def is_active(w: WorkloadState, settings: FairShareSettings) -> bool:
+    """Holds processes and used CPU last tick (unknown on the first tick counts as active)."""
+    if w.sample.populated is False:
+        return False
+    return w.cpu_rate is None or w.cpu_rate >= settings.active_threshold
+
+
+def _clamp(weight: float) -> int:
+    return max(WEIGHT_MIN, min(WEIGHT_MAX, round(weight)))
+
+
+class FairShare:
+    name = "fair-share"
+
+    def decide(self, given: PolicyInput) -> Sequence[Decision]:
+        settings = given.spec.fair_share
+        members: dict[str, list[WorkloadState]] = {}
+        active: dict[str, int] = {}
+        for w in given.snapshot.workloads:
+            a = given.assignments.get(w.path)
+            if a is None:
+                continue
+            members.setdefault(a.tenant, []).append(w)
+            if is_active(w, settings):
+                active[a.tenant] = active.get(a.tenant, 0) + 1
+
+        shares = {t: given.spec.tenants[t].shares for t in active}
+        usage = {t: given.tenant_usage.get(t, 0.0) for t in active}
+        total_shares, total_usage = sum(shares.values()), sum(usage.values())
+        n_active = sum(active.values())
+        budget = settings.weight_per_workload * n_active
+        s = {t: shares[t] / total_shares for t in active}
+        u = {t: usage[t] / total_usage if total_usage > 0 else 0.0 for t in active}
+        f = {t: 2 ** (-u[t] / s[t]) for t in active}
+        norm = sum(s[t] * f[t] for t in active)
+
+        decisions = []
+        for tenant, workloads in members.items():
+            if tenant not in active:
+                continue  # idle weights do not matter to the kernel; leave them as they are
+            tenant_budget = budget * s[tenant] * f[tenant] / norm
+            weight = _clamp(tenant_budget / active[tenant])
+            trace = (
+                f"tenant {tenant}: shares {shares[tenant]:g} of {total_shares:g} among tenants"
+                f" with active workloads, s={s[tenant]:.3f}",
+                f"decayed usage {usage[tenant]:.1f} of {total_usage:.1f} core-s,"
+                f" u={u[tenant]:.3f}, F=2^(-u/s)={f[tenant]:.3f}",
+                f"budget {settings.weight_per_workload} x {n_active} active = {budget};"
+                f" tenant gets s*F/sum(s*F) = {s[tenant] * f[tenant] / norm:.3f}"
+                f" of it = {tenant_budget:.1f}",
+                f"split over {active[tenant]} active workload(s) -> {weight}",
+            )
+            reason = (
+                f"fair share: tenant {tenant} {s[tenant] * f[tenant] / norm:.0%} of weight,"
+                f" split over {active[tenant]} active"
+            )
+            for w in workloads:
+                decisions.append(
+                    Decision(
+                        w.path, Attribute.CPU_WEIGHT, CpuWeight(weight), self.name, reason, trace
+                    )
+                )
+        return decisions

@@ -1,0 +1,41 @@
+"""Decayed usage history per tenant: U' = U·2^(-Δt/half_life) + usage during Δt.
+
+This is Slurm's decayed usage; with it, a tenant that used more than its share
+recently gets less now, and the memory fades with the half-life.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from nodeagent.policy.base import Assignment
+from nodeagent.snapshot import NodeSnapshot
+
+
+def decay(usage: Mapping[str, float], elapsed: float, half_life: float) -> dict[str, float]:
+    factor = 0.5 ** (max(0.0, elapsed) / half_life)
+    return {t: u * factor for t, u in usage.items()}
+
+
+def tick_usage(snapshot: NodeSnapshot, assignments: Mapping[str, Assignment]) -> dict[str, float]:
+    """Core-seconds each tenant used since the previous snapshot."""
+    used: dict[str, float] = {}
+    if not snapshot.elapsed:
+        return used
+    for w in snapshot.workloads:
+        a = assignments.get(w.path)
+        if a is not None and w.cpu_rate is not None:
+            used[a.tenant] = used.get(a.tenant, 0.0) + w.cpu_rate * snapshot.elapsed
+    return used
+
+
+def advance(
+    previous: Mapping[str, float],
+    snapshot: NodeSnapshot,
+    assignments: Mapping[str, Assignment],
+    half_life: float,
+) -> dict[str, float]:
+    aged = decay(previous, snapshot.elapsed or 0.0, half_life)
+    for tenant, used in tick_usage(snapshot, assignments).items():
+        aged[tenant] = aged.get(tenant, 0.0) + used
+    return aged
