@@ -1,0 +1,248 @@
+"""The reconcile loop: sense -> snapshot -> policies -> plan -> act -> record.
+
+Level-triggered: every tick recomputes the whole plan from the kernel's
+current state, so a missed event or a restart costs at most one tick. inotify
+only makes a tick come sooner when a cgroup appears or goes.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from types import FrameType
+from typing import Any
+
+import structlog
+
+from nodeagent import sdnotify, state
+from nodeagent.act import Executor, Outcome
+from nodeagent.api.server import ApiNotFound, ApiServer
+from nodeagent.cgroupfs.subtree import ensure_managed_root
+from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.discovery.registry import Registry
+from nodeagent.errors import NodeagentError
+from nodeagent.logs import audit_write
+from nodeagent.policy.history import decay
+from nodeagent.policy.plan import make_plan
+from nodeagent.report import TickRecord, allocations, explain, find
+from nodeagent.sense.node import NodeSensor
+from nodeagent.sense.sensor import Sensor
+from nodeagent.spec.load import PolicyError, load_policy
+from nodeagent.spec.model import PolicySpec
+
+log = structlog.get_logger("nodeagent")
+
+CONTROLLERS = ("cpu", "memory")
+STATE_SAVE_INTERVAL = 10.0
+
+
+class Agent:
+    def __init__(
+        self,
+        spec: PolicySpec,
+        tree: CgroupTree,
+        proc_root: str = "/proc",
+        dry_run: bool = False,
+        config_path: str | None = None,
+    ) -> None:
+        self.spec = spec
+        self.tree = tree
+        self.dry_run = dry_run
+        self.config_path = config_path
+        self.registry = Registry(tree, spec.agent.managed_root)
+        self.sensor = Sensor(tree, NodeSensor(proc_root))
+        self.executor = Executor(tree, audit_write, dry_run)
+        self.usage: dict[str, float] = self._load_usage()
+        self.last: TickRecord | None = None
+        self._lock = threading.Lock()
+        self._saved_at = 0.0
+
+    def _load_usage(self) -> dict[str, float]:
+        try:
+            saved = state.load(self.spec.agent.state_file)
+        except NodeagentError as e:
+            log.error("state.unusable", error=str(e), action="starting with empty usage history")
+            return {}
+        if saved is None:
+            return {}
+        elapsed = time.time() - saved.saved_at
+        return decay(saved.tenant_usage, elapsed, self.spec.fair_share.half_life)
+
+    def prepare(self) -> None:
+        """Create and enable the managed subtree, then discover. Writes nothing in dry-run."""
+        if not self.dry_run:
+            ensure_managed_root(self.tree, self.spec.agent.managed_root, CONTROLLERS, audit_write)
+        self.registry.resync()
+
+    def tick(self) -> TickRecord:
+        started = time.monotonic()
+        self.registry.poll()
+        snapshot = self.sensor.snapshot(self.registry.identities(), time.time(), started)
+        plan = make_plan(snapshot, self.spec, self.usage)
+        results = tuple(self.executor.apply(plan, snapshot))
+        self.usage = dict(plan.tenant_usage)
+        for r in results:
+            if r.outcome in (Outcome.FAILED, Outcome.UNREACHABLE):
+                log.warning(
+                    f"cgroup.{r.outcome}",
+                    cgroup=r.path,
+                    attribute=str(r.attribute),
+                    target=r.new,
+                    detail=r.detail,
+                )
+        record = TickRecord(snapshot, plan, results, time.monotonic() - started, self.dry_run)
+        with self._lock:
+            self.last = record
+        if not self.dry_run and time.monotonic() - self._saved_at >= STATE_SAVE_INTERVAL:
+            self.save_state()
+        return record
+
+    def save_state(self) -> None:
+        try:
+            state.save(self.spec.agent.state_file, state.SavedState(time.time(), self.usage))
+            self._saved_at = time.monotonic()
+        except OSError as e:
+            log.error("state.save_failed", file=self.spec.agent.state_file, error=str(e))
+
+    def reload(self) -> None:
+        """Re-read the policy file; on any problem keep running on the last good policy."""
+        if self.config_path is None:
+            return
+        try:
+            spec = load_policy(self.config_path)
+        except PolicyError as e:
+            for problem in e.problems:
+                log.error(
+                    "policy.invalid", problem=str(problem), action="keeping the last good policy"
+                )
+            return
+        if spec.agent.managed_root != self.spec.agent.managed_root:
+            log.error("policy.managed_root_changed", action="restart nodeagent to move the subtree")
+            return
+        self.spec = spec
+        log.info("policy.reloaded", file=self.config_path, rules=len(spec.rules))
+
+    # --- the API's view -------------------------------------------------------------------
+
+    def _record(self) -> TickRecord:
+        with self._lock:
+            record = self.last
+        if record is None:
+            raise ApiNotFound("nodeagent has not completed a tick yet")
+        return record
+
+    def routes(self) -> dict[str, Any]:
+        def status(_: Mapping[str, str]) -> object:
+            record = self.last
+            return {
+                "pid": os.getpid(),
+                "dry_run": self.dry_run,
+                "policy_file": self.config_path,
+                "cgroup_root": self.tree.root,
+                "managed_root": self.spec.agent.managed_root,
+                "tick": None if record is None else record.snapshot.seq,
+                "workloads": len(self.registry.workloads),
+            }
+
+        def allocs(_: Mapping[str, str]) -> object:
+            return allocations(self._record())
+
+        def explain_one(params: Mapping[str, str]) -> object:
+            record = self._record()
+            query = params.get("cgroup", "")
+            found = find(record.plan, query, self.tree.root)
+            if len(found) != 1:
+                what = "no workload" if not found else f"{len(found)} workloads"
+                raise ApiNotFound(f"{what} match {query!r}; see 'nodeagent allocations'")
+            return explain(record, found[0])
+
+        return {"/v1/status": status, "/v1/allocations": allocs, "/v1/explain": explain_one}
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def run(
+        self,
+        once: bool = False,
+        stop: threading.Event | None = None,
+        on_tick: Callable[[TickRecord], None] | None = None,
+    ) -> None:
+        stop = stop or threading.Event()
+        reload_requested = threading.Event()
+        _install_signals(stop, reload_requested)
+        interval = self.spec.agent.interval
+        watchdog_every = sdnotify.watchdog_interval()
+        next_resync = time.monotonic() + self.spec.agent.resync_interval
+        ready = False
+        while not stop.is_set():
+            try:
+                record = self.tick()
+                log.debug(
+                    "tick",
+                    seq=record.snapshot.seq,
+                    seconds=round(record.duration, 4),
+                    workloads=len(record.snapshot.workloads),
+                )
+                if on_tick is not None:
+                    on_tick(record)
+                if not ready:
+                    sdnotify.ready()
+                    ready = True
+            except NodeagentError as e:
+                log.error("tick.failed", error=str(e))
+            if once:
+                break
+            deadline = time.monotonic() + interval
+            while not stop.is_set():
+                if watchdog_every is not None:
+                    sdnotify.watchdog()
+                if reload_requested.is_set():
+                    reload_requested.clear()
+                    self.reload()
+                    interval = self.spec.agent.interval
+                if time.monotonic() >= next_resync:
+                    self.registry.resync()
+                    next_resync = time.monotonic() + self.spec.agent.resync_interval
+                left = deadline - time.monotonic()
+                if left <= 0 or self._wait_for_cgroup_events(min(left, 1.0)):
+                    break
+        sdnotify.stopping()
+        if not self.dry_run:
+            self.save_state()
+
+    def _wait_for_cgroup_events(self, timeout: float) -> bool:
+        """Sleep until timeout or until a cgroup appears or goes; True for the latter."""
+        fd = self.registry.fileno()
+        if fd is None:
+            time.sleep(timeout)
+            return False
+        try:
+            readable, _, _ = select.select([fd], [], [], timeout)
+        except InterruptedError:
+            return False
+        return bool(readable) and self.registry.poll()
+
+
+def _install_signals(stop: threading.Event, reload_requested: threading.Event) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_stop(signum: int, _: FrameType | None) -> None:
+        log.info("stopping", signal=signal.Signals(signum).name)
+        stop.set()
+
+    def on_hup(_signum: int, _frame: FrameType | None) -> None:
+        reload_requested.set()
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
+    signal.signal(signal.SIGHUP, on_hup)
+
+
+def serve(agent: Agent) -> ApiServer:
+    server = ApiServer(agent.spec.agent.socket, agent.routes(), agent.spec.agent.socket_group)
+    server.start()
+    return server

@@ -1,0 +1,111 @@
+"""The set of known workloads, kept current by inotify and a periodic full resync.
+
+inotify on the cgroup directories gives a new cgroup its policy within one
+loop wake-up instead of one resync period; the resync is the safety net for
+anything inotify can miss (queue overflow, a watch that raced a mkdir).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+from inotify_simple import INotify, flags
+
+from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.discovery.layouts import classify
+from nodeagent.discovery.scan import ScanResult, descends, join, scan
+from nodeagent.identity import WorkloadIdentity
+
+_MASK = flags.CREATE | flags.DELETE | flags.DELETE_SELF | flags.ONLYDIR | flags.DONT_FOLLOW
+
+
+class Registry:
+    def __init__(self, tree: CgroupTree, managed_root: str, watch: bool = True) -> None:
+        self.tree = tree
+        self.managed_root = managed_root
+        self.workloads: dict[str, WorkloadIdentity] = {}
+        self._inotify = INotify() if watch else None
+        self._wd_path: dict[int, str] = {}
+        self._path_wd: dict[str, int] = {}
+
+    def fileno(self) -> int | None:
+        return None if self._inotify is None else self._inotify.fileno()
+
+    def resync(self) -> None:
+        """Full scan: replaces the known set, and watches every place workloads can appear."""
+        result = scan(self.tree, self.managed_root)
+        self.workloads = result.workloads
+        for path in result.parents:
+            self._watch(path)
+        live = set(result.parents)
+        for path in [p for p in self._path_wd if p not in live]:
+            self._unwatch(path)
+
+    def poll(self) -> bool:
+        """Apply pending inotify events without blocking; True when the workload set changed."""
+        if self._inotify is None:
+            return False
+        changed = False
+        for event in self._inotify.read(timeout=0):
+            if event.mask & flags.Q_OVERFLOW:
+                self.resync()
+                return True
+            parent = self._wd_path.get(event.wd)
+            if parent is None:
+                continue
+            if event.mask & flags.IGNORED:
+                self._forget(event.wd)
+            elif event.mask & flags.CREATE and event.mask & flags.ISDIR:
+                changed |= self._created(join(parent, event.name))
+            elif event.mask & flags.DELETE and event.mask & flags.ISDIR:
+                changed |= self._deleted(join(parent, event.name))
+        return changed
+
+    def _created(self, path: str) -> bool:
+        identity = classify(path, self.managed_root)
+        before = len(self.workloads)
+        if identity is not None:
+            self.workloads[path] = identity
+        if descends(identity):
+            # Watch first, then scan: a child made between the two is seen by one of them.
+            self._watch(path)
+            result = scan(self.tree, self.managed_root, start=path, into=ScanResult())
+            self.workloads.update(result.workloads)
+            for parent in result.parents:
+                self._watch(parent)
+        return len(self.workloads) != before
+
+    def _deleted(self, path: str) -> bool:
+        gone = [p for p in self.workloads if p == path or p.startswith(path + "/")]
+        for p in gone:
+            del self.workloads[p]
+        for p in [p for p in self._path_wd if p == path or p.startswith(path + "/")]:
+            self._unwatch(p)
+        return bool(gone)
+
+    def _watch(self, path: str) -> None:
+        if self._inotify is None or path in self._path_wd:
+            return
+        try:
+            wd = self._inotify.add_watch(self.tree.path_of(path), _MASK)
+        except OSError:
+            return  # vanished before we could watch it; the deletion event covers it
+        self._wd_path[wd] = path
+        self._path_wd[path] = wd
+
+    def _unwatch(self, path: str) -> None:
+        wd = self._path_wd.pop(path, None)
+        if wd is None or self._inotify is None:
+            return
+        self._wd_path.pop(wd, None)
+        with contextlib.suppress(OSError):  # the kernel already dropped it with the directory
+            self._inotify.rm_watch(wd)
+
+    def _forget(self, wd: int) -> None:
+        path = self._wd_path.pop(wd, None)
+        if path is not None:
+            self._path_wd.pop(path, None)
+
+    def identities(self) -> Iterable[WorkloadIdentity]:
+        return list(self.workloads.values())

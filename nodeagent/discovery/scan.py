@@ -1,0 +1,56 @@
+"""Walk the cgroup tree and classify what it finds.
+
+The walk descends through slices, QoS tiers and pods, where workloads live,
+and stops at a workload (a container's, a service's or a job's own children
+are its business). It also returns the directories it walked, which are where
+new workloads can appear and so where inotify watches go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
+from nodeagent.discovery.layouts import classify
+from nodeagent.identity import Kind, WorkloadIdentity
+
+MAX_DEPTH = 8
+
+
+@dataclass
+class ScanResult:
+    workloads: dict[str, WorkloadIdentity] = field(default_factory=dict)
+    parents: list[str] = field(default_factory=list)
+    """Cgroups below which workloads may appear: the places to watch."""
+
+
+def descends(identity: WorkloadIdentity | None) -> bool:
+    return identity is None or identity.kind is Kind.POD
+
+
+def join(parent: str, name: str) -> str:
+    return f"{parent}/{name}" if parent else name
+
+
+def scan(
+    tree: CgroupTree, managed_root: str, start: str = "", into: ScanResult | None = None
+) -> ScanResult:
+    """Scan below `start` (the root by default), adding to `into` when given."""
+    result = into if into is not None else ScanResult()
+    stack = [(start, start.count("/") + 1 if start else 0)]
+    while stack:
+        path, depth = stack.pop()
+        try:
+            with tree.open(path) as d:
+                children = d.subdirs()
+        except CgroupVanished:
+            continue
+        result.parents.append(path)
+        for name in sorted(children, reverse=True):
+            child = join(path, name)
+            identity = classify(child, managed_root)
+            if identity is not None:
+                result.workloads[child] = identity
+            if descends(identity) and depth < MAX_DEPTH:
+                stack.append((child, depth + 1))
+    return result
