@@ -21,7 +21,7 @@ import structlog
 from nodeagent import sdnotify, state
 from nodeagent.act import Executor, Outcome
 from nodeagent.api.server import ApiNotFound, ApiServer
-from nodeagent.cgroupfs.subtree import ensure_managed_root
+from nodeagent.cgroupfs.subtree import ensure_managed_root, leave_managed_path
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.discovery.registry import Registry
 from nodeagent.errors import NodeagentError
@@ -53,6 +53,7 @@ class Agent:
         self.tree = tree
         self.dry_run = dry_run
         self.config_path = config_path
+        self.proc_root = proc_root
         self.registry = Registry(tree, spec.agent.managed_root)
         self.sensor = Sensor(tree, NodeSensor(proc_root))
         self.executor = Executor(tree, audit_write, dry_run)
@@ -75,7 +76,9 @@ class Agent:
     def prepare(self) -> None:
         """Create and enable the managed subtree, then discover. Writes nothing in dry-run."""
         if not self.dry_run:
-            ensure_managed_root(self.tree, self.spec.agent.managed_root, CONTROLLERS, audit_write)
+            root = self.spec.agent.managed_root
+            leave_managed_path(self.tree, root, self.proc_root, audit_write)
+            ensure_managed_root(self.tree, root, CONTROLLERS, audit_write)
         self.registry.resync()
 
     def tick(self) -> TickRecord:

@@ -8,6 +8,7 @@ controllers, and a busy ancestor is reported by name instead of failing later.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 from nodeagent.cgroupfs import parse
@@ -52,3 +53,38 @@ def ensure_managed_root(
                 value,
                 f"enable {', '.join(missing)} for the managed subtree {managed_root}",
             )
+
+
+def own_cgroup(proc_root: str = "/proc") -> str:
+    """This process's cgroup v2 path, relative to the root ('' for the root itself)."""
+    with open(os.path.join(proc_root, "self/cgroup"), encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("0::"):
+                return line[3:].strip().strip("/")
+    raise NodeagentError(f"{proc_root}/self/cgroup has no cgroup v2 entry")
+
+
+def leave_managed_path(tree: CgroupTree, managed_root: str, proc_root: str, audit: AuditFn) -> None:
+    """Step out of the way when our own cgroup sits above the managed root.
+
+    Under systemd with Delegate=yes the agent starts in its service's cgroup and
+    manages a subtree below it; the no-internal-processes rule then forbids
+    enabling controllers there while the agent itself lives in it. systemd's
+    delegation guide asks the service to move itself into a leaf, so it does:
+    into `<own cgroup>/agent`.
+    """
+    own = own_cgroup(proc_root)
+    if not own or not managed_root.startswith(own + "/"):
+        return
+    leaf = own + "/agent"
+    if tree.mkdir(leaf):
+        audit(tree.path_of(leaf), "mkdir", None, "cgroup", "a leaf for the agent itself")
+    with tree.open(leaf) as d:
+        d.write("cgroup.procs", "0")
+    audit(
+        tree.path_of(leaf) + "/cgroup.procs",
+        "cgroup.procs",
+        own,
+        leaf,
+        f"leave {own} so controllers can be enabled below it for {managed_root}",
+    )
