@@ -6,26 +6,24 @@ import json
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from nodeagent import logs
 from nodeagent.api import client
-from nodeagent.cgroupfs.detect import detect
-from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent, serve
-from nodeagent.discovery.registry import Registry
 from nodeagent.errors import NodeagentError
-from nodeagent.policy.classify import assign
-from nodeagent.report import SHOWN, TickRecord, allocations
-from nodeagent.spec.load import PolicyError, load_policy
-from nodeagent.spec.model import AgentSettings, PolicySpec
-from nodeagent.tables import change, cores, size, table
+from nodeagent.tables import SHOWN, change, cores, size, table
+
+if TYPE_CHECKING:
+    from nodeagent.report import TickRecord
+    from nodeagent.spec.model import PolicySpec
+
+# Commands import what they need when they run: the read commands (allocations, explain)
+# stay light, which matters where Python's imports are slow (a VM's shared filesystem).
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-DEFAULT_SOCKET = AgentSettings().socket
+DEFAULT_SOCKET = client.DEFAULT_SOCKET
 
 
 def _socket_option(f: F) -> F:
@@ -43,6 +41,8 @@ def _json_option(f: F) -> F:
 
 
 def _load(path: str) -> PolicySpec:
+    from nodeagent.spec.load import PolicyError, load_policy
+
     try:
         return load_policy(path)
     except PolicyError as e:
@@ -72,6 +72,8 @@ def validate(file: str) -> None:
 
     Exits 0 when the file is valid, 1 otherwise.
     """
+    from nodeagent.spec.load import PolicyError, load_policy
+
     try:
         spec = load_policy(file)
     except PolicyError as e:
@@ -116,6 +118,11 @@ def run(
     when either is missing. SIGHUP reloads the policy file; a bad file is
     reported and the last good policy stays in force.
     """
+    from nodeagent import logs
+    from nodeagent.cgroupfs.detect import detect
+    from nodeagent.cgroupfs.tree import CgroupTree
+    from nodeagent.daemon import Agent, serve
+
     logs.configure(log_level)
     spec = _load(config)
     overrides = {
@@ -140,6 +147,8 @@ def run(
 
 def _plan_printer() -> Callable[[TickRecord], None]:
     """Dry-run: print the plan after the first tick and whenever it changes."""
+    from nodeagent.report import allocations
+
     shown: list[object] = []
 
     def show(record: TickRecord) -> None:
@@ -251,6 +260,11 @@ def explain(cgroup: str, socket: str, as_json: bool) -> None:
 @_json_option
 def workloads(cgroup_root: str, config: str | None, as_json: bool) -> None:
     """List the workload cgroups discovery finds, reading the tree directly (no daemon)."""
+    from nodeagent.cgroupfs.tree import CgroupTree
+    from nodeagent.discovery.registry import Registry
+    from nodeagent.policy.classify import assign
+    from nodeagent.spec.model import AgentSettings
+
     spec = _load(config) if config else None
     managed_root = spec.agent.managed_root if spec else AgentSettings().managed_root
     if not os.path.isdir(cgroup_root):

@@ -7,11 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from nodeagent.act import WriteResult
-from nodeagent.cgroupfs.values import Attribute
 from nodeagent.policy.plan import CgroupPlan, Plan
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
-
-SHOWN = (Attribute.CPU_WEIGHT, Attribute.CPU_MAX, Attribute.MEMORY_MAX, Attribute.MEMORY_HIGH)
+from nodeagent.tables import SHOWN
 
 
 @dataclass(frozen=True, slots=True)

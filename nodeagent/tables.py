@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from nodeagent.cgroupfs.values import Attribute
+
+SHOWN = (Attribute.CPU_WEIGHT, Attribute.CPU_MAX, Attribute.MEMORY_MAX, Attribute.MEMORY_HIGH)
+"""The attributes that allocations and explain show, in their column order."""
+
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]

@@ -10,6 +10,8 @@ from urllib.parse import urlencode
 
 from nodeagent.errors import DaemonUnreachable, NodeagentError
 
+DEFAULT_SOCKET = "/run/nodeagent/nodeagent.sock"
+
 
 class _UnixConnection(http.client.HTTPConnection):
     """HTTPConnection that dials a Unix socket; the host name only fills the Host header."""
