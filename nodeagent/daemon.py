@@ -108,7 +108,7 @@ class Agent:
         try:
             state.save(self.spec.agent.state_file, state.SavedState(time.time(), self.usage))
             self._saved_at = time.monotonic()
-        except OSError as e:
+        except (OSError, NodeagentError) as e:
             log.error("state.save_failed", file=self.spec.agent.state_file, error=str(e))
 
     def reload(self) -> None:

@@ -28,11 +28,15 @@ class SavedState:
 
 
 def save(path: str, state: SavedState) -> None:
+    """Refuses what load would reject, so a bad value never replaces a good file."""
+    if not all(math.isfinite(v) and v >= 0 for v in state.tenant_usage.values()):
+        raise NodeagentError(f"refusing to save {path}: usage must be finite and non-negative")
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, mode=0o750, exist_ok=True)
     body = json.dumps(
         {"version": VERSION, "saved_at": state.saved_at, "tenant_usage": dict(state.tenant_usage)},
         sort_keys=True,
+        allow_nan=False,
     )
     fd, tmp = tempfile.mkstemp(prefix=".state-", dir=directory)
     try:

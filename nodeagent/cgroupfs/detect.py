@@ -9,6 +9,7 @@ tells the operator which controller is held where.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from nodeagent.cgroupfs import parse
 from nodeagent.errors import CgroupUnavailable
 
 REQUIRED = ("cpu", "memory")
+_OCTAL = re.compile(r"\\([0-7]{3})")  # mountinfo escapes space, tab, newline and backslash
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +40,7 @@ def parse_mountinfo(text: str) -> list[Mount]:
         if not sep:
             continue
         fields, tail = left.split(), right.split()
-        point = fields[4].replace("\\040", " ")
+        point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
         mounts.append(
             Mount(point, tail[0], frozenset(tail[2].split(",")) if len(tail) > 2 else frozenset())
         )

@@ -44,6 +44,13 @@ def split_path(path: str) -> tuple[str, ...]:
     return parts
 
 
+def _file_name(name: str) -> str:
+    """Interface files are single names: a '/', '..' or NUL here could leave the cgroup."""
+    if not name or "/" in name or "\0" in name or name in (".", ".."):
+        raise UnsafePath(f"{name!r} is not a cgroup interface file name")
+    return name
+
+
 class CgroupDir:
     """An open cgroup directory; files are opened relative to it, never following symlinks."""
 
@@ -52,6 +59,7 @@ class CgroupDir:
         self.fd = fd
 
     def read(self, name: str) -> str:
+        _file_name(name)
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
         except OSError as e:
@@ -73,6 +81,7 @@ class CgroupDir:
             raise
 
     def write(self, name: str, value: str) -> None:
+        _file_name(name)
         try:
             fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
         except OSError as e:
@@ -89,6 +98,7 @@ class CgroupDir:
             os.close(fd)
 
     def has(self, name: str) -> bool:
+        _file_name(name)
         try:
             os.stat(name, dir_fd=self.fd, follow_symlinks=False)
         except OSError as e:

@@ -9,12 +9,14 @@ executor needs to order writes so that a parent is never tighter than its child.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from nodeagent.errors import InvalidValue
 
 WEIGHT_MIN, WEIGHT_MAX = 1, 10_000
 QUOTA_MIN_US = 1000
+QUOTA_MAX_US = 2**44 - 1  # the kernel's max_cfs_runtime; above it cpu.max writes fail
 PERIOD_MIN_US, PERIOD_MAX_US = 1000, 1_000_000
 
 
@@ -56,12 +58,17 @@ class CpuMax:
             )
         if self.quota_us is not None and self.quota_us < QUOTA_MIN_US:
             raise InvalidValue(f"cpu.max quota {self.quota_us} µs is below {QUOTA_MIN_US}")
+        if self.quota_us is not None and self.quota_us > QUOTA_MAX_US:
+            raise InvalidValue(f"cpu.max quota {self.quota_us} µs is above {QUOTA_MAX_US}")
 
     @classmethod
     def from_cores(cls, cores: float | None, period_us: int = 100_000) -> CpuMax:
         if cores is None:
             return cls(None, period_us)
-        return cls(max(QUOTA_MIN_US, round(cores * period_us)), period_us)
+        quota = cores * period_us
+        if not math.isfinite(quota) or quota > QUOTA_MAX_US:
+            raise InvalidValue(f"cpu.max of {cores} cores is beyond what the kernel accepts")
+        return cls(max(QUOTA_MIN_US, round(quota)), period_us)
 
     @property
     def cores(self) -> float | None:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from nodeagent.cgroupfs.values import QUOTA_MAX_US, QUOTA_MIN_US
 from nodeagent.errors import NodeagentError
 from nodeagent.spec.model import PolicySpec
 
@@ -383,9 +384,17 @@ def _check_semantics(spec: PolicySpec, root: Node, report: _Report) -> None:
                 ("rules", i, "limits", "memory_high"),
                 f"memory_high ({high} bytes) is above memory_max ({cap} bytes)",
             )
-        if isinstance(limits.cpu_max, float) and limits.cpu_max * limits.cpu_period_us < 1000:
-            add(
-                ("rules", i, "limits", "cpu_max"),
-                f"{limits.cpu_max} cores is less than the kernel's minimum quota of 1000us "
-                f"per {limits.cpu_period_us}us period",
-            )
+        if isinstance(limits.cpu_max, float):
+            quota = limits.cpu_max * limits.cpu_period_us
+            if quota < QUOTA_MIN_US:
+                add(
+                    ("rules", i, "limits", "cpu_max"),
+                    f"{limits.cpu_max} cores is less than the kernel's minimum quota of "
+                    f"{QUOTA_MIN_US}us per {limits.cpu_period_us}us period",
+                )
+            elif quota > QUOTA_MAX_US:
+                add(
+                    ("rules", i, "limits", "cpu_max"),
+                    f"{limits.cpu_max} cores is more than the kernel's maximum quota of "
+                    f"{QUOTA_MAX_US}us per period",
+                )

@@ -1,0 +1,106 @@
+"""Hand-built snapshots, workloads and policies for the pure policy tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
+from nodeagent.policy.base import PolicyInput
+from nodeagent.policy.classify import assign
+from nodeagent.snapshot import CgroupSample, NodeSnapshot, NodeState, WorkloadState
+from nodeagent.spec.model import PolicySpec
+
+CID = "4f1c2a9be7d3" + "0123456789abcdef" * 3 + "0123"  # 64 lowercase hex
+CID2 = "9a8b7c6d5e4f" + "fedcba9876543210" * 3 + "3210"
+POD_UID = "3b1e5f2a-9c4d-4e7f-8a6b-0d2c1e9f7a35"
+
+
+def job(path: str, name: str | None = None) -> WorkloadIdentity:
+    """A job in nodeagent's own subtree."""
+    return WorkloadIdentity(
+        path, Kind.JOB, Runtime.NODEAGENT, Owner.NODEAGENT, name or path.rsplit("/", 1)[-1]
+    )
+
+
+def docker(cid: str = CID) -> WorkloadIdentity:
+    return WorkloadIdentity(
+        f"system.slice/docker-{cid}.scope",
+        Kind.CONTAINER,
+        Runtime.DOCKER,
+        Owner.SYSTEMD,
+        cid[:12],
+        container_id=cid,
+    )
+
+
+def k8s_container(cid: str = CID2, qos: QosTier = QosTier.BURSTABLE) -> WorkloadIdentity:
+    return WorkloadIdentity(
+        f"kubepods/{qos}/pod{POD_UID}/{cid}",
+        Kind.CONTAINER,
+        Runtime.CONTAINERD,
+        Owner.CGROUPFS,
+        cid[:12],
+        container_id=cid,
+        pod_uid=POD_UID,
+        qos=qos,
+    )
+
+
+def service(unit: str) -> WorkloadIdentity:
+    return WorkloadIdentity(
+        f"system.slice/{unit}", Kind.SERVICE, Runtime.SYSTEMD, Owner.SYSTEMD, unit
+    )
+
+
+def workload(
+    who: WorkloadIdentity | str,
+    cpu_rate: float | None = 1.0,
+    populated: bool | None = True,
+) -> WorkloadState:
+    identity = job(who) if isinstance(who, str) else who
+    return WorkloadState(identity, CgroupSample(populated=populated), cpu_rate)
+
+
+def snapshot(
+    workloads: Iterable[WorkloadState],
+    elapsed: float | None = 1.0,
+    page_size: int = 4096,
+    seq: int = 7,
+    wall_time: float = 1_700_000_000.0,
+) -> NodeSnapshot:
+    node = NodeState(
+        cpu_count=8,
+        cpu_busy=0.5,
+        memory_total=64 << 30,
+        memory_available=32 << 30,
+        page_size=page_size,
+    )
+    return NodeSnapshot(seq, wall_time, elapsed, node, tuple(workloads))
+
+
+def spec(
+    tenants: Mapping[str, float],
+    rules: Iterable[Mapping[str, Any]] = (),
+    **fair_share: Any,
+) -> PolicySpec:
+    """A PolicySpec; without rules, each tenant T claims nodeagent.slice/T-*."""
+    rule_list = list(rules) or [
+        {"name": f"{t}-jobs", "match": {"path": f"nodeagent.slice/{t}-*"}, "tenant": t}
+        for t in tenants
+    ]
+    return PolicySpec.model_validate(
+        {
+            "version": 1,
+            "tenants": {t: {"shares": s} for t, s in tenants.items()},
+            "rules": rule_list,
+            "fair_share": fair_share,
+        }
+    )
+
+
+def policy_input(
+    snap: NodeSnapshot, policy: PolicySpec, usage: Mapping[str, float] | None = None
+) -> PolicyInput:
+    assignments = assign((w.identity for w in snap.workloads), policy)
+    return PolicyInput(snap, policy, assignments, dict(usage or {}))

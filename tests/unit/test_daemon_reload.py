@@ -1,0 +1,72 @@
+"""SIGHUP reload: a bad policy file is reported and the last good policy stays in force.
+
+The agent is built over an empty fixture directory; reload touches no cgroup.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import structlog
+
+from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.daemon import Agent
+from nodeagent.spec.load import load_policy
+
+GOOD = """\
+version: 1
+agent:
+  state_file: {state}
+tenants:
+  research: {{shares: 2}}
+"""
+
+
+@pytest.fixture
+def policy_file(tmp_path: Path) -> Path:
+    path = tmp_path / "policy.yaml"
+    path.write_text(GOOD.format(state=tmp_path / "state.json"))
+    return path
+
+
+def make_agent(policy_file: Path, tmp_path: Path) -> Agent:
+    cgroups = tmp_path / "cgroup"
+    cgroups.mkdir()
+    return Agent(
+        load_policy(policy_file),
+        CgroupTree(str(cgroups)),
+        dry_run=True,
+        config_path=str(policy_file),
+    )
+
+
+def test_a_bad_file_keeps_the_last_good_policy(policy_file: Path, tmp_path: Path) -> None:
+    agent = make_agent(policy_file, tmp_path)
+    before = agent.spec
+    policy_file.write_text("version: 1\ntenants:\n  research: {shares: -2}\n")
+    with structlog.testing.capture_logs() as logs:
+        agent.reload()
+    assert agent.spec is before
+    problems = [e["problem"] for e in logs if e["event"] == "policy.invalid"]
+    assert problems == [
+        f"{policy_file}:3:22: tenants.research.shares: must be greater than 0, got -2"
+    ]
+
+
+def test_a_good_file_replaces_the_policy(policy_file: Path, tmp_path: Path) -> None:
+    agent = make_agent(policy_file, tmp_path)
+    policy_file.write_text(GOOD.format(state=tmp_path / "state.json") + "  prod: {shares: 1}\n")
+    agent.reload()
+    assert set(agent.spec.tenants) == {"research", "prod"}
+
+
+def test_moving_the_managed_root_needs_a_restart(policy_file: Path, tmp_path: Path) -> None:
+    agent = make_agent(policy_file, tmp_path)
+    policy_file.write_text(policy_file.read_text() + "  prod: {shares: 1}\n")
+    text = policy_file.read_text().replace("agent:\n", "agent:\n  managed_root: elsewhere.slice\n")
+    policy_file.write_text(text)
+    with structlog.testing.capture_logs() as logs:
+        agent.reload()
+    assert set(agent.spec.tenants) == {"research"}
+    assert any(e["event"] == "policy.managed_root_changed" for e in logs)

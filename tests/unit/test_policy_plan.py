@@ -1,0 +1,170 @@
+"""make_plan: policies' decisions merged per cgroup, with reasons and a trace."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+from builders import docker, service, snapshot, spec, workload
+
+from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, MemoryLimit, Value
+from nodeagent.policy.base import Decision, PolicyInput
+from nodeagent.policy.plan import CgroupPlan, Plan, make_plan
+from nodeagent.spec.model import PolicySpec, WorkloadClass
+
+
+@dataclass
+class Fixed:
+    """A policy that wants one value on one attribute of every assigned workload."""
+
+    name: str
+    attribute: Attribute
+    value: Value
+
+    def decide(self, given: PolicyInput) -> Sequence[Decision]:
+        return [
+            Decision(path, self.attribute, self.value, self.name, f"{self.name} says so", ("t1",))
+            for path in given.assignments
+        ]
+
+
+def by_path(plan: Plan) -> dict[str, CgroupPlan]:
+    return {cg.path: cg for cg in plan.cgroups}
+
+
+SNAP = snapshot([workload("nodeagent.slice/a-1"), workload(service("cron.service"))])
+
+
+def test_later_policy_overrides_earlier_on_the_same_attribute_and_says_so() -> None:
+    policies = [
+        Fixed("first", Attribute.CPU_WEIGHT, CpuWeight(100)),
+        Fixed("second", Attribute.CPU_WEIGHT, CpuWeight(500)),
+        Fixed("third", Attribute.MEMORY_MAX, MemoryLimit(4096)),
+    ]
+    cg = by_path(make_plan(SNAP, spec({"a": 1}), {}, policies))["nodeagent.slice/a-1"]
+    assert cg.targets[Attribute.CPU_WEIGHT].value == CpuWeight(500)
+    assert cg.targets[Attribute.CPU_WEIGHT].policy == "second"
+    assert cg.targets[Attribute.CPU_WEIGHT].reason == "second says so"
+    assert cg.targets[Attribute.MEMORY_MAX].policy == "third"
+    assert cg.trace == (
+        "matched rule a-jobs: tenant a, class batch",
+        "first: t1",
+        "first: first says so",
+        "second overrides first on cpu.weight",
+        "second: t1",
+        "second: second says so",
+        "third: t1",
+        "third: third says so",
+    )
+
+
+def test_no_override_line_between_different_attributes() -> None:
+    policies = [
+        Fixed("first", Attribute.CPU_WEIGHT, CpuWeight(100)),
+        Fixed("second", Attribute.CPU_MAX, CpuMax(50_000)),
+    ]
+    cg = by_path(make_plan(SNAP, spec({"a": 1}), {}, policies))["nodeagent.slice/a-1"]
+    assert not any("overrides" in line for line in cg.trace)
+    assert set(cg.targets) == {Attribute.CPU_WEIGHT, Attribute.CPU_MAX}
+
+
+def test_unmatched_workloads_get_no_targets() -> None:
+    plan = make_plan(SNAP, spec({"a": 1}), {})
+    cron = by_path(plan)["system.slice/cron.service"]
+    assert cron.assignment is None
+    assert cron.targets == {}
+    assert cron.trace == ()
+    assert cron.identity == SNAP.workloads[1].identity
+
+
+def test_default_policies_give_weight_and_assignment() -> None:
+    plan = make_plan(SNAP, spec({"a": 1}), {})
+    cg = by_path(plan)["nodeagent.slice/a-1"]
+    assert cg.assignment is not None
+    assert (cg.assignment.rule, cg.assignment.tenant) == ("a-jobs", "a")
+    assert cg.assignment.workload_class is WorkloadClass.BATCH
+    assert cg.targets[Attribute.CPU_WEIGHT].value == CpuWeight(100)
+    assert cg.targets[Attribute.CPU_WEIGHT].policy == "fair-share"
+    assert cg.trace[0] == "matched rule a-jobs: tenant a, class batch"
+    assert set(cg.targets) == {Attribute.CPU_WEIGHT}, "no limits in the rule: none set"
+    assert (plan.seq, plan.wall_time) == (SNAP.seq, SNAP.wall_time)
+    assert [c.path for c in plan.cgroups] == [w.path for w in SNAP.workloads]
+
+
+def test_plan_carries_the_advanced_usage() -> None:
+    snap = snapshot([workload("nodeagent.slice/a-1", cpu_rate=2.0)], elapsed=10.0)
+    plan = make_plan(snap, spec({"a": 1, "b": 1}, half_life="10s"), {"a": 40.0, "b": 8.0})
+    assert plan.tenant_usage == {"a": pytest.approx(20.0 + 20.0), "b": pytest.approx(4.0)}
+
+
+def limits_spec(**limits: object) -> PolicySpec:
+    return spec(
+        {"a": 1},
+        [{"name": "docker", "match": {"runtime": "docker"}, "tenant": "a", "limits": limits}],
+    )
+
+
+@pytest.mark.parametrize(
+    ("limits", "page", "expected"),
+    [
+        (
+            {"cpu_max": 1.5, "memory_max": "4Gi", "memory_high": "3Gi"},
+            4096,
+            {
+                Attribute.CPU_MAX: CpuMax(150_000, 100_000),
+                Attribute.MEMORY_MAX: MemoryLimit(4 << 30, 4096),
+                Attribute.MEMORY_HIGH: MemoryLimit(3 << 30, 4096),
+            },
+        ),
+        (
+            {"cpu_max": 0.5, "cpu_period_us": 50_000, "memory_max": 1_000_000},
+            4096,
+            {
+                Attribute.CPU_MAX: CpuMax(25_000, 50_000),
+                Attribute.MEMORY_MAX: MemoryLimit(999_424, 4096),  # rounded down to a page
+            },
+        ),
+        (
+            {"memory_max": "1G", "memory_high": 1_000_000},
+            65536,  # arm64 with 64K pages
+            {
+                Attribute.MEMORY_MAX: MemoryLimit(999_948_288, 65536),
+                Attribute.MEMORY_HIGH: MemoryLimit(983_040, 65536),
+            },
+        ),
+        (
+            {"cpu_max": "max", "memory_max": "max", "memory_high": "max"},
+            4096,
+            {
+                Attribute.CPU_MAX: CpuMax(None, 100_000),
+                Attribute.MEMORY_MAX: MemoryLimit(None, 4096),
+                Attribute.MEMORY_HIGH: MemoryLimit(None, 4096),
+            },
+        ),
+    ],
+)
+def test_static_limits(
+    limits: dict[str, object], page: int, expected: dict[Attribute, Value]
+) -> None:
+    snap = snapshot([workload(docker()), workload(service("cron.service"))], page_size=page)
+    plan = make_plan(snap, limits_spec(**limits), {})
+    cg = by_path(plan)[docker().path]
+    got = {a: t.value for a, t in cg.targets.items() if a is not Attribute.CPU_WEIGHT}
+    assert got == expected
+    for attr in expected:
+        assert cg.targets[attr].policy == "static-limits"
+        assert cg.targets[attr].reason.startswith("rule docker: ")
+    for value in got.values():
+        if isinstance(value, MemoryLimit):
+            assert value.page_size == page
+    assert by_path(plan)["system.slice/cron.service"].targets == {}
+
+
+def test_static_limit_reasons() -> None:
+    snap = snapshot([workload(docker())])
+    plan = make_plan(snap, limits_spec(cpu_max=1.5, memory_max="4Gi"), {})
+    targets = by_path(plan)[docker().path].targets
+    assert targets[Attribute.CPU_MAX].reason == "rule docker: cpu_max 1.5 cores"
+    assert targets[Attribute.MEMORY_MAX].reason == f"rule docker: memory_max {4 << 30}"
+    assert targets[Attribute.CPU_MAX].render() == "150000 100000"
