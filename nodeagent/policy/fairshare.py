@@ -7,7 +7,10 @@ proportional to s·F, where s is the tenant's normalised share and
 F = 2^(-u/s) is Slurm's fair-share factor with u the tenant's normalised decayed
 usage: a tenant that has used exactly its share keeps it, one that used more is
 pulled back. The slice is split evenly across the tenant's active workloads, so
-a tenant's CPU does not grow with the number of cgroups it runs.
+a tenant's CPU does not grow with the number of cgroups it runs. A weight
+within `deadband` of its target is kept, so usage noise does not rewrite
+every cgroup on every tick. Tenants with no active workload get no decision:
+the kernel ignores an idle cgroup's weight.
 """
 
 from __future__ import annotations
@@ -25,6 +28,14 @@ def is_active(w: WorkloadState, settings: FairShareSettings) -> bool:
     if w.sample.populated is False:
         return False
     return w.cpu_rate is None or w.cpu_rate >= settings.active_threshold
+
+
+def _within_deadband(w: WorkloadState, target: int, deadband: float) -> int | None:
+    """The current weight, when it is close enough to the target that a write is churn."""
+    current = w.sample.settings.get(Attribute.CPU_WEIGHT)
+    if isinstance(current, CpuWeight) and abs(current.value - target) <= deadband * target:
+        return current.value
+    return None
 
 
 def _clamp(weight: float) -> int:
@@ -62,7 +73,7 @@ class FairShare:
                 continue  # idle weights do not matter to the kernel; leave them as they are
             tenant_budget = budget * s[tenant] * f[tenant] / norm
             weight = _clamp(tenant_budget / active[tenant])
-            trace = (
+            trace: tuple[str, ...] = (
                 f"tenant {tenant}: shares {shares[tenant]:g} of {total_shares:g} among tenants"
                 f" with active workloads, s={s[tenant]:.3f}",
                 f"decayed usage {usage[tenant]:.1f} of {total_usage:.1f} core-s,"
@@ -77,9 +88,11 @@ class FairShare:
                 f" split over {active[tenant]} active"
             )
             for w in workloads:
+                value, why = weight, trace
+                kept = _within_deadband(w, weight, settings.deadband)
+                if kept is not None:
+                    value, why = kept, (*trace, f"kept {kept}: within the deadband of {weight}")
                 decisions.append(
-                    Decision(
-                        w.path, Attribute.CPU_WEIGHT, CpuWeight(weight), self.name, reason, trace
-                    )
+                    Decision(w.path, Attribute.CPU_WEIGHT, CpuWeight(value), self.name, reason, why)
                 )
         return decisions

@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from nodeagent.api.client import DEFAULT_SOCKET
 from nodeagent.identity import Kind, Owner, QosTier, Runtime
 from nodeagent.spec.units import parse_duration, parse_size
 
@@ -64,7 +65,7 @@ class AgentSettings(_Strict):
     resync_interval: Duration = Field(30.0, ge=1, le=86400)
     managed_root: str = Field("nodeagent.slice", min_length=1)
     state_file: str = "/var/lib/nodeagent/state.json"
-    socket: str = "/run/nodeagent/nodeagent.sock"
+    socket: str = DEFAULT_SOCKET
     socket_group: str | None = None
 
 
@@ -74,10 +75,11 @@ class FairShareSettings(_Strict):
     half_life: Duration = Field(3600.0, gt=0)
     weight_per_workload: int = Field(100, ge=1, le=10000)
     active_threshold: float = Field(0.01, ge=0)
+    deadband: float = Field(0.05, ge=0, lt=1)
 
 
 class Tenant(_Strict):
-    shares: float = Field(gt=0)
+    shares: float = Field(gt=0, le=1e6)
 
 
 class Match(_Strict):
