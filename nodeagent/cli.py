@@ -262,6 +262,7 @@ def workloads(cgroup_root: str, config: str | None, as_json: bool) -> None:
     """List the workload cgroups discovery finds, reading the tree directly (no daemon)."""
     from nodeagent.cgroupfs.tree import CgroupTree
     from nodeagent.discovery.registry import Registry
+    from nodeagent.policy.base import describe
     from nodeagent.policy.classify import assign
     from nodeagent.spec.model import AgentSettings
 
@@ -273,24 +274,7 @@ def workloads(cgroup_root: str, config: str | None, as_json: bool) -> None:
     registry.resync()
     found = sorted(registry.identities(), key=lambda i: i.path)
     assigned = assign(found, spec) if spec else {}
-    rows: list[dict[str, Any]] = []
-    for i in found:
-        a = assigned.get(i.path)
-        rows.append(
-            {
-                "cgroup": i.path,
-                "kind": str(i.kind),
-                "runtime": str(i.runtime),
-                "owner": str(i.owner),
-                "writable": i.owner.writable,
-                "container_id": i.container_id,
-                "pod_uid": i.pod_uid,
-                "qos": None if i.qos is None else str(i.qos),
-                "rule": None if a is None else a.rule,
-                "tenant": None if a is None else a.tenant,
-                "class": None if a is None else str(a.workload_class),
-            }
-        )
+    rows: list[dict[str, Any]] = [describe(i, assigned.get(i.path)) for i in found]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nodeagent.act import WriteResult
+from nodeagent.policy.base import describe
 from nodeagent.policy.plan import CgroupPlan, Plan
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
 from nodeagent.tables import SHOWN
@@ -19,24 +20,6 @@ class TickRecord:
     results: tuple[WriteResult, ...]
     duration: float
     dry_run: bool
-
-
-def _identity(cg: CgroupPlan) -> dict[str, Any]:
-    i = cg.identity
-    return {
-        "cgroup": i.path,
-        "name": i.name,
-        "kind": str(i.kind),
-        "runtime": str(i.runtime),
-        "owner": str(i.owner),
-        "writable": i.owner.writable,
-        "container_id": i.container_id,
-        "pod_uid": i.pod_uid,
-        "qos": None if i.qos is None else str(i.qos),
-        "rule": None if cg.assignment is None else cg.assignment.rule,
-        "tenant": None if cg.assignment is None else cg.assignment.tenant,
-        "class": None if cg.assignment is None else str(cg.assignment.workload_class),
-    }
 
 
 def _values(cg: CgroupPlan, w: WorkloadState | None) -> dict[str, Any]:
@@ -75,7 +58,7 @@ def allocations(record: TickRecord) -> dict[str, Any]:
         reasons = sorted({t.reason for t in cg.targets.values()})
         rows.append(
             {
-                **_identity(cg),
+                **describe(cg.identity, cg.assignment),
                 "values": _values(cg, w),
                 "cpu_rate": None if w is None else w.cpu_rate,
                 "memory_current": None if w is None else w.sample.memory_current,
@@ -96,7 +79,7 @@ def allocations(record: TickRecord) -> dict[str, Any]:
 def explain(record: TickRecord, cg: CgroupPlan) -> dict[str, Any]:
     w = next((w for w in record.snapshot.workloads if w.path == cg.path), None)
     return {
-        **_identity(cg),
+        **describe(cg.identity, cg.assignment),
         "tick": record.snapshot.seq,
         "dry_run": record.dry_run,
         "values": _values(cg, w),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from nodeagent.cgroupfs.values import Attribute, Value
+from nodeagent.identity import WorkloadIdentity
 from nodeagent.snapshot import NodeSnapshot
 from nodeagent.spec.model import PolicySpec, WorkloadClass
 
@@ -18,6 +19,25 @@ class Assignment:
     rule: str
     tenant: str
     workload_class: WorkloadClass
+
+
+def describe(identity: WorkloadIdentity, assignment: Assignment | None) -> dict[str, object]:
+    """A workload as the API, the CLI and --json show it."""
+    i, a = identity, assignment
+    return {
+        "cgroup": i.path,
+        "name": i.name,
+        "kind": str(i.kind),
+        "runtime": str(i.runtime),
+        "owner": str(i.owner),
+        "writable": i.owner.writable,
+        "container_id": i.container_id,
+        "pod_uid": i.pod_uid,
+        "qos": None if i.qos is None else str(i.qos),
+        "rule": None if a is None else a.rule,
+        "tenant": None if a is None else a.tenant,
+        "class": None if a is None else str(a.workload_class),
+    }
 
 
 @dataclass(frozen=True, slots=True)
