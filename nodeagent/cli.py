@@ -232,9 +232,7 @@ def explain(cgroup: str, socket: str, as_json: bool) -> None:
         f"{data['cgroup']}  ({data['kind']}, {data['runtime']}, owner {data['owner']}"
         + ("" if data["writable"] else ", read-only")
         + ")",
-        f"  rule {data['rule']}  tenant {data['tenant']}  class {data['class']}"
-        if data["rule"]
-        else "  no rule matches: nodeagent leaves it alone",
+        f"  rule {data['rule']}  tenant {data['tenant']}  class {data['class']}",
         f"  cpu now: {cores(data['cpu_rate'])} cores   (tick {data['tick']}"
         + (", dry run" if data["dry_run"] else "")
         + ")",

@@ -26,6 +26,7 @@ from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.discovery.registry import Registry
 from nodeagent.errors import NodeagentError
 from nodeagent.logs import audit_write
+from nodeagent.policy.classify import claimed
 from nodeagent.policy.history import decay
 from nodeagent.policy.plan import make_plan
 from nodeagent.report import TickRecord, allocations, explain, find
@@ -84,7 +85,8 @@ class Agent:
     def tick(self) -> TickRecord:
         started = time.monotonic()
         self.registry.poll()
-        snapshot = self.sensor.snapshot(self.registry.identities(), time.time(), started)
+        managed = [i for i in self.registry.identities() if claimed(i, self.spec)]
+        snapshot = self.sensor.snapshot(managed, time.time(), started)
         plan = make_plan(snapshot, self.spec, self.usage)
         results = tuple(self.executor.apply(plan, snapshot))
         self.usage = dict(plan.tenant_usage)
@@ -160,7 +162,10 @@ class Agent:
             found = find(record.plan, query, self.tree.root)
             if len(found) != 1:
                 what = "no workload" if not found else f"{len(found)} workloads"
-                raise ApiNotFound(f"{what} match {query!r}; see 'nodeagent allocations'")
+                raise ApiNotFound(
+                    f"{what} match {query!r} among the workloads a rule claims;"
+                    " see 'nodeagent allocations' and 'nodeagent workloads'"
+                )
             return explain(record, found[0])
 
         return {"/v1/status": status, "/v1/allocations": allocs, "/v1/explain": explain_one}

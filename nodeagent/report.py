@@ -62,7 +62,9 @@ def allocations(record: TickRecord) -> dict[str, Any]:
                 "values": _values(cg, w),
                 "cpu_rate": None if w is None else w.cpu_rate,
                 "memory_current": None if w is None else w.sample.memory_current,
-                "reason": "; ".join(reasons) if reasons else "no rule matches: left alone",
+                "reason": "; ".join(reasons)
+                if reasons
+                else "nothing to set: its tenant is idle and its rule has no limits",
                 "writes": _results_for(cg.path, record.results),
             }
         )
