@@ -32,10 +32,10 @@ def cores(rate: float | None) -> str:
     return "-" if rate is None else f"{rate:.2f}"
 
 
-def size(value: str | None) -> str:
-    """Bytes as 4Gi or 1.5Gi; 'max' and unknowns pass through."""
+def size(value: str | None) -> str | None:
+    """Bytes as 4Gi or 1.5Gi; 'max', unknowns and None pass through."""
     if value is None or not value.isdigit():
-        return value or "-"
+        return value
     n = int(value)
     for power, unit in ((4, "Ti"), (3, "Gi"), (2, "Mi"), (1, "Ki")):
         factor = 1024**power

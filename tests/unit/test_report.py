@@ -84,8 +84,8 @@ def test_find_with_another_root() -> None:
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
-        (None, "-"),
-        ("", "-"),
+        (None, None),
+        ("", ""),
         ("max", "max"),
         ("0", "0"),
         ("1023", "1023"),
@@ -102,7 +102,7 @@ def test_find_with_another_root() -> None:
         ("1000000", "976.6Ki"),
     ],
 )
-def test_size(value: str | None, expected: str) -> None:
+def test_size(value: str | None, expected: str | None) -> None:
     assert tables.size(value) == expected
 
 
@@ -142,3 +142,8 @@ def test_table_aligns_columns_and_shows_none_as_dash() -> None:
 
 def test_table_without_rows_is_the_header() -> None:
     assert tables.table(("A", "B"), []) == "A  B"
+
+
+def test_an_unset_memory_target_shows_the_kernels_value_alone() -> None:
+    assert tables.change(tables.size("max"), tables.size(None)) == "max"
+    assert tables.change(tables.size(str(4 << 30)), tables.size(str(3 << 30))) == "4Gi->3Gi"
