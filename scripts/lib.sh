@@ -1,0 +1,238 @@
+# shellcheck shell=bash disable=SC2034 # (ON_CGROUP2_WHERE, VM_KERNEL are read by the sourcing scripts)
+# scripts/lib.sh: helpers sourced by scripts/test, scripts/vm, scripts/demo, scripts/bench.
+#
+#   ensure_venv             .venv with `pip install -e '.[dev]'`, reinstalled only when pyproject.toml changes
+#   host_has_cgroup2        true when this host itself is a usable cgroup v2 kernel (cgroup2 at
+#                           /sys/fs/cgroup, writable, cpu+memory controllers, root)
+#   ensure_vm_tools         qemu, a Debian kernel, busybox & co. (apt, only what is missing) and
+#                           virtme-ng in .venv-vm; sets VM_KERNEL
+#   on_cgroup2 OUTDIR CMD   runs the bash command string CMD in the repo root, as root, on a real
+#                           cgroup v2 kernel: natively if host_has_cgroup2, else in a virtme-ng VM
+#                           (TCG, no KVM) with OUTDIR as its only writable host directory.
+#                           Returns CMD's exit status. Sets ON_CGROUP2_WHERE to "natively" or
+#                           "in a VM on kernel <release>".
+#
+# Environment knobs:
+#   NODEAGENT_FORCE_VM=1          use the VM even when the host has cgroup v2
+#   NODEAGENT_VM_CPUS=2           guest CPUs
+#   NODEAGENT_VM_MEMORY=2G        guest memory
+#   NODEAGENT_VM_KERNEL=PATH      kernel image to boot (default: newest /boot/vmlinuz-* with modules)
+#   NODEAGENT_VM_TIMEOUT=3600     seconds before a hung VM is killed
+#
+# CMD always gets NODEAGENT_REAL_KERNEL=1, PYTHONDONTWRITEBYTECODE=1 and .venv/bin first on PATH.
+# In the VM the host's files are shared read-only (same paths), /tmp, /var and /run are throwaway
+# overlays, and only OUTDIR is written back to the host.
+set -euo pipefail
+
+NODEAGENT_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
+NODEAGENT_VENV=$NODEAGENT_ROOT/.venv
+NODEAGENT_VM_VENV=$NODEAGENT_ROOT/.venv-vm
+# virtme-ng is pinned: its command line and guest behaviour are what on_cgroup2 relies on.
+NODEAGENT_VNG_SPEC=${NODEAGENT_VNG_SPEC:-virtme-ng==1.42}
+NODEAGENT_VM_APT_PACKAGES=(qemu-system-x86 busybox-static binutils file kmod python3-venv)
+ON_CGROUP2_WHERE=
+VM_KERNEL=
+_NODEAGENT_APT_UPDATED=
+
+die() {
+  echo "error: $*" >&2
+  exit 1
+}
+
+note() { echo "$*" >&2; }
+
+section() { printf '\n==> %s\n' "$*"; }
+
+# run_logged DESCRIPTION CMD...: runs CMD with its output in a log; prints the log if CMD fails.
+run_logged() {
+  local what=$1 log rc=0
+  shift
+  log=$(mktemp "${TMPDIR:-/tmp}/nodeagent-log.XXXXXX")
+  "$@" >"$log" 2>&1 || rc=$?
+  if ((rc != 0)); then
+    echo "error: $what failed (exit $rc): $*" >&2
+    echo "----- log -----" >&2
+    cat "$log" >&2
+    echo "---------------" >&2
+  fi
+  rm -f "$log"
+  return "$rc"
+}
+
+_apt_missing() {
+  local p
+  for p in "$@"; do
+    dpkg-query -W -f='${db:Status-Status}\n' "$p" 2>/dev/null | grep -qx installed || echo "$p"
+  done
+}
+
+# apt_install PKG...: installs the packages that are not installed yet (non-interactive, quiet).
+apt_install() {
+  local missing
+  mapfile -t missing < <(_apt_missing "$@")
+  ((${#missing[@]})) || return 0
+  [[ $(id -u) -eq 0 ]] || die "missing packages ${missing[*]}: install them (apt-get install ${missing[*]}) or run as root"
+  command -v apt-get >/dev/null || die "missing packages ${missing[*]} and no apt-get to install them"
+  note "installing ${missing[*]} (apt)..."
+  if [[ -z $_NODEAGENT_APT_UPDATED ]]; then
+    run_logged "apt-get update" env DEBIAN_FRONTEND=noninteractive \
+      apt-get update -q -o DPkg::Lock::Timeout=600 || return 1
+    _NODEAGENT_APT_UPDATED=1
+  fi
+  run_logged "apt-get install" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+    --no-install-recommends -o DPkg::Lock::Timeout=600 \
+    -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
+    "${missing[@]}"
+}
+
+# _make_venv DIR: (re)creates a working venv in DIR unless it already has a runnable python and pip.
+_make_venv() {
+  local dir=$1
+  if [[ -x $dir/bin/python && -x $dir/bin/pip ]] && "$dir/bin/python" -c '' 2>/dev/null; then
+    return 0
+  fi
+  python3 -c 'import ensurepip, venv' 2>/dev/null || apt_install python3-venv || return 1
+  rm -rf "$dir"
+  run_logged "creating $dir" python3 -m venv "$dir"
+}
+
+# _setup_lock / _setup_unlock: serialise set-up (apt, venvs) between runs sharing this checkout.
+# The lock is pyproject.toml itself (opened read-only), so it works on a read-only checkout too.
+_NODEAGENT_LOCK_FD=
+_setup_lock() {
+  exec {_NODEAGENT_LOCK_FD}<"$NODEAGENT_ROOT/pyproject.toml" || return 0
+  flock -w 1200 "$_NODEAGENT_LOCK_FD" 2>/dev/null || true # best effort
+}
+_setup_unlock() {
+  [[ -n $_NODEAGENT_LOCK_FD ]] || return 0
+  exec {_NODEAGENT_LOCK_FD}<&-
+  _NODEAGENT_LOCK_FD=
+}
+
+ensure_venv() {
+  local stamp=$NODEAGENT_VENV/.nodeagent-installed
+  _setup_lock
+  _make_venv "$NODEAGENT_VENV" || die "could not create $NODEAGENT_VENV"
+  if [[ ! -e $stamp || $NODEAGENT_ROOT/pyproject.toml -nt $stamp ]]; then
+    note "installing nodeagent and its dev dependencies into .venv..."
+    run_logged "pip install -e '.[dev]'" "$NODEAGENT_VENV/bin/pip" install -q \
+      --disable-pip-version-check -e "${NODEAGENT_ROOT}[dev]" || die "could not install the project into .venv"
+    touch "$stamp"
+  fi
+  _setup_unlock
+}
+
+host_has_cgroup2() {
+  [[ $(id -u) -eq 0 ]] || return 1
+  [[ $(stat -fc %T /sys/fs/cgroup 2>/dev/null) == cgroup2fs ]] || return 1
+  [[ -w /sys/fs/cgroup ]] || return 1 # read-only mounts (containers) don't count
+  local controllers
+  controllers=" $(cat /sys/fs/cgroup/cgroup.controllers 2>/dev/null) " || return 1
+  [[ $controllers == *" cpu "* && $controllers == *" memory "* ]]
+}
+
+# _find_kernel: newest /boot/vmlinuz-* that has its modules in /lib/modules (virtme-ng needs them).
+_find_kernel() {
+  local k v best=
+  while read -r v; do
+    k=/boot/vmlinuz-$v
+    [[ -r $k && -e /lib/modules/$v/modules.dep ]] && best=$k
+  done < <(find /boot -maxdepth 1 -name 'vmlinuz-*' -printf '%f\n' 2>/dev/null | sed 's/^vmlinuz-//' | sort -V)
+  [[ -n $best ]] && echo "$best"
+}
+
+ensure_vm_tools() {
+  [[ $(uname -m) == x86_64 ]] || die "the cgroup v2 VM is only set up for x86_64 hosts (this is $(uname -m))"
+  local pkgs=("${NODEAGENT_VM_APT_PACKAGES[@]}")
+  if [[ -n ${NODEAGENT_VM_KERNEL:-} ]]; then
+    [[ -r $NODEAGENT_VM_KERNEL ]] || die "NODEAGENT_VM_KERNEL=$NODEAGENT_VM_KERNEL is not readable"
+  elif ! _find_kernel >/dev/null; then
+    pkgs+=(linux-image-amd64)
+  fi
+  _setup_lock
+  local missing
+  mapfile -t missing < <(_apt_missing "${pkgs[@]}")
+  if ((${#missing[@]})); then
+    note "setting up the cgroup v2 VM tools (once; a few minutes)..."
+    apt_install "${missing[@]}" || die "could not install the VM tools"
+  fi
+  VM_KERNEL=${NODEAGENT_VM_KERNEL:-$(_find_kernel)} || die "no kernel in /boot with modules in /lib/modules"
+
+  local stamp=$NODEAGENT_VM_VENV/.nodeagent-installed
+  if [[ ! -e $stamp || $(<"$stamp") != "$NODEAGENT_VNG_SPEC" ]]; then
+    _make_venv "$NODEAGENT_VM_VENV" || die "could not create $NODEAGENT_VM_VENV"
+    run_logged "pip install $NODEAGENT_VNG_SPEC" "$NODEAGENT_VM_VENV/bin/pip" install -q \
+      --disable-pip-version-check "$NODEAGENT_VNG_SPEC" || die "could not install virtme-ng"
+    echo "$NODEAGENT_VNG_SPEC" >"$stamp"
+  fi
+  _setup_unlock
+}
+
+# on_cgroup2 OUTDIR CMD...: see the header. CMD's words are joined with spaces into one bash string.
+on_cgroup2() {
+  (($# >= 2)) || die "usage: on_cgroup2 OUTDIR CMD..."
+  local outdir=$1
+  shift
+  local cmd="$*"
+  mkdir -p "$outdir" || die "cannot create $outdir"
+  outdir=$(cd "$outdir" && pwd -P)
+  local env_setup
+  env_setup="export NODEAGENT_REAL_KERNEL=1 PYTHONDONTWRITEBYTECODE=1 PATH=$(printf %q "$NODEAGENT_VENV/bin"):\$PATH"
+
+  if [[ ${NODEAGENT_FORCE_VM:-0} != 1 ]] && host_has_cgroup2; then
+    ON_CGROUP2_WHERE=natively
+    (cd "$NODEAGENT_ROOT" && eval "$env_setup" && exec bash -c "$cmd")
+    return
+  fi
+
+  ensure_vm_tools
+  # Per-call control files, inside OUTDIR (the one directory the guest can write) so concurrent
+  # calls sharing an OUTDIR don't collide. The guest leaves the command's exit status there:
+  # vng's own exit status is not trusted to be the guest command's.
+  local ctl
+  ctl=$(mktemp -d "$outdir/.on_cgroup2.XXXXXX") || die "cannot write to $outdir"
+  cat >"$ctl/cmd.sh" <<EOF
+# generated by scripts/lib.sh on_cgroup2; runs inside the VM
+uname -r > $(printf %q "$ctl/kernel")
+$env_setup
+# /root and the checkout are read-only in the guest; keep HOME, hypothesis & co. on the tmpfs
+export HOME=/tmp/nodeagent-home HYPOTHESIS_STORAGE_DIRECTORY=/tmp/nodeagent-hypothesis
+mkdir -p "\$HOME"
+if cd $(printf %q "$NODEAGENT_ROOT"); then
+  bash -c $(printf %q "$cmd")
+  rc=\$?
+else
+  echo "error: the checkout $(printf %q "$NODEAGENT_ROOT") is not visible inside the VM (is it under /run or /var?)" >&2
+  rc=97
+fi
+echo "\$rc" > $(printf %q "$ctl/rc")
+EOF
+  # qemu reopens /proc/self/fd/1 and 2 (O_TRUNC, own offsets): given a regular file it would
+  # clobber it, so its output always goes through pipes (stdout to stdout, stderr to stderr).
+  local vng_rc=0
+  {
+    {
+      PATH=$NODEAGENT_VM_VENV/bin:$PATH timeout --kill-after=30 "${NODEAGENT_VM_TIMEOUT:-3600}" \
+        "$NODEAGENT_VM_VENV/bin/vng" --disable-kvm --run "$VM_KERNEL" --user root \
+        --cpus "${NODEAGENT_VM_CPUS:-2}" --memory "${NODEAGENT_VM_MEMORY:-2G}" \
+        --rwdir "$outdir" --cwd / --exec "bash $(printf %q "$ctl/cmd.sh")" </dev/null 2>&1 1>&5 5>&- ||
+        echo "$?" >"$ctl/vng-rc"
+    } | cat >&2
+  } 5>&1 | cat
+  [[ -s $ctl/vng-rc ]] && vng_rc=$(<"$ctl/vng-rc")
+  if [[ ! -s $ctl/rc ]]; then
+    if ((vng_rc == 124 || vng_rc == 137)); then
+      echo "error: the VM timed out after ${NODEAGENT_VM_TIMEOUT:-3600}s (NODEAGENT_VM_TIMEOUT)" >&2
+    else
+      echo "error: the VM (vng, exit $vng_rc) did not report the command's exit status: it failed to boot or crashed" >&2
+    fi
+    ON_CGROUP2_WHERE="in a VM that failed"
+    rm -rf "$ctl"
+    return 125
+  fi
+  ON_CGROUP2_WHERE="in a VM on kernel $(cat "$ctl/kernel" 2>/dev/null || basename "$VM_KERNEL")"
+  local rc
+  rc=$(<"$ctl/rc")
+  rm -rf "$ctl"
+  return "$rc"
+}

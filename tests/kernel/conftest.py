@@ -1,0 +1,153 @@
+"""Harness for the real-kernel tests.
+
+These tests run as root on a real cgroup v2 kernel (``./scripts/test kernel`` boots one in a VM when
+this host is not one). Anywhere else every test FAILS with a one-line reason: a kernel test that
+silently skips proves nothing, so skips are turned into failures too.
+
+``cgroup_sandbox`` gives a test a fresh, uniquely named cgroup directly under the cgroup2 root,
+with ``cpu`` and ``memory`` enabled for its children. Create child cgroups in it and put processes
+there (the sandbox itself has controllers enabled in its subtree_control, so by the kernel's
+no-internal-processes rule it cannot hold processes). On teardown everything left in it is killed
+and the whole tree is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import os
+import signal
+import time
+from collections.abc import Generator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+REQUIRED_CONTROLLERS = ("cpu", "memory")
+SANDBOX_PREFIX = "nodeagent-test"
+TEARDOWN_TIMEOUT_S = 10.0
+
+_sandbox_numbers = itertools.count()
+
+
+def _mount_fstype(mount_point: Path) -> str | None:
+    """Filesystem type mounted at ``mount_point`` (the last, visible, mount), from mountinfo."""
+    fstype = None
+    with open("/proc/self/mountinfo", encoding="utf-8") as mountinfo:
+        for line in mountinfo:
+            fields = line.split()
+            if len(fields) > 4 and fields[4] == str(mount_point) and "-" in fields:
+                fstype = fields[fields.index("-", 6) + 1]
+    return fstype
+
+
+def environment_problem() -> str | None:
+    """Why this is not a place to run the kernel tests, or None when it is."""
+    hint = "run them with ./scripts/test kernel"
+    if os.geteuid() != 0:
+        return f"kernel tests must run as root ({hint})"
+    fstype = _mount_fstype(CGROUP_ROOT)
+    if fstype != "cgroup2":
+        return f"{CGROUP_ROOT} is not a cgroup2 mount (it is {fstype or 'not mounted'}; {hint})"
+    try:
+        controllers = (CGROUP_ROOT / "cgroup.controllers").read_text().split()
+    except OSError as exc:
+        return f"cannot read {CGROUP_ROOT}/cgroup.controllers: {exc}"
+    missing = [c for c in REQUIRED_CONTROLLERS if c not in controllers]
+    if missing:
+        return f"cgroup2 root lacks the {' and '.join(missing)} controller(s) ({hint})"
+    if not os.access(CGROUP_ROOT, os.W_OK):
+        return f"{CGROUP_ROOT} is not writable ({hint})"
+    return None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _require_real_cgroup2() -> None:
+    problem = environment_problem()
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
+    """A kernel test must never skip: report a skip as a failure."""
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"kernel tests must never skip, but this one did: {reason}"
+
+
+def enable_controllers(cgroup: Path, controllers: tuple[str, ...] = REQUIRED_CONTROLLERS) -> None:
+    """Enable ``controllers`` in ``cgroup``'s cgroup.subtree_control, where not already enabled."""
+    control = cgroup / "cgroup.subtree_control"
+    enabled = control.read_text().split()
+    for controller in controllers:
+        if controller not in enabled:
+            control.write_text(f"+{controller}")
+
+
+def _cgroup_dirs_bottom_up(top: Path) -> list[Path]:
+    return [Path(dirpath) for dirpath, _, _ in os.walk(top, topdown=False)]
+
+
+def _kill_everything_in(top: Path) -> None:
+    kill_file = top / "cgroup.kill"
+    if kill_file.exists():  # Linux >= 5.14: one write kills the whole subtree
+        kill_file.write_text("1")
+        return
+    for cgroup in _cgroup_dirs_bottom_up(top):
+        try:
+            pids = (cgroup / "cgroup.procs").read_text().split()
+        except FileNotFoundError:
+            continue
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+def remove_cgroup_tree(top: Path, timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
+    """Kill every process in ``top`` and its descendants, then rmdir the tree bottom-up.
+
+    Retries while the killed processes die; raises if the tree is still there after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while top.exists():
+        _kill_everything_in(top)
+        try:
+            for cgroup in _cgroup_dirs_bottom_up(top):
+                with contextlib.suppress(FileNotFoundError):
+                    cgroup.rmdir()
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise RuntimeError(f"could not remove the test cgroup {top}: {exc}") from exc
+            time.sleep(0.05)
+
+
+def new_sandbox_path() -> Path:
+    """Create and return a fresh, uniquely named cgroup under the root (not yet configured)."""
+    while True:
+        path = CGROUP_ROOT / f"{SANDBOX_PREFIX}-{os.getpid()}-{next(_sandbox_numbers)}"
+        try:
+            path.mkdir()
+        except FileExistsError:  # left over from an earlier run with the same pid
+            continue
+        return path
+
+
+@pytest.fixture
+def cgroup_sandbox() -> Iterator[Path]:
+    """A fresh cgroup under the cgroup2 root with +cpu +memory for its children; removed after."""
+    enable_controllers(CGROUP_ROOT)
+    sandbox = new_sandbox_path()
+    try:
+        enable_controllers(sandbox)
+        yield sandbox
+    finally:
+        remove_cgroup_tree(sandbox)
