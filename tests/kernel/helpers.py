@@ -1,0 +1,77 @@
+"""Helpers for real-kernel tests: make cgroups, run processes in them, build agents."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.daemon import Agent
+from nodeagent.spec.model import PolicySpec
+
+ROOT = "/sys/fs/cgroup"
+
+
+def rel(path: str | Path) -> str:
+    return os.path.relpath(path, ROOT)
+
+
+def read(cgroup: str | Path, name: str) -> str:
+    return Path(cgroup, name).read_text().strip()
+
+
+def spawn(cgroup: str | Path, argv: list[str]) -> subprocess.Popen[bytes]:
+    """Start argv already inside `cgroup`: a shell moves itself there, then execs argv."""
+    enter = 'echo $$ > "$0/cgroup.procs" && exec "$@"'
+    p = subprocess.Popen(["sh", "-c", enter, str(cgroup), *argv])
+    inside = wait_for(lambda: str(p.pid) in read(cgroup, "cgroup.procs").split(), timeout=30)
+    assert inside, f"process {p.pid} did not enter {cgroup}"
+    return p
+
+
+def busy(cgroup: str | Path) -> subprocess.Popen[bytes]:
+    return spawn(cgroup, ["sh", "-c", "while :; do :; done"])
+
+
+def sleeper(cgroup: str | Path) -> subprocess.Popen[bytes]:
+    return spawn(cgroup, ["sleep", "600"])
+
+
+def hog_memory(cgroup: str | Path, mib: int) -> subprocess.Popen[bytes]:
+    """A process that touches `mib` MiB of anonymous memory and holds it."""
+    pages = mib << 8
+    code = f"import time\nx = bytearray({pages} << 12)\nx[::4096] = b'1' * {pages}\ntime.sleep(600)"
+    return spawn(cgroup, ["python3", "-c", code])
+
+
+def usage_us(cgroup: str | Path) -> int:
+    for line in read(cgroup, "cpu.stat").splitlines():
+        key, value = line.split()
+        if key == "usage_usec":
+            return int(value)
+    raise AssertionError(f"no usage_usec in {cgroup}/cpu.stat")
+
+
+def spec(managed_root: str, tmp_path: Path, **sections: Any) -> PolicySpec:
+    agent = {"managed_root": managed_root, "state_file": str(tmp_path / "state.json")}
+    agent.update(sections.pop("agent", {}))
+    return PolicySpec.model_validate({"version": 1, "agent": agent, **sections})
+
+
+def agent(policy: PolicySpec) -> Agent:
+    a = Agent(policy, CgroupTree(ROOT))
+    a.prepare()
+    return a
+
+
+def wait_for(check: Callable[[], bool], timeout: float, step: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(step)
+    return check()
