@@ -2,28 +2,27 @@
 
 Writes that relax a limit go top-down and writes that tighten go bottom-up, so
 a parent is never tighter than its child mid-change (koordlet's leveled
-update). memory.max is never set below what the cgroup uses: memory.high is
-lowered first so the kernel reclaims, and the target is reported unreachable
-until usage fits. Cgroups owned by systemd are never written directly.
+update). memory.max is never set below what the cgroup uses: the write is held
+back and reported unreachable until usage fits (the plan lowers memory.high
+meanwhile, so the kernel reclaims). Cgroups owned by systemd are never written directly.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from nodeagent.cgroupfs import parse
-from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree, CgroupVanished, CgroupWriteError
+from nodeagent.cgroupfs.tree import AuditFn, CgroupDir, CgroupTree, CgroupVanished
 from nodeagent.cgroupfs.values import Attribute, MemoryLimit, Value, is_looser
+from nodeagent.errors import NodeagentError
 from nodeagent.policy.plan import Plan, Target
 from nodeagent.snapshot import NodeSnapshot
-
-AuditFn = Callable[[str, str, str | None, str, str], None]
 
 
 class Outcome(enum.StrEnum):
     WRITTEN = "written"
+    UNCHANGED = "unchanged"
     DRY_RUN = "dry-run"
     READ_ONLY = "read-only"
     VANISHED = "vanished"
@@ -80,53 +79,54 @@ class Executor:
             p for p in pending if p.current is not None and is_looser(p.target.value, p.current)
         ]
         tighten = [p for p in pending if p not in loosen]
-        ordered = sorted(loosen, key=lambda p: p.depth) + sorted(tighten, key=lambda p: -p.depth)
+        # memory.max last within a cgroup: memory.high, lowered first, makes the kernel reclaim
+        ordered = sorted(loosen, key=lambda p: p.depth) + sorted(
+            tighten, key=lambda p: (-p.depth, p.attribute is Attribute.MEMORY_MAX)
+        )
         for p in ordered:
             if self.dry_run:
                 results.append(_result(p, Outcome.DRY_RUN))
                 continue
-            results.extend(self._apply_one(p))
+            results.append(self._apply_one(p))
         return results
 
-    def _apply_one(self, p: _Pending) -> list[WriteResult]:
+    def _apply_one(self, p: _Pending) -> WriteResult:
         try:
             with self.tree.open(p.path) as d:
                 if p.attribute is Attribute.MEMORY_MAX:
-                    guarded = self._memory_guard(d, p)
-                    if guarded is not None:
-                        return guarded
-                return [self._write(d, p.attribute, p.target.render(), p.target.reason)]
+                    refused = self._memory_guard(d, p)
+                    if refused is not None:
+                        return refused
+                return self._write(d, p)
         except CgroupVanished:
-            return [_result(p, Outcome.VANISHED)]
-        except CgroupWriteError as e:
-            return [_result(p, Outcome.FAILED, str(e))]
+            return _result(p, Outcome.VANISHED)
+        except NodeagentError as e:
+            return _result(p, Outcome.FAILED, str(e))
 
-    def _write(self, d: CgroupDir, attribute: Attribute, new: str, reason: str) -> WriteResult:
-        old = d.read(attribute).strip()
-        if old != new:
-            d.write(attribute, new)
-            self.audit(self.tree.path_of(d.path) + "/" + attribute, attribute, old, new, reason)
-        return WriteResult(d.path, attribute, old, new, reason, Outcome.WRITTEN)
+    def _write(self, d: CgroupDir, p: _Pending) -> WriteResult:
+        """Re-read the old value (recorded in the audit), then write only if it still differs."""
+        new, reason = p.target.render(), p.target.reason
+        text = d.read_optional(p.attribute)
+        if text is None:
+            raise NodeagentError(
+                f"cgroup {d.path}: no {p.attribute}: its controller is not enabled"
+            )
+        old = text.strip()
+        if old == new:
+            return WriteResult(d.path, p.attribute, old, new, reason, Outcome.UNCHANGED)
+        d.write(p.attribute, new)
+        self.audit(self.tree.path_of(d.path) + "/" + p.attribute, p.attribute, old, new, reason)
+        return WriteResult(d.path, p.attribute, old, new, reason, Outcome.WRITTEN)
 
-    def _memory_guard(self, d: CgroupDir, p: _Pending) -> list[WriteResult] | None:
-        """Refuse to set memory.max below usage; lower memory.high to the target instead."""
+    def _memory_guard(self, d: CgroupDir, p: _Pending) -> WriteResult | None:
+        """Refuse to set memory.max below usage; the plan lowers memory.high meanwhile."""
         target = p.target.value
         assert isinstance(target, MemoryLimit)
         usage = parse.single_int(d.read("memory.current"))
         if target.bytes is None or usage <= target.bytes:
             return None
-        out = []
-        high = parse.limit(d.read(Attribute.MEMORY_HIGH))
-        if high is None or high > target.bytes:
-            reason = (
-                f"memory.max target {target.bytes} is below usage {usage}: lower memory.high first"
-            )
-            out.append(self._write(d, Attribute.MEMORY_HIGH, target.render(), reason))
-        detail = (
-            f"usage {usage} is above the target {target.bytes}; memory.max left as is until reclaim"
-        )
-        out.append(_result(p, Outcome.UNREACHABLE, detail))
-        return out
+        detail = f"usage {usage} is above the target {target.bytes}: memory.max waits for reclaim"
+        return _result(p, Outcome.UNREACHABLE, detail)
 
 
 def _result(p: _Pending, outcome: Outcome, detail: str = "") -> WriteResult:

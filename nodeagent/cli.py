@@ -130,12 +130,18 @@ def run(
         for k, v in {"interval": interval, "socket": socket, "state_file": state_file}.items()
         if v is not None
     }
-    if overrides:
-        spec = spec.model_copy(update={"agent": spec.agent.model_copy(update=overrides)})
     host = detect(cgroup_root, proc_root)
     if not dry_run and os.geteuid() != 0:
         raise NodeagentError("nodeagent run writes cgroup files and needs root (or use --dry-run)")
-    agent = Agent(spec, CgroupTree(host.root), proc_root, dry_run, config_path=config)
+    agent = Agent(
+        spec,
+        CgroupTree(host.root),
+        proc_root=proc_root,
+        dry_run=dry_run,
+        config_path=config,
+        overrides=overrides,
+    )
+    agent.install_signal_handlers()
     agent.prepare()
     server = None if no_api or once else serve(agent)
     try:
@@ -243,6 +249,9 @@ def explain(cgroup: str, socket: str, as_json: bool) -> None:
         if v["target"] is not None or v["current"] is not None:
             why = f"  [{v['policy']}] {v['reason']}" if v["policy"] else ""
             lines.append(f"  {attr:<12} {change(v['current'], v['target'])}{why}")
+    if data["sensed"]:
+        lines.append("sensed this tick:")
+        lines.extend(f"  {k:<28} {v}" for k, v in data["sensed"].items() if v not in (None, {}))
     lines.append("trace:")
     lines.extend(f"  {t}" for t in data["trace"])
     for w in data["writes"]:

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -26,7 +26,7 @@ from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.discovery.registry import Registry
 from nodeagent.errors import NodeagentError
 from nodeagent.logs import audit_write
-from nodeagent.policy.classify import claimed
+from nodeagent.policy.classify import assign
 from nodeagent.policy.history import decay
 from nodeagent.policy.plan import make_plan
 from nodeagent.report import TickRecord, allocations, explain, find
@@ -46,22 +46,35 @@ class Agent:
         self,
         spec: PolicySpec,
         tree: CgroupTree,
+        *,
         proc_root: str = "/proc",
         dry_run: bool = False,
         config_path: str | None = None,
+        overrides: Mapping[str, object] | None = None,
     ) -> None:
+        self.overrides = dict(overrides or {})
+        spec = self._with_overrides(spec)
         self.spec = spec
         self.tree = tree
         self.dry_run = dry_run
         self.config_path = config_path
         self.proc_root = proc_root
         self.registry = Registry(tree, spec.agent.managed_root)
-        self.sensor = Sensor(tree, NodeSensor(proc_root))
+        # rates over shorter windows than half a tick are noise (cpu.stat moves in scheduler ticks)
+        self.sensor = Sensor(tree, NodeSensor(proc_root), min_window=spec.agent.interval / 2)
         self.executor = Executor(tree, audit_write, dry_run)
         self.usage: dict[str, float] = self._load_usage()
         self.last: TickRecord | None = None
         self._lock = threading.Lock()
         self._saved_at = 0.0
+        self.stop = threading.Event()
+        self.reload_requested = threading.Event()
+
+    def _with_overrides(self, spec: PolicySpec) -> PolicySpec:
+        """Command-line settings win over the file's, at start and on every reload."""
+        if not self.overrides:
+            return spec
+        return spec.model_copy(update={"agent": spec.agent.model_copy(update=self.overrides)})
 
     def _load_usage(self) -> dict[str, float]:
         try:
@@ -85,9 +98,11 @@ class Agent:
     def tick(self) -> TickRecord:
         started = time.monotonic()
         self.registry.poll()
-        managed = [i for i in self.registry.identities() if claimed(i, self.spec)]
+        # only workloads a rule claims are sensed: the rest are left alone
+        assignments = assign(self.registry.identities(), self.spec)
+        managed = [i for i in self.registry.identities() if i.path in assignments]
         snapshot = self.sensor.snapshot(managed, time.time(), started)
-        plan = make_plan(snapshot, self.spec, self.usage)
+        plan = make_plan(snapshot, self.spec, self.usage, assignments=assignments)
         results = tuple(self.executor.apply(plan, snapshot))
         self.usage = dict(plan.tenant_usage)
         for r in results:
@@ -118,15 +133,21 @@ class Agent:
         if self.config_path is None:
             return
         try:
-            spec = load_policy(self.config_path)
+            spec = self._with_overrides(load_policy(self.config_path))
         except PolicyError as e:
             for problem in e.problems:
                 log.error(
                     "policy.invalid", problem=str(problem), action="keeping the last good policy"
                 )
             return
-        if spec.agent.managed_root != self.spec.agent.managed_root:
-            log.error("policy.managed_root_changed", action="restart nodeagent to move the subtree")
+        fixed = ("managed_root", "socket", "socket_group")
+        changed = [k for k in fixed if getattr(spec.agent, k) != getattr(self.spec.agent, k)]
+        if changed:
+            log.error(
+                "policy.needs_restart",
+                changed=changed,
+                action="keeping the last good policy; restart nodeagent to apply these",
+            )
             return
         self.spec = spec
         log.info("policy.reloaded", file=self.config_path, rules=len(spec.rules))
@@ -175,47 +196,44 @@ class Agent:
     def run(
         self,
         once: bool = False,
-        stop: threading.Event | None = None,
         on_tick: Callable[[TickRecord], None] | None = None,
     ) -> None:
-        stop = stop or threading.Event()
-        reload_requested = threading.Event()
-        _install_signals(stop, reload_requested)
-        interval = self.spec.agent.interval
-        watchdog_every = sdnotify.watchdog_interval()
+        """Tick until self.stop is set. Errors are logged and the loop goes on; the watchdog
+        is fed only while ticks succeed, so systemd restarts an agent that keeps failing."""
+        watchdog_sec = sdnotify.watchdog_interval()
         next_resync = time.monotonic() + self.spec.agent.resync_interval
-        ready = False
-        while not stop.is_set():
-            try:
-                record = self.tick()
-                log.debug(
-                    "tick",
-                    seq=record.snapshot.seq,
-                    seconds=round(record.duration, 4),
-                    workloads=len(record.snapshot.workloads),
+        last_ok: float | None = None
+        next_ping = 0.0
+        while not self.stop.is_set():
+            record = _guarded("tick.failed", self.tick)
+            if record is not None:
+                last_ok = time.monotonic()
+                log.debug("tick", seq=record.snapshot.seq, seconds=round(record.duration, 4))
+                sdnotify.status(
+                    f"tick {record.snapshot.seq}: {len(record.snapshot.workloads)} workloads"
                 )
                 if on_tick is not None:
                     on_tick(record)
-                if not ready:
+                if record.snapshot.seq == 1:
                     sdnotify.ready()
-                    ready = True
-            except NodeagentError as e:
-                log.error("tick.failed", error=str(e))
             if once:
                 break
-            deadline = time.monotonic() + interval
-            while not stop.is_set():
-                if watchdog_every is not None:
+            deadline = time.monotonic() + self.spec.agent.interval
+            while not self.stop.is_set():
+                now = time.monotonic()
+                if watchdog_sec and last_ok and now - last_ok < watchdog_sec and now >= next_ping:
                     sdnotify.watchdog()
-                if reload_requested.is_set():
-                    reload_requested.clear()
-                    self.reload()
-                    interval = self.spec.agent.interval
-                if time.monotonic() >= next_resync:
-                    self.registry.resync()
-                    next_resync = time.monotonic() + self.spec.agent.resync_interval
+                    next_ping = now + watchdog_sec / 2
+                if self.reload_requested.is_set():
+                    self.reload_requested.clear()
+                    _guarded("policy.reload_failed", self.reload)
+                if now >= next_resync:
+                    _guarded("resync.failed", self.registry.resync)
+                    next_resync = now + self.spec.agent.resync_interval
                 left = deadline - time.monotonic()
-                if left <= 0 or self._wait_for_cgroup_events(min(left, 1.0)):
+                if left <= 0 or _guarded(
+                    "watch.failed", self._wait_for_cgroup_events, min(left, 1.0)
+                ):
                     break
         sdnotify.stopping()
         if not self.dry_run:
@@ -227,27 +245,37 @@ class Agent:
         if fd is None:
             time.sleep(timeout)
             return False
-        try:
-            readable, _, _ = select.select([fd], [], [], timeout)
-        except InterruptedError:
-            return False
+        readable, _, _ = select.select([fd], [], [], timeout)
         return bool(readable) and self.registry.poll()
 
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT stop the loop, SIGHUP reloads the policy. Call this before prepare(),
+        so that an early `systemctl reload` does not kill the agent."""
 
-def _install_signals(stop: threading.Event, reload_requested: threading.Event) -> None:
-    if threading.current_thread() is not threading.main_thread():
-        return
+        def on_stop(signum: int, _: FrameType | None) -> None:
+            log.info("stopping", signal=signal.Signals(signum).name)
+            self.stop.set()
 
-    def on_stop(signum: int, _: FrameType | None) -> None:
-        log.info("stopping", signal=signal.Signals(signum).name)
-        stop.set()
+        def on_hup(_signum: int, _frame: FrameType | None) -> None:
+            self.reload_requested.set()
 
-    def on_hup(_signum: int, _frame: FrameType | None) -> None:
-        reload_requested.set()
+        signal.signal(signal.SIGTERM, on_stop)
+        signal.signal(signal.SIGINT, on_stop)
+        signal.signal(signal.SIGHUP, on_hup)
 
-    signal.signal(signal.SIGTERM, on_stop)
-    signal.signal(signal.SIGINT, on_stop)
-    signal.signal(signal.SIGHUP, on_hup)
+
+T = TypeVar("T")
+
+
+def _guarded(event: str, fn: Callable[..., T], *args: object) -> T | None:
+    """Run one step of the loop; an error is logged, never fatal: the next tick retries."""
+    try:
+        return fn(*args)
+    except NodeagentError as e:
+        log.error(event, error=str(e))
+    except Exception as e:  # a bug or an unexpected kernel answer: keep the loop alive
+        log.exception(event, error=f"{type(e).__name__}: {e}")
+    return None
 
 
 def serve(agent: Agent) -> ApiServer:

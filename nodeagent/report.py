@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nodeagent.act import WriteResult
+from nodeagent.cgroupfs.values import Attribute
 from nodeagent.policy.base import describe
 from nodeagent.policy.plan import CgroupPlan, Plan
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
@@ -78,9 +79,30 @@ def allocations(record: TickRecord) -> dict[str, Any]:
     }
 
 
+def _sensed(w: WorkloadState | None) -> dict[str, Any]:
+    """What the sensors read this tick, beyond the settings: usage, throttling, pressure."""
+    if w is None:
+        return {}
+    s = w.sample
+    return {
+        "populated": s.populated,
+        "cpu_rate": w.cpu_rate,
+        "throttled_fraction": w.throttled_fraction,
+        "cpu_pressure_some_avg10": None if s.cpu_psi is None else s.cpu_psi.some.avg10,
+        "memory_current": s.memory_current,
+        "memory_anon": s.memory_anon,
+        "memory_file": s.memory_file,
+        "memory_min": s.memory_min,
+        "memory_low": None if (v := s.settings.get(Attribute.MEMORY_LOW)) is None else v.render(),
+        "memory_events": dict(s.memory_events),
+        "memory_pressure_some_avg10": None if s.memory_psi is None else s.memory_psi.some.avg10,
+    }
+
+
 def explain(record: TickRecord, cg: CgroupPlan) -> dict[str, Any]:
     w = next((w for w in record.snapshot.workloads if w.path == cg.path), None)
     return {
+        "sensed": _sensed(w),
         **describe(cg.identity, cg.assignment),
         "tick": record.snapshot.seq,
         "dry_run": record.dry_run,

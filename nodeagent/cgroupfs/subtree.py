@@ -9,13 +9,11 @@ controllers, and a busy ancestor is reported by name instead of failing later.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from nodeagent.cgroupfs import parse
-from nodeagent.cgroupfs.tree import CgroupTree, CgroupWriteError, split_path
+from nodeagent.cgroupfs.tree import AuditFn, CgroupTree, CgroupWriteError, split_path
 from nodeagent.errors import NodeagentError
-
-AuditFn = Callable[[str, str, str | None, str, str], None]
 
 
 def ensure_managed_root(

@@ -11,10 +11,13 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from nodeagent.errors import NodeagentError, UnsafePath
+
+AuditFn = Callable[[str, str, str | None, str, str], None]
+"""Called for every write: (path, attribute, old value, new value, reason)."""
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _VANISHED = {errno.ENOENT, errno.ENODEV, errno.ESTALE}
@@ -157,13 +160,6 @@ class CgroupTree:
         finally:
             os.close(fd)
 
-    def exists(self, path: str) -> bool:
-        try:
-            with self.open(path):
-                return True
-        except CgroupVanished:
-            return False
-
     def mkdir(self, path: str) -> bool:
         """Create one cgroup whose parent exists; False when it already existed."""
         parts = split_path(path)
@@ -179,14 +175,6 @@ class CgroupTree:
                         f"cgroup path {path!r} exists and is not a directory"
                     ) from None
                 return False
+            except OSError as e:  # EROFS, EAGAIN (cgroup.max.descendants), EACCES, ...
+                raise NodeagentError(f"cannot create cgroup {path}: {e.strerror}") from e
         return True
-
-    def rmdir(self, path: str) -> None:
-        parts = split_path(path)
-        if not parts:
-            raise UnsafePath("refusing to remove the cgroup root")
-        with self.open("/".join(parts[:-1])) as parent:
-            try:
-                os.rmdir(parts[-1], dir_fd=parent.fd)
-            except FileNotFoundError:
-                return

@@ -49,6 +49,8 @@ class Registry:
         changed = False
         for event in self._inotify.read(timeout=0):
             if event.mask & flags.Q_OVERFLOW:
+                # events were lost, deletions and IN_IGNORED among them: start watching afresh
+                self._reset_watches()
                 self.resync()
                 return True
             parent = self._wd_path.get(event.wd)
@@ -83,6 +85,13 @@ class Registry:
         for p in [p for p in self._path_wd if p == path or p.startswith(path + "/")]:
             self._unwatch(p)
         return bool(gone)
+
+    def _reset_watches(self) -> None:
+        if self._inotify is not None:
+            self._inotify.close()
+            self._inotify = INotify()
+        self._wd_path.clear()
+        self._path_wd.clear()
 
     def _watch(self, path: str) -> None:
         if self._inotify is None or path in self._path_wd:

@@ -34,8 +34,3 @@ def assign(workloads: Iterable[WorkloadIdentity], spec: PolicySpec) -> dict[str,
                 out[w.path] = Assignment(rule.name, rule.tenant, rule.workload_class)
                 break
     return out
-
-
-def claimed(w: WorkloadIdentity, spec: PolicySpec) -> bool:
-    """Whether any rule claims the workload; the loop only senses those it may act on."""
-    return any(matches(rule.match, w) for rule in spec.rules)

@@ -1,4 +1,12 @@
-"""Static per-rule caps from the policy file: cpu.max, memory.max and memory.high."""
+"""Static per-rule caps from the policy file: cpu.max, memory.max and memory.high.
+
+memory.max is never to be set below what a cgroup uses (the kernel would OOM-kill
+to get there). While usage is above a rule's memory.max, this policy plans
+memory.high at that target instead, so the kernel reclaims towards it, and the
+executor holds memory.max back. Because the plan owns memory.high whenever it
+sets memory.max, the temporary value is undone as soon as usage fits or the
+rule changes.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +14,48 @@ from collections.abc import Sequence
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax, MemoryLimit
 from nodeagent.policy.base import Decision, PolicyInput
-from nodeagent.spec.model import MAX
+from nodeagent.snapshot import WorkloadState
+from nodeagent.spec.model import MAX, Limits
+
+
+def _bytes(size: int | str) -> int | None:
+    return None if size == MAX else int(size)
+
+
+def _memory(w: WorkloadState, limits: Limits, page: int, why: str) -> list[Decision]:
+    out = []
+    high, high_why = limits.memory_high, f"{why}: memory_high {limits.memory_high}"
+    if limits.memory_max is not None:
+        cap = _bytes(limits.memory_max)
+        out.append(
+            Decision(
+                w.path,
+                Attribute.MEMORY_MAX,
+                MemoryLimit.aligned(cap, page),
+                "static-limits",
+                f"{why}: memory_max {limits.memory_max}",
+            )
+        )
+        usage = w.sample.memory_current
+        if high is None:  # the loader guarantees a given memory_high is <= memory_max
+            high, high_why = MAX, f"{why}: memory_high not set, so max"
+            if cap is not None and usage is not None and usage > cap:
+                high = cap
+                high_why = (
+                    f"{why}: usage {usage} is above memory_max {cap}:"
+                    " memory.high lowered to it first, so the kernel reclaims"
+                )
+    if high is not None:
+        out.append(
+            Decision(
+                w.path,
+                Attribute.MEMORY_HIGH,
+                MemoryLimit.aligned(_bytes(high), page),
+                "static-limits",
+                high_why,
+            )
+        )
+    return out
 
 
 class StaticLimits:
@@ -15,7 +64,7 @@ class StaticLimits:
     def decide(self, given: PolicyInput) -> Sequence[Decision]:
         rules = {r.name: r for r in given.spec.rules}
         page = given.snapshot.node.page_size
-        decisions = []
+        decisions: list[Decision] = []
         for w in given.snapshot.workloads:
             a = given.assignments.get(w.path)
             if a is None:
@@ -34,20 +83,5 @@ class StaticLimits:
                         f"{why}: cpu_max {limits.cpu_max}" + ("" if cores is None else " cores"),
                     )
                 )
-            for attr, size in (
-                (Attribute.MEMORY_MAX, limits.memory_max),
-                (Attribute.MEMORY_HIGH, limits.memory_high),
-            ):
-                if size is None:
-                    continue
-                limit = MemoryLimit.aligned(None if size == MAX else int(size), page)
-                decisions.append(
-                    Decision(
-                        w.path,
-                        attr,
-                        limit,
-                        self.name,
-                        f"{why}: {attr.replace('.', '_')} {size}",
-                    )
-                )
+            decisions.extend(_memory(w, limits, page, why))
         return decisions

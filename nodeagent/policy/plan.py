@@ -58,9 +58,12 @@ def make_plan(
     spec: PolicySpec,
     previous_usage: Mapping[str, float],
     policies: Sequence[Policy] = DEFAULT_POLICIES,
+    assignments: Mapping[str, Assignment] | None = None,
 ) -> Plan:
+    """`assignments` may be passed in when the caller already classified the workloads."""
     identities = [w.identity for w in snapshot.workloads]
-    assignments = assign(identities, spec)
+    if assignments is None:
+        assignments = assign(identities, spec)
     usage = history.advance(previous_usage, snapshot, assignments, spec.fair_share.half_life)
     given = PolicyInput(snapshot, spec, assignments, usage)
     targets: dict[str, dict[Attribute, Target]] = {i.path: {} for i in identities}

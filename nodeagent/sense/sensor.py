@@ -14,20 +14,29 @@ from nodeagent.snapshot import CgroupSample, NodeSnapshot, WorkloadState
 
 @dataclass(frozen=True, slots=True)
 class _Counters:
+    at: float
     usage_us: int
     periods: int
     throttled: int
 
 
 class Sensor:
-    """Reads every known workload once per tick. Vanished cgroups are dropped silently."""
+    """Reads every known workload once per tick. Vanished cgroups are dropped silently.
 
-    def __init__(self, tree: CgroupTree, node: NodeSensor) -> None:
+    Rates are measured over at least `min_window` seconds: a tick that inotify brings
+    early would otherwise divide a counter that moves in scheduler ticks by a few
+    milliseconds, and a busy cgroup could read as idle. Inside the window the last rate
+    stands and the baseline is kept.
+    """
+
+    def __init__(self, tree: CgroupTree, node: NodeSensor, min_window: float = 0.0) -> None:
         self.tree = tree
         self.node = node
+        self.min_window = min_window
         self._seq = 0
         self._last_mono: float | None = None
-        self._counters: dict[str, _Counters] = {}
+        self._baseline: dict[str, _Counters] = {}
+        self._rates: dict[str, tuple[float, float]] = {}
 
     def snapshot(
         self, workloads: Iterable[WorkloadIdentity], wall_time: float, monotonic: float
@@ -35,30 +44,40 @@ class Sensor:
         elapsed = None if self._last_mono is None else monotonic - self._last_mono
         node = self.node.read()
         states = []
-        counters: dict[str, _Counters] = {}
+        baseline: dict[str, _Counters] = {}
+        rates: dict[str, tuple[float, float]] = {}
         for identity in workloads:
             try:
                 with self.tree.open(identity.path) as d:
                     sample = read_sample(d, node.page_size)
             except CgroupVanished:
                 continue
-            rate, throttled = None, None
-            now = _counters(sample)
+            path = identity.path
+            now = _counters(sample, monotonic)
+            prev = self._baseline.get(path)
             if now is not None:
-                counters[identity.path] = now
-                prev = self._counters.get(identity.path)
-                if prev is not None and elapsed:
-                    rate = max(0, now.usage_us - prev.usage_us) / 1e6 / elapsed
+                baseline[path] = now
+                if prev is not None and now.at - prev.at < self.min_window:
+                    baseline[path] = prev  # too soon: keep measuring from the old baseline
+                    if path in self._rates:
+                        rates[path] = self._rates[path]
+                elif prev is not None and now.at > prev.at:
                     periods = now.periods - prev.periods
-                    throttled = (now.throttled - prev.throttled) / periods if periods > 0 else 0.0
+                    rates[path] = (
+                        max(0, now.usage_us - prev.usage_us) / 1e6 / (now.at - prev.at),
+                        (now.throttled - prev.throttled) / periods if periods > 0 else 0.0,
+                    )
+            rate, throttled = rates.get(path, (None, None))
             states.append(WorkloadState(identity, sample, rate, throttled))
-        self._counters = counters
+        self._baseline, self._rates = baseline, rates
         self._last_mono = monotonic
         self._seq += 1
         return NodeSnapshot(self._seq, wall_time, elapsed, node, tuple(states))
 
 
-def _counters(sample: CgroupSample) -> _Counters | None:
+def _counters(sample: CgroupSample, at: float) -> _Counters | None:
     if sample.cpu_usage_us is None:
         return None
-    return _Counters(sample.cpu_usage_us, sample.cpu_nr_periods or 0, sample.cpu_nr_throttled or 0)
+    return _Counters(
+        at, sample.cpu_usage_us, sample.cpu_nr_periods or 0, sample.cpu_nr_throttled or 0
+    )

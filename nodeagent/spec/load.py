@@ -20,9 +20,24 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from nodeagent.cgroupfs.values import QUOTA_MAX_US, QUOTA_MIN_US
 from nodeagent.errors import NodeagentError
-from nodeagent.spec.model import PolicySpec
+from nodeagent.spec.model import MAX, PolicySpec
 
 MAX_BYTES = 1 << 20  # a real policy is a few kilobytes; this also stops a read of /dev/zero
+MIN_MEMORY = 1 << 20  # a smaller memory limit is a unit mistake (512 meant as 512Mi), not a policy
+# Trees that systemd or a container runtime owns: nodeagent's subtree must not be inside one,
+# unless it is below a service of its own (Delegate=yes).
+_OTHERS_TREES = frozenset(
+    {
+        "system.slice",
+        "user.slice",
+        "machine.slice",
+        "init.scope",
+        "kubepods",
+        "kubepods.slice",
+        "docker",
+        "libpod_parent",
+    }
+)
 MAX_NODES = 100_000  # counted with every alias expanded, which stops "billion laughs" documents
 EXAMPLE = "config/policy.yaml"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -366,6 +381,14 @@ def _check_semantics(spec: PolicySpec, root: Node, report: _Report) -> None:
             "must be a path relative to the cgroup root, such as nodeagent.slice, without "
             f"'..' or empty parts, got {managed!r}",
         )
+    parts = managed.split("/")
+    if parts[0] in _OTHERS_TREES and not any(p.endswith(".service") for p in parts[:-1]):
+        add(
+            ("agent", "managed_root"),
+            f"{managed!r} is inside {parts[0]}, which systemd or a container runtime owns;"
+            " use nodeagent.slice, or a path below nodeagent's own service cgroup with"
+            " Delegate=yes, such as system.slice/nodeagent.service/workloads",
+        )
     first_rule: dict[str, int] = {}
     for i, rule in enumerate(spec.rules):
         if rule.name in first_rule:
@@ -379,11 +402,19 @@ def _check_semantics(spec: PolicySpec, root: Node, report: _Report) -> None:
             add(("rules", i, "tenant"), f"unknown tenant {rule.tenant!r}{hint}")
         limits = rule.limits
         high, cap = limits.memory_high, limits.memory_max
-        if isinstance(high, int) and isinstance(cap, int) and high > cap:
+        if isinstance(cap, int) and (high == MAX or (isinstance(high, int) and high > cap)):
             add(
                 ("rules", i, "limits", "memory_high"),
-                f"memory_high ({high} bytes) is above memory_max ({cap} bytes)",
+                f"memory_high ({high if high == MAX else f'{high} bytes'}) is above"
+                f" memory_max ({cap} bytes)",
             )
+        for key, size in (("memory_max", cap), ("memory_high", high)):
+            if isinstance(size, int) and size < MIN_MEMORY:
+                add(
+                    ("rules", i, "limits", key),
+                    f"{size} bytes is below 1Mi; sizes are bytes unless they have a unit,"
+                    " such as 512Mi",
+                )
         if isinstance(limits.cpu_max, float):
             quota = limits.cpu_max * limits.cpu_period_us
             if quota < QUOTA_MIN_US:

@@ -173,6 +173,7 @@ def test_memory_max_is_never_set_below_usage(
     assert wait_for(lambda: int(read(job, "memory.current")) < 32 * MiB, timeout=30)
     a.tick()
     assert read(job, "memory.max") == str(32 * MiB)
+    assert read(job, "memory.high") == "max", "the plan owns memory.high: the lowering is undone"
 
 
 def test_a_new_cgroup_gets_its_policy_without_waiting_for_the_resync(
@@ -186,8 +187,7 @@ def test_a_new_cgroup_gets_its_policy_without_waiting_for_the_resync(
         rules=[{"name": "cap", "match": {"name": "*"}, "tenant": "a", "limits": {"cpu_max": 0.5}}],
     )
     a = agent(policy)
-    stop = threading.Event()
-    loop = threading.Thread(target=a.run, kwargs={"stop": stop}, daemon=True)
+    loop = threading.Thread(target=a.run, daemon=True)
     loop.start()
     try:
         assert wait_for(lambda: a.last is not None, timeout=30)
@@ -197,6 +197,6 @@ def test_a_new_cgroup_gets_its_policy_without_waiting_for_the_resync(
             "inotify must trigger a tick: neither the interval nor the resync is due for an hour"
         )
     finally:
-        stop.set()
+        a.stop.set()
         loop.join(timeout=10)
     assert not loop.is_alive()

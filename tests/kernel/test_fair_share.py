@@ -63,14 +63,13 @@ def test_cpu_split_follows_shares_not_cgroup_count(
         ],
     )
     a = agent(policy)
-    stop = threading.Event()
-    loop = threading.Thread(target=a.run, kwargs={"stop": stop}, daemon=True)
+    loop = threading.Thread(target=a.run, daemon=True)
     loop.start()
     try:
         assert wait_for(lambda: a.last is not None and a.last.snapshot.seq >= 3, timeout=30)
         with_agent = split(cgroups, WINDOW)
     finally:
-        stop.set()
+        a.stop.set()
         loop.join(timeout=10)
     ratio = with_agent["a"] / with_agent["b"]
     print(f"a:b without agent {ratio_without:.2f} {without}")

@@ -69,4 +69,23 @@ def test_moving_the_managed_root_needs_a_restart(policy_file: Path, tmp_path: Pa
     with structlog.testing.capture_logs() as logs:
         agent.reload()
     assert set(agent.spec.tenants) == {"research"}
-    assert any(e["event"] == "policy.managed_root_changed" for e in logs)
+    assert [e["changed"] for e in logs if e["event"] == "policy.needs_restart"] == [
+        ["managed_root"]
+    ]
+
+
+def test_command_line_overrides_survive_a_reload(policy_file: Path, tmp_path: Path) -> None:
+    cgroups = tmp_path / "cgroup"
+    cgroups.mkdir()
+    agent = Agent(
+        load_policy(policy_file),
+        CgroupTree(str(cgroups)),
+        dry_run=True,
+        config_path=str(policy_file),
+        overrides={"interval": 0.2},
+    )
+    assert agent.spec.agent.interval == 0.2
+    policy_file.write_text(policy_file.read_text() + "  prod: {shares: 1}\n")
+    agent.reload()
+    assert set(agent.spec.tenants) == {"research", "prod"}
+    assert agent.spec.agent.interval == 0.2

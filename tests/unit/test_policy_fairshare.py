@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.policy.base import Decision
 from nodeagent.policy.fairshare import FairShare, is_active
-from nodeagent.snapshot import WorkloadState
+from nodeagent.snapshot import CgroupSample, WorkloadState
 from nodeagent.spec.model import FairShareSettings
 
 
@@ -236,3 +236,23 @@ def test_fair_share_never_fails_and_stays_in_range(
             mine = {v for p, v in w.items() if p.startswith(f"nodeagent.slice/{tenant}-")}
             assert len(mine) == 1, "a tenant's cgroups get one weight"
     assert "other.slice/unmanaged.service" not in w
+
+
+def _with_weight(w: WorkloadState, weight: int) -> WorkloadState:
+    sample = CgroupSample(populated=True, settings={Attribute.CPU_WEIGHT: CpuWeight(weight)})
+    return WorkloadState(w.identity, sample, w.cpu_rate)
+
+
+@pytest.mark.parametrize(
+    ("current", "expected"),
+    [(333, 333), (320, 320), (346, 346), (316, 333), (350, 333), (100, 333)],
+)
+def test_a_weight_within_the_deadband_is_kept(current: int, expected: int) -> None:
+    """The target is 333; within 5% (316.6..349.7) the kernel's value stands, so no write."""
+    workloads = [_with_weight(TWO_TO_ONE[0], current), *TWO_TO_ONE[1:]]
+    assert decide(workloads, {"a": 2, "b": 1})["nodeagent.slice/a-1"] == expected
+
+
+def test_a_zero_deadband_always_writes_the_target() -> None:
+    workloads = [_with_weight(TWO_TO_ONE[0], 332), *TWO_TO_ONE[1:]]
+    assert decide(workloads, {"a": 2, "b": 1}, deadband=0)["nodeagent.slice/a-1"] == 333

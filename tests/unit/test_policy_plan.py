@@ -11,6 +11,7 @@ from builders import docker, service, snapshot, spec, workload
 from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, MemoryLimit, Value
 from nodeagent.policy.base import Decision, PolicyInput
 from nodeagent.policy.plan import CgroupPlan, Plan, make_plan
+from nodeagent.snapshot import CgroupSample, WorkloadState
 from nodeagent.spec.model import PolicySpec, WorkloadClass
 
 
@@ -123,6 +124,7 @@ def limits_spec(**limits: object) -> PolicySpec:
             {
                 Attribute.CPU_MAX: CpuMax(25_000, 50_000),
                 Attribute.MEMORY_MAX: MemoryLimit(999_424, 4096),  # rounded down to a page
+                Attribute.MEMORY_HIGH: MemoryLimit(None, 4096),  # owned with memory.max
             },
         ),
         (
@@ -168,3 +170,22 @@ def test_static_limit_reasons() -> None:
     assert targets[Attribute.CPU_MAX].reason == "rule docker: cpu_max 1.5 cores"
     assert targets[Attribute.MEMORY_MAX].reason == f"rule docker: memory_max {4 << 30}"
     assert targets[Attribute.CPU_MAX].render() == "150000 100000"
+
+
+@pytest.mark.parametrize(
+    ("limits", "usage", "high"),
+    [
+        ({"memory_max": "64Mi"}, 100 << 20, 64 << 20),  # above: high lowered to the target
+        ({"memory_max": "64Mi"}, 10 << 20, None),  # fits: high back to max
+        ({"memory_max": "64Mi", "memory_high": "48Mi"}, 100 << 20, 48 << 20),  # rule's own high
+        ({"memory_max": "max"}, 100 << 20, None),
+    ],
+)
+def test_memory_high_is_planned_with_memory_max(
+    limits: dict[str, object], usage: int, high: int | None
+) -> None:
+    """The plan owns memory.high whenever it sets memory.max, so a lowered high is undone."""
+    w = workload(docker())
+    w = WorkloadState(w.identity, CgroupSample(populated=True, memory_current=usage), 1.0)
+    cg = by_path(make_plan(snapshot([w]), limits_spec(**limits), {}))[docker().path]
+    assert cg.targets[Attribute.MEMORY_HIGH].value == MemoryLimit(high, 4096)

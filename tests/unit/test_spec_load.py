@@ -232,12 +232,45 @@ def test_memory_high_above_memory_max() -> None:
 
 
 @pytest.mark.parametrize(
-    ("high", "cap"), [("1Gi", "1Gi"), ("max", "1Gi"), ("2Gi", "max"), ("2Gi", "null")]
+    ("high", "cap", "expected"),
+    [("1Gi", "1Gi", 1 << 30), ("2Gi", "max", 2 << 30), ("2Gi", "null", 2 << 30)],
 )
-def test_memory_high_not_above_memory_max(high: str, cap: str) -> None:
+def test_memory_high_not_above_memory_max(high: str, cap: str, expected: int) -> None:
     text = HEAD + "rules:\n  - name: r\n    match: {}\n    tenant: prod\n"
     text += f"    limits: {{memory_max: {cap}, memory_high: {high}}}\n"
-    assert parse_policy(text, "p.yaml").rules[0].limits.memory_high is not None
+    assert parse_policy(text, "p.yaml").rules[0].limits.memory_high == expected
+
+
+def test_memory_high_max_with_a_finite_memory_max_is_refused() -> None:
+    text = HEAD + "rules:\n  - name: r\n    match: {}\n    tenant: prod\n"
+    text += "    limits: {memory_max: 1Gi, memory_high: max}\n"
+    assert problems(text) == [
+        "p.yaml:9:44: rules[0].limits.memory_high: "
+        "memory_high (max) is above memory_max (1073741824 bytes)"
+    ]
+
+
+def test_a_memory_size_without_a_unit_below_1mi_is_refused() -> None:
+    text = HEAD + "rules:\n  - {name: r, match: {}, tenant: prod, limits: {memory_max: 512}}\n"
+    assert problems(text) == [
+        "p.yaml:6:61: rules[0].limits.memory_max: 512 bytes is below 1Mi; sizes are bytes"
+        " unless they have a unit, such as 512Mi"
+    ]
+
+
+@pytest.mark.parametrize("root", ["system.slice", "system.slice/foo", "kubepods/x", "docker"])
+def test_a_managed_root_inside_another_owners_tree_is_refused(root: str) -> None:
+    text = HEAD.replace("version: 1\n", f"version: 1\nagent: {{managed_root: {root}}}\n", 1)
+    found = problems(text)
+    assert len(found) == 1
+    assert "agent.managed_root: " in found[0]
+    assert "systemd or a container runtime owns" in found[0]
+
+
+def test_a_managed_root_below_our_own_service_is_allowed() -> None:
+    root = "system.slice/nodeagent.service/workloads"
+    text = HEAD.replace("version: 1\n", f"version: 1\nagent: {{managed_root: {root}}}\n", 1)
+    assert parse_policy(text, "p.yaml").agent.managed_root == root
 
 
 def test_cpu_quota_below_kernel_minimum() -> None:
