@@ -61,12 +61,15 @@ class CgroupDir:
         self.path = path
         self.fd = fd
 
-    def read(self, name: str) -> str:
+    def _open_file(self, name: str, mode: int) -> int:
         _file_name(name)
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+            return os.open(name, mode | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
         except OSError as e:
             raise self._translate(e, name) from e
+
+    def read(self, name: str) -> str:
+        fd = self._open_file(name, os.O_RDONLY)
         try:
             return os.read(fd, 1 << 16).decode()
         except OSError as e:
@@ -84,11 +87,7 @@ class CgroupDir:
             raise
 
     def write(self, name: str, value: str) -> None:
-        _file_name(name)
-        try:
-            fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
-        except OSError as e:
-            raise self._translate(e, name) from e
+        fd = self._open_file(name, os.O_WRONLY)
         try:
             os.write(fd, value.encode())
         except OSError as e:
