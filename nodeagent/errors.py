@@ -9,7 +9,7 @@ class CgroupUnavailable(NodeagentError):
     """The host cannot give nodeagent a usable cgroup v2 hierarchy."""
 
 
-class UnsafePath(NodeagentError):
+class UnsafePath(NodeagentError, ValueError):
     """A cgroup path that would leave the cgroup root or pass through a symlink."""
 
 

@@ -43,6 +43,8 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
+from nodeagent.cgroupfs.tree import split_path
+from nodeagent.errors import UnsafePath
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
 
 __all__ = ["classify"]
@@ -173,20 +175,17 @@ _USER_MANAGER_UNIT: Final = re.compile(r"user@[0-9]+\.service", re.ASCII)
 
 
 def _check_path(path: str, what: str) -> None:
-    """Refuse anything but a relative, normalised cgroup path.
+    """Refuse anything but a relative, normalised cgroup path, and the root itself.
 
     The caller sanitises already; this guards the pattern matching against a path
     that names one cgroup but would be read as another ('a/../b', 'a//b', '/a').
     """
-    if not path:
-        raise ValueError(f"{what} is empty")
-    if path.startswith("/"):
-        raise ValueError(f"{what} must be relative to the cgroup root: {path!r}")
-    if "\0" in path:
-        raise ValueError(f"{what} contains a NUL byte: {path!r}")
-    for part in path.split("/"):
-        if part in ("", ".", ".."):
-            raise ValueError(f"{what} has an empty, '.' or '..' component: {path!r}")
+    try:
+        parts = split_path(path)
+    except UnsafePath as e:
+        raise UnsafePath(f"{what}: {e}") from None
+    if not parts:
+        raise UnsafePath(f"{what} is empty")
 
 
 def _from_match(path: str, rule: _Rule, m: re.Match[str]) -> WorkloadIdentity:

@@ -18,8 +18,9 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from nodeagent.cgroupfs.tree import split_path
 from nodeagent.cgroupfs.values import QUOTA_MAX_US, QUOTA_MIN_US
-from nodeagent.errors import NodeagentError
+from nodeagent.errors import NodeagentError, UnsafePath
 from nodeagent.spec.model import MAX, PolicySpec
 
 MAX_BYTES = 1 << 20  # a real policy is a few kilobytes; this also stops a read of /dev/zero
@@ -365,6 +366,13 @@ def _explain(root: Node, error: ErrorDetails) -> tuple[yaml.Mark, str]:
     return node.start_mark, f"{path}: {message}" if path else message
 
 
+def _is_relative_path(path: str) -> bool:
+    try:
+        return bool(split_path(path))
+    except UnsafePath:
+        return False
+
+
 def _check_semantics(spec: PolicySpec, root: Node, report: _Report) -> None:
     """What the schema cannot say alone: cross references, uniqueness and safe paths."""
 
@@ -375,7 +383,7 @@ def _check_semantics(spec: PolicySpec, root: Node, report: _Report) -> None:
         return _find(root, loc)[0].start_mark.line + 1
 
     managed = spec.agent.managed_root
-    if managed.startswith("/") or any(p in ("", ".", "..") for p in managed.split("/")):
+    if not _is_relative_path(managed):
         add(
             ("agent", "managed_root"),
             "must be a path relative to the cgroup root, such as nodeagent.slice, without "
