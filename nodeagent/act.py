@@ -75,10 +75,11 @@ class Executor:
                 else:
                     why = f"owned by {cg.identity.owner}: not written directly"
                     results.append(_result(change, Outcome.READ_ONLY, why))
-        loosen = [
-            p for p in pending if p.current is not None and is_looser(p.target.value, p.current)
-        ]
-        tighten = [p for p in pending if p not in loosen]
+        loosen: list[_Pending] = []
+        tighten: list[_Pending] = []
+        for p in pending:
+            looser = p.current is not None and is_looser(p.target.value, p.current)
+            (loosen if looser else tighten).append(p)
         # memory.max last within a cgroup: memory.high, lowered first, makes the kernel reclaim
         ordered = sorted(loosen, key=lambda p: p.depth) + sorted(
             tighten, key=lambda p: (-p.depth, p.attribute is Attribute.MEMORY_MAX)

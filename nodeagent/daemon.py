@@ -99,8 +99,9 @@ class Agent:
         started = time.monotonic()
         self.registry.poll()
         # only workloads a rule claims are sensed: the rest are left alone
-        assignments = assign(self.registry.identities(), self.spec)
-        managed = [i for i in self.registry.identities() if i.path in assignments]
+        identities = self.registry.identities()
+        assignments = assign(identities, self.spec)
+        managed = [i for i in identities if i.path in assignments]
         snapshot = self.sensor.snapshot(managed, time.time(), started)
         plan = make_plan(snapshot, self.spec, self.usage, assignments=assignments)
         results = tuple(self.executor.apply(plan, snapshot))
@@ -150,6 +151,7 @@ class Agent:
             )
             return
         self.spec = spec
+        self.sensor.min_window = spec.agent.interval / 2
         log.info("policy.reloaded", file=self.config_path, rules=len(spec.rules))
 
     # --- the API's view -------------------------------------------------------------------

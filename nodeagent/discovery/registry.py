@@ -8,7 +8,6 @@ anything inotify can miss (queue overflow, a watch that raced a mkdir).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
 
 from inotify_simple import INotify, flags
 
@@ -116,5 +115,5 @@ class Registry:
         if path is not None:
             self._path_wd.pop(path, None)
 
-    def identities(self) -> Iterable[WorkloadIdentity]:
+    def identities(self) -> list[WorkloadIdentity]:
         return list(self.workloads.values())
