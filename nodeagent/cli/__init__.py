@@ -1,0 +1,56 @@
+"""The nodeagent command line: run the daemon, and inspect and explain what it does.
+
+One module per group of commands. Commands import what they need when they run, so the
+read commands stay light, which matters where Python's imports are slow (a VM's shared
+filesystem).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from nodeagent.cli import inspection, run
+from nodeagent.errors import NodeagentError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="nodeagent")
+def main() -> None:
+    """Set cgroup v2 CPU and memory controls for this host's workloads from a policy file.
+
+    \b
+    Start here:
+      nodeagent validate config/policy.yaml     check a policy file
+      nodeagent workloads --config FILE         what discovery finds, and which rule claims it
+      nodeagent run --config FILE --dry-run     print the plan, write nothing
+      nodeagent run --config FILE               the daemon (as root, on cgroup v2)
+      nodeagent allocations                     what the daemon set, and why
+      nodeagent explain CGROUP                  the full policy trace for one workload
+    """
+
+
+for _command in (
+    run.validate,
+    run.run,
+    inspection.workloads,
+    inspection.allocations_cmd,
+    inspection.explain,
+):
+    main.add_command(_command)
+
+
+def entrypoint() -> None:
+    """Console script: one-line errors for everything an operator can get wrong."""
+    try:
+        main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except NodeagentError as e:
+        click.echo(f"nodeagent: error: {e}", err=True)
+        sys.exit(1)

@@ -1,0 +1,41 @@
+"""What the commands share: the socket and --json options, and loading a policy file."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+from nodeagent.api import client
+
+if TYPE_CHECKING:
+    from nodeagent.spec.model import PolicySpec
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEFAULT_SOCKET = client.DEFAULT_SOCKET
+
+
+def socket_option(f: F) -> F:
+    return click.option(
+        "--socket",
+        envvar="NODEAGENT_SOCKET",
+        default=DEFAULT_SOCKET,
+        show_default=True,
+        help="The daemon's API socket (env NODEAGENT_SOCKET).",
+    )(f)
+
+
+def json_option(f: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(f)
+
+
+def load(path: str) -> PolicySpec:
+    """The policy at `path`, or a ClickException listing every problem as FILE:LINE:COL."""
+    from nodeagent.spec.load import PolicyError, load_policy
+
+    try:
+        return load_policy(path)
+    except PolicyError as e:
+        raise click.ClickException(str(e)) from e

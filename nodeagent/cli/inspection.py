@@ -1,0 +1,151 @@
+"""The read commands: what discovery finds, what the daemon set, and why."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import click
+
+from nodeagent.api import client
+from nodeagent.cli.common import json_option, load, socket_option
+from nodeagent.errors import NodeagentError
+from nodeagent.tables import SHOWN, change, cores, size, table
+
+
+def allocations_table(data: Mapping[str, Any]) -> str:
+    rows = []
+    for a in data["allocations"]:
+        v = a["values"]
+        rows.append(
+            (
+                a["cgroup"] + ("" if a["writable"] else " (read-only)"),
+                a["tenant"],
+                a["class"],
+                change(v["cpu.weight"]["current"], v["cpu.weight"]["target"]),
+                change(v["cpu.max"]["current"], v["cpu.max"]["target"]),
+                change(size(v["memory.max"]["current"]), size(v["memory.max"]["target"])),
+                change(size(v["memory.high"]["current"]), size(v["memory.high"]["target"])),
+                cores(a["cpu_rate"]),
+                a["reason"],
+            )
+        )
+    mode = " (dry run: nothing written)" if data["dry_run"] else ""
+    head = f"tick {data['tick']}{mode}: {len(rows)} workloads; OLD->NEW where the kernel differs"
+    headers = (
+        "CGROUP",
+        "TENANT",
+        "CLASS",
+        "CPU.WEIGHT",
+        "CPU.MAX",
+        "MEM.MAX",
+        "MEM.HIGH",
+        "CPU",
+        "REASON",
+    )
+    return head + "\n" + table(headers, rows)
+
+
+@click.command("allocations")
+@socket_option
+@json_option
+def allocations_cmd(socket: str, as_json: bool) -> None:
+    """What the daemon set on each workload, the measured CPU (cores), and why.
+
+    Values show OLD->NEW where the kernel still holds something else than the
+    plan: in a dry run, for cgroups owned by systemd (read-only for now), or
+    when a write failed.
+    """
+    data = client.get(socket, "/v1/allocations")
+    assert isinstance(data, dict)
+    click.echo(json.dumps(data, indent=2, sort_keys=True) if as_json else allocations_table(data))
+
+
+@click.command()
+@click.argument("cgroup")
+@socket_option
+@json_option
+def explain(cgroup: str, socket: str, as_json: bool) -> None:
+    """The policy trace that produced CGROUP's values.
+
+    CGROUP is a path relative to the cgroup root, an absolute path, a workload
+    name or a container-id prefix.
+    """
+    data = client.get(socket, "/v1/explain", {"cgroup": cgroup})
+    assert isinstance(data, dict)
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        return
+    lines = [
+        f"{data['cgroup']}  ({data['kind']}, {data['runtime']}, owner {data['owner']}"
+        + ("" if data["writable"] else ", read-only")
+        + ")",
+        f"  rule {data['rule']}  tenant {data['tenant']}  class {data['class']}",
+        f"  cpu now: {cores(data['cpu_rate'])} cores   (tick {data['tick']}"
+        + (", dry run" if data["dry_run"] else "")
+        + ")",
+        "values:",
+    ]
+    for attr in SHOWN:
+        v = data["values"][attr]
+        if v["target"] is not None or v["current"] is not None:
+            why = f"  [{v['policy']}] {v['reason']}" if v["policy"] else ""
+            lines.append(f"  {attr:<12} {change(v['current'], v['target'])}{why}")
+    if data["sensed"]:
+        lines.append("sensed this tick:")
+        lines.extend(f"  {k:<28} {v}" for k, v in data["sensed"].items() if v not in (None, {}))
+    lines.append("trace:")
+    lines.extend(f"  {t}" for t in data["trace"])
+    for w in data["writes"]:
+        lines.append(
+            f"last tick: {w['attribute']} {w['old']}->{w['new']}: {w['outcome']} {w['detail']}"
+        )
+    click.echo("\n".join(lines))
+
+
+@click.command()
+@click.option("--cgroup-root", default="/sys/fs/cgroup", show_default=True, metavar="DIR")
+@click.option("--config", "-c", "config", metavar="FILE", help="Also show each workload's rule.")
+@json_option
+def workloads(cgroup_root: str, config: str | None, as_json: bool) -> None:
+    """List the workload cgroups discovery finds, reading the tree directly (no daemon)."""
+    from nodeagent.cgroupfs.tree import CgroupTree
+    from nodeagent.discovery.registry import Registry
+    from nodeagent.policy.base import describe
+    from nodeagent.policy.classify import assign
+    from nodeagent.spec.model import AgentSettings
+
+    spec = load(config) if config else None
+    managed_root = spec.agent.managed_root if spec else AgentSettings().managed_root
+    if not os.path.isdir(cgroup_root):
+        raise NodeagentError(f"cgroup root {cgroup_root} is not a directory")
+    registry = Registry(CgroupTree(cgroup_root), managed_root, watch=False)
+    registry.resync()
+    found = sorted(registry.identities(), key=lambda i: i.path)
+    assigned = assign(found, spec) if spec else {}
+    rows: list[dict[str, Any]] = [describe(i, assigned.get(i.path)) for i in found]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    headers = ("CGROUP", "KIND", "RUNTIME", "OWNER", "ID", "POD", "QOS", "TENANT", "CLASS")
+    click.echo(
+        table(
+            headers,
+            [
+                (
+                    r["cgroup"],
+                    r["kind"],
+                    r["runtime"],
+                    f"{r['owner']}" + ("" if r["writable"] else " (read-only)"),
+                    (r["container_id"] or "")[:12] or None,
+                    r["pod_uid"],
+                    r["qos"],
+                    r["tenant"],
+                    r["class"],
+                )
+                for r in rows
+            ],
+        )
+    )

@@ -1,0 +1,123 @@
+"""The daemon's commands: check a policy file, and run the reconcile loop."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import click
+
+from nodeagent.cli.common import load
+from nodeagent.errors import NodeagentError
+
+if TYPE_CHECKING:
+    from nodeagent.report import TickRecord
+
+
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=True))
+def validate(file: str) -> None:
+    """Check a policy FILE; print FILE:LINE:COL: message for every problem.
+
+    Exits 0 when the file is valid, 1 otherwise.
+    """
+    from nodeagent.spec.load import PolicyError, load_policy
+
+    try:
+        spec = load_policy(file)
+    except PolicyError as e:
+        click.echo(str(e), err=True)
+        sys.exit(1)
+    click.echo(f"{file}: ok ({len(spec.tenants)} tenants, {len(spec.rules)} rules)")
+
+
+@click.command()
+@click.option("--config", "-c", "config", required=True, metavar="FILE", help="Policy YAML.")
+@click.option("--cgroup-root", default="/sys/fs/cgroup", show_default=True, metavar="DIR")
+@click.option("--proc-root", default="/proc", show_default=True, metavar="DIR")
+@click.option("--once", is_flag=True, help="Run one tick, then exit.")
+@click.option("--dry-run", is_flag=True, help="Print the plan; write nothing to any cgroup.")
+@click.option("--interval", type=click.FloatRange(min=0.05), help="Seconds between ticks.")
+@click.option("--socket", metavar="PATH", help="API socket (default: agent.socket in the policy).")
+@click.option("--state-file", metavar="PATH", help="Default: agent.state_file in the policy.")
+@click.option("--no-api", is_flag=True, help="Do not serve the local API.")
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
+def run(
+    *,
+    config: str,
+    cgroup_root: str,
+    proc_root: str,
+    once: bool,
+    dry_run: bool,
+    interval: float | None,
+    socket: str | None,
+    state_file: str | None,
+    no_api: bool,
+    log_level: str,
+) -> None:
+    """Run the reconcile loop: discover workloads, apply the policy, serve the API.
+
+    Needs root and a cgroup v2 hierarchy with the cpu and memory controllers;
+    it checks both first and exits with a one-line error, writing nothing,
+    when either is missing. SIGHUP reloads the policy file; a bad file is
+    reported and the last good policy stays in force.
+    """
+    from nodeagent import logs
+    from nodeagent.cgroupfs.detect import detect
+    from nodeagent.cgroupfs.tree import CgroupTree
+    from nodeagent.daemon import Agent, serve
+
+    logs.configure(log_level)
+    spec = load(config)
+    overrides = {
+        k: v
+        for k, v in {"interval": interval, "socket": socket, "state_file": state_file}.items()
+        if v is not None
+    }
+    host = detect(cgroup_root, proc_root)
+    if not dry_run and os.geteuid() != 0:
+        raise NodeagentError("nodeagent run writes cgroup files and needs root (or use --dry-run)")
+    agent = Agent(
+        spec,
+        CgroupTree(host.root),
+        proc_root=proc_root,
+        dry_run=dry_run,
+        config_path=config,
+        overrides=overrides,
+    )
+    agent.install_signal_handlers()
+    agent.prepare()
+    server = None if no_api or once else serve(agent)
+    try:
+        agent.run(once=once, on_tick=_plan_printer() if dry_run else None)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _plan_printer() -> Callable[[TickRecord], None]:
+    """Dry-run: print the plan after the first tick and whenever it changes."""
+    from nodeagent.cli.inspection import allocations_table
+    from nodeagent.report import allocations
+
+    shown: list[object] = []
+
+    def show(record: TickRecord) -> None:
+        key = [
+            (c.path, sorted((str(a), t.render()) for a, t in c.targets.items()))
+            for c in record.plan.cgroups
+        ]
+        if shown != [key]:
+            shown[:] = [key]
+            click.echo(allocations_table(allocations(record)))
+            click.echo()
+            sys.stdout.flush()
+
+    return show
