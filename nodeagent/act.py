@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from nodeagent.cgroupfs import parse
 from nodeagent.cgroupfs.tree import AuditFn, CgroupDir, CgroupTree, CgroupVanished
 from nodeagent.cgroupfs.values import Attribute, MemoryLimit, Value, is_looser
-from nodeagent.errors import NodeagentError
+from nodeagent.errors import NodeagentError, one_line
 from nodeagent.policy.plan import Plan, Target
 from nodeagent.snapshot import NodeSnapshot
 
@@ -101,8 +101,8 @@ class Executor:
                 return self._write(d, p)
         except CgroupVanished:
             return _result(p, Outcome.VANISHED)
-        except NodeagentError as e:
-            return _result(p, Outcome.FAILED, str(e))
+        except Exception as e:  # refused, unreadable, unparsable: this write only
+            return _result(p, Outcome.FAILED, one_line(e))
 
     def _write(self, d: CgroupDir, p: _Pending) -> WriteResult:
         """Re-read the old value (recorded in the audit), then write only if it still differs."""

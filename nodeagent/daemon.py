@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import structlog
 
 from nodeagent import sdnotify, state
-from nodeagent.act import Executor, Outcome
+from nodeagent.act import Executor
 from nodeagent.api.server import ApiNotFound, ApiServer
 from nodeagent.cgroupfs.subtree import ensure_managed_root, leave_managed_path
 from nodeagent.cgroupfs.tree import CgroupTree
@@ -29,7 +29,8 @@ from nodeagent.logs import audit_write
 from nodeagent.policy.classify import assign
 from nodeagent.policy.history import decay
 from nodeagent.policy.plan import make_plan
-from nodeagent.report import TickRecord, allocations, explain, find
+from nodeagent.problems import ProblemLog
+from nodeagent.report import TickRecord, allocations, explain, find, identities
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
 from nodeagent.spec.load import PolicyError, load_policy
@@ -65,6 +66,7 @@ class Agent:
         self.executor = Executor(tree, audit_write, dry_run)
         self.usage: dict[str, float] = self._load_usage()
         self.last: TickRecord | None = None
+        self.problems = ProblemLog()
         self._lock = threading.Lock()
         self._saved_at = 0.0
         self.stop = threading.Event()
@@ -103,19 +105,15 @@ class Agent:
         assignments = assign(identities, self.spec)
         managed = [i for i in identities if i.path in assignments]
         snapshot = self.sensor.snapshot(managed, time.time(), started)
+        for path in snapshot.vanished:  # inotify may have missed it (a failed watch)
+            self.registry.forget(path)
         plan = make_plan(snapshot, self.spec, self.usage, assignments=assignments)
         results = tuple(self.executor.apply(plan, snapshot))
         self.usage = dict(plan.tenant_usage)
-        for r in results:
-            if r.outcome in (Outcome.FAILED, Outcome.UNREACHABLE):
-                log.warning(
-                    f"cgroup.{r.outcome}",
-                    cgroup=r.path,
-                    attribute=str(r.attribute),
-                    target=r.new,
-                    detail=r.detail,
-                )
-        record = TickRecord(snapshot, plan, results, time.monotonic() - started, self.dry_run)
+        self.problems.update(snapshot, plan, results)
+        record = TickRecord(
+            snapshot, plan, results, time.monotonic() - started, self.dry_run, assignments
+        )
         with self._lock:
             self.last = record
         if not self.dry_run and time.monotonic() - self._saved_at >= STATE_SAVE_INTERVAL:
@@ -182,7 +180,7 @@ class Agent:
         def explain_one(params: Mapping[str, str]) -> object:
             record = self._record()
             query = params.get("cgroup", "")
-            found = find(record.plan, query, self.tree.root)
+            found = find(identities(record), query, self.tree.root)
             if len(found) != 1:
                 what = "no workload" if not found else f"{len(found)} workloads"
                 raise ApiNotFound(
@@ -199,15 +197,18 @@ class Agent:
         self,
         once: bool = False,
         on_tick: Callable[[TickRecord], None] | None = None,
-    ) -> None:
+    ) -> bool:
         """Tick until self.stop is set. Errors are logged and the loop goes on; the watchdog
-        is fed only while ticks succeed, so systemd restarts an agent that keeps failing."""
+        is fed only while ticks succeed, so systemd restarts an agent that keeps failing.
+        Returns whether the last tick succeeded (for --once, the exit status)."""
         watchdog_sec = sdnotify.watchdog_interval()
         next_resync = time.monotonic() + self.spec.agent.resync_interval
         last_ok: float | None = None
         next_ping = 0.0
+        ok = False
         while not self.stop.is_set():
             record = _guarded("tick.failed", self.tick)
+            ok = record is not None
             if record is not None:
                 last_ok = time.monotonic()
                 log.debug("tick", seq=record.snapshot.seq, seconds=round(record.duration, 4))
@@ -240,6 +241,7 @@ class Agent:
         sdnotify.stopping()
         if not self.dry_run:
             self.save_state()
+        return ok
 
     def _wait_for_cgroup_events(self, timeout: float) -> bool:
         """Sleep until timeout or until a cgroup appears or goes; True for the latter."""

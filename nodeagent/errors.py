@@ -19,3 +19,12 @@ class InvalidValue(NodeagentError):
 
 class DaemonUnreachable(NodeagentError):
     """The CLI found no daemon on the local API socket."""
+
+
+def one_line(e: BaseException) -> str:
+    """An error as one log-safe line; nodeagent's own errors already name the file or cgroup,
+    anything else (a parser's ValueError, say) is prefixed with its type."""
+    text = " ".join(str(e).split())
+    if isinstance(e, NodeagentError):
+        return text or type(e).__name__
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

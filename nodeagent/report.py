@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from nodeagent.act import WriteResult
+from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.values import Attribute
-from nodeagent.policy.base import describe
+from nodeagent.identity import WorkloadIdentity
+from nodeagent.policy.base import Assignment, describe
 from nodeagent.policy.plan import CgroupPlan, Plan
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
 from nodeagent.tables import SHOWN
@@ -21,6 +22,11 @@ class TickRecord:
     results: tuple[WriteResult, ...]
     duration: float
     dry_run: bool
+    assignments: Mapping[str, Assignment] = field(default_factory=dict)
+    """Every claimed workload's rule, including those skipped this tick."""
+
+
+_VALUE_KEYS = ("current", "target", "policy", "reason")
 
 
 def _values(cg: CgroupPlan, w: WorkloadState | None) -> dict[str, Any]:
@@ -51,22 +57,47 @@ def _results_for(path: str, results: Sequence[WriteResult]) -> list[dict[str, An
     ]
 
 
+def _status(cg: CgroupPlan, results: Sequence[WriteResult]) -> tuple[str, str | None]:
+    """ok, skipped (no plan this tick) or failed (a write was refused), with why."""
+    if cg.skipped is not None:
+        return "skipped", f"plan: {cg.skipped}"
+    failed = [f"{r.attribute}: {r.detail}" for r in results if r.outcome is Outcome.FAILED]
+    return ("failed", "; ".join(failed)) if failed else ("ok", None)
+
+
 def allocations(record: TickRecord) -> dict[str, Any]:
     states = {w.path: w for w in record.snapshot.workloads}
     rows = []
     for cg in record.plan.cgroups:
         w = states.get(cg.path)
         reasons = sorted({t.reason for t in cg.targets.values()})
+        writes = [r for r in record.results if r.path == cg.path]
+        status, problem = _status(cg, writes)
         rows.append(
             {
                 **describe(cg.identity, cg.assignment),
+                "status": status,
+                "problem": problem,
                 "values": _values(cg, w),
                 "cpu_rate": None if w is None else w.cpu_rate,
                 "memory_current": None if w is None else w.sample.memory_current,
                 "reason": "; ".join(reasons)
                 if reasons
                 else "nothing to set: its tenant is idle and its rule has no limits",
-                "writes": _results_for(cg.path, record.results),
+                "writes": _results_for(cg.path, writes),
+            }
+        )
+    for s in record.snapshot.skipped:
+        rows.append(
+            {
+                **describe(s.identity, record.assignments.get(s.path)),
+                "status": "skipped",
+                "problem": f"{s.step}: {s.reason}",
+                "values": {a: dict.fromkeys(_VALUE_KEYS) for a in SHOWN},
+                "cpu_rate": None,
+                "memory_current": None,
+                "reason": f"skipped this tick ({s.step}): {s.reason}",
+                "writes": [],
             }
         )
     return {
@@ -75,6 +106,7 @@ def allocations(record: TickRecord) -> dict[str, Any]:
         "dry_run": record.dry_run,
         "tick_seconds": record.duration,
         "tenant_usage": dict(record.plan.tenant_usage),
+        "problems": list(record.plan.problems),
         "allocations": rows,
     }
 
@@ -99,33 +131,59 @@ def _sensed(w: WorkloadState | None) -> dict[str, Any]:
     }
 
 
-def explain(record: TickRecord, cg: CgroupPlan) -> dict[str, Any]:
+def explain(record: TickRecord, identity: WorkloadIdentity) -> dict[str, Any]:
+    cg = next((c for c in record.plan.cgroups if c.path == identity.path), None)
+    if cg is None:  # skipped before planning: say why, there is no trace
+        s = next(s for s in record.snapshot.skipped if s.path == identity.path)
+        return {
+            "sensed": {},
+            **describe(identity, record.assignments.get(identity.path)),
+            "status": "skipped",
+            "problem": f"{s.step}: {s.reason}",
+            "tick": record.snapshot.seq,
+            "dry_run": record.dry_run,
+            "values": {a: dict.fromkeys(_VALUE_KEYS) for a in SHOWN},
+            "cpu_rate": None,
+            "trace": [f"skipped this tick ({s.step}): {s.reason}"],
+            "writes": [],
+        }
     w = next((w for w in record.snapshot.workloads if w.path == cg.path), None)
+    writes = [r for r in record.results if r.path == cg.path]
+    status, problem = _status(cg, writes)
     return {
         "sensed": _sensed(w),
         **describe(cg.identity, cg.assignment),
+        "status": status,
+        "problem": problem,
         "tick": record.snapshot.seq,
         "dry_run": record.dry_run,
         "values": _values(cg, w),
         "cpu_rate": None if w is None else w.cpu_rate,
         "trace": list(cg.trace),
-        "writes": _results_for(cg.path, record.results),
+        "writes": _results_for(cg.path, writes),
     }
 
 
-def find(plan: Plan, query: str, cgroup_root: str) -> list[CgroupPlan]:
-    """Cgroups a user's argument names: a path (relative or absolute), a name or an id prefix."""
+def identities(record: TickRecord) -> list[WorkloadIdentity]:
+    """Every claimed workload of the tick: planned, or skipped before planning."""
+    return [cg.identity for cg in record.plan.cgroups] + [
+        s.identity for s in record.snapshot.skipped
+    ]
+
+
+def find(
+    candidates: Sequence[WorkloadIdentity], query: str, cgroup_root: str
+) -> list[WorkloadIdentity]:
+    """Workloads a user's argument names: a path (relative or absolute), a name or an id prefix."""
     q = query.strip()
     if q.startswith(cgroup_root.rstrip("/") + "/"):
         q = q[len(cgroup_root.rstrip("/")) + 1 :]
     q = q.strip("/")
-    exact = [cg for cg in plan.cgroups if cg.path == q]
+    exact = [i for i in candidates if i.path == q]
     if exact:
         return exact
     return [
-        cg
-        for cg in plan.cgroups
-        if cg.identity.name == q
-        or (cg.identity.container_id or "").startswith(q)
-        or cg.path.endswith("/" + q)
+        i
+        for i in candidates
+        if i.name == q or (i.container_id or "").startswith(q) or i.path.endswith("/" + q)
     ]

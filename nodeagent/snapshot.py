@@ -59,6 +59,21 @@ class NodeState:
 
 
 @dataclass(frozen=True, slots=True)
+class Skipped:
+    """A workload left out of this tick, and why: its files could not be read or parsed,
+    or no plan could be made for it. The rest of the node goes on without it."""
+
+    identity: WorkloadIdentity
+    step: str
+    """Where it failed: "sense", "plan" or "write"."""
+    reason: str
+
+    @property
+    def path(self) -> str:
+        return self.identity.path
+
+
+@dataclass(frozen=True, slots=True)
 class NodeSnapshot:
     seq: int
     wall_time: float
@@ -66,3 +81,6 @@ class NodeSnapshot:
     """Seconds since the previous snapshot (monotonic); None for the first."""
     node: NodeState
     workloads: tuple[WorkloadState, ...]
+    skipped: tuple[Skipped, ...] = ()
+    vanished: tuple[str, ...] = ()
+    """Paths of workloads whose cgroups were gone when sensed (normal on a busy node)."""

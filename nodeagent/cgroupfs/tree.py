@@ -35,6 +35,15 @@ class CgroupWriteError(NodeagentError):
     """The kernel refused a write; the message names the cgroup, file and value."""
 
 
+class CgroupReadError(NodeagentError):
+    """An interface file could not be opened or read; `errno` says why (EOPNOTSUPP for
+    pressure files on a kernel booted without PSI)."""
+
+    def __init__(self, message: str, errno_: int | None) -> None:
+        super().__init__(message)
+        self.errno = errno_
+
+
 def split_path(path: str) -> tuple[str, ...]:
     """Components of a relative cgroup path; refuses anything that could escape the root."""
     if path in ("", "/"):
@@ -71,11 +80,17 @@ class CgroupDir:
     def read(self, name: str) -> str:
         fd = self._open_file(name, os.O_RDONLY)
         try:
-            return os.read(fd, 1 << 16).decode()
+            raw = os.read(fd, 1 << 16)
         except OSError as e:
             raise self._translate(e, name) from e
         finally:
             os.close(fd)
+        try:
+            return raw.decode("ascii")
+        except UnicodeDecodeError:
+            raise CgroupReadError(
+                f"cgroup {self.path or '/'}: {name} is not ASCII text: {raw[:40]!r}", None
+            ) from None
 
     def read_optional(self, name: str) -> str | None:
         """Like read, but None when the file is absent because its controller is not enabled."""
@@ -122,7 +137,9 @@ class CgroupDir:
             return CgroupVanished(self.path)
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
             return UnsafePath(f"cgroup {self.path or '/'}: {name} is a symlink or not a file")
-        return NodeagentError(f"cgroup {self.path or '/'}: cannot open {name}: {e.strerror}")
+        return CgroupReadError(
+            f"cgroup {self.path or '/'}: cannot read {name}: {e.strerror}", e.errno
+        )
 
 
 class CgroupTree:

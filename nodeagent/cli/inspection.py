@@ -29,7 +29,9 @@ def allocations_table(data: Mapping[str, Any]) -> str:
                 change(size(v["memory.max"]["current"]), size(v["memory.max"]["target"])),
                 change(size(v["memory.high"]["current"]), size(v["memory.high"]["target"])),
                 cores(a["cpu_rate"]),
-                a["reason"],
+                a["reason"]
+                if a.get("status", "ok") == "ok"
+                else f"{a['status'].upper()}: {a['problem']}",
             )
         )
     mode = " (dry run: nothing written)" if data["dry_run"] else ""
@@ -115,35 +117,63 @@ def workloads(cgroup_root: str, config: str | None, as_json: bool) -> None:
     from nodeagent.discovery.registry import Registry
     from nodeagent.policy.base import describe
     from nodeagent.policy.classify import assign
+    from nodeagent.sense.cgroup_files import probe
     from nodeagent.spec.model import AgentSettings
 
     spec = load(config) if config else None
     managed_root = spec.agent.managed_root if spec else AgentSettings().managed_root
     if not os.path.isdir(cgroup_root):
         raise NodeagentError(f"cgroup root {cgroup_root} is not a directory")
-    registry = Registry(CgroupTree(cgroup_root), managed_root, watch=False)
+    tree = CgroupTree(cgroup_root)
+    registry = Registry(tree, managed_root, watch=False)
     registry.resync()
     found = sorted(registry.identities(), key=lambda i: i.path)
     assigned = assign(found, spec) if spec else {}
-    rows: list[dict[str, Any]] = [describe(i, assigned.get(i.path)) for i in found]
+    page = os.sysconf("SC_PAGE_SIZE")
+    rows: list[dict[str, Any]] = []
+    for i in found:
+        # claimed workloads are read as the sensor would, so one it would skip shows here
+        problem = probe(tree, i.path, page) if i.path in assigned else None
+        row = describe(i, assigned.get(i.path))
+        rows.append(
+            {**row, "status": "ok" if problem is None else "unreadable", "problem": problem}
+        )
+    rows += [
+        {"cgroup": path, "status": "unreadable", "problem": why}
+        for path, why in sorted(registry.problems.items())
+    ]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    headers = ("CGROUP", "KIND", "RUNTIME", "OWNER", "ID", "POD", "QOS", "TENANT", "CLASS")
+    headers = (
+        "CGROUP",
+        "KIND",
+        "RUNTIME",
+        "OWNER",
+        "ID",
+        "POD",
+        "QOS",
+        "TENANT",
+        "CLASS",
+        "STATUS",
+    )
     click.echo(
         table(
             headers,
             [
                 (
                     r["cgroup"],
-                    r["kind"],
-                    r["runtime"],
-                    f"{r['owner']}" + ("" if r["writable"] else " (read-only)"),
-                    (r["container_id"] or "")[:12] or None,
-                    r["pod_uid"],
-                    r["qos"],
-                    r["tenant"],
-                    r["class"],
+                    r.get("kind"),
+                    r.get("runtime"),
+                    None
+                    if "owner" not in r
+                    else f"{r['owner']}" + ("" if r["writable"] else " (read-only)"),
+                    (r.get("container_id") or "")[:12] or None,
+                    r.get("pod_uid"),
+                    r.get("qos"),
+                    r.get("tenant"),
+                    r.get("class"),
+                    r["status"] if r["problem"] is None else f"{r['status']}: {r['problem']}",
                 )
                 for r in rows
             ],

@@ -96,10 +96,12 @@ def run(
     agent.prepare()
     server = None if no_api or once else serve(agent)
     try:
-        agent.run(once=once, on_tick=_plan_printer() if dry_run else None)
+        ok = agent.run(once=once, on_tick=_plan_printer() if dry_run else None)
     finally:
         if server is not None:
             server.close()
+    if once and not ok:
+        raise NodeagentError("the tick failed (see tick.failed in the log above)")
 
 
 def _plan_printer() -> Callable[[TickRecord], None]:

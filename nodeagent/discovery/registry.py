@@ -8,13 +8,17 @@ anything inotify can miss (queue overflow, a watch that raced a mkdir).
 from __future__ import annotations
 
 import contextlib
+import errno
 
+import structlog
 from inotify_simple import INotify, flags
 
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.discovery.layouts import classify
 from nodeagent.discovery.scan import ScanResult, descends, join, scan
 from nodeagent.identity import WorkloadIdentity
+
+log = structlog.get_logger("nodeagent.discovery")
 
 _MASK = flags.CREATE | flags.DELETE | flags.DELETE_SELF | flags.ONLYDIR | flags.DONT_FOLLOW
 
@@ -24,9 +28,12 @@ class Registry:
         self.tree = tree
         self.managed_root = managed_root
         self.workloads: dict[str, WorkloadIdentity] = {}
+        self.problems: dict[str, str] = {}
+        """Directories the last scan could not read, with why (shown by `workloads`)."""
         self._inotify = INotify() if watch else None
         self._wd_path: dict[int, str] = {}
         self._path_wd: dict[str, int] = {}
+        self._unwatched: set[str] = set()  # watches that failed, logged once each
 
     def fileno(self) -> int | None:
         return None if self._inotify is None else self._inotify.fileno()
@@ -35,6 +42,7 @@ class Registry:
         """Full scan: replaces the known set, and watches every place workloads can appear."""
         result = scan(self.tree, self.managed_root)
         self.workloads = result.workloads
+        self.problems = result.problems
         for path in result.parents:
             self._watch(path)
         live = set(result.parents)
@@ -73,6 +81,7 @@ class Registry:
             self._watch(path)
             result = scan(self.tree, self.managed_root, start=path, into=ScanResult())
             self.workloads.update(result.workloads)
+            self.problems.update(result.problems)
             for parent in result.parents:
                 self._watch(parent)
         return len(self.workloads) != before
@@ -97,8 +106,21 @@ class Registry:
             return
         try:
             wd = self._inotify.add_watch(self.tree.path_of(path), _MASK)
-        except OSError:
-            return  # vanished before we could watch it; the deletion event covers it
+        except OSError as e:
+            if e.errno != errno.ENOENT and path not in self._unwatched:
+                # ENOENT: it vanished, and its deletion event says so.
+                # ENOSPC (fs.inotify.max_user_watches) and the like: changes below this
+                # directory are seen at the next resync only, and the sensor drops what it
+                # finds gone meanwhile.
+                log.warning(
+                    "watch.failed",
+                    cgroup=path,
+                    error=e.strerror,
+                    action="relying on the periodic resync for this directory",
+                )
+                self._unwatched.add(path)
+            return
+        self._unwatched.discard(path)
         self._wd_path[wd] = path
         self._path_wd[path] = wd
 
@@ -114,6 +136,10 @@ class Registry:
         path = self._wd_path.pop(wd, None)
         if path is not None:
             self._path_wd.pop(path, None)
+
+    def forget(self, path: str) -> None:
+        """Drop a workload that the sensor found gone, in case inotify missed its removal."""
+        self.workloads.pop(path, None)
 
     def identities(self) -> list[WorkloadIdentity]:
         return list(self.workloads.values())

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
 from nodeagent.discovery.layouts import classify
+from nodeagent.errors import NodeagentError, one_line
 from nodeagent.identity import Kind, WorkloadIdentity
 
 MAX_DEPTH = 8
@@ -22,6 +23,8 @@ class ScanResult:
     workloads: dict[str, WorkloadIdentity] = field(default_factory=dict)
     parents: list[str] = field(default_factory=list)
     """Cgroups below which workloads may appear: the places to watch."""
+    problems: dict[str, str] = field(default_factory=dict)
+    """Directories that could not be read (permissions, a symlink), with why; skipped."""
 
 
 def descends(identity: WorkloadIdentity | None) -> bool:
@@ -44,6 +47,9 @@ def scan(
             with tree.open(path) as d:
                 children = d.subdirs()
         except CgroupVanished:
+            continue
+        except NodeagentError as e:  # one unreadable directory must not hide the rest
+            result.problems[path] = one_line(e)
             continue
         result.parents.append(path)
         for name in sorted(children, reverse=True):

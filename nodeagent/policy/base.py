@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from nodeagent.cgroupfs.values import Attribute, Value
+from nodeagent.errors import NodeagentError
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.snapshot import NodeSnapshot
 from nodeagent.spec.model import PolicySpec, WorkloadClass
@@ -61,7 +62,21 @@ class Decision:
     trace: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class Skip:
+    """A policy could not plan one cgroup (a value out of range, say): that cgroup gets no
+    targets this tick, the others are planned as usual."""
+
+    path: str
+    policy: str
+    reason: str
+
+
+PLANNING_ERRORS = (ArithmeticError, ValueError, NodeagentError)
+"""What a policy's arithmetic on one workload may raise: caught per workload, as a Skip."""
+
+
 class Policy(Protocol):
     name: str
 
-    def decide(self, given: PolicyInput) -> Sequence[Decision]: ...
+    def decide(self, given: PolicyInput) -> Sequence[Decision | Skip]: ...

@@ -15,10 +15,11 @@ the kernel ignores an idle cgroup's weight.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 
 from nodeagent.cgroupfs.values import WEIGHT_MAX, WEIGHT_MIN, Attribute, CpuWeight
-from nodeagent.policy.base import Decision, PolicyInput
+from nodeagent.policy.base import Decision, PolicyInput, Skip
 from nodeagent.snapshot import WorkloadState
 from nodeagent.spec.model import FairShareSettings
 
@@ -38,6 +39,28 @@ def _within_deadband(w: WorkloadState, target: int, deadband: float) -> int | No
     return None
 
 
+def _parts(
+    shares: Mapping[str, float], total_shares: float, u: Mapping[str, float]
+) -> dict[str, float]:
+    """Each tenant's s*F / sum(s*F), computed on base-2 exponents relative to the largest.
+
+    With s = shares/total and F = 2^(-u/s), a tiny share or a large usage ratio makes s*F
+    underflow to 0 for every tenant, and the plain quotient 0/0. Relative to the largest
+    exponent the largest term is exactly 1, so the sum is at least 1 and every part is
+    defined, whatever the shares.
+    """
+    exponent = {
+        t: math.log2(shares[t]) - math.log2(total_shares) - u[t] * total_shares / shares[t]
+        for t in shares
+    }
+    top = max(exponent.values(), default=0.0)
+    if not math.isfinite(top):  # cannot happen with bounded shares; stay defined anyway
+        return {t: 1 / len(shares) for t in shares}
+    rel = {t: 2.0 ** max(-1074.0, e - top) for t, e in exponent.items()}
+    norm = sum(rel.values())
+    return {t: r / norm for t, r in rel.items()}
+
+
 def _clamp(weight: float) -> int:
     return max(WEIGHT_MIN, min(WEIGHT_MAX, round(weight)))
 
@@ -45,7 +68,7 @@ def _clamp(weight: float) -> int:
 class FairShare:
     name = "fair-share"
 
-    def decide(self, given: PolicyInput) -> Sequence[Decision]:
+    def decide(self, given: PolicyInput) -> Sequence[Decision | Skip]:
         settings = given.spec.fair_share
         members: dict[str, list[WorkloadState]] = {}
         active: dict[str, int] = {}
@@ -64,14 +87,13 @@ class FairShare:
         budget = settings.weight_per_workload * n_active
         s = {t: shares[t] / total_shares for t in active}
         u = {t: usage[t] / total_usage if total_usage > 0 else 0.0 for t in active}
-        f = {t: 2 ** (-u[t] / s[t]) for t in active}
-        norm = sum(s[t] * f[t] for t in active)
-
-        decisions = []
+        part = _parts(shares, total_shares, u)
+        f = {t: 2.0 ** max(-1074.0, -u[t] * total_shares / shares[t]) for t in active}
+        decisions: list[Decision | Skip] = []
         for tenant, workloads in members.items():
             if tenant not in active:
                 continue  # idle weights do not matter to the kernel; leave them as they are
-            tenant_budget = budget * s[tenant] * f[tenant] / norm
+            tenant_budget = budget * part[tenant]
             weight = _clamp(tenant_budget / active[tenant])
             trace: tuple[str, ...] = (
                 f"tenant {tenant}: shares {shares[tenant]:g} of {total_shares:g} among tenants"
@@ -79,12 +101,12 @@ class FairShare:
                 f"decayed usage {usage[tenant]:.1f} of {total_usage:.1f} core-s,"
                 f" u={u[tenant]:.3f}, F=2^(-u/s)={f[tenant]:.3f}",
                 f"budget {settings.weight_per_workload} x {n_active} active = {budget};"
-                f" tenant gets s*F/sum(s*F) = {s[tenant] * f[tenant] / norm:.3f}"
+                f" tenant gets s*F/sum(s*F) = {part[tenant]:.3f}"
                 f" of it = {tenant_budget:.1f}",
                 f"split over {active[tenant]} active workload(s) -> {weight}",
             )
             reason = (
-                f"fair share: tenant {tenant} {s[tenant] * f[tenant] / norm:.0%} of weight,"
+                f"fair share: tenant {tenant} {part[tenant]:.0%} of weight,"
                 f" split over {active[tenant]} active"
             )
             for w in workloads:

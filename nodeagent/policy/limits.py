@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax, MemoryLimit
-from nodeagent.policy.base import Decision, PolicyInput
+from nodeagent.policy.base import PLANNING_ERRORS, Decision, PolicyInput, Skip
 from nodeagent.snapshot import WorkloadState
 from nodeagent.spec.model import MAX, Limits
 
@@ -61,27 +61,32 @@ def _memory(w: WorkloadState, limits: Limits, page: int, why: str) -> list[Decis
 class StaticLimits:
     name = "static-limits"
 
-    def decide(self, given: PolicyInput) -> Sequence[Decision]:
+    def decide(self, given: PolicyInput) -> Sequence[Decision | Skip]:
         rules = {r.name: r for r in given.spec.rules}
         page = given.snapshot.node.page_size
-        decisions: list[Decision] = []
+        decisions: list[Decision | Skip] = []
         for w in given.snapshot.workloads:
             a = given.assignments.get(w.path)
             if a is None:
                 continue
-            limits = rules[a.rule].limits
-            why = f"rule {a.rule}"
-            if limits.cpu_max is not None:
-                cores = None if limits.cpu_max == MAX else float(limits.cpu_max)
-                value = CpuMax.from_cores(cores, limits.cpu_period_us)
-                decisions.append(
-                    Decision(
-                        w.path,
-                        Attribute.CPU_MAX,
-                        value,
-                        self.name,
-                        f"{why}: cpu_max {limits.cpu_max}" + ("" if cores is None else " cores"),
-                    )
-                )
-            decisions.extend(_memory(w, limits, page, why))
+            try:
+                decisions.extend(self._one(w, rules[a.rule].limits, page, f"rule {a.rule}"))
+            except PLANNING_ERRORS as e:
+                decisions.append(Skip(w.path, self.name, f"rule {a.rule}: {e}"))
         return decisions
+
+    def _one(self, w: WorkloadState, limits: Limits, page: int, why: str) -> list[Decision]:
+        out = []
+        if limits.cpu_max is not None:
+            cores = None if limits.cpu_max == MAX else float(limits.cpu_max)
+            out.append(
+                Decision(
+                    w.path,
+                    Attribute.CPU_MAX,
+                    CpuMax.from_cores(cores, limits.cpu_period_us),
+                    self.name,
+                    f"{why}: cpu_max {limits.cpu_max}" + ("" if cores is None else " cores"),
+                )
+            )
+        out.extend(_memory(w, limits, page, why))
+        return out

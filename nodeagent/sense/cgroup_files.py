@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 from typing import TypeVar
 
 from nodeagent.cgroupfs import parse
-from nodeagent.cgroupfs.tree import CgroupDir
+from nodeagent.cgroupfs.tree import CgroupDir, CgroupReadError, CgroupTree, CgroupVanished
 from nodeagent.cgroupfs.values import Attribute, CpuWeight, MemoryLimit, Value
+from nodeagent.errors import one_line
 from nodeagent.snapshot import CgroupSample
 
 T = TypeVar("T")
@@ -32,7 +34,21 @@ TICK_FILES = (
 _MEMORY_LIMITS = (Attribute.MEMORY_MAX, Attribute.MEMORY_HIGH, Attribute.MEMORY_LOW)
 
 
+def _pressure(d: CgroupDir, name: str) -> parse.Psi | None:
+    """A pressure file, or None where the kernel runs without PSI: older kernels booted
+    with psi=0 answer reads with EOPNOTSUPP (newer ones hide the files)."""
+    try:
+        text = d.read_optional(name)
+    except CgroupReadError as e:
+        if e.errno == errno.EOPNOTSUPP:
+            return None
+        raise
+    return None if text is None else parse.psi(text)
+
+
 def read_sample(d: CgroupDir, page_size: int) -> CgroupSample:
+    """Raises on anything unreadable or unparsable; the sensor skips that one cgroup."""
+
     def get(name: str, parser: Callable[[str], T]) -> T | None:
         text = d.read_optional(name)
         return None if text is None else parser(text)
@@ -62,7 +78,19 @@ def read_sample(d: CgroupDir, page_size: int) -> CgroupSample:
         memory_anon=mem_stat.get("anon"),
         memory_file=mem_stat.get("file"),
         memory_events=get("memory.events", parse.flat_keyed) or {},
-        cpu_psi=get("cpu.pressure", parse.psi),
-        memory_psi=get("memory.pressure", parse.psi),
+        cpu_psi=_pressure(d, "cpu.pressure"),
+        memory_psi=_pressure(d, "memory.pressure"),
         settings=settings,
     )
+
+
+def probe(tree: CgroupTree, path: str, page_size: int) -> str | None:
+    """Why the sensor would skip this cgroup now, or None when it reads fine."""
+    try:
+        with tree.open(path) as d:
+            read_sample(d, page_size)
+    except CgroupVanished:
+        return "vanished"
+    except Exception as e:  # the same net as the sensor's
+        return one_line(e)
+    return None

@@ -6,10 +6,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
+from nodeagent.errors import one_line
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.sense.cgroup_files import read_sample
 from nodeagent.sense.node import NodeSensor
-from nodeagent.snapshot import CgroupSample, NodeSnapshot, WorkloadState
+from nodeagent.snapshot import CgroupSample, NodeSnapshot, Skipped, WorkloadState
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +22,11 @@ class _Counters:
 
 
 class Sensor:
-    """Reads every known workload once per tick. Vanished cgroups are dropped silently.
+    """Reads every known workload once per tick.
+
+    One cgroup never costs the others: a vanished cgroup is dropped and reported in
+    `vanished`; one whose files cannot be read or parsed (whatever the error) is
+    reported in `skipped` with the reason, and the rest are sensed as usual.
 
     Rates are measured over at least `min_window` seconds: a tick that inotify brings
     early would otherwise divide a counter that moves in scheduler ticks by a few
@@ -44,6 +49,8 @@ class Sensor:
         elapsed = None if self._last_mono is None else monotonic - self._last_mono
         node = self.node.read()
         states = []
+        skipped: list[Skipped] = []
+        vanished: list[str] = []
         baseline: dict[str, _Counters] = {}
         rates: dict[str, tuple[float, float]] = {}
         for identity in workloads:
@@ -51,6 +58,12 @@ class Sensor:
                 with self.tree.open(identity.path) as d:
                     sample = read_sample(d, node.page_size)
             except CgroupVanished:
+                vanished.append(identity.path)
+                continue
+            except Exception as e:  # unreadable, unparsable, unexpected: skip this one only
+                skipped.append(Skipped(identity, "sense", one_line(e)))
+                if identity.path in self._baseline:  # measure from it when the cgroup recovers
+                    baseline[identity.path] = self._baseline[identity.path]
                 continue
             path = identity.path
             now = _counters(sample, monotonic)
@@ -72,7 +85,9 @@ class Sensor:
         self._baseline, self._rates = baseline, rates
         self._last_mono = monotonic
         self._seq += 1
-        return NodeSnapshot(self._seq, wall_time, elapsed, node, tuple(states))
+        return NodeSnapshot(
+            self._seq, wall_time, elapsed, node, tuple(states), tuple(skipped), tuple(vanished)
+        )
 
 
 def _counters(sample: CgroupSample, at: float) -> _Counters | None:

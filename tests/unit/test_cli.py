@@ -207,12 +207,29 @@ def test_workloads_table(runner: CliRunner, cgroup_root: Path, tmp_path: Path) -
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[0].split() == [
-        "CGROUP", "KIND", "RUNTIME", "OWNER", "ID", "POD", "QOS", "TENANT", "CLASS",
+        "CGROUP", "KIND", "RUNTIME", "OWNER", "ID", "POD", "QOS", "TENANT", "CLASS", "STATUS",
     ]  # fmt: skip
     docker_line = next(line for line in lines if line.startswith(DOCKER))
     assert "systemd (read-only)" in docker_line
     assert docker_line.split()[5] == CID[:12]  # the short id in the ID column
+    assert docker_line.split()[-1] == "ok"
     assert len(lines) == 7
+
+
+def test_workloads_shows_a_claimed_cgroup_the_sensor_would_skip(
+    runner: CliRunner, cgroup_root: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "policy.yaml"
+    config.write_text(POLICY)
+    (cgroup_root / RESEARCH_JOB / "cpu.weight").write_text("many\n")
+    result = runner.invoke(
+        main, ["workloads", "--cgroup-root", str(cgroup_root), "--config", str(config), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    rows = {r["cgroup"]: r for r in json.loads(result.stdout)}
+    assert rows[RESEARCH_JOB]["status"] == "unreadable"
+    assert "ValueError" in rows[RESEARCH_JOB]["problem"]
+    assert rows[DOCKER]["status"] == "ok"
 
 
 def test_workloads_reads_without_writing(runner: CliRunner, cgroup_root: Path) -> None:

@@ -89,3 +89,18 @@ def test_command_line_overrides_survive_a_reload(policy_file: Path, tmp_path: Pa
     agent.reload()
     assert set(agent.spec.tenants) == {"research", "prod"}
     assert agent.spec.agent.interval == 0.2
+
+
+def test_run_once_reports_a_failed_tick(
+    policy_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`nodeagent run --once` exits with this: a tick that failed is not a success."""
+    agent = make_agent(policy_file, tmp_path)
+
+    def broken() -> None:
+        raise OSError("no /proc/stat")
+
+    monkeypatch.setattr(agent, "tick", broken)
+    assert agent.run(once=True) is False
+    monkeypatch.undo()
+    assert agent.run(once=True) is True

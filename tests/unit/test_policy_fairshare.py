@@ -16,7 +16,7 @@ from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.policy.base import Decision
 from nodeagent.policy.fairshare import FairShare, is_active
 from nodeagent.snapshot import CgroupSample, WorkloadState
-from nodeagent.spec.model import FairShareSettings
+from nodeagent.spec.model import FairShareSettings, Tenant
 
 
 def weights(decisions: list[Decision] | tuple[Decision, ...]) -> dict[str, int]:
@@ -194,6 +194,20 @@ def test_shares_are_bounded_so_the_split_cannot_overflow() -> None:
         decide(TWO_TO_ONE, {"a": 1e308, "b": 1e308})
     w = decide(TWO_TO_ONE, {"a": 1e6, "b": 1e6})
     assert tenant_total(w, "a") == pytest.approx(tenant_total(w, "b"), rel=0.02)
+
+
+@pytest.mark.parametrize("tiny", [1e-320, 5e-324, 1e-9, 0.001])
+@pytest.mark.parametrize("usage", [{}, {"big": 1e9, "tiny": 1e-9}, {"big": 0.0, "tiny": 1e9}])
+def test_tiny_shares_never_divide_by_zero(tiny: float, usage: dict[str, float]) -> None:
+    """The regression: shares 1e6 against 1e-320 made every s*F underflow to 0, then 0/0.
+    The schema now bounds shares too; the arithmetic must hold whatever it is given."""
+    valid = spec({"big": 1, "tiny": 1})
+    policy = valid.model_copy(
+        update={"tenants": {"big": Tenant(shares=1e6), "tiny": Tenant.model_construct(shares=tiny)}}
+    )
+    snap = snapshot([workload("nodeagent.slice/big-1"), workload("nodeagent.slice/tiny-1")])
+    w = weights(list(FairShare().decide(policy_input(snap, policy, usage))))
+    assert 1 <= w["nodeagent.slice/tiny-1"] <= w["nodeagent.slice/big-1"] <= 10_000
 
 
 # --- properties --------------------------------------------------------------------------

@@ -6,10 +6,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
-from builders import docker, service, snapshot, spec, workload
+from builders import docker, job, service, snapshot, spec, workload
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, MemoryLimit, Value
-from nodeagent.policy.base import Decision, PolicyInput
+from nodeagent.policy.base import Decision, PolicyInput, Skip
+from nodeagent.policy.classify import assign
 from nodeagent.policy.plan import CgroupPlan, Plan, make_plan
 from nodeagent.snapshot import CgroupSample, WorkloadState
 from nodeagent.spec.model import PolicySpec, WorkloadClass
@@ -189,3 +190,61 @@ def test_memory_high_is_planned_with_memory_max(
     w = WorkloadState(w.identity, CgroupSample(populated=True, memory_current=usage), 1.0)
     cg = by_path(make_plan(snapshot([w]), limits_spec(**limits), {}))[docker().path]
     assert cg.targets[Attribute.MEMORY_HIGH].value == MemoryLimit(high, 4096)
+
+
+# --- one workload never costs the others ---------------------------------------------------
+
+
+def test_assignments_of_workloads_missing_from_the_snapshot_are_ignored() -> None:
+    """The regression: a cgroup discovered and claimed, then gone before it was sensed,
+    made the trace loop raise KeyError and the whole tick fail."""
+    snap = snapshot([workload("nodeagent.slice/a-1")])
+    claimed = assign([job("nodeagent.slice/a-1"), job("nodeagent.slice/a-gone")], spec({"a": 1}))
+    plan = make_plan(snap, spec({"a": 1}), {}, assignments=claimed)
+    assert [cg.path for cg in plan.cgroups] == ["nodeagent.slice/a-1"]
+    assert plan.problems == ()
+
+
+@dataclass
+class Broken:
+    name: str = "broken"
+
+    def decide(self, given: PolicyInput) -> Sequence[Decision]:
+        raise ZeroDivisionError("float division by zero")
+
+
+@dataclass
+class SkipsOne:
+    """Plans every workload, but cannot plan `bad`."""
+
+    bad: str
+    name: str = "picky"
+
+    def decide(self, given: PolicyInput) -> Sequence[Decision | Skip]:
+        return [
+            Skip(p, self.name, "value out of range")
+            if p == self.bad
+            else Decision(p, Attribute.CPU_WEIGHT, CpuWeight(300), self.name, "picky says so")
+            for p in given.assignments
+        ]
+
+
+def test_a_policy_that_fails_is_left_out_and_the_others_still_plan() -> None:
+    plan = make_plan(
+        SNAP, spec({"a": 1}), {}, [Broken(), Fixed("ok", Attribute.CPU_MAX, CpuMax(50_000))]
+    )
+    cg = by_path(plan)["nodeagent.slice/a-1"]
+    assert cg.targets[Attribute.CPU_MAX].value == CpuMax(50_000)
+    assert plan.problems == (
+        "policy broken failed, left out this tick: ZeroDivisionError: float division by zero",
+    )
+
+
+def test_a_cgroup_a_policy_cannot_plan_is_skipped_alone() -> None:
+    snap = snapshot([workload("nodeagent.slice/a-1"), workload("nodeagent.slice/a-2")])
+    policies = [SkipsOne("nodeagent.slice/a-2"), Fixed("cap", Attribute.CPU_MAX, CpuMax(50_000))]
+    plan = by_path(make_plan(snap, spec({"a": 1}), {}, policies))
+    assert plan["nodeagent.slice/a-2"].skipped == "picky: value out of range"
+    assert plan["nodeagent.slice/a-2"].targets == {}, "no partial plan for a skipped cgroup"
+    assert plan["nodeagent.slice/a-1"].skipped is None
+    assert set(plan["nodeagent.slice/a-1"].targets) == {Attribute.CPU_WEIGHT, Attribute.CPU_MAX}

@@ -29,7 +29,7 @@ PLAN = Plan(
 
 
 def found(query: str, root: str = ROOT) -> list[str]:
-    return [cg.path for cg in find(PLAN, query, root)]
+    return [i.path for i in find([cg.identity for cg in PLAN.cgroups], query, root)]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,31 @@
+"""A cgroup skipped tick after tick is logged once when it starts, once when it clears."""
+
+from __future__ import annotations
+
+from builders import job, snapshot, spec, workload
+from structlog.testing import capture_logs
+
+from nodeagent.policy.plan import make_plan
+from nodeagent.problems import ProblemLog
+from nodeagent.snapshot import Skipped
+
+
+def test_each_problem_is_logged_once_until_it_changes_or_clears() -> None:
+    policy = spec({"a": 1})
+    bad = Skipped(job("nodeagent.slice/a-2"), "sense", "cgroup a-2: cannot read cpu.stat")
+    broken = snapshot([workload("nodeagent.slice/a-1")])
+    broken = broken.__class__(
+        **{**{f: getattr(broken, f) for f in broken.__slots__}, "skipped": (bad,)}
+    )
+    healthy = snapshot([workload("nodeagent.slice/a-1")])
+    problems = ProblemLog()
+    with capture_logs() as logs:
+        for _ in range(3):
+            problems.update(broken, make_plan(broken, policy, {}), ())
+        problems.update(healthy, make_plan(healthy, policy, {}), ())
+    assert [(e["event"], e["cgroup"]) for e in logs] == [
+        ("cgroup.skipped", "nodeagent.slice/a-2"),
+        ("cgroup.problem_cleared", "nodeagent.slice/a-2"),
+    ]
+    assert logs[0]["reason"] == "cgroup a-2: cannot read cpu.stat"
+    assert logs[0]["step"] == "sense"
