@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from nodeagent.cli import inspection, run
+from nodeagent.cli import capacity, inspection, run
 from nodeagent.errors import NodeagentError
 
 
@@ -28,6 +28,7 @@ def main() -> None:
       nodeagent run --config FILE               the daemon (as root, on cgroup v2)
       nodeagent allocations                     what the daemon set, and why
       nodeagent explain CGROUP                  the full policy trace for one workload
+      nodeagent capacity --arrival-rate L ...   replicas for a mean wait (M/M/c, Erlang C)
     """
 
 
@@ -37,6 +38,7 @@ for _command in (
     inspection.workloads,
     inspection.allocations_cmd,
     inspection.explain,
+    capacity.capacity,
 ):
     main.add_command(_command)
 
@@ -48,6 +50,11 @@ def entrypoint() -> None:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
+    except click.UsageError as e:
+        where = e.ctx.command_path if e.ctx else "nodeagent"
+        message = " ".join(e.format_message().split())
+        click.echo(f"{where}: error: {message} (see '{where} --help')", err=True)
+        sys.exit(e.exit_code)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
