@@ -23,13 +23,13 @@ from nodeagent.act import Executor
 from nodeagent.api.server import ApiNotFound, ApiServer
 from nodeagent.cgroupfs.subtree import ensure_managed_root, leave_managed_path
 from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.changes import NoteLog, ProblemLog
 from nodeagent.discovery.registry import Registry
 from nodeagent.errors import NodeagentError
 from nodeagent.logs import audit_write
 from nodeagent.policy.classify import assign
 from nodeagent.policy.history import decay
 from nodeagent.policy.plan import make_plan
-from nodeagent.problems import ProblemLog
 from nodeagent.report import TickRecord, allocations, explain, find, identities
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
@@ -67,6 +67,9 @@ class Agent:
         self.usage: dict[str, float] = self._load_usage()
         self.last: TickRecord | None = None
         self.problems = ProblemLog()
+        self.notes = NoteLog()
+        self.carry: dict[str, Mapping[str, object]] = {}
+        """The policies' state for their next tick (the protection controller's)."""
         self._lock = threading.Lock()
         self._saved_at = 0.0
         self.stop = threading.Event()
@@ -104,13 +107,18 @@ class Agent:
         identities = self.registry.identities()
         assignments = assign(identities, self.spec)
         managed = [i for i in identities if i.path in assignments]
-        snapshot = self.sensor.snapshot(managed, time.time(), started)
+        deadline_jobs = [p for p, a in assignments.items() if a.deadline is not None]
+        snapshot = self.sensor.snapshot(managed, time.time(), started, deadline_jobs)
         for path in snapshot.vanished:  # inotify may have missed it (a failed watch)
             self.registry.forget(path)
-        plan = make_plan(snapshot, self.spec, self.usage, assignments=assignments)
+        plan = make_plan(
+            snapshot, self.spec, self.usage, assignments=assignments, carried=self.carry
+        )
         results = tuple(self.executor.apply(plan, snapshot))
         self.usage = dict(plan.tenant_usage)
+        self.carry = dict(plan.carry)
         self.problems.update(snapshot, plan, results)
+        self.notes.update(plan.notes)
         record = TickRecord(
             snapshot, plan, results, time.monotonic() - started, self.dry_run, assignments
         )
@@ -172,10 +180,11 @@ class Agent:
                 "managed_root": self.spec.agent.managed_root,
                 "tick": None if record is None else record.snapshot.seq,
                 "workloads": len(self.registry.workloads),
+                "deadline_misses": self.notes.deadline_misses,
             }
 
         def allocs(_: Mapping[str, str]) -> object:
-            return allocations(self._record())
+            return {**allocations(self._record()), "deadline_misses": self.notes.deadline_misses}
 
         def explain_one(params: Mapping[str, str]) -> object:
             record = self._record()

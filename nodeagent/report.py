@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent.act import Outcome, WriteResult
-from nodeagent.cgroupfs.values import Attribute
+from nodeagent.cgroupfs.values import Attribute, Frozen
 from nodeagent.identity import WorkloadIdentity
-from nodeagent.policy.base import Assignment, describe
+from nodeagent.policy.base import Assignment, Note, describe
 from nodeagent.policy.plan import CgroupPlan, Plan
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
 from nodeagent.tables import SHOWN
@@ -57,12 +57,36 @@ def _results_for(path: str, results: Sequence[WriteResult]) -> list[dict[str, An
     ]
 
 
-def _status(cg: CgroupPlan, results: Sequence[WriteResult]) -> tuple[str, str | None]:
-    """ok, skipped (no plan this tick) or failed (a write was refused), with why."""
+def _status(
+    cg: CgroupPlan, w: WorkloadState | None, results: Sequence[WriteResult]
+) -> tuple[str, str | None]:
+    """ok, frozen, skipped (no plan this tick) or failed (a write was refused), with why."""
     if cg.skipped is not None:
         return "skipped", f"plan: {cg.skipped}"
+    frozen = cg.targets.get(Attribute.FREEZE)
+    if frozen is not None and frozen.value == Frozen(True):
+        return "frozen", frozen.reason
+    if w is not None and w.sample.settings.get(Attribute.FREEZE) == Frozen(True):
+        return "frozen", "frozen in the kernel (not by this plan)"
     failed = [f"{r.attribute}: {r.detail}" for r in results if r.outcome is Outcome.FAILED]
     return ("failed", "; ".join(failed)) if failed else ("ok", None)
+
+
+def _note(n: Note) -> dict[str, Any]:
+    return {
+        "policy": n.policy,
+        "kind": n.kind,
+        "status": n.status,
+        "message": n.message,
+        **n.fields,
+    }
+
+
+def _deadline(notes: Sequence[Note]) -> dict[str, Any] | None:
+    """A deadline job's figures: status, deadline, remaining work, required rate, slack,
+    predicted finish."""
+    n = next((n for n in notes if n.kind == "deadline"), None)
+    return None if n is None else {"status": n.status, **n.fields}
 
 
 def allocations(record: TickRecord) -> dict[str, Any]:
@@ -72,7 +96,7 @@ def allocations(record: TickRecord) -> dict[str, Any]:
         w = states.get(cg.path)
         reasons = sorted({t.reason for t in cg.targets.values()})
         writes = [r for r in record.results if r.path == cg.path]
-        status, problem = _status(cg, writes)
+        status, problem = _status(cg, w, writes)
         rows.append(
             {
                 **describe(cg.identity, cg.assignment),
@@ -85,6 +109,8 @@ def allocations(record: TickRecord) -> dict[str, Any]:
                 if reasons
                 else "nothing to set: its tenant is idle and its rule has no limits",
                 "writes": _results_for(cg.path, writes),
+                "deadline": _deadline(cg.notes),
+                "notes": [_note(n) for n in cg.notes],
             }
         )
     for s in record.snapshot.skipped:
@@ -98,6 +124,8 @@ def allocations(record: TickRecord) -> dict[str, Any]:
                 "memory_current": None,
                 "reason": f"skipped this tick ({s.step}): {s.reason}",
                 "writes": [],
+                "deadline": None,
+                "notes": [],
             }
         )
     return {
@@ -107,6 +135,7 @@ def allocations(record: TickRecord) -> dict[str, Any]:
         "tick_seconds": record.duration,
         "tenant_usage": dict(record.plan.tenant_usage),
         "problems": list(record.plan.problems),
+        "node_notes": [_note(n) for n in record.plan.notes if n.path is None],
         "allocations": rows,
     }
 
@@ -124,8 +153,11 @@ def _sensed(w: WorkloadState | None) -> dict[str, Any]:
         "memory_current": s.memory_current,
         "memory_anon": s.memory_anon,
         "memory_file": s.memory_file,
-        "memory_min": s.memory_min,
         "memory_low": None if (v := s.settings.get(Attribute.MEMORY_LOW)) is None else v.render(),
+        "memory_min": None if (v := s.settings.get(Attribute.MEMORY_MIN)) is None else v.render(),
+        "frozen": None if (v := s.settings.get(Attribute.FREEZE)) is None else v.render() == "1",
+        "cpu_stall": w.cpu_stall,
+        "threads": s.threads,
         "memory_events": dict(s.memory_events),
         "memory_pressure_some_avg10": None if s.memory_psi is None else s.memory_psi.some.avg10,
     }
@@ -146,10 +178,12 @@ def explain(record: TickRecord, identity: WorkloadIdentity) -> dict[str, Any]:
             "cpu_rate": None,
             "trace": [f"skipped this tick ({s.step}): {s.reason}"],
             "writes": [],
+            "deadline": None,
+            "notes": [],
         }
     w = next((w for w in record.snapshot.workloads if w.path == cg.path), None)
     writes = [r for r in record.results if r.path == cg.path]
-    status, problem = _status(cg, writes)
+    status, problem = _status(cg, w, writes)
     return {
         "sensed": _sensed(w),
         **describe(cg.identity, cg.assignment),
@@ -161,6 +195,8 @@ def explain(record: TickRecord, identity: WorkloadIdentity) -> dict[str, Any]:
         "cpu_rate": None if w is None else w.cpu_rate,
         "trace": list(cg.trace),
         "writes": _results_for(cg.path, writes),
+        "deadline": _deadline(cg.notes),
+        "notes": [_note(n) for n in cg.notes],
     }
 
 

@@ -25,12 +25,14 @@ class CgroupSample:
     cpu_nr_throttled: int | None = None
     cpu_throttled_us: int | None = None
     memory_current: int | None = None
-    memory_min: int | None = None
     memory_anon: int | None = None
     memory_file: int | None = None
     memory_events: Mapping[str, int] = field(default_factory=dict)
     cpu_psi: Psi | None = None
     memory_psi: Psi | None = None
+    threads: int | None = None
+    """Threads in the cgroup (cgroup.threads), read for deadline jobs only: a job cannot
+    use more CPUs than it has threads."""
     settings: Mapping[Attribute, Value] = field(default_factory=dict)
 
 
@@ -42,6 +44,9 @@ class WorkloadState:
     """Cores used since the previous tick; None on a workload's first tick."""
     throttled_fraction: float | None = None
     """Share of CFS periods that were throttled since the previous tick."""
+    cpu_stall: float | None = None
+    """Share of the time since the previous tick in which some of its tasks waited for a
+    CPU (from cpu.pressure's 'some' total): reacts within a tick, where avg10 lags."""
 
     @property
     def path(self) -> str:

@@ -26,6 +26,8 @@ class Attribute(enum.StrEnum):
     MEMORY_MAX = "memory.max"
     MEMORY_HIGH = "memory.high"
     MEMORY_LOW = "memory.low"
+    MEMORY_MIN = "memory.min"
+    FREEZE = "cgroup.freeze"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +113,21 @@ class MemoryLimit:
         return other.bytes is not None and (self.bytes is None or self.bytes > other.bytes)
 
 
-Value = CpuWeight | CpuMax | MemoryLimit
+@dataclass(frozen=True, slots=True)
+class Frozen:
+    """cgroup.freeze: 1 stops every process in the cgroup where it stands, 0 resumes them.
+    Nothing is killed; the kernel keeps their memory."""
+
+    frozen: bool
+
+    def render(self) -> str:
+        return "1" if self.frozen else "0"
+
+    def looser_than(self, other: Frozen) -> bool:
+        return other.frozen and not self.frozen
+
+
+Value = CpuWeight | CpuMax | MemoryLimit | Frozen
 
 
 def is_looser(new: Value, old: Value) -> bool:
@@ -121,5 +137,7 @@ def is_looser(new: Value, old: Value) -> bool:
     if isinstance(new, CpuMax) and isinstance(old, CpuMax):
         return new.looser_than(old)
     if isinstance(new, MemoryLimit) and isinstance(old, MemoryLimit):
+        return new.looser_than(old)
+    if isinstance(new, Frozen) and isinstance(old, Frozen):
         return new.looser_than(old)
     return False

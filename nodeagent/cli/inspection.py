@@ -36,6 +36,13 @@ def allocations_table(data: Mapping[str, Any]) -> str:
         )
     mode = " (dry run: nothing written)" if data["dry_run"] else ""
     head = f"tick {data['tick']}{mode}: {len(rows)} workloads; OLD->NEW where the kernel differs"
+    tail = "".join(
+        f"\n{n['kind']}: {n['status']}: {n['message']}" for n in data.get("node_notes", [])
+    )
+    jobs = [a for a in data["allocations"] if a.get("deadline")]
+    if jobs:
+        tail += "\n\ndeadline jobs (misses so far: " + str(data.get("deadline_misses", "?")) + ")\n"
+        tail += deadlines_table(jobs, data["time"])
     headers = (
         "CGROUP",
         "TENANT",
@@ -47,7 +54,39 @@ def allocations_table(data: Mapping[str, Any]) -> str:
         "CPU",
         "REASON",
     )
-    return head + "\n" + table(headers, rows)
+    return head + "\n" + table(headers, rows) + tail
+
+
+def _seconds(value: float | None) -> str | None:
+    return None if value is None else f"{value:.0f}s"
+
+
+def _when(at: float | None, now: float) -> str | None:
+    if at is None:
+        return None
+    return f"in {at - now:.0f}s" if at >= now else f"{now - at:.0f}s ago"
+
+
+def deadlines_table(rows: list[dict[str, Any]], now: float) -> str:
+    """Each deadline job's status, time to its deadline, remaining work (CPU-s), the rate it
+    needs and is given (cores), its slack and its predicted finish, relative to now."""
+    headers = ("CGROUP", "STATUS", "DEADLINE", "REMAINING", "NEED", "GIVEN", "SLACK", "FINISH")
+    body = []
+    for a in rows:
+        d = a["deadline"]
+        body.append(
+            (
+                a["cgroup"],
+                d["status"],
+                _when(d["deadline"], now),
+                f"{d['remaining']:.1f}",
+                cores(d.get("required_rate")),
+                cores(d.get("rate")),
+                _seconds(d.get("slack")),
+                _when(d.get("predicted_finish"), now),
+            )
+        )
+    return table(headers, body)
 
 
 @click.command("allocations")

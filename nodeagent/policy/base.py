@@ -1,25 +1,47 @@
-"""The small interface every policy implements, and what it is given and returns."""
+"""The small interface every policy implements, and what it is given and returns.
+
+Policies run in order over one tick's frozen snapshot (oomd's "context, then plugins"):
+each is given the snapshot, the policy file, every workload's assignment, and what the
+policies before it said this tick (`earlier`), plus what it handed itself last tick
+(`carried`). Besides cgroup attribute values (`Decision`), a policy may say:
+
+- `Share`: a workload's part of the fair-share pool, the CPU left after every floor;
+- `Floor`: CPU a workload must get when it wants it (a deadline's rate, a reservation);
+- `Skip`: this one cgroup cannot be planned this tick;
+- `Note`: something to report (a deadline's progress, a throttled or frozen cgroup);
+- `Carry`: state for its own next tick (a controller's level).
+
+`CpuWeights` turns shares and floors into cpu.weight at the end.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from nodeagent.cgroupfs.values import Attribute, Value
 from nodeagent.errors import NodeagentError
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.snapshot import NodeSnapshot
-from nodeagent.spec.model import PolicySpec, WorkloadClass
+from nodeagent.spec.model import Limits, PolicySpec, WorkloadClass
 
 
 @dataclass(frozen=True, slots=True)
 class Assignment:
-    """Which rule claimed a workload, and so its tenant and class."""
+    """Who a workload belongs to and what it declared: from the rule that claimed it, or
+    from `nodeagent exec` for the jobs it started (rule `exec:<name>`)."""
 
     rule: str
     tenant: str
     workload_class: WorkloadClass
+    limits: Limits = field(default_factory=Limits)
+    deadline: float | None = None
+    """Unix seconds by which the work must be done."""
+    work: float | None = None
+    """CPU-seconds the work needs in all, counted from the cgroup's creation."""
+    cpus: float | None = None
+    """At most this many CPUs at once (its parallelism), when declared."""
 
 
 def describe(identity: WorkloadIdentity, assignment: Assignment | None) -> dict[str, object]:
@@ -42,15 +64,6 @@ def describe(identity: WorkloadIdentity, assignment: Assignment | None) -> dict[
 
 
 @dataclass(frozen=True, slots=True)
-class PolicyInput:
-    snapshot: NodeSnapshot
-    spec: PolicySpec
-    assignments: Mapping[str, Assignment]
-    tenant_usage: Mapping[str, float]
-    """Decayed CPU usage per tenant, in core-seconds, including this tick."""
-
-
-@dataclass(frozen=True, slots=True)
 class Decision:
     """One policy's wish for one attribute of one cgroup, with the reasoning behind it."""
 
@@ -63,6 +76,39 @@ class Decision:
 
 
 @dataclass(frozen=True, slots=True)
+class Share:
+    """A workload's fraction of the fair-share pool (the CPU left after every floor).
+
+    Fractions of the active workloads sum to 1. An idle workload of an active tenant gets
+    its tenant's per-workload fraction with `active` False, so that its weight lets it
+    compete evenly when it wakes; it takes no part in the sum.
+    """
+
+    path: str
+    fraction: float
+    policy: str
+    reason: str
+    trace: tuple[str, ...] = ()
+    active: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Floor:
+    """CPU, in cores, that a workload must get when it wants it.
+
+    An `exclusive` floor is all the workload gets planned (a deadline job needs its rate,
+    no more: the rest goes to fair share); otherwise the workload also keeps its share.
+    """
+
+    path: str
+    cores: float
+    policy: str
+    reason: str
+    trace: tuple[str, ...] = ()
+    exclusive: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Skip:
     """A policy could not plan one cgroup (a value out of range, say): that cgroup gets no
     targets this tick, the others are planned as usual."""
@@ -72,11 +118,64 @@ class Skip:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Note:
+    """A report for operators: shown by allocations and explain, logged when its status
+    changes. `path` is None for the node as a whole; `status` is a short word or two that
+    changes only when something an operator cares about does (the log event is
+    `<kind>.<first word of status>`); `fields` are JSON values."""
+
+    path: str | None
+    policy: str
+    kind: str
+    status: str
+    message: str
+    fields: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Carry:
+    """State a policy hands to its own next tick; JSON values, kept in the state file."""
+
+    policy: str
+    state: Mapping[str, object]
+
+
+Output = Decision | Share | Floor | Skip | Note | Carry
+
+
 PLANNING_ERRORS = (ArithmeticError, ValueError, NodeagentError)
 """What a policy's arithmetic on one workload may raise: caught per workload, as a Skip."""
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyInput:
+    snapshot: NodeSnapshot
+    spec: PolicySpec
+    assignments: Mapping[str, Assignment]
+    tenant_usage: Mapping[str, float]
+    """Decayed CPU usage per tenant, in core-seconds, including this tick."""
+    earlier: tuple[Output, ...] = ()
+    """What the policies before this one said this tick, in order."""
+    carried: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+    """Each policy's Carry from the previous tick, by policy name."""
+
+    def floors(self) -> dict[str, Floor]:
+        """The largest floor each workload got from earlier policies."""
+        out: dict[str, Floor] = {}
+        for o in self.earlier:
+            if isinstance(o, Floor) and (o.path not in out or o.cores > out[o.path].cores):
+                out[o.path] = o
+        return out
+
+    def decided(self, attribute: Attribute) -> dict[str, Decision]:
+        """Earlier decisions on one attribute, the last one winning, as in the plan."""
+        return {
+            o.path: o for o in self.earlier if isinstance(o, Decision) and o.attribute == attribute
+        }
 
 
 class Policy(Protocol):
     name: str
 
-    def decide(self, given: PolicyInput) -> Sequence[Decision | Skip]: ...
+    def decide(self, given: PolicyInput) -> Sequence[Output]: ...

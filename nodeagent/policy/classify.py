@@ -31,6 +31,13 @@ def assign(workloads: Iterable[WorkloadIdentity], spec: PolicySpec) -> dict[str,
     for w in workloads:
         for rule in spec.rules:
             if matches(rule.match, w):
-                out[w.path] = Assignment(rule.name, rule.tenant, rule.workload_class)
+                out[w.path] = Assignment(
+                    rule.name,
+                    rule.tenant,
+                    rule.workload_class,
+                    rule.limits,
+                    deadline=rule.deadline,
+                    work=rule.work,
+                )
                 break
     return out

@@ -1,8 +1,9 @@
-"""Run the policies over one snapshot and merge their decisions into a plan.
+"""Run the policies over one snapshot and merge what they say into a plan.
 
 The plan is the whole of what the agent wants, per cgroup, with the reasons
-and the trace that `nodeagent explain` prints. Later policies in the list win
-over earlier ones on the same attribute, and the trace says so.
+and the trace that `nodeagent explain` prints. Policies run in order, each seeing
+what the earlier ones said; on the same attribute the later one wins, and the
+trace says so.
 
 Only the workloads in the snapshot are planned: a cgroup that vanished or could
 not be read since discovery is simply absent. A cgroup a policy cannot plan is
@@ -13,19 +14,44 @@ of this tick and named in `Plan.problems`. Either way the rest is planned.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nodeagent.cgroupfs.values import Attribute, Value
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.policy import history
-from nodeagent.policy.base import Assignment, Policy, PolicyInput, Skip
+from nodeagent.policy.base import (
+    Assignment,
+    Carry,
+    Decision,
+    Floor,
+    Note,
+    Output,
+    Policy,
+    PolicyInput,
+    Share,
+    Skip,
+)
 from nodeagent.policy.classify import assign
+from nodeagent.policy.deadlines import Deadlines
 from nodeagent.policy.fairshare import FairShare
 from nodeagent.policy.limits import StaticLimits
+from nodeagent.policy.protection import Protection
+from nodeagent.policy.reservations import Reservations
+from nodeagent.policy.weights import CpuWeights
 from nodeagent.snapshot import NodeSnapshot
 from nodeagent.spec.model import PolicySpec
 
-DEFAULT_POLICIES: tuple[Policy, ...] = (FairShare(), StaticLimits())
+DEFAULT_POLICIES: tuple[Policy, ...] = (
+    Deadlines(),
+    Reservations(),
+    FairShare(),
+    CpuWeights(),
+    StaticLimits(),
+    Protection(),
+)
+"""Floors first (deadlines, reservations), then the fair split of what is left, weights
+from both, static caps, and last the controller that throttles and freezes lower classes
+on top of everything else."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +72,7 @@ class CgroupPlan:
     trace: tuple[str, ...]
     skipped: str | None = None
     """Why no plan could be made for this cgroup this tick; it then has no targets."""
+    notes: tuple[Note, ...] = ()
 
     @property
     def path(self) -> str:
@@ -60,6 +87,10 @@ class Plan:
     tenant_usage: Mapping[str, float]
     problems: tuple[str, ...] = ()
     """Policies that failed as a whole this tick (a bug): their targets are left out."""
+    notes: tuple[Note, ...] = ()
+    """Every note of the tick, the node's and the cgroups'."""
+    carry: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+    """Each policy's state for the next tick."""
 
 
 def make_plan(
@@ -67,10 +98,13 @@ def make_plan(
     spec: PolicySpec,
     previous_usage: Mapping[str, float],
     policies: Sequence[Policy] = DEFAULT_POLICIES,
+    *,
     assignments: Mapping[str, Assignment] | None = None,
+    carried: Mapping[str, Mapping[str, object]] | None = None,
 ) -> Plan:
     """`assignments` may be passed in when the caller already classified the workloads;
-    those of workloads missing from the snapshot are ignored."""
+    those of workloads missing from the snapshot are ignored. `carried` is the previous
+    plan's `carry`."""
     identities = [w.identity for w in snapshot.workloads]
     if assignments is None:
         assignments = assign(identities, spec)
@@ -78,30 +112,20 @@ def make_plan(
         sensed = {i.path for i in identities}
         assignments = {p: a for p, a in assignments.items() if p in sensed}
     usage = history.advance(previous_usage, snapshot, assignments, spec.fair_share.half_life)
-    given = PolicyInput(snapshot, spec, assignments, usage)
-    targets: dict[str, dict[Attribute, Target]] = {i.path: {} for i in identities}
-    traces: dict[str, list[str]] = {i.path: [] for i in identities}
-    skipped: dict[str, str] = {}
-    problems: list[str] = []
+    merged = _Merge({i.path for i in identities})
+    earlier: list[Output] = []
     for policy in policies:
+        given = PolicyInput(snapshot, spec, assignments, usage, tuple(earlier), carried or {})
         try:
-            outputs = policy.decide(given)
+            outputs = list(policy.decide(given))
         except Exception as e:  # a bug in one policy must not stop the others
-            problems.append(f"policy {policy.name} failed, left out this tick: {_error(e)}")
+            merged.problems.append(f"policy {policy.name} failed, left out this tick: {_error(e)}")
             continue
-        for d in outputs:
-            if d.path not in targets:
-                problems.append(f"policy {policy.name} planned {d.path}, which is not sensed")
-            elif isinstance(d, Skip):
-                skipped.setdefault(d.path, f"{d.policy}: {d.reason}")
-            else:
-                earlier = targets[d.path].get(d.attribute)
-                if earlier is not None:
-                    traces[d.path].append(f"{d.policy} overrides {earlier.policy} on {d.attribute}")
-                targets[d.path][d.attribute] = Target(d.value, d.policy, d.reason)
-                traces[d.path].extend(f"{d.policy}: {line}" for line in (*d.trace, d.reason))
+        for o in outputs:
+            merged.add(policy.name, o)
+        earlier.extend(outputs)
     for path, assignment in assignments.items():
-        traces[path].insert(
+        merged.traces[path].insert(
             0,
             f"matched rule {assignment.rule}: tenant {assignment.tenant},"
             f" class {assignment.workload_class}",
@@ -110,13 +134,60 @@ def make_plan(
         CgroupPlan(
             i,
             assignments.get(i.path),
-            {} if i.path in skipped else targets[i.path],
-            tuple(traces[i.path]),
-            skipped.get(i.path),
+            {} if i.path in merged.skipped else merged.targets[i.path],
+            tuple(merged.traces[i.path]),
+            merged.skipped.get(i.path),
+            tuple(n for n in merged.notes if n.path == i.path),
         )
         for i in identities
     )
-    return Plan(snapshot.seq, snapshot.wall_time, cgroups, usage, tuple(problems))
+    return Plan(
+        snapshot.seq,
+        snapshot.wall_time,
+        cgroups,
+        usage,
+        tuple(merged.problems),
+        tuple(merged.notes),
+        merged.carry,
+    )
+
+
+class _Merge:
+    """Accumulates the policies' outputs into per-cgroup targets, traces and notes."""
+
+    def __init__(self, paths: set[str]) -> None:
+        self.targets: dict[str, dict[Attribute, Target]] = {p: {} for p in paths}
+        self.traces: dict[str, list[str]] = {p: [] for p in paths}
+        self.skipped: dict[str, str] = {}
+        self.problems: list[str] = []
+        self.notes: list[Note] = []
+        self.carry: dict[str, Mapping[str, object]] = {}
+
+    def add(self, policy: str, o: Output) -> None:
+        if isinstance(o, Carry):
+            self.carry[o.policy] = o.state
+            return
+        if isinstance(o, Note) and o.path is None:  # about the node as a whole
+            self.notes.append(o)
+            return
+        if o.path not in self.targets:
+            self.problems.append(f"policy {policy} planned {o.path}, which is not sensed")
+            return
+        if isinstance(o, Skip):
+            self.skipped.setdefault(o.path, f"{o.policy}: {o.reason}")
+        elif isinstance(o, Note):
+            self.notes.append(o)
+            self.traces[o.path].append(f"{o.policy}: {o.message}")
+        elif isinstance(o, Decision):
+            earlier = self.targets[o.path].get(o.attribute)
+            if earlier is not None:
+                self.traces[o.path].append(
+                    f"{o.policy} overrides {earlier.policy} on {o.attribute}"
+                )
+            self.targets[o.path][o.attribute] = Target(o.value, o.policy, o.reason)
+            self.traces[o.path].extend(f"{o.policy}: {line}" for line in (*o.trace, o.reason))
+        elif isinstance(o, Share | Floor):
+            self.traces[o.path].extend(f"{o.policy}: {line}" for line in (*o.trace, o.reason))
 
 
 def _error(e: Exception) -> str:

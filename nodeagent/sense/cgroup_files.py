@@ -8,7 +8,7 @@ from typing import TypeVar
 
 from nodeagent.cgroupfs import parse
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupReadError, CgroupTree, CgroupVanished
-from nodeagent.cgroupfs.values import Attribute, CpuWeight, MemoryLimit, Value
+from nodeagent.cgroupfs.values import Attribute, CpuWeight, Frozen, MemoryLimit, Value
 from nodeagent.errors import one_line
 from nodeagent.snapshot import CgroupSample
 
@@ -29,9 +29,15 @@ TICK_FILES = (
     "memory.events",
     "memory.stat",
     "memory.pressure",
+    "cgroup.freeze",
 )
 
-_MEMORY_LIMITS = (Attribute.MEMORY_MAX, Attribute.MEMORY_HIGH, Attribute.MEMORY_LOW)
+_MEMORY_LIMITS = (
+    Attribute.MEMORY_MAX,
+    Attribute.MEMORY_HIGH,
+    Attribute.MEMORY_LOW,
+    Attribute.MEMORY_MIN,
+)
 
 
 def _pressure(d: CgroupDir, name: str) -> parse.Psi | None:
@@ -46,8 +52,16 @@ def _pressure(d: CgroupDir, name: str) -> parse.Psi | None:
     return None if text is None else parse.psi(text)
 
 
-def read_sample(d: CgroupDir, page_size: int) -> CgroupSample:
-    """Raises on anything unreadable or unparsable; the sensor skips that one cgroup."""
+def _frozen(text: str) -> Frozen:
+    value = parse.single_int(text)
+    if value not in (0, 1):
+        raise ValueError(f"cgroup.freeze holds {value}, not 0 or 1")
+    return Frozen(value == 1)
+
+
+def read_sample(d: CgroupDir, page_size: int, *, threads: bool = False) -> CgroupSample:
+    """Raises on anything unreadable or unparsable; the sensor skips that one cgroup.
+    `threads` also counts the cgroup's threads (for deadline jobs)."""
 
     def get(name: str, parser: Callable[[str], T]) -> T | None:
         text = d.read_optional(name)
@@ -67,6 +81,9 @@ def read_sample(d: CgroupDir, page_size: int) -> CgroupSample:
         text = d.read_optional(attr)
         if text is not None:
             settings[attr] = MemoryLimit(parse.limit(text), page_size)
+    frozen = get(Attribute.FREEZE, _frozen)
+    if frozen is not None:
+        settings[Attribute.FREEZE] = frozen
     return CgroupSample(
         populated=bool(events["populated"]) if "populated" in events else None,
         cpu_usage_us=cpu.get("usage_usec"),
@@ -74,12 +91,12 @@ def read_sample(d: CgroupDir, page_size: int) -> CgroupSample:
         cpu_nr_throttled=cpu.get("nr_throttled"),
         cpu_throttled_us=cpu.get("throttled_usec"),
         memory_current=get("memory.current", parse.single_int),
-        memory_min=get("memory.min", parse.limit),
         memory_anon=mem_stat.get("anon"),
         memory_file=mem_stat.get("file"),
         memory_events=get("memory.events", parse.flat_keyed) or {},
         cpu_psi=_pressure(d, "cpu.pressure"),
         memory_psi=_pressure(d, "memory.pressure"),
+        threads=len(d.read("cgroup.threads").split()) if threads else None,
         settings=settings,
     )
 

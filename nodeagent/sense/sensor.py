@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
@@ -19,6 +19,7 @@ class _Counters:
     usage_us: int
     periods: int
     throttled: int
+    stall_us: int | None
 
 
 class Sensor:
@@ -41,22 +42,27 @@ class Sensor:
         self._seq = 0
         self._last_mono: float | None = None
         self._baseline: dict[str, _Counters] = {}
-        self._rates: dict[str, tuple[float, float]] = {}
+        self._rates: dict[str, _Rates] = {}
 
     def snapshot(
-        self, workloads: Iterable[WorkloadIdentity], wall_time: float, monotonic: float
+        self,
+        workloads: Iterable[WorkloadIdentity],
+        wall_time: float,
+        monotonic: float,
+        count_threads: Collection[str] = (),
     ) -> NodeSnapshot:
+        """`count_threads`: paths whose threads are counted too (deadline jobs)."""
         elapsed = None if self._last_mono is None else monotonic - self._last_mono
         node = self.node.read()
         states = []
         skipped: list[Skipped] = []
         vanished: list[str] = []
         baseline: dict[str, _Counters] = {}
-        rates: dict[str, tuple[float, float]] = {}
+        rates: dict[str, _Rates] = {}
         for identity in workloads:
             try:
                 with self.tree.open(identity.path) as d:
-                    sample = read_sample(d, node.page_size)
+                    sample = read_sample(d, node.page_size, threads=identity.path in count_threads)
             except CgroupVanished:
                 vanished.append(identity.path)
                 continue
@@ -75,13 +81,17 @@ class Sensor:
                     if path in self._rates:
                         rates[path] = self._rates[path]
                 elif prev is not None and now.at > prev.at:
-                    periods = now.periods - prev.periods
-                    rates[path] = (
-                        max(0, now.usage_us - prev.usage_us) / 1e6 / (now.at - prev.at),
-                        (now.throttled - prev.throttled) / periods if periods > 0 else 0.0,
-                    )
-            rate, throttled = rates.get(path, (None, None))
-            states.append(WorkloadState(identity, sample, rate, throttled))
+                    rates[path] = _rates(prev, now)
+            r = rates.get(path)
+            states.append(
+                WorkloadState(
+                    identity,
+                    sample,
+                    None if r is None else r.cpu,
+                    None if r is None else r.throttled,
+                    None if r is None else r.stall,
+                )
+            )
         self._baseline, self._rates = baseline, rates
         self._last_mono = monotonic
         self._seq += 1
@@ -90,9 +100,33 @@ class Sensor:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _Rates:
+    cpu: float
+    throttled: float
+    stall: float | None
+
+
+def _rates(prev: _Counters, now: _Counters) -> _Rates:
+    seconds = now.at - prev.at
+    periods = now.periods - prev.periods
+    stall = None
+    if now.stall_us is not None and prev.stall_us is not None:
+        stall = min(1.0, max(0, now.stall_us - prev.stall_us) / 1e6 / seconds)
+    return _Rates(
+        max(0, now.usage_us - prev.usage_us) / 1e6 / seconds,
+        (now.throttled - prev.throttled) / periods if periods > 0 else 0.0,
+        stall,
+    )
+
+
 def _counters(sample: CgroupSample, at: float) -> _Counters | None:
     if sample.cpu_usage_us is None:
         return None
     return _Counters(
-        at, sample.cpu_usage_us, sample.cpu_nr_periods or 0, sample.cpu_nr_throttled or 0
+        at,
+        sample.cpu_usage_us,
+        sample.cpu_nr_periods or 0,
+        sample.cpu_nr_throttled or 0,
+        None if sample.cpu_psi is None else sample.cpu_psi.some.total_us,
     )

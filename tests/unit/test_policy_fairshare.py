@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -13,20 +14,26 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
-from nodeagent.policy.base import Decision
+from nodeagent.policy.base import Decision, PolicyInput, Share
 from nodeagent.policy.fairshare import FairShare, is_active
+from nodeagent.policy.plan import make_plan
+from nodeagent.policy.weights import CpuWeights
 from nodeagent.snapshot import CgroupSample, WorkloadState
 from nodeagent.spec.model import FairShareSettings, Tenant
 
 
-def weights(decisions: list[Decision] | tuple[Decision, ...]) -> dict[str, int]:
+def weights(given_: PolicyInput) -> dict[str, int]:
+    """Fair share, then the weights made from its shares, as the plan runs them."""
+    shares = list(FairShare().decide(given_))
+    assert all(isinstance(s, Share) for s in shares)
+    decisions = CpuWeights().decide(replace(given_, earlier=tuple(shares)))
     out = {}
     for d in decisions:
+        assert isinstance(d, Decision)
         assert d.attribute is Attribute.CPU_WEIGHT
         assert isinstance(d.value, CpuWeight)
-        assert d.policy == "fair-share"
         out[d.path] = d.value.value
-    assert len(out) == len(decisions), "one decision per cgroup"
+    assert len(out) == len(decisions) == len(shares), "one decision per cgroup"
     return out
 
 
@@ -40,8 +47,7 @@ def decide(
     usage: Mapping[str, float] | None = None,
     **fair_share: Any,
 ) -> dict[str, int]:
-    given_ = policy_input(snapshot(workloads), spec(shares, **fair_share), usage)
-    return weights(list(FairShare().decide(given_)))
+    return weights(policy_input(snapshot(workloads), spec(shares, **fair_share), usage))
 
 
 TWO_TO_ONE = [
@@ -183,9 +189,20 @@ def test_trace_explains_the_arithmetic() -> None:
     d = next(d for d in FairShare().decide(given_) if d.path == "nodeagent.slice/a-1")
     assert "tenant a: shares 2 of 3" in d.trace[0]
     assert "F=2^(-u/s)=1.000" in d.trace[1]
-    assert "budget 100 x 5 active = 500" in d.trace[2]
-    assert d.trace[3] == "split over 1 active workload(s) -> 333"
-    assert d.reason == "fair share: tenant a 67% of weight, split over 1 active"
+    assert d.trace[2] == (
+        "tenant gets s*F/sum(s*F) = 0.667 of the pool, split over 1 active workload(s) = 0.667 each"
+    )
+    assert d.reason == "fair share: tenant a 67% of the pool, split over 1 active"
+    plan = make_plan(snapshot(TWO_TO_ONE), spec({"a": 2, "b": 1}), {})
+    cg = next(c for c in plan.cgroups if c.path == "nodeagent.slice/a-1")
+    weight = cg.targets[Attribute.CPU_WEIGHT].value
+    share = next(i for i, line in enumerate(cg.trace) if line.startswith("fair-share: fair share"))
+    assert cg.trace[share + 1].startswith("cpu-weights: target ")
+    assert cg.trace[share + 1].endswith(" of the 8.00-core pool")
+    assert cg.trace[share + 2] == (
+        "cpu-weights: weights follow targets among 5 active sibling(s) under nodeagent.slice:"
+        f" 62.5 per core -> {weight.render()}"
+    )
 
 
 def test_shares_are_bounded_so_the_split_cannot_overflow() -> None:
@@ -206,7 +223,7 @@ def test_tiny_shares_never_divide_by_zero(tiny: float, usage: dict[str, float]) 
         update={"tenants": {"big": Tenant(shares=1e6), "tiny": Tenant.model_construct(shares=tiny)}}
     )
     snap = snapshot([workload("nodeagent.slice/big-1"), workload("nodeagent.slice/tiny-1")])
-    w = weights(list(FairShare().decide(policy_input(snap, policy, usage))))
+    w = weights(policy_input(snap, policy, usage))
     assert 1 <= w["nodeagent.slice/tiny-1"] <= w["nodeagent.slice/big-1"] <= 10_000
 
 

@@ -87,7 +87,7 @@ def test_default_policies_give_weight_and_assignment() -> None:
     assert (cg.assignment.rule, cg.assignment.tenant) == ("a-jobs", "a")
     assert cg.assignment.workload_class is WorkloadClass.BATCH
     assert cg.targets[Attribute.CPU_WEIGHT].value == CpuWeight(100)
-    assert cg.targets[Attribute.CPU_WEIGHT].policy == "fair-share"
+    assert cg.targets[Attribute.CPU_WEIGHT].policy == "cpu-weights"
     assert cg.trace[0] == "matched rule a-jobs: tenant a, class batch"
     assert set(cg.targets) == {Attribute.CPU_WEIGHT}, "no limits in the rule: none set"
     assert (plan.seq, plan.wall_time) == (SNAP.seq, SNAP.wall_time)
@@ -248,3 +248,36 @@ def test_a_cgroup_a_policy_cannot_plan_is_skipped_alone() -> None:
     assert plan["nodeagent.slice/a-2"].targets == {}, "no partial plan for a skipped cgroup"
     assert plan["nodeagent.slice/a-1"].skipped is None
     assert set(plan["nodeagent.slice/a-1"].targets) == {Attribute.CPU_WEIGHT, Attribute.CPU_MAX}
+
+
+# --- memory by class -------------------------------------------------------------------
+
+
+def test_memory_request_sets_protection_by_class_and_kubelet_memory_high() -> None:
+    """Inference protects its request with memory.min; memory.high is request + 0.9 x
+    (limit - request), rounded down to a page."""
+    rules = [
+        {
+            "name": "infer",
+            "match": {},
+            "tenant": "a",
+            "class": "inference",
+            "limits": {"memory_max": "1Gi", "memory_request": "256Mi"},
+        }
+    ]
+    cg = by_path(make_plan(SNAP, spec({"a": 1}, rules), {}))["nodeagent.slice/a-1"]
+    mib = 1 << 20
+    high = (256 * mib + int(0.9 * (768 * mib))) // 4096 * 4096
+    assert cg.targets[Attribute.MEMORY_HIGH].value == MemoryLimit(high)
+    assert cg.targets[Attribute.MEMORY_MIN].value == MemoryLimit(256 * mib)
+    assert cg.targets[Attribute.MEMORY_LOW].value == MemoryLimit(0)
+    assert cg.targets[Attribute.MEMORY_MAX].value == MemoryLimit(1024 * mib)
+
+
+def test_training_protects_its_request_with_memory_low() -> None:
+    rules = [{"name": "t", "match": {}, "tenant": "a", "class": "training",
+              "limits": {"memory_request": "1Gi"}}]  # fmt: skip
+    cg = by_path(make_plan(SNAP, spec({"a": 1}, rules), {}))["nodeagent.slice/a-1"]
+    assert cg.targets[Attribute.MEMORY_LOW].value == MemoryLimit(1 << 30)
+    assert cg.targets[Attribute.MEMORY_MIN].value == MemoryLimit(0)
+    assert Attribute.MEMORY_HIGH not in cg.targets, "no limit: memory.high is not planned"

@@ -1,7 +1,9 @@
-"""Per-cgroup problems, logged once when they start or change and once when they clear.
+"""What the loop logs when it changes, not every tick: per-cgroup problems and the
+policies' notes.
 
 A cgroup that cannot be read, planned or written is skipped every tick until it is fixed
-or gone; logging it every tick would bury everything else in the journal.
+or gone, and a deadline job is on track tick after tick; logging either every tick would
+bury everything else in the journal.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Iterable
 import structlog
 
 from nodeagent.act import Outcome, WriteResult
+from nodeagent.policy.base import Note
 from nodeagent.policy.plan import Plan
 from nodeagent.snapshot import NodeSnapshot
 
@@ -58,3 +61,33 @@ class ProblemLog:
             del self._open[key]
             if key[0] != "policy":
                 log.info("cgroup.problem_cleared", cgroup=key[1], was=key[0])
+
+
+class NoteLog:
+    """Logs a note when its status changes (a deadline job going from on-track to
+    predicted-miss, a class throttled or released), and counts deadline misses."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str | None, str], str] = {}
+        self.deadline_misses = 0
+        self._missed: set[tuple[str | None, object]] = set()
+
+    def update(self, notes: Iterable[Note]) -> None:
+        seen = set()
+        for n in notes:
+            key = (n.path, n.kind)
+            seen.add(key)
+            if self._last.get(key) != n.status:
+                event = f"{n.kind}.{n.status.split(maxsplit=1)[0]}"
+                log.info(event, cgroup=n.path, status=n.status, message=n.message, **n.fields)
+                self._last[key] = n.status
+            if n.kind == "deadline" and n.status == "missed":
+                self.missed(n.path, n.fields.get("deadline"))
+        for key in [k for k in self._last if k not in seen]:
+            del self._last[key]
+
+    def missed(self, path: str | None, deadline: object) -> None:
+        """Count one miss per job and deadline, however many ticks it is seen late."""
+        if (path, deadline) not in self._missed:
+            self._missed.add((path, deadline))
+            self.deadline_misses += 1

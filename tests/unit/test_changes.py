@@ -5,8 +5,8 @@ from __future__ import annotations
 from builders import job, snapshot, spec, workload
 from structlog.testing import capture_logs
 
+from nodeagent.changes import ProblemLog
 from nodeagent.policy.plan import make_plan
-from nodeagent.problems import ProblemLog
 from nodeagent.snapshot import Skipped
 
 

@@ -1,0 +1,165 @@
+"""Deadline scheduling on several CPUs, as a fluid model: feasibility, admission, rates.
+
+A job j has remaining work W_j (CPU-seconds), a window D_j (seconds until its deadline)
+and a parallelism p_j (it cannot use more than p_j CPUs at once); the node has C CPUs.
+Global EDF is not optimal on several CPUs (Dhall's effect: two short jobs with early
+deadlines take both CPUs, and a long single-threaded one that needed one CPU throughout
+misses), so feasibility is decided exactly, as a flow: the time until the last deadline
+is cut at every deadline into intervals; job j may receive up to p_j·|I| of work in each
+interval I that ends by its deadline, and each interval offers C·|I|. The set is feasible
+iff the maximum flow carries every job's W_j (Horn, 1974). Sizes are a handful to a few
+hundred jobs, so a plain augmenting-path max flow is fast enough.
+
+Admission goes in priority order, then earliest deadline first: a job is admitted when
+the set stays feasible with it; the others are predicted to miss. Rates for the admitted
+set are the constant rates W_j/D_j when those fit (every job then finishes on time at a
+steady pace and leaves the most CPU to the rest now), and otherwise the first interval of
+a feasible flow that was seeded with earliest-deadline-first front-loading.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+EPS = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    name: str
+    work: float
+    """Remaining CPU-seconds, > 0."""
+    window: float
+    """Seconds until the deadline, > 0."""
+    parallelism: float
+    """Most CPUs it can use at once, > 0."""
+    priority: int = 0
+
+    @property
+    def rate(self) -> float:
+        """The constant rate that finishes exactly at the deadline."""
+        return self.work / self.window
+
+
+class _Flow:
+    """A small max-flow graph (Edmonds-Karp on float capacities)."""
+
+    def __init__(self, n: int) -> None:
+        self.cap: list[dict[int, float]] = [{} for _ in range(n)]
+
+    def edge(self, u: int, v: int, c: float) -> None:
+        self.cap[u][v] = self.cap[u].get(v, 0.0) + c
+        self.cap[v].setdefault(u, 0.0)
+
+    def push(self, u: int, v: int, amount: float) -> None:
+        self.cap[u][v] -= amount
+        self.cap[v][u] += amount
+
+    def augment(self, s: int, t: int) -> float:
+        total = 0.0
+        while True:
+            back = {s: s}
+            queue = deque([s])
+            while queue and t not in back:
+                u = queue.popleft()
+                for v, c in self.cap[u].items():
+                    if c > EPS and v not in back:
+                        back[v] = u
+                        queue.append(v)
+            if t not in back:
+                return total
+            amount, v = float("inf"), t
+            while v != s:
+                amount = min(amount, self.cap[back[v]][v])
+                v = back[v]
+            v = t
+            while v != s:
+                self.push(back[v], v, amount)
+                v = back[v]
+            total += amount
+
+
+def _order(demands: Sequence[Demand]) -> list[Demand]:
+    return sorted(demands, key=lambda d: (-d.priority, d.window, d.name))
+
+
+def schedule(demands: Sequence[Demand], capacity: float) -> tuple[bool, dict[str, float]]:
+    """(feasible, each job's work in the first interval / its length): a flow seeded with
+    EDF front-loading, then completed by augmenting paths."""
+    jobs = _order(demands)
+    if not jobs:
+        return True, {}
+    if capacity <= EPS or any(d.rate > d.parallelism * (1 + EPS) for d in jobs):
+        return False, {}
+    ends = sorted({d.window for d in jobs})
+    starts = [0.0, *ends[:-1]]
+    n_j, n_i = len(jobs), len(ends)
+    s, t = n_j + n_i, n_j + n_i + 1
+    g = _Flow(n_j + n_i + 2)
+    room = [capacity * (e - b) for b, e in zip(starts, ends, strict=True)]
+    for i, r in enumerate(room):
+        g.edge(n_j + i, t, r)
+    for j, d in enumerate(jobs):
+        g.edge(s, j, d.work)
+        left = d.work
+        for i, (b, e) in enumerate(zip(starts, ends, strict=True)):
+            if e > d.window + EPS:
+                break
+            g.edge(j, n_j + i, d.parallelism * (e - b))
+            take = min(left, d.parallelism * (e - b), room[i])  # EDF, as early as possible
+            if take > EPS:
+                g.push(s, j, take)
+                g.push(j, n_j + i, take)
+                g.push(n_j + i, t, take)
+                room[i] -= take
+                left -= take
+    g.augment(s, t)
+    feasible = all(g.cap[s][j] <= EPS * max(1.0, d.work) * 1e3 for j, d in enumerate(jobs))
+    first = ends[0]
+    rates = {d.name: g.cap[n_j][j] / first for j, d in enumerate(jobs)}
+    return feasible, rates
+
+
+def feasible(demands: Sequence[Demand], capacity: float) -> bool:
+    return schedule(demands, capacity)[0]
+
+
+def admit(demands: Sequence[Demand], capacity: float) -> tuple[list[Demand], list[Demand]]:
+    """(admitted, predicted to miss): by priority, then earliest deadline, each kept when
+    the set stays feasible with it."""
+    admitted: list[Demand] = []
+    missed: list[Demand] = []
+    for d in _order(demands):
+        if feasible([*admitted, d], capacity):
+            admitted.append(d)
+        else:
+            missed.append(d)
+    return admitted, missed
+
+
+def rates(admitted: Sequence[Demand], capacity: float) -> dict[str, float]:
+    """Rates now for a feasible set: constant rates when they fit, else a feasible flow's.
+    For a set that is not feasible (a job late already), see `best_effort`."""
+    if sum(d.rate for d in admitted) <= capacity * (1 + EPS) and all(
+        d.rate <= d.parallelism for d in admitted
+    ):
+        return {d.name: d.rate for d in admitted}
+    ok, first = schedule(admitted, capacity)
+    return first if ok else best_effort(admitted, capacity)
+
+
+def best_effort(demands: Sequence[Demand], capacity: float) -> dict[str, float]:
+    """For jobs that cannot all finish: each gets the rate it needs (at most its
+    parallelism), in priority then deadline order while CPU lasts, so the fewest miss and
+    the late ones are late by the least; CPU left over goes to them in the same order."""
+    out, left = {}, capacity
+    for d in _order(demands):
+        out[d.name] = max(0.0, min(d.rate, d.parallelism, left))
+        left -= out[d.name]
+    for d in _order(demands):
+        extra = max(0.0, min(d.parallelism - out[d.name], left))
+        out[d.name] += extra
+        left -= extra
+    return out

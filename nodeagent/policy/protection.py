@@ -1,0 +1,322 @@
+"""Inference first: while a protected cgroup stalls for CPU, lower classes are throttled
+in steps, then frozen; they are released gradually when the pressure is gone.
+
+Protected cgroups are those of a class with `protect: true` (inference), and those with
+a floor (a deadline's rate, a reservation) that get less CPU than the floor. A protected
+cgroup stalls when the share of time some of its tasks waited for a CPU (PSI 'some': the
+last tick's delta of its total, or avg10 before there is one) exceeds
+`protection.cpu_pressure`. The classes of lower priority than the highest stalling one
+are the victims. This follows koordlet's CPU suppress (lower classes get what the
+protected ones leave) with senpai's control law (small multiplicative steps scaled by
+how far pressure is over the threshold, and a slow additive release):
+
+- under pressure, each victim class's CPU cap (cores, in all) shrinks by up to `step`
+  of itself per tick, never below the class's `floor_cpu`; it is split evenly over the
+  class's active cgroups as cpu.max, never below a cgroup's own floor, and a tighter
+  static cap stays;
+- when every victim class has sat at its floor for `freeze_after` ticks and the pressure
+  persists, the busiest cgroup of the lowest-priority freezable victim class is frozen
+  (cgroup.freeze: stopped, never killed), one per `freeze_after` ticks;
+- after `calm_ticks` ticks below half the threshold, frozen cgroups are thawed first,
+  last frozen first, one per tick; then caps grow by `release_step` of the usable CPUs
+  per tick until they no longer bind, and are lifted (cpu.max back to the static cap or
+  max).
+
+The controller's state (caps, counters, frozen cgroups) is carried from tick to tick and
+kept in the state file, so a restart does not release a node under pressure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from nodeagent.cgroupfs.values import Attribute, CpuMax, Frozen
+from nodeagent.policy.base import Carry, Decision, Floor, Note, Output, PolicyInput
+from nodeagent.policy.cpu import usable
+from nodeagent.policy.fairshare import is_active
+from nodeagent.snapshot import WorkloadState
+from nodeagent.spec.model import MAX, WorkloadClass
+
+
+def _strings(raw: object) -> list[str]:
+    return [str(p) for p in raw] if isinstance(raw, list) else []
+
+
+@dataclass
+class _State:
+    caps: dict[str, float] = field(default_factory=dict)
+    """Victim class -> cores its cgroups may use in all."""
+    calm: int = 0
+    pinned: int = 0
+    """Ticks under pressure with every victim class at its floor."""
+    frozen: list[str] = field(default_factory=list)
+    capped: list[str] = field(default_factory=list)
+    """Cgroups whose cpu.max this controller set last tick."""
+    uncap: list[str] = field(default_factory=list)
+    thaw: list[str] = field(default_factory=list)
+    """Cgroups to give back (cpu.max, cgroup.freeze) until the kernel shows it done."""
+
+    @classmethod
+    def load(cls, raw: Mapping[str, object] | None) -> _State:
+        raw = raw or {}
+        caps = raw.get("caps")
+        calm, pinned = raw.get("calm"), raw.get("pinned")
+        return cls(
+            {str(k): float(v) for k, v in caps.items()} if isinstance(caps, dict) else {},
+            calm if isinstance(calm, int) else 0,
+            pinned if isinstance(pinned, int) else 0,
+            _strings(raw.get("frozen")),
+            _strings(raw.get("capped")),
+            _strings(raw.get("uncap")),
+            _strings(raw.get("thaw")),
+        )
+
+    def dump(self) -> dict[str, object]:
+        return {
+            "caps": dict(self.caps),
+            "calm": self.calm,
+            "pinned": self.pinned,
+            "frozen": list(self.frozen),
+            "capped": list(self.capped),
+            "uncap": list(self.uncap),
+            "thaw": list(self.thaw),
+        }
+
+
+def stall(w: WorkloadState) -> float | None:
+    """Share of the last tick some task waited for a CPU; avg10 until a delta exists."""
+    if w.cpu_stall is not None:
+        return w.cpu_stall
+    psi = w.sample.cpu_psi
+    return None if psi is None else psi.some.avg10 / 100
+
+
+def _frozen_now(w: WorkloadState) -> bool:
+    return w.sample.settings.get(Attribute.FREEZE) == Frozen(True)
+
+
+class _Node:
+    """What the controller reads of one tick's input."""
+
+    def __init__(self, given: PolicyInput) -> None:
+        self.given = given
+        self.spec = given.spec
+        self.settings = given.spec.protection
+        self.floors: dict[str, Floor] = given.floors()
+        self.classes = {p: a.workload_class for p, a in given.assignments.items()}
+        self.states = {w.path: w for w in given.snapshot.workloads}
+        self.capacity = usable(given)
+
+    def priority(self, path: str) -> int:
+        return self.spec.classes[self.classes[path]].priority
+
+    def floor(self, cls: WorkloadClass) -> float:
+        value = self.spec.classes[cls].floor_cpu
+        return self.capacity if value == MAX else min(float(value), self.capacity)
+
+    def watched(self) -> list[WorkloadState]:
+        """Protected cgroups: a protected class, or a floor to live up to."""
+        return [
+            w
+            for w in self.given.snapshot.workloads
+            if w.path in self.classes
+            and not _frozen_now(w)
+            and (self.spec.classes[self.classes[w.path]].protect or w.path in self.floors)
+        ]
+
+    def stalling(self) -> dict[str, float]:
+        out = {}
+        for w in self.watched():
+            s, f = stall(w), self.floors.get(w.path)
+            short = f is None or (w.cpu_rate is not None and w.cpu_rate < 0.95 * f.cores)
+            if self.spec.classes[self.classes[w.path]].protect is False and not short:
+                continue  # a floor that is met: its own threads competing, not ours to fix
+            if s is not None and s > self.settings.cpu_pressure:
+                out[w.path] = s
+        return out
+
+    def members(self, cls: WorkloadClass, exclude: Sequence[str] = ()) -> list[WorkloadState]:
+        return [
+            w
+            for w in self.given.snapshot.workloads
+            if self.classes.get(w.path) is cls
+            and w.path not in exclude
+            and is_active(w, self.spec.fair_share)
+        ]
+
+
+def _who(stalling: Mapping[str, float]) -> str:
+    return ", ".join(f"{p} ({s:.0%})" for p, s in sorted(stalling.items()))
+
+
+class Protection:
+    name = "protection"
+
+    def decide(self, given: PolicyInput) -> Sequence[Output]:
+        node = _Node(given)
+        state = _State.load(given.carried.get(self.name))
+        state.frozen = [p for p in state.frozen if p in node.states]
+        stalling = node.stalling()
+        if stalling:
+            self._tighten(node, state, stalling)
+        else:
+            self._relax(node, state)
+        out: list[Output] = []
+        out += self._caps(node, state, stalling)
+        out += self._freezes(node, state, stalling)
+        out.append(self._note(state, stalling))
+        out.append(Carry(self.name, state.dump()))
+        return out
+
+    def _note(self, state: _State, stalling: Mapping[str, float]) -> Note:
+        capped = ",".join(sorted(state.caps)) or "none"
+        if state.frozen:
+            status = f"freezing {len(state.frozen)} cgroup(s); capped {capped}"
+        elif stalling:
+            status = f"throttling {capped}"
+        elif state.caps:
+            status = f"releasing {capped}"
+        else:
+            status = "idle"
+        caps = ", ".join(f"{c} {v:.2f} cores" for c, v in sorted(state.caps.items()))
+        return Note(
+            None,
+            self.name,
+            "protection",
+            status,
+            f"stalling: {_who(stalling) or 'none'}; caps: {caps or 'none'};"
+            f" frozen: {', '.join(state.frozen) or 'none'}",
+            {"stalling": dict(stalling), "caps": dict(state.caps), "frozen": list(state.frozen)},
+        )
+
+    def _victims(
+        self, node: _Node, state: _State, stalling: Mapping[str, float]
+    ) -> dict[WorkloadClass, list[WorkloadState]]:
+        top = max(node.priority(p) for p in stalling)
+        out: dict[WorkloadClass, list[WorkloadState]] = {}
+        for cls, settings in node.spec.classes.items():
+            if settings.priority < top:
+                members = [w for w in node.members(cls, state.frozen) if w.path not in stalling]
+                if members:
+                    out[cls] = members
+        return out
+
+    def _tighten(self, node: _Node, state: _State, stalling: Mapping[str, float]) -> None:
+        s = node.settings
+        state.calm = 0
+        worst = max(stalling.values())
+        severity = min(1.0, max(0.25, worst / s.cpu_pressure - 1))
+        victims = self._victims(node, state, stalling)
+        for cls, members in victims.items():
+            used = sum(w.cpu_rate or 0.0 for w in members)
+            cap = state.caps.get(str(cls), max(used, node.floor(cls)))
+            state.caps[str(cls)] = max(node.floor(cls), cap * (1 - s.step * severity))
+        pinned = bool(victims) and all(state.caps[str(c)] <= node.floor(c) + 1e-9 for c in victims)
+        state.pinned = state.pinned + 1 if pinned else 0
+        if state.pinned >= s.freeze_after:
+            state.pinned = 0
+            freezable = [c for c in victims if node.spec.classes[c].freezable]
+            if freezable:
+                lowest = min(freezable, key=lambda c: node.spec.classes[c].priority)
+                busiest = max(victims[lowest], key=lambda w: (w.cpu_rate or 0.0, w.path))
+                state.frozen.append(busiest.path)
+
+    def _relax(self, node: _Node, state: _State) -> None:
+        s = node.settings
+        calm = all((stall(w) or 0.0) < s.cpu_pressure / 2 for w in node.watched())
+        state.calm = state.calm + 1 if calm else 0
+        state.pinned = 0
+        if state.calm < s.calm_ticks:
+            return
+        if state.frozen:
+            state.thaw.append(state.frozen.pop())
+            return
+        for cls in list(state.caps):
+            state.caps[cls] += s.release_step * node.capacity
+            if state.caps[cls] >= node.capacity:
+                del state.caps[cls]
+
+    def _caps(self, node: _Node, state: _State, stalling: Mapping[str, float]) -> list[Output]:
+        static = node.given.decided(Attribute.CPU_MAX)
+        period = node.settings.period_us
+        out: list[Output] = []
+        capped: list[str] = []
+        for name, cap in sorted(state.caps.items()):
+            cls = WorkloadClass(name)
+            members = node.members(cls, state.frozen)
+            for w in members:
+                each = cap / len(members)
+                own = node.floors.get(w.path)
+                cores = max(each, own.cores if own is not None else 0.0)
+                earlier = static.get(w.path)
+                if isinstance(earlier, Decision) and isinstance(earlier.value, CpuMax):
+                    tighter = earlier.value.cores
+                    if tighter is not None and tighter <= cores:
+                        continue  # the static cap binds already
+                capped.append(w.path)
+                why = f"class {cls} may use {cap:.2f} cores in all, over {len(members)} cgroup(s)"
+                if own is not None and own.cores > each:
+                    why += f"; raised to this cgroup's floor {own.cores:.2f}"
+                out.append(
+                    Decision(
+                        w.path,
+                        Attribute.CPU_MAX,
+                        CpuMax.from_cores(cores, period),
+                        self.name,
+                        f"throttled to {cores:.2f} cores: "
+                        + (f"{_who(stalling)} stalls" if stalling else "releasing in steps"),
+                        (why,),
+                    )
+                )
+        state.uncap = sorted(
+            {p for p in (*state.capped, *state.uncap) if p not in capped and p in node.states}
+        )
+        state.capped = capped
+        keep = []
+        for path in state.uncap:
+            target = static.get(path)
+            value = target.value if target is not None else CpuMax(None, period)
+            if node.states[path].sample.settings.get(Attribute.CPU_MAX) == value:
+                continue  # given back
+            keep.append(path)
+            if target is None:
+                out.append(
+                    Decision(
+                        path,
+                        Attribute.CPU_MAX,
+                        value,
+                        self.name,
+                        "throttle lifted: pressure is gone",
+                    )
+                )
+        state.uncap = keep
+        return out
+
+    def _freezes(self, node: _Node, state: _State, stalling: Mapping[str, float]) -> list[Output]:
+        out: list[Output] = []
+        for path in state.frozen:
+            out.append(
+                Decision(
+                    path,
+                    Attribute.FREEZE,
+                    Frozen(True),
+                    self.name,
+                    "frozen, not killed: "
+                    + (f"{_who(stalling)} stalls" if stalling else "thawed when calm")
+                    + " and every lower class is at its floor",
+                )
+            )
+        keep = []
+        for path in state.thaw:
+            w = node.states.get(path)
+            if w is None or not _frozen_now(w):
+                continue
+            keep.append(path)
+            out.append(
+                Decision(
+                    path, Attribute.FREEZE, Frozen(False), self.name, "thawed: pressure is gone"
+                )
+            )
+        state.thaw = keep
+        return out

@@ -1,0 +1,133 @@
+"""Deadline feasibility on several CPUs: exact where global EDF is not, and rates that
+actually meet the deadlines when the set is feasible."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nodeagent.policy.edf import Demand, admit, feasible, rates, schedule
+
+
+def run(demands: list[Demand], capacity: float, steps: int = 400) -> dict[str, float]:
+    """Fluid execution, re-planned every step with `rates`: each job's finish time."""
+    left = {d.name: d.work for d in demands}
+    deadline = {d.name: d.window for d in demands}
+    by_name = {d.name: d for d in demands}
+    horizon = max(deadline.values())
+    dt = horizon / steps
+    now, finish = 0.0, {}
+    while left and now < horizon * 1.5:
+        live = [
+            Demand(n, w, max(deadline[n] - now, 1e-9), by_name[n].parallelism, by_name[n].priority)
+            for n, w in left.items()
+        ]
+        r = rates(live, capacity)
+        assert sum(r.values()) <= capacity * (1 + 1e-6)
+        for n in list(left):
+            assert r.get(n, 0.0) <= by_name[n].parallelism * (1 + 1e-6)
+            left[n] -= r.get(n, 0.0) * dt
+            if left[n] <= 1e-9 * by_name[n].work:
+                finish[n] = now + dt
+                del left[n]
+        now += dt
+    return finish
+
+
+def test_dhall_global_edf_would_miss_but_the_set_is_feasible() -> None:
+    """Two short early jobs would take both CPUs under EDF; the long one needs one CPU
+    all along."""
+    jobs = [Demand("a", 0.2, 1, 1), Demand("b", 0.2, 1, 1), Demand("long", 1.0, 1.05, 1)]
+    assert feasible(jobs, 2)
+    assert rates(jobs, 2)["long"] == pytest.approx(1 / 1.05)
+    finish = run(jobs, 2)
+    assert all(finish[d.name] <= d.window * 1.01 for d in jobs)
+
+
+def test_front_loading_when_constant_rates_do_not_fit() -> None:
+    jobs = [Demand("early", 10, 10, 1), Demand("late", 1, 100, 1)]
+    assert feasible(jobs, 1)
+    assert rates(jobs, 1) == {"early": pytest.approx(1.0), "late": pytest.approx(0.0)}
+
+
+def test_parallelism_bounds_what_capacity_could_give() -> None:
+    """2 CPUs are enough in total, but a single-threaded job cannot use two."""
+    assert not feasible([Demand("one-thread", 3, 2, 1)], 2)
+    assert feasible([Demand("two-threads", 3, 2, 2)], 2)
+
+
+def test_the_flow_finds_what_greedy_edf_misses() -> None:
+    """EDF front-loading gives 'e' both CPUs first; 'l' needs one CPU throughout."""
+    jobs = [Demand("e", 2, 2, 2), Demand("l", 3, 3, 1)]
+    ok, now = schedule(jobs, 2)
+    assert ok
+    assert now["l"] == pytest.approx(1.0)
+
+
+def test_admission_keeps_priority_then_earliest_deadline() -> None:
+    jobs = [
+        Demand("low-early", 1.0, 1, 1, priority=1),
+        Demand("high-late", 1.8, 2, 1, priority=5),
+        Demand("mid", 1.0, 1.5, 1, priority=1),
+    ]
+    admitted, missed = admit(jobs, 1)
+    assert [d.name for d in admitted] == ["high-late"]
+    assert [d.name for d in missed] == ["low-early", "mid"]
+
+
+demands = st.lists(
+    st.builds(
+        Demand,
+        name=st.uuids().map(str),
+        work=st.floats(0.05, 20),
+        window=st.floats(0.5, 30),
+        parallelism=st.sampled_from([1.0, 2.0, 4.0]),
+    ),
+    min_size=1,
+    max_size=7,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(demands, st.sampled_from([1.0, 2.0, 4.0]))
+def test_a_feasible_set_meets_every_deadline_when_run_at_its_rates(
+    jobs: list[Demand], capacity: float
+) -> None:
+    if not feasible(jobs, capacity):
+        return
+    finish = run(jobs, capacity)
+    step = max(d.window for d in jobs) / 400
+    for d in jobs:
+        assert d.name in finish
+        # a job that finishes within a step wastes the rest of it: one step per job, at most
+        slop = (len(jobs) + 1) * step
+        assert finish[d.name] <= d.window + slop, "late by more than the simulation's steps"
+
+
+@settings(max_examples=300, deadline=None)
+@given(demands, st.sampled_from([1.0, 2.0, 4.0]))
+def test_feasibility_is_necessary_and_constant_rates_are_sufficient(
+    jobs: list[Demand], capacity: float
+) -> None:
+    fits = sum(d.rate for d in jobs) <= capacity and all(d.rate <= d.parallelism for d in jobs)
+    if fits:
+        assert feasible(jobs, capacity)
+    if feasible(jobs, capacity):
+        # the demand bound: work due by each deadline fits in the CPU time until then
+        for t in {d.window for d in jobs}:
+            due = sum(d.work for d in jobs if d.window <= t)
+            assert due <= capacity * t * (1 + 1e-6)
+        assert all(d.rate <= d.parallelism * (1 + 1e-6) for d in jobs)
+
+
+@settings(max_examples=150, deadline=None)
+@given(demands, st.sampled_from([1.0, 2.0]))
+def test_admitted_sets_are_feasible_and_nothing_feasible_is_left_out(
+    jobs: list[Demand], capacity: float
+) -> None:
+    admitted, missed = admit(jobs, capacity)
+    assert feasible(admitted, capacity)
+    assert len(admitted) + len(missed) == len(jobs)
+    for d in missed:
+        assert not feasible([*admitted, d], capacity)

@@ -1,0 +1,130 @@
+"""Inference first: throttle lower classes in steps while a protected cgroup stalls,
+freeze when throttling is not enough, release gradually, from hand-built ticks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+import pytest
+from builders import job, snapshot
+
+from nodeagent.cgroupfs.values import Attribute, CpuMax, Frozen
+from nodeagent.policy.base import Assignment
+from nodeagent.policy.plan import Plan, make_plan
+from nodeagent.policy.protection import Protection
+from nodeagent.snapshot import CgroupSample, WorkloadState
+from nodeagent.spec.model import PolicySpec, WorkloadClass
+
+INFER, BATCH, TRAIN = "nodeagent.slice/infer", "nodeagent.slice/batch", "nodeagent.slice/train"
+POLICY = PolicySpec.model_validate(
+    {
+        "version": 1,
+        "tenants": {"a": {"shares": 1}},
+        "classes": {"batch": {"floor_cpu": 0.2}, "training": {"floor_cpu": 0.2}},
+        "protection": {"cpu_pressure": 0.1, "step": 0.5, "calm_ticks": 2, "freeze_after": 2},
+    }
+)
+ASSIGNED = {
+    INFER: Assignment("i", "a", WorkloadClass.INFERENCE),
+    BATCH: Assignment("b", "a", WorkloadClass.BATCH),
+    TRAIN: Assignment("t", "a", WorkloadClass.TRAINING),
+}
+
+
+def tick(
+    stall: float,
+    carried: Mapping[str, Mapping[str, object]],
+    kernel: Mapping[str, Mapping[Attribute, object]] | None = None,
+) -> Plan:
+    """One tick on 4 CPUs: the inference cgroup stalls `stall` of the time, batch and
+    training each use 1.6 cores."""
+    states = []
+    for path, rate, s in ((INFER, 0.5, stall), (BATCH, 1.6, 0.0), (TRAIN, 1.6, 0.0)):
+        settings = dict((kernel or {}).get(path, {}))
+        sample = CgroupSample(populated=True, cpu_usage_us=1, settings=settings)  # type: ignore[arg-type]
+        states.append(WorkloadState(job(path), sample, rate, 0.0, s))
+    snap = snapshot(states)
+    snap = replace(snap, node=replace(snap.node, cpu_count=4))
+    return make_plan(snap, POLICY, {}, [Protection()], assignments=ASSIGNED, carried=carried)
+
+
+def cap(plan: Plan, path: str) -> float | None:
+    cg = next(c for c in plan.cgroups if c.path == path)
+    t = cg.targets.get(Attribute.CPU_MAX)
+    if t is None:
+        return None
+    assert isinstance(t.value, CpuMax)
+    return t.value.cores
+
+
+def frozen(plan: Plan, path: str) -> bool | None:
+    cg = next(c for c in plan.cgroups if c.path == path)
+    t = cg.targets.get(Attribute.FREEZE)
+    return None if t is None else t.value == Frozen(True)
+
+
+def test_lower_classes_are_throttled_in_steps_down_to_their_floor() -> None:
+    carried: Mapping[str, Mapping[str, object]] = {}
+    caps = []
+    for _ in range(3):
+        plan = tick(0.4, carried)  # far over the 10% threshold: full steps of 50%
+        carried = plan.carry
+        caps.append(cap(plan, BATCH))
+        assert cap(plan, INFER) is None, "the protected class is never throttled"
+    assert caps == pytest.approx([0.8, 0.4, 0.2])
+    assert cap(plan, TRAIN) == pytest.approx(0.2)
+    note = next(n for n in plan.notes if n.kind == "protection")
+    assert note.status == "throttling batch,training"
+
+
+def test_a_small_excess_takes_a_smaller_step() -> None:
+    plan = tick(0.11, {})  # 10% over the threshold: a quarter step (the smallest)
+    assert cap(plan, BATCH) == pytest.approx(1.6 * (1 - 0.5 * 0.25))
+
+
+def test_freeze_when_throttling_is_not_enough_then_thaw_and_release() -> None:
+    carried: Mapping[str, Mapping[str, object]] = {}
+    for _ in range(2):
+        carried = tick(0.4, carried).carry
+    plan = tick(0.4, carried)  # down to the floors: the 1st tick pinned there
+    carried = plan.carry
+    assert frozen(plan, BATCH) is None
+    plan = tick(0.4, carried)  # 2nd tick: freeze_after reached
+    carried = plan.carry
+    assert frozen(plan, BATCH) is True, "batch has the lowest priority of the two"
+    assert frozen(plan, TRAIN) is None
+    assert cap(plan, BATCH) is None, "a frozen cgroup needs no cap"
+
+    kernel = {BATCH: {Attribute.FREEZE: Frozen(True)}}
+    plan = tick(0.0, carried, kernel)  # calm 1
+    carried = plan.carry
+    assert frozen(plan, BATCH) is True
+    plan = tick(0.0, carried, kernel)  # calm 2: thaw first
+    carried = plan.carry
+    assert frozen(plan, BATCH) is False
+    assert cap(plan, TRAIN) == pytest.approx(0.2), "caps wait until the thaw"
+    plan = tick(0.0, carried)  # still calm: caps rise by 10% of 4 CPUs a tick
+    assert cap(plan, TRAIN) == pytest.approx(0.6)
+    carried = plan.carry
+    for _ in range(10):  # 0.6 + 9 x 0.4 reaches the 4 CPUs: the caps are lifted
+        plan = tick(0.0, carried, {TRAIN: {Attribute.CPU_MAX: CpuMax(60_000)}})
+        carried = plan.carry
+    assert next(n for n in plan.notes if n.kind == "protection").status == "idle"
+
+
+def test_a_lifted_cap_is_given_back_until_the_kernel_shows_it() -> None:
+    carried = tick(0.11, {}).carry  # batch capped at 1.4 cores
+    capped = {p: {Attribute.CPU_MAX: CpuMax(140_000)} for p in (BATCH, TRAIN)}
+    targets = []
+    for _ in range(9):  # calm: 2 ticks to wait, then +0.4 a tick from 1.4 up to 4 CPUs
+        plan = tick(0.0, carried, capped)
+        carried = plan.carry
+        cg = next(c for c in plan.cgroups if c.path == BATCH)
+        targets.append(cg.targets[Attribute.CPU_MAX].value)
+    cores = [t.cores for t in targets if isinstance(t, CpuMax)]
+    assert cores[:7] == pytest.approx([1.4, 1.8, 2.2, 2.6, 3.0, 3.4, 3.8])
+    assert targets[7:] == [CpuMax(None)] * 2, "given back (max: no static cap) until it shows"
+    plan = tick(0.0, carried, {p: {Attribute.CPU_MAX: CpuMax(None)} for p in (BATCH, TRAIN)})
+    assert Attribute.CPU_MAX not in next(c for c in plan.cgroups if c.path == BATCH).targets
+    assert plan.carry["protection"]["uncap"] == []
