@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from nodeagent.cli import inspection, run
+from nodeagent.cli import gpus, inspection, run
 from nodeagent.errors import NodeagentError
 
 
@@ -37,6 +37,7 @@ for _command in (
     inspection.workloads,
     inspection.allocations_cmd,
     inspection.explain,
+    gpus.gpus,
 ):
     main.add_command(_command)
 
