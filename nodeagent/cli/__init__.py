@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from nodeagent.cli import capacity, inspection, run
+from nodeagent.cli import capacity, gpus, inspection, run
 from nodeagent.errors import NodeagentError
 
 
@@ -39,6 +39,7 @@ for _command in (
     inspection.allocations_cmd,
     inspection.explain,
     capacity.capacity,
+    gpus.gpus,
 ):
     main.add_command(_command)
 

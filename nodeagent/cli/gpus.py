@@ -1,0 +1,347 @@
+"""The gpus commands: what GPUs this node has, and which a request would get now."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+from nodeagent.cli.common import json_option
+from nodeagent.errors import NodeagentError
+from nodeagent.tables import size, table
+
+if TYPE_CHECKING:
+    from nodeagent.gpu.backend import GpuBackend
+    from nodeagent.policy.placement import GpuRequest, Holdings, NodeGpus, Placement
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def simulate_option(f: F) -> F:
+    return click.option(
+        "--simulate",
+        metavar="FILE",
+        help="Use the simulated node described in FILE (see config/gpus/) instead of NVML; "
+        "default: the file NODEAGENT_GPU_SIM names, if set.",
+    )(f)
+
+
+def _open(simulate: str | None) -> GpuBackend:
+    from nodeagent.gpu.backend import open_backend
+
+    return open_backend(simulate)
+
+
+def _bytes(n: int | None) -> str:
+    return "-" if n is None else size(str(n)) or "-"
+
+
+def _num(x: float | None, unit: str = "") -> str:
+    return "-" if x is None else f"{x:g}{unit}"
+
+
+@click.group("gpus", invoke_without_command=True)
+@simulate_option
+@json_option
+@click.pass_context
+def gpus(ctx: click.Context, simulate: str | None, as_json: bool) -> None:
+    """This node's GPUs: health, utilisation, memory, power, MIG devices, and the
+    compute processes on them with their cgroups.
+
+    GPUs come from NVML, or from a simulated node (a YAML file, see config/gpus/)
+    named by --simulate or NODEAGENT_GPU_SIM. Everything simulated says so. A host
+    without an NVIDIA driver has no GPUs, which is said in one line: CPU and memory
+    management work the same without them.
+
+    \b
+      nodeagent gpus
+      nodeagent gpus --simulate config/gpus/dgx-h100-nvswitch.yaml --json
+      nodeagent gpus place --count 4 --busy 0,5
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from nodeagent.gpu.report import read_report
+
+    backend = _open(simulate)
+    try:
+        data = read_report(backend)
+    finally:
+        backend.close()
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+    elif not data["gpus"]:
+        click.echo(f"no GPUs: {data['reason']}")
+    else:
+        click.echo(_gpus_table(data))
+
+
+def _gpus_table(data: dict[str, Any]) -> str:
+    gpus = data["gpus"]
+    head = f"{len(gpus)} GPU{'s' if len(gpus) != 1 else ''}, {data['source']}"
+    rows = [
+        (
+            g["index"],
+            g["uuid"] or "?",
+            g["name"] or "?",
+            "ok" if g["healthy"] else f"UNHEALTHY: {g['reason']}",
+            _num(g["utilization"], "%"),
+            f"{_bytes(g['memory_used'])}/{_bytes(g['memory_total'])}",
+            f"{_num(g['power_draw_w'])}/{_num(g['power_limit_w'], 'W')}",
+            _num(g["temperature_c"], "C"),
+            _num(g["numa_node"]),
+            g["cpus"] or "-",
+        )
+        for g in gpus
+    ]
+    headers = ("GPU", "UUID", "NAME", "HEALTH", "UTIL", "MEMORY", "POWER", "TEMP", "NUMA", "CPUS")
+    out = [head, table(headers, rows)]
+    migs = [(g["index"], m) for g in gpus for m in g["mig_devices"]]
+    if migs:
+        out += [
+            "",
+            "MIG devices:",
+            table(
+                ("GPU", "MIG UUID", "PROFILE", "MEMORY", "HEALTH"),
+                [
+                    (
+                        i,
+                        m["uuid"],
+                        m["profile"],
+                        _bytes(m["memory_total"]),
+                        "ok" if m["healthy"] else f"UNHEALTHY: {m['reason']}",
+                    )
+                    for i, m in migs
+                ],
+            ),
+        ]
+    procs = [(g["index"], p) for g in gpus for p in g["processes"]]
+    out += ["", "compute processes:" if procs else "compute processes: none"]
+    if procs:
+        out.append(
+            table(
+                ("PID", "GPU", "DEVICE", "MEMORY", "CGROUP"),
+                [
+                    (
+                        p["pid"],
+                        i,
+                        p["device_uuid"],
+                        _bytes(p["used_memory"]),
+                        p["cgroup"] or "(exited)",
+                    )
+                    for i, p in procs
+                ],
+            )
+        )
+    return "\n".join(out)
+
+
+@gpus.command("place")
+@click.option(
+    "--count",
+    "-k",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="How many GPUs (or MIG instances).",
+)
+@click.option(
+    "--busy",
+    metavar="IDS",
+    default="",
+    help="GPUs to treat as taken: indices or UUIDs (GPU or MIG), comma-separated.",
+)
+@click.option("--memory", metavar="SIZE", help="Free memory each GPU needs, such as 20Gi.")
+@click.option(
+    "--shared",
+    is_flag=True,
+    help="Share a GPU with other shared jobs, packed by memory (needs --memory).",
+)
+@click.option(
+    "--mig",
+    "mig_profile",
+    metavar="PROFILE",
+    help="MIG instances of this profile, such as 1g.10gb.",
+)
+@click.option(
+    "--numa",
+    metavar="NODES",
+    default="",
+    help="NUMA nodes of the job's CPUs, such as 1 or 0,1: GPUs there score higher.",
+)
+@simulate_option
+@json_option
+def place_cmd(
+    *,
+    count: int,
+    busy: str,
+    memory: str | None,
+    shared: bool,
+    mig_profile: str | None,
+    numa: str,
+    simulate: str | None,
+    as_json: bool,
+) -> None:
+    """Which GPUs a job would get now, and why; reserves nothing.
+
+    Filter, then score: healthy GPUs with enough free memory that nobody holds, then
+    the set whose pairs talk fastest (NVLink, then the PCIe path), on the NUMA nodes
+    of the job's CPUs; among equal sets, the one that leaves the best sets for the
+    next jobs. Prints the GPUs (indices and UUIDs), the score and its fraction of the
+    best possible on an empty node, the pairs, and the reasoning. Exits 1 when
+    nothing fits now (the job would wait).
+
+    \b
+      nodeagent gpus place --count 2
+      nodeagent gpus place --count 4 --busy 0,GPU-5c4f... --json
+      nodeagent gpus place --memory 10Gi --shared
+      nodeagent gpus place --mig 1g.10gb --simulate config/gpus/h100-mig.yaml
+    """
+    from nodeagent.policy.placement import GpuRequest, NodeGpus, Refusal, place
+
+    backend = _open(simulate)
+    try:
+        devices = backend.inventory()
+        if not devices:
+            raise NodeagentError(f"no GPUs: {backend.reason}")
+        node = NodeGpus(
+            devices,
+            backend.topology(),
+            {t.uuid: t.memory_used for t in backend.telemetry() if t.memory_used is not None},
+        )
+        source, simulated = backend.source, backend.simulated
+    finally:
+        backend.close()
+    request = GpuRequest(
+        count=count,
+        memory=_size(memory),
+        shared=shared,
+        mig_profile=mig_profile,
+        cpu_numa_nodes=_numa(numa),
+    )
+    result = place(request, node, _holdings(busy, node))
+    if isinstance(result, Refusal):
+        if as_json:
+            click.echo(
+                json.dumps(
+                    {
+                        "placed": False,
+                        "source": source,
+                        "simulated": simulated,
+                        "reason": result.reason,
+                    },
+                    indent=2,
+                )
+            )
+        else:
+            click.echo(f"nothing fits now: {result.reason}")
+        raise SystemExit(1)
+    data = _placement_json(result, node, request, source, simulated)
+    click.echo(json.dumps(data, indent=2) if as_json else _placement_text(data))
+
+
+def _size(text: str | None) -> int | None:
+    from nodeagent.spec.units import parse_size
+
+    if text is None:
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise NodeagentError(f"--memory: {e}") from None
+
+
+def _numa(text: str) -> frozenset[int]:
+    parts = [p for p in re.split(r"[,\s]+", text) if p]
+    if not all(p.isdigit() for p in parts):
+        raise NodeagentError(f"--numa: expected NUMA node numbers such as 0 or 0,1, got {text!r}")
+    return frozenset(int(p) for p in parts)
+
+
+def _holdings(busy: str, node: NodeGpus) -> Holdings:
+    """--busy as held UUIDs; an unknown index or UUID is an error naming it."""
+    from nodeagent.policy.placement import Holdings
+
+    by_index = {str(d.index): d.uuid for d in node.devices}
+    known = set(by_index.values()) | {m.uuid for d in node.devices for m in d.mig_devices}
+    held = set()
+    for token in (t for t in re.split(r"[,\s]+", busy) if t):
+        uuid = by_index.get(token, token)
+        if uuid not in known:
+            indices = f"0-{len(node.devices) - 1}" if len(node.devices) > 1 else "0"
+            raise NodeagentError(
+                f"--busy: no GPU or MIG device {token!r} on this node (indices {indices})"
+            )
+        held.add(uuid)
+    return Holdings(exclusive=frozenset(held))
+
+
+def _placement_json(
+    p: Placement, node: NodeGpus, request: GpuRequest, source: str, simulated: bool
+) -> dict[str, Any]:
+    by_index = {d.index: d for d in node.devices}
+    return {
+        "placed": True,
+        "reserved": False,
+        "source": source,
+        "simulated": simulated,
+        "request": {
+            "count": request.count,
+            "memory": request.memory,
+            "shared": request.shared,
+            "mig_profile": request.mig_profile,
+            "cpu_numa_nodes": sorted(request.cpu_numa_nodes),
+        },
+        "uuids": list(p.uuids),
+        "indices": list(p.indices),
+        "devices": [
+            {"index": i, "uuid": u, "numa_node": by_index[i].numa_node}
+            for i, u in zip(p.indices, p.uuids, strict=True)
+        ],
+        "score": p.score,
+        "pair_score": p.pair_score,
+        "numa_bonus": p.numa_bonus,
+        "best_possible": p.best_possible,
+        "fraction": round(p.fraction, 4),
+        "pairs": [
+            {
+                "gpus": [q.a, q.b],
+                "pcie": q.link.pcie.name,
+                "nvlinks": q.link.nvlinks,
+                "nvswitch": q.link.nvswitch,
+                "score": q.score,
+            }
+            for q in p.pairs
+        ],
+        "numa_nodes": list(p.numa_nodes),
+        "reason": p.reason,
+    }
+
+
+def _placement_text(d: dict[str, Any]) -> str:
+    where = "simulated node" if d["simulated"] else d["source"]
+    plural = "s" if len(d["uuids"]) > 1 else ""
+    gpus = sorted(set(d["indices"]))
+    on = f"GPU{'s' if len(gpus) > 1 else ''} {', '.join(map(str, gpus))}"
+    if d["request"]["mig_profile"]:
+        on = f"{len(d['uuids'])} MIG instance{plural} ({d['request']['mig_profile']}) on {on}"
+    lines = [f"would place on {on} ({where}; nothing reserved)"]
+    lines += [f"  GPU {g['index']}  {g['uuid']}  NUMA {_num(g['numa_node'])}" for g in d["devices"]]
+    if d["pairs"]:
+        lines.append(
+            f"score {d['score']} (pairs {d['pair_score']} + NUMA {d['numa_bonus']}); "
+            f"{d['fraction']:.2f} of the best {len(d['indices'])}-GPU set on an empty node "
+            f"({d['best_possible']})"
+        )
+        lines.append("pairs:")
+        lines += [
+            f"  {q['gpus'][0]}-{q['gpus'][1]}  "
+            + (f"NV{q['nvlinks']}{' (NVSwitch)' if q['nvswitch'] else ''} " if q["nvlinks"] else "")
+            + f"{q['pcie']}  {q['score']}"
+            for q in d["pairs"]
+        ]
+    lines.append(f"NUMA nodes: {', '.join(map(str, d['numa_nodes'])) or '-'}")
+    lines.append(f"why: {d['reason']}")
+    return "\n".join(lines)

@@ -1,0 +1,105 @@
+"""One interface to a node's GPUs, and the choice of where they come from.
+
+NVML on a real host; a YAML node description (config/gpus/) when one is named, for
+tests, demos and benchmarks on machines without GPUs. A host without NVML's library
+or driver gets a backend with no GPUs and a one-line reason: CPU and memory
+management go on without GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Protocol
+
+from nodeagent.errors import NodeagentError
+from nodeagent.gpu.model import Device, GpuProcess, PowerLimit, Telemetry, Topology, XidEvent
+
+SIM_ENV = "NODEAGENT_GPU_SIM"
+"""Names a simulated node description when no file is given explicitly."""
+
+
+class GpuError(NodeagentError):
+    """A GPU operation failed: one line naming the GPU and what NVML (or the simulation) said."""
+
+
+class GpuBackend(Protocol):
+    """What nodeagent reads from and does to GPUs. Reads never raise for one bad device:
+    a device that fails is reported unhealthy, with the reason."""
+
+    simulated: bool
+    source: str
+    """Where the GPUs come from, for people: 'NVML, driver 550.54.15' or the simulated file."""
+    reason: str
+    """Why there are no GPUs, when there are none; empty otherwise."""
+
+    def inventory(self) -> tuple[Device, ...]: ...
+
+    def topology(self) -> Topology: ...
+
+    def telemetry(self) -> tuple[Telemetry, ...]: ...
+
+    def processes(self) -> tuple[GpuProcess, ...]: ...
+
+    def poll_health(self) -> tuple[XidEvent, ...]:
+        """Xid events since the last poll, without waiting; critical ones mark their
+        device unhealthy for the rest of the backend's life."""
+        ...
+
+    def set_power_limit(self, uuid: str, milliwatts: int) -> PowerLimit:
+        """Set a GPU's power limit, clamped to the card's constraints, and read it back."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class NoGpus:
+    """The backend of a host without usable GPUs: everything is empty, and `reason` says why."""
+
+    simulated = False
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        self.source = "none"
+
+    def inventory(self) -> tuple[Device, ...]:
+        return ()
+
+    def topology(self) -> Topology:
+        return Topology()
+
+    def telemetry(self) -> tuple[Telemetry, ...]:
+        return ()
+
+    def processes(self) -> tuple[GpuProcess, ...]:
+        return ()
+
+    def poll_health(self) -> tuple[XidEvent, ...]:
+        return ()
+
+    def set_power_limit(self, uuid: str, milliwatts: int) -> PowerLimit:
+        raise GpuError(f"cannot set a power limit on {uuid}: no GPUs ({self.reason})")
+
+    def close(self) -> None:
+        return None
+
+
+def open_backend(
+    simulate: str | None = None,
+    proc_root: str = "/proc",
+    environ: Mapping[str, str] = os.environ,
+) -> GpuBackend:
+    """The simulated node in `simulate`, else the one NODEAGENT_GPU_SIM names, else NVML.
+
+    A bad simulation file raises PolicyError (FILE:LINE:COL for each problem): someone
+    asked for it by name. A host without NVML gets NoGpus, never an exception.
+    """
+    # Imported here: both backends import this module, and only the chosen one is loaded.
+    path = simulate or environ.get(SIM_ENV) or None
+    if path:
+        from nodeagent.gpu.simulated import load_simulated  # noqa: PLC0415
+
+        return load_simulated(path, proc_root=proc_root)
+    from nodeagent.gpu.nvml import open_nvml  # noqa: PLC0415
+
+    return open_nvml(proc_root=proc_root)

@@ -1,0 +1,182 @@
+"""Frozen descriptions of a node's GPUs, shared by the backends, placement and the CLI.
+
+Every record says whether it comes from a simulation, so that nothing simulated can
+pass for a reading of real hardware in the CLI or in JSON. Sizes are bytes and power
+is milliwatts, as NVML reports them; None is a figure the device does not report.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+
+class PcieLevel(enum.IntEnum):
+    """The PCIe path between two GPUs, as nvidia-smi topo -m names it; closest first."""
+
+    PIX = 1
+    """Through at most one PCIe switch."""
+    PXB = 2
+    """Through several PCIe switches, without a host bridge."""
+    PHB = 3
+    """Through a PCIe host bridge."""
+    NODE = 4
+    """Between host bridges within one NUMA node."""
+    SYS = 5
+    """Across NUMA nodes, over the CPUs' interconnect (QPI/UPI, Infinity Fabric)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MigDevice:
+    """A MIG instance: CUDA and containers address it by its own MIG- UUID."""
+
+    uuid: str
+    parent_uuid: str
+    index: int
+    """Its slot on the parent GPU (NVML's MIG device index)."""
+    profile: str
+    """The instance's profile, such as 1g.10gb."""
+    memory_total: int | None
+    gpu_instance: int | None = None
+    compute_instance: int | None = None
+    healthy: bool = True
+    reason: str = ""
+    simulated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One physical GPU as the driver enumerates it."""
+
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str
+    minor: int | None
+    """N in /dev/nvidiaN."""
+    memory_total: int | None
+    numa_node: int | None
+    cpus: tuple[int, ...]
+    """The CPUs closest to the GPU (its CPU affinity); empty when unknown."""
+    mig_enabled: bool | None
+    """None when the GPU cannot do MIG."""
+    mig_devices: tuple[MigDevice, ...] = ()
+    healthy: bool = True
+    reason: str = ""
+    """Why the GPU is unhealthy; empty when it is healthy."""
+    simulated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """How two GPUs reach each other."""
+
+    pcie: PcieLevel = PcieLevel.SYS
+    nvlinks: int = 0
+    """NVLinks usable between the two GPUs; through an NVSwitch fabric, the fewer of the
+    two GPUs' links to the fabric (nvidia-smi shows NV18 for every pair on a DGX H100)."""
+    nvswitch: bool = False
+    """The NVLinks go through an NVSwitch fabric rather than GPU to GPU."""
+
+
+NO_LINK = Link()
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Every pair of GPUs, by index; a pair left out is across NUMA nodes without NVLink."""
+
+    links: Mapping[tuple[int, int], Link] = field(default_factory=dict)
+    simulated: bool = False
+
+    def link(self, a: int, b: int) -> Link:
+        return self.links.get((a, b) if a < b else (b, a), NO_LINK)
+
+
+@dataclass(frozen=True, slots=True)
+class Telemetry:
+    """One GPU's readings now; None for a figure the device does not support."""
+
+    uuid: str
+    index: int
+    utilization: int | None
+    """Percent of the last sample period in which a kernel ran."""
+    memory_used: int | None
+    memory_total: int | None
+    power_draw_mw: int | None
+    power_limit_mw: int | None
+    power_min_mw: int | None
+    power_max_mw: int | None
+    power_default_mw: int | None
+    temperature_c: int | None
+    simulated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    """A compute process that the driver sees on a GPU or MIG device."""
+
+    pid: int
+    """In the host's PID namespace, as NVML reports it."""
+    device_uuid: str
+    """The GPU's UUID, or the MIG device's when the process runs in a MIG instance."""
+    used_memory: int | None
+    cgroup: str | None
+    """Its cgroup v2 path relative to the cgroup root; None when the process is gone."""
+    simulated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class XidEvent:
+    """An Xid error the driver reported for a GPU (or one of its MIG devices)."""
+
+    device_uuid: str
+    xid: int
+    critical: bool
+    """False for Xids caused by an application, which leave the GPU healthy."""
+    simulated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PowerLimit:
+    """The outcome of setting a power limit, as read back from the device."""
+
+    uuid: str
+    requested_mw: int
+    applied_mw: int
+    min_mw: int
+    max_mw: int
+    simulated: bool = False
+
+    @property
+    def clamped(self) -> bool:
+        return self.applied_mw != self.requested_mw
+
+
+def parse_cpulist(text: str) -> tuple[int, ...]:
+    """CPUs from the kernel's list format, such as '0-55,112-167' (empty for '')."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        m = re.fullmatch(r"(\d{1,5})(?:-(\d{1,5}))?", part)
+        if not m:
+            raise ValueError(f"expected a CPU list such as 0-55,112-167, got {text!r}")
+        first, last = int(m.group(1)), int(m.group(2) or m.group(1))
+        if last < first:
+            raise ValueError(f"CPU range {part!r} runs backwards")
+        cpus.update(range(first, last + 1))
+    return tuple(sorted(cpus))
+
+
+def format_cpulist(cpus: Iterable[int]) -> str:
+    """The kernel's list format for CPUs: (0, 1, 2, 5) is '0-2,5'."""
+    runs: list[list[int]] = []
+    for cpu in sorted(set(cpus)):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -1,0 +1,429 @@
+"""Which GPUs a job gets now, and why. Pure: the node's GPUs and what is taken go in,
+a placement (or the reason there is none) comes out.
+
+Filter, then score. The filter keeps healthy GPUs with enough free memory that nobody
+holds exclusively. The score of a set is the sum of its pairs' scores, with
+go-gpuallocator's best-effort weights (PCIe path from 10 across sockets to 50 under one
+switch, plus 100 per NVLink), plus a bonus for each GPU on the NUMA nodes of the job's
+CPUs. NVSwitch peers count as NVLink-connected, as the topology says they are.
+
+The search is exact (every set, with a branch-and-bound cut) and leftover-aware: among
+the sets with the best score it takes the one that breaks the fewest NVLinks to GPUs that
+stay free, then the one that leaves the best sets of 16, 8, 4 and 2 GPUs for the next
+requests, then the one taken from the most broken-up part of the PCIe tree, then the
+lowest indices. So a single GPU never splits an NVLink pair while a
+GPU whose partner is taken is free, which go-gpuallocator does (it takes the first GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from nodeagent.gpu.model import Device, Link, PcieLevel, Topology
+
+PCIE_SCORE: Mapping[PcieLevel, int] = {
+    PcieLevel.PIX: 50,
+    PcieLevel.PXB: 40,
+    PcieLevel.PHB: 30,
+    PcieLevel.NODE: 20,
+    PcieLevel.SYS: 10,
+}
+"""go-gpuallocator's P2P link weights (besteffort_policy.go, calculateGPUPairScore)."""
+NVLINK_SCORE = 100
+"""go-gpuallocator's weight per NVLink between two GPUs."""
+NUMA_SCORE = 10
+"""Per GPU on a NUMA node of the job's CPUs: worth a PCIe level, never an NVLink."""
+LEFTOVER_SIZES = (16, 8, 4, 2)
+"""The set sizes whose best score on what is left breaks ties, largest first: big jobs
+are the ones that fragmentation starves."""
+MAX_LEFTOVER_CHECKS = 64
+"""Tied sets whose leftovers are compared; past that (a node with no structure at all,
+where every set scores alike) the lowest indices win."""
+
+
+def pair_score(link: Link) -> int:
+    return PCIE_SCORE[link.pcie] + NVLINK_SCORE * link.nvlinks
+
+
+@dataclass(frozen=True)
+class GpuRequest:
+    count: int = 1
+    memory: int | None = None
+    """Free memory each GPU must have, in bytes."""
+    shared: bool = False
+    """Share GPUs with other shared jobs, packed by memory, rather than hold them alone."""
+    mig_profile: str | None = None
+    """Take MIG instances of this profile (such as 1g.10gb) instead of whole GPUs."""
+    cpu_numa_nodes: frozenset[int] = frozenset()
+    """NUMA nodes of the job's CPUs; GPUs there score NUMA_SCORE more. Empty: unknown."""
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What is taken now: by UUID (GPU or MIG device)."""
+
+    exclusive: frozenset[str] = frozenset()
+    shared: Mapping[str, int] = field(default_factory=dict)
+    """Bytes promised to shared jobs, per GPU UUID."""
+
+
+@dataclass(frozen=True)
+class NodeGpus:
+    """The node as placement sees it: devices, how they connect, and memory in use."""
+
+    devices: tuple[Device, ...]
+    topology: Topology
+    memory_used: Mapping[str, int] = field(default_factory=dict)
+    """Bytes in use per GPU UUID, from telemetry."""
+
+    @cached_property
+    def _position(self) -> dict[int, int]:
+        return {d.index: p for p, d in enumerate(self.devices)}
+
+    @cached_property
+    def weights(self) -> list[list[int]]:
+        """Pair scores by position in `devices`."""
+        return self._matrix(pair_score)
+
+    @cached_property
+    def nvlinks(self) -> list[list[int]]:
+        return self._matrix(lambda link: link.nvlinks)
+
+    @cached_property
+    def pcie_affinity(self) -> list[list[int]]:
+        return self._matrix(lambda link: PCIE_SCORE[link.pcie])
+
+    def _matrix(self, of: Callable[[Link], int]) -> list[list[int]]:
+        d = self.devices
+        return [[0 if a is b else of(self.topology.link(a.index, b.index)) for b in d] for a in d]
+
+    @cached_property
+    def _best(self) -> dict[int, int]:
+        return {}
+
+    def best_possible(self, k: int) -> int:
+        """The best pair score of k whole GPUs on this node when nothing is taken."""
+        if k not in self._best:
+            pool = [p for p, d in enumerate(self.devices) if not d.mig_enabled]
+            self._best[k] = _search(pool, k, self.weights, [0] * len(self.devices), False)[0]
+        return self._best[k]
+
+
+@dataclass(frozen=True)
+class PairScore:
+    a: int
+    b: int
+    link: Link
+    score: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The devices a request would get, and how they were chosen."""
+
+    uuids: tuple[str, ...]
+    """For CUDA_VISIBLE_DEVICES: GPU UUIDs, or MIG UUIDs for MIG instances."""
+    indices: tuple[int, ...]
+    """GPU indices (the parent GPUs of MIG instances)."""
+    score: int
+    pair_score: int
+    numa_bonus: int
+    best_possible: int
+    """The best pair score for as many whole GPUs on this node when nothing is taken."""
+    pairs: tuple[PairScore, ...]
+    numa_nodes: tuple[int, ...]
+    reason: str
+
+    @property
+    def fraction(self) -> float:
+        """Pair score as a fraction of the best possible; 1.0 when there are no pairs."""
+        return self.pair_score / self.best_possible if self.best_possible else 1.0
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """No set fits now: the request waits."""
+
+    reason: str
+
+
+def place(request: GpuRequest, node: NodeGpus, held: Holdings) -> Placement | Refusal:
+    """The devices the request would get now, chosen as the module describes."""
+    if request.mig_profile is not None:
+        return _place_mig(request, node, held)
+    pool, refusal = eligible(request, node, held)
+    if refusal is not None:
+        return refusal
+    bonus = numa_bonus(request, node)
+    best, ties = _search(pool, request.count, node.weights, bonus, True)
+    chosen, why = _break_ties(request, node, held, ties, whole_free(node, held))
+    return describe(request, node, chosen, f"score {best}, the best now{why}")
+
+
+def eligible(
+    request: GpuRequest, node: NodeGpus, held: Holdings
+) -> tuple[list[int], Refusal | None]:
+    """Positions of the whole GPUs that pass the filter, or why too few do."""
+    if request.count < 1:
+        return [], Refusal("a request needs at least one GPU")
+    if request.shared and request.memory is None:
+        return [], Refusal("a shared request needs a memory size, to pack it")
+    pool: list[int] = []
+    excluded: dict[str, int] = {}
+    for p, d in enumerate(node.devices):
+        why = _excluded(request, node, held, d)
+        if why:
+            excluded[why] = excluded.get(why, 0) + 1
+        else:
+            pool.append(p)
+    if len(pool) >= request.count:
+        return pool, None
+    detail = ", ".join(f"{n} {why}" for why, n in excluded.items())
+    kind = "shared " if request.shared else ""
+    return pool, Refusal(
+        f"no {request.count} {kind}GPU{'s' if request.count > 1 else ''} free now: "
+        f"{len(pool)} of {len(node.devices)} eligible" + (f" ({detail})" if detail else "")
+    )
+
+
+def _excluded(request: GpuRequest, node: NodeGpus, held: Holdings, d: Device) -> str:
+    """Why a whole GPU cannot take the request; empty when it can."""
+    if not d.healthy:
+        return "unhealthy"
+    if d.mig_enabled:
+        return "in MIG mode"
+    if d.uuid in held.exclusive:
+        return "held"
+    if not request.shared and held.shared.get(d.uuid, 0) > 0:
+        return "shared"
+    if request.memory is not None and free_memory(node, held, d) < request.memory:
+        return f"with less than {_gib(request.memory)} free"
+    return ""
+
+
+def free_memory(node: NodeGpus, held: Holdings, d: Device) -> int:
+    """What is free on a GPU: its memory less what is in use or promised, whichever is more."""
+    taken = max(node.memory_used.get(d.uuid, 0), held.shared.get(d.uuid, 0))
+    return max((d.memory_total or 0) - taken, 0)
+
+
+def whole_free(node: NodeGpus, held: Holdings) -> list[int]:
+    """Positions of the GPUs a whole-GPU request could take (nothing on them of ours)."""
+    return [p for p, d in enumerate(node.devices) if not _excluded(GpuRequest(), node, held, d)]
+
+
+def numa_bonus(request: GpuRequest, node: NodeGpus) -> list[int]:
+    return [
+        NUMA_SCORE if d.numa_node is not None and d.numa_node in request.cpu_numa_nodes else 0
+        for d in node.devices
+    ]
+
+
+def describe(
+    request: GpuRequest, node: NodeGpus, positions: Iterable[int], reason: str
+) -> Placement:
+    """A placement of whole GPUs at `positions`, scored, with `reason` as the why."""
+    chosen = sorted(positions, key=lambda p: node.devices[p].index)
+    devices = [node.devices[p] for p in chosen]
+    pairs = tuple(
+        PairScore(a.index, b.index, link := node.topology.link(a.index, b.index), pair_score(link))
+        for i, a in enumerate(devices)
+        for b in devices[i + 1 :]
+    )
+    bonus = numa_bonus(request, node)
+    pairs_total = sum(p.score for p in pairs)
+    extra = sum(bonus[p] for p in chosen)
+    return Placement(
+        uuids=tuple(d.uuid for d in devices),
+        indices=tuple(d.index for d in devices),
+        score=pairs_total + extra,
+        pair_score=pairs_total,
+        numa_bonus=extra,
+        best_possible=node.best_possible(len(chosen)),
+        pairs=pairs,
+        numa_nodes=tuple(sorted({d.numa_node for d in devices if d.numa_node is not None})),
+        reason=reason,
+    )
+
+
+def _break_ties(
+    request: GpuRequest,
+    node: NodeGpus,
+    held: Holdings,
+    ties: list[tuple[int, ...]],
+    free: list[int],
+) -> tuple[tuple[int, ...], str]:
+    """The tied set to take, and why it beat the others (empty when it had no rival).
+
+    In order: for shared jobs, fewer GPUs opened that held no shared work; fewer NVLinks
+    cut between the GPUs taken from the free pool and those left in it; the best sets left
+    for 16, 8, 4 and 2 GPUs; the least PCIe affinity cut (taking GPUs from a part of the
+    node that is already broken up); for shared jobs, the least memory left over (best
+    fit); the lowest indices.
+    """
+    if len(ties) == 1:
+        return ties[0], ""
+    free_set = set(free)
+
+    def cut(s: tuple[int, ...], matrix: list[list[int]]) -> int:
+        left = free_set.difference(s)
+        return sum(matrix[a][b] for a in free_set.intersection(s) for b in left)
+
+    def fresh(s: tuple[int, ...]) -> int:
+        return sum(1 for p in s if held.shared.get(node.devices[p].uuid, 0) == 0)
+
+    def slack(s: tuple[int, ...]) -> int:
+        return sum(free_memory(node, held, node.devices[p]) for p in s)
+
+    def first(s: tuple[int, ...]) -> tuple[int, int]:
+        return (fresh(s) if request.shared else 0, cut(s, node.nvlinks))
+
+    keyed = sorted(ties, key=lambda s: (first(s), _indices(node, s)))
+    rivals = [s for s in keyed if first(s) == first(keyed[0])][:MAX_LEFTOVER_CHECKS]
+    leftovers = _Leftovers(node, free)
+
+    def rest(s: tuple[int, ...]) -> tuple[object, ...]:
+        return (
+            tuple(-score for _, score in leftovers.after(s)),
+            cut(s, node.pcie_affinity),
+            slack(s) if request.shared else 0,
+            _indices(node, s),
+        )
+
+    best = min(rivals, key=rest)
+    parts = [f"{len(ties)} sets tie on score"]
+    if request.shared:
+        parts.append(f"{fresh(best)} GPU(s) opened for shared work")
+    parts.append(f"{cut(best, node.nvlinks)} NVLinks to free GPUs cut")
+    left = leftovers.after(best)
+    if left:
+        parts.append("leaves best " + ", ".join(f"{k}-GPU set {score}" for k, score in left))
+    return best, "; " + "; ".join(parts)
+
+
+def _indices(node: NodeGpus, s: Iterable[int]) -> tuple[int, ...]:
+    return tuple(sorted(node.devices[p].index for p in s))
+
+
+class _Leftovers:
+    """The best scores of sets of LEFTOVER_SIZES that stay possible after taking a set.
+
+    A best set of the whole free pool that the taken set does not touch is still there,
+    so most answers need no search.
+    """
+
+    def __init__(self, node: NodeGpus, free: list[int]) -> None:
+        self._node = node
+        self._free = free
+        self._zero = [0] * len(node.devices)
+        self._whole: dict[int, tuple[int, list[tuple[int, ...]]]] = {}
+
+    def after(self, taken: Sequence[int]) -> tuple[tuple[int, int], ...]:
+        rest = [p for p in self._free if p not in taken]
+        out = []
+        for k in LEFTOVER_SIZES:
+            if not 2 <= k <= len(rest):
+                continue
+            if k not in self._whole:
+                self._whole[k] = _search(self._free, k, self._node.weights, self._zero, True)
+            score, best_sets = self._whole[k]
+            if not any(set(s).isdisjoint(taken) for s in best_sets):
+                score = _search(rest, k, self._node.weights, self._zero, False)[0]
+            out.append((k, score))
+        return tuple(out)
+
+
+def _search(
+    pool: Sequence[int],
+    k: int,
+    weights: Sequence[Sequence[int]],
+    bonus: Sequence[int],
+    all_ties: bool,
+) -> tuple[int, list[tuple[int, ...]]]:
+    """The best score of a k-set from `pool` (positions) and the sets that reach it: all of
+    them in pool order with `all_ties`, else the first. Exact: branch and bound, where the
+    bound adds the r best gains still open and r(r-1)/2 times the heaviest pair."""
+    n = len(pool)
+    if not 0 <= k <= n:
+        return -1, []
+    w = [[weights[a][b] for b in pool] for a in pool]
+    heaviest = max((w[i][j] for i in range(n) for j in range(i + 1, n)), default=0)
+    gain = [bonus[a] for a in pool]
+    chosen: list[int] = []
+    best = -1
+    found: list[tuple[int, ...]] = []
+
+    def dfs(start: int, score: int) -> None:
+        nonlocal best
+        r = k - len(chosen)
+        if r == 0:
+            if score > best:
+                best = score
+                found.clear()
+            if score == best and (all_ties or not found):
+                found.append(tuple(pool[i] for i in chosen))
+            return
+        open_gains = sorted(gain[start:], reverse=True)[:r]
+        bound = score + sum(open_gains) + heaviest * r * (r - 1) // 2
+        if bound < best or (bound == best and found and not all_ties):
+            return
+        for v in range(start, n - r + 1):
+            row = w[v]
+            chosen.append(v)
+            for u in range(v + 1, n):
+                gain[u] += row[u]
+            dfs(v + 1, score + gain[v])
+            for u in range(v + 1, n):
+                gain[u] -= row[u]
+            chosen.pop()
+
+    dfs(0, 0)
+    return best, found
+
+
+def _place_mig(request: GpuRequest, node: NodeGpus, held: Holdings) -> Placement | Refusal:
+    """MIG instances of the profile: packed onto the GPUs whose instances are already in
+    use, so that whole MIG GPUs stay free for the next big instance."""
+    in_use: dict[str, int] = {}
+    open_: list[tuple[int, int, int, Device, str]] = []
+    for d in node.devices:
+        if not d.mig_enabled:
+            continue
+        in_use[d.uuid] = sum(1 for m in d.mig_devices if m.uuid in held.exclusive)
+        for m in d.mig_devices:
+            if (
+                m.profile == request.mig_profile
+                and m.healthy
+                and d.healthy
+                and m.uuid not in held.exclusive
+                and d.uuid not in held.exclusive
+                and (request.memory is None or (m.memory_total or 0) >= request.memory)
+            ):
+                open_.append((-in_use[d.uuid], d.index, m.index, d, m.uuid))
+    if len(open_) < request.count:
+        profiles = sorted({m.profile for d in node.devices for m in d.mig_devices})
+        have = f"; this node's MIG profiles: {', '.join(profiles)}" if profiles else ""
+        return Refusal(
+            f"no {request.count} free MIG instance(s) of profile {request.mig_profile}: "
+            f"{len(open_)} free{have}"
+        )
+    picked = sorted(open_)[: request.count]
+    return Placement(
+        uuids=tuple(uuid for *_, uuid in picked),
+        indices=tuple(d.index for _, _, _, d, _ in picked),
+        score=0,
+        pair_score=0,
+        numa_bonus=0,
+        best_possible=0,
+        pairs=(),
+        numa_nodes=tuple(
+            sorted({d.numa_node for _, _, _, d, _ in picked if d.numa_node is not None})
+        ),
+        reason=f"MIG {request.mig_profile}: packed onto the GPU with the most instances in use",
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f}Gi"

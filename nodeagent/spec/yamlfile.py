@@ -1,0 +1,93 @@
+"""Operator YAML files other than the policy, read with the policy loader's guards.
+
+The same SafeLoader composition (alias bombs, duplicate keys, bad tags reported with their
+position) and the same FILE:LINE:COL problems as load_policy, for files such as the
+simulated GPU nodes in config/gpus/. The machinery stays in load.py; this module is its
+public face for other files.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import ValidationError
+from yaml.nodes import Node, ScalarNode
+
+from nodeagent.spec.load import (
+    MAX_BYTES,
+    PolicyError,
+    Problem,
+    _compose_and_construct,
+    _dotted,
+    _find,
+    _Report,
+)
+
+Loc = tuple[str | int, ...]
+
+
+def read_text(path: str | os.PathLike[str], what: str) -> str:
+    """The text of a small UTF-8 file; `what` names it in messages ('a GPU node description')."""
+    filename = os.fspath(path)
+
+    def fail(message: str) -> PolicyError:
+        return PolicyError([Problem(filename, 1, 1, message)])
+
+    try:
+        with open(filename, "rb") as f:
+            data = f.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise fail(f"cannot read: {e.strerror or e}") from None
+    if len(data) > MAX_BYTES:
+        raise fail(f"larger than {MAX_BYTES >> 20} MiB; {what} is a few kilobytes")
+    if b"\0" in data:
+        raise fail("not a text file: it contains NUL bytes")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise fail(f"not a text file: invalid UTF-8 at byte {e.start}") from None
+
+
+def compose(text: str, filename: str, what: str) -> tuple[Node, object]:
+    """The YAML node tree and the plain data built from it; any problem, duplicate keys
+    included, raises PolicyError."""
+    report = _Report(filename)
+    root, data = _compose_and_construct(text, report)
+    if report.problems:
+        raise PolicyError(report.sorted())
+    if root is None:
+        raise PolicyError([Problem(filename, 1, 1, f"the file is empty; expected {what}")])
+    return root, data
+
+
+def problem_at(filename: str, root: Node, loc: Loc, message: str) -> Problem:
+    """A problem at the YAML node that `loc` names (or its closest ancestor present)."""
+    mark = _find(root, loc)[0].start_mark
+    return Problem(filename, mark.line + 1, mark.column + 1, message)
+
+
+def validation_problems(filename: str, root: Node, error: ValidationError) -> list[Problem]:
+    """pydantic's errors as problems at their YAML positions, in plain words."""
+    out = []
+    for e in error.errors(include_url=False):
+        loc = tuple(e["loc"])
+        node, key, found = _find(root, loc)
+        if e["type"] == "missing":
+            message = f"missing required key {loc[-1]!r}" + (
+                f" in {_dotted(loc[:-1])}" if loc[:-1] else ""
+            )
+        elif e["type"] == "extra_forbidden":
+            node = key or node
+            message = f"unknown key {loc[-1]!r}" + (f" in {_dotted(loc[:-1])}" if loc[:-1] else "")
+        elif e["type"] == "string_type" and isinstance(node, ScalarNode) and node.style is None:
+            # YAML 1.1 reads 00:1B:00.0 as a number in base 60, 0x10 as 16, yes as true.
+            message = f"{_dotted(loc)}: must be a string; quote it: '{node.value}'"
+        else:
+            detail = e.get("ctx", {}).get("error") if e["type"] == "value_error" else None
+            text = str(detail or e["msg"]).replace("Input should be", "must be")
+            message = f"{_dotted(loc[:found])}: {text}" if found else text
+        mark = node.start_mark
+        problem = Problem(filename, mark.line + 1, mark.column + 1, message)
+        if problem not in out:
+            out.append(problem)
+    return sorted(out, key=lambda p: (p.line, p.col))

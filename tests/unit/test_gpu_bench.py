@@ -1,0 +1,57 @@
+"""scripts/bench_gpu_alloc.py's replay: the same seeded trace for every allocator, every
+job placed once and every GPU given back (figures, not speed, are checked here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from nodeagent.policy.placement import GpuRequest, Holdings, NodeGpus, Placement, Refusal
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_gpu_alloc.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_gpu_alloc", SCRIPT)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gpu_alloc"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_traces_are_seeded(bench: ModuleType) -> None:
+    (_, node), *_ = bench.shipped()
+    assert bench.trace(node, 50, 7, 0.8) == bench.trace(node, 50, 7, 0.8)
+    assert bench.trace(node, 50, 7, 0.8) != bench.trace(node, 50, 8, 0.8)
+
+
+@pytest.mark.parametrize(
+    "name", ["dgx1-v100-hybrid-cube-mesh", "h100-mig", "4x-a100-two-nvlink-pairs"]
+)
+def test_every_job_runs_once_and_gives_its_gpus_back(bench: ModuleType, name: str) -> None:
+    node = dict(bench.shipped())[name]
+    jobs = bench.trace(node, 60, 3, 0.9)
+    held: list[tuple[GpuRequest, Placement]] = []
+
+    def checked(request: GpuRequest, n: NodeGpus, h: Holdings) -> Placement | Refusal:
+        result = bench.place(request, n, h)
+        if isinstance(result, Placement) and not request.shared:
+            assert not set(result.uuids) & h.exclusive, "a GPU given twice"
+            held.append((request, result))
+        return result
+
+    for allocate in (checked, *bench.ALLOCATORS.values()):
+        r = bench.replay(node, jobs, allocate)
+        assert (r["jobs"], r["held_at_end"]) == (60, 0)
+        assert 0 <= r["waited_with_enough_free"] <= r["waited"] <= 1
+        if r["score_fraction_mean"] is not None:
+            assert 0 < r["score_fraction_min"] <= r["score_fraction_mean"] <= 1
+    assert len([p for request, p in held if request.mig_profile]) == (
+        60 if name == "h100-mig" else 0
+    )

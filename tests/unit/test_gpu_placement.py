@@ -1,0 +1,302 @@
+"""GPU placement: exact, never worse than go-gpuallocator's best effort, leftover-aware,
+NVSwitch-aware, and MIG and shared packing; pure (its imports are a lint error otherwise)."""
+
+from __future__ import annotations
+
+from itertools import combinations
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_policy_purity import unflagged
+
+from nodeagent.gpu.model import Device, Link, MigDevice, PcieLevel, Topology
+from nodeagent.gpu.simulated import load_simulated
+from nodeagent.policy.placement import (
+    NUMA_SCORE,
+    GpuRequest,
+    Holdings,
+    NodeGpus,
+    Placement,
+    Refusal,
+    pair_score,
+    place,
+)
+from nodeagent.policy.placement_baselines import best_effort, first_fit
+
+GPUS = Path(__file__).resolve().parents[2] / "config" / "gpus"
+GIB = 1024**3
+
+
+def shipped(name: str) -> NodeGpus:
+    b = load_simulated(GPUS / name)
+    return NodeGpus(b.inventory(), b.topology())
+
+
+def placed(result: Placement | Refusal) -> Placement:
+    assert isinstance(result, Placement), result
+    return result
+
+
+def device(i: int, numa: int = 0, memory: int = 80 * GIB, **kw: object) -> Device:
+    return Device(
+        index=i,
+        uuid=f"GPU-{i}",
+        name="T",
+        pci_bus_id=f"00000000:{i + 16:02X}:00.0",
+        minor=i,
+        memory_total=memory,
+        numa_node=numa,
+        cpus=(),
+        mig_enabled=False,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def busy(*indices: int) -> Holdings:
+    return Holdings(exclusive=frozenset(f"GPU-{i}" for i in indices))
+
+
+def taken(node: NodeGpus, *indices: int) -> Holdings:
+    return Holdings(exclusive=frozenset(node.devices[i].uuid for i in indices))
+
+
+@st.composite
+def nodes(draw: st.DrawFn, max_gpus: int = 8, pairs_only: bool = False) -> NodeGpus:
+    """Random topologies: PCIe levels and NVLink counts per pair; with `pairs_only` every
+    GPU has at most one NVLink partner."""
+    n = draw(st.integers(1, max_gpus))
+    numa = [draw(st.integers(0, 1)) for _ in range(n)]
+    links: dict[tuple[int, int], Link] = {}
+    partner: dict[int, int] = {}
+    if pairs_only:
+        order = draw(st.permutations(range(n)))
+        for a, b in zip(order[::2], order[1::2], strict=False):
+            if draw(st.booleans()):
+                partner[a], partner[b] = b, a
+    for a in range(n):
+        for b in range(a + 1, n):
+            level = draw(st.sampled_from(PcieLevel))
+            if pairs_only:
+                nv = draw(st.integers(1, 4)) if partner.get(a) == b else 0
+            else:
+                nv = draw(st.sampled_from([0, 0, 1, 2, 4]))
+            links[a, b] = Link(level, nv)
+    devices = tuple(device(i, numa[i], healthy=draw(st.booleans()) or i % 3 != 0) for i in range(n))
+    return NodeGpus(devices, Topology(links))
+
+
+def brute_force(node: NodeGpus, request: GpuRequest, held: Holdings) -> int:
+    """The best score by trying every set of the eligible GPUs."""
+    pool = [p for p, d in enumerate(node.devices) if d.healthy and d.uuid not in held.exclusive]
+    bonus = [NUMA_SCORE if d.numa_node in request.cpu_numa_nodes else 0 for d in node.devices]
+    return max(
+        sum(node.weights[a][b] for a, b in combinations(s, 2)) + sum(bonus[p] for p in s)
+        for s in combinations(pool, request.count)
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(nodes(), st.data())
+def test_exact_search_is_exact_and_never_below_the_baselines(
+    node: NodeGpus, data: st.DataObject
+) -> None:
+    n = len(node.devices)
+    held = busy(*data.draw(st.sets(st.integers(0, n - 1), max_size=n)))
+    request = GpuRequest(
+        count=data.draw(st.integers(1, n)),
+        cpu_numa_nodes=data.draw(st.sets(st.integers(0, 1)).map(frozenset)),
+    )
+    ours = place(request, node, held)
+    free = [d for d in node.devices if d.healthy and d.uuid not in held.exclusive]
+    if len(free) < request.count:
+        assert isinstance(ours, Refusal)
+        assert isinstance(best_effort(request, node, held), Refusal)
+        return
+    ours = placed(ours)
+    assert ours.score == brute_force(node, request, held)
+    assert len(set(ours.indices)) == request.count
+    assert all(node.devices[i].healthy and f"GPU-{i}" not in held.exclusive for i in ours.indices)
+    plain = GpuRequest(count=request.count)
+    ours_plain = placed(place(plain, node, held))
+    for baseline in (best_effort, first_fit):
+        theirs = placed(baseline(plain, node, held))
+        assert ours_plain.pair_score >= theirs.pair_score, baseline.__name__
+    assert place(request, node, held) == ours, "deterministic"
+
+
+@settings(max_examples=300, deadline=None)
+@given(nodes(pairs_only=True), st.data())
+def test_one_gpu_never_splits_an_nvlink_pair_while_a_lone_gpu_is_free(
+    node: NodeGpus, data: st.DataObject
+) -> None:
+    n = len(node.devices)
+    held = busy(*data.draw(st.sets(st.integers(0, n - 1), max_size=n - 1)))
+    free = {d.index for d in node.devices if d.healthy and d.uuid not in held.exclusive}
+    if not free:
+        return
+
+    def lone(i: int) -> bool:
+        return not any(node.topology.link(i, j).nvlinks for j in free - {i})
+
+    (chosen,) = placed(place(GpuRequest(), node, held)).indices
+    if any(lone(i) for i in free):
+        assert lone(chosen)
+
+
+def test_one_gpu_examples() -> None:
+    pairs = shipped("4x-a100-two-nvlink-pairs.yaml")
+    assert placed(place(GpuRequest(), pairs, taken(pairs, 0))).indices == (1,)
+    assert placed(place(GpuRequest(), pairs, taken(pairs, 2))).indices == (3,)
+    # go-gpuallocator takes the first free GPU and splits the other pair
+    assert placed(best_effort(GpuRequest(), pairs, taken(pairs, 2))).indices == (0,)
+
+
+def test_leftovers_then_pcie_affinity_break_ties() -> None:
+    """8x PCIe, GPU 6 taken: taking 4, 5 or 7 leaves socket 0 whole; 7 is alone under its
+    switch, so taking it leaves the pair 4-5 whole too."""
+    node = shipped("8x-l40s-pcie-dual-socket.yaml")
+    result = placed(place(GpuRequest(), node, taken(node, 6)))
+    assert result.indices == (7,)
+    assert "leaves best 4-GPU set 180" in result.reason
+    assert placed(first_fit(GpuRequest(), node, taken(node, 6))).indices == (0,)
+
+
+def test_nvswitch_peers_all_count_as_nvlink_connected() -> None:
+    node = shipped("dgx-h100-nvswitch.yaml")
+    result = placed(place(GpuRequest(count=4), node, taken(node, 1, 6)))
+    assert all(p.link.nvswitch and p.link.nvlinks == 18 for p in result.pairs)
+    assert all(p.score == pair_score(p.link) >= 1800 for p in result.pairs)
+    # three free GPUs per socket: the two whole PXB pairs beat three GPUs of one socket
+    assert result.indices == (2, 3, 4, 5)
+    assert result.pair_score == 6 * 1800 + 2 * 40 + 4 * 10
+    # with the same PCIe view, go-gpuallocator's best effort sees no NVLink at all
+    theirs = placed(best_effort(GpuRequest(count=2), node, Holdings()))
+    assert theirs.pair_score == placed(place(GpuRequest(count=2), node, Holdings())).pair_score
+
+
+def test_dgx1_pairs_and_quads() -> None:
+    node = shipped("dgx1-v100-hybrid-cube-mesh.yaml")
+    two = placed(place(GpuRequest(count=2), node, Holdings()))
+    assert two.indices == (2, 3) and two.pair_score == 250  # NV2 under one PCIe switch
+    four = placed(place(GpuRequest(count=4), node, taken(node, 0)))
+    assert four.indices == (4, 5, 6, 7)
+    assert four.fraction == 1.0
+
+
+def test_numa_alignment_with_the_jobs_cpus() -> None:
+    node = shipped("dgx-h100-nvswitch.yaml")
+    result = placed(place(GpuRequest(count=2, cpu_numa_nodes=frozenset({1})), node, Holdings()))
+    assert result.indices == (4, 5)
+    assert (result.numa_bonus, result.numa_nodes) == (2 * NUMA_SCORE, (1,))
+    assert result.score == result.pair_score + result.numa_bonus
+
+
+def test_refusals_say_why() -> None:
+    node = NodeGpus(
+        (
+            device(0),
+            device(1, healthy=False, reason="critical Xid 79"),
+            device(2, memory=16 * GIB),
+            device(3),
+        ),
+        Topology(),
+    )
+    result = place(GpuRequest(count=3, memory=40 * GIB), node, busy(3))
+    assert isinstance(result, Refusal)
+    assert result.reason == (
+        "no 3 GPUs free now: 1 of 4 eligible (1 unhealthy, 1 with less than 40.0Gi free, 1 held)"
+    )
+    assert place(GpuRequest(count=0), node, Holdings()) == Refusal(
+        "a request needs at least one GPU"
+    )
+
+
+def test_free_memory_counts_what_is_used_now() -> None:
+    node = NodeGpus((device(0), device(1)), Topology(), memory_used={"GPU-0": 70 * GIB})
+    assert placed(place(GpuRequest(memory=20 * GIB), node, Holdings())).indices == (1,)
+
+
+def test_shared_jobs_pack_by_memory() -> None:
+    node = shipped("4x-a100-two-nvlink-pairs.yaml")
+    uuids = [d.uuid for d in node.devices]
+    small = GpuRequest(memory=10 * GIB, shared=True)
+    # nothing shared yet: open the GPU that hurts the pairs least (all alike here: GPU 0)
+    first = placed(place(small, node, Holdings()))
+    assert first.indices == (0,)
+    # best fit among GPUs already shared: GPU 2 has the least room that still fits
+    held = Holdings(shared={uuids[0]: 30 * GIB, uuids[2]: 60 * GIB})
+    assert placed(place(small, node, held)).indices == (2,)
+    # a GPU whose partner is shared is the one to open next
+    big = GpuRequest(memory=75 * GIB, shared=True)
+    assert placed(place(big, node, held)).indices == (1,)
+    # exclusive requests never land on a shared GPU
+    assert placed(place(GpuRequest(count=2), node, held)).indices == (1, 3)
+    assert place(GpuRequest(shared=True), node, held) == Refusal(
+        "a shared request needs a memory size, to pack it"
+    )
+
+
+def mig_node() -> NodeGpus:
+    def gpu(i: int) -> Device:
+        migs = tuple(
+            MigDevice(f"MIG-{i}-{slot}", f"GPU-{i}", slot, profile, 10 * GIB * size)
+            for slot, (profile, size) in enumerate([("3g.40gb", 4), ("1g.10gb", 1), ("1g.10gb", 1)])
+        )
+        return Device(i, f"GPU-{i}", "H100", "", i, 80 * GIB, 0, (), True, migs)
+
+    return NodeGpus((gpu(0), gpu(1), device(2)), Topology())
+
+
+def test_mig_instances_pack_onto_gpus_in_use() -> None:
+    node = mig_node()
+    one = GpuRequest(mig_profile="1g.10gb")
+    assert placed(place(one, node, Holdings())).uuids == ("MIG-0-1",)
+    held = Holdings(exclusive=frozenset({"MIG-1-0"}))
+    result = placed(place(one, node, held))
+    assert (result.uuids, result.indices) == (("MIG-1-1",), (1,))
+    assert result.fraction == 1.0
+    full = Holdings(exclusive=frozenset({"MIG-0-1", "MIG-0-2", "MIG-1-1", "MIG-1-2"}))
+    refusal = place(one, node, full)
+    assert refusal == Refusal(
+        "no 1 free MIG instance(s) of profile 1g.10gb: 0 free; "
+        "this node's MIG profiles: 1g.10gb, 3g.40gb"
+    )
+    # whole-GPU requests skip GPUs in MIG mode
+    assert placed(place(GpuRequest(), node, Holdings())).indices == (2,)
+    assert isinstance(place(GpuRequest(count=2), node, Holdings()), Refusal)
+
+
+def test_shipped_mig_node() -> None:
+    node = shipped("h100-mig.yaml")
+    result = placed(place(GpuRequest(mig_profile="2g.20gb"), node, Holdings()))
+    assert result.uuids == (node.devices[0].mig_devices[1].uuid,)
+    assert result.uuids[0].startswith("MIG-")
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in GPUS.glob("*.yaml")))
+def test_an_empty_node_gets_the_best_set_for_every_size(name: str) -> None:
+    node = shipped(name)
+    whole = [d for d in node.devices if not d.mig_enabled]
+    for k in (1, 2, 4, 8):
+        if k <= len(whole):
+            assert placed(place(GpuRequest(count=k), node, Holdings())).fraction == 1.0
+
+
+def test_gpu_modules_that_do_io_are_banned_in_the_policy_package() -> None:
+    assert (
+        unflagged(
+            [
+                "from nodeagent.gpu.nvml import open_nvml",
+                "from nodeagent.gpu import simulated",
+                "from nodeagent.gpu.backend import open_backend",
+                "import nodeagent.gpu.procs",
+                "from nodeagent.spec.yamlfile import read_text",
+            ]
+        )
+        == []
+    )
+    assert unflagged(["from nodeagent.gpu.model import Device"]) == [
+        "from nodeagent.gpu.model import Device"
+    ]
