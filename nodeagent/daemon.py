@@ -82,8 +82,10 @@ class Agent:
         return spec.model_copy(update={"agent": spec.agent.model_copy(update=self.overrides)})
 
     def _load_usage(self) -> dict[str, float]:
+        """The saved usage history, decayed by the time away; only tenants still in the
+        policy are kept, so a removed tenant's history is not carried and re-saved forever."""
         try:
-            saved = state.load(self.spec.agent.state_file)
+            saved = state.load(self.spec.agent.state_file, tenants=self.spec.tenants)
         except NodeagentError as e:
             log.error("state.unusable", error=str(e), action="starting with empty usage history")
             return {}
@@ -129,9 +131,12 @@ class Agent:
         return record
 
     def save_state(self) -> None:
+        """Save the usage history. A failure is logged and retried at the next interval, not
+        at the next tick: the attempt counts as the save, so a full disk logs once per
+        interval."""
+        self._saved_at = time.monotonic()
         try:
             state.save(self.spec.agent.state_file, state.SavedState(time.time(), self.usage))
-            self._saved_at = time.monotonic()
         except (OSError, NodeagentError) as e:
             log.error("state.save_failed", file=self.spec.agent.state_file, error=str(e))
 

@@ -13,12 +13,20 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from nodeagent.errors import NodeagentError
+from nodeagent.regular_file import UnusableFile, read_regular_file
 
 VERSION = 1
+# What a valid policy can need, twice over: its tenant names fit in the policy's 1 MiB, and
+# with at most 25,000 tenants (the loader's node limit) the rest is under 1 MiB. The bound
+# keeps what a corrupt or hostile file costs at start to a few seconds and ~100 MB.
+MAX_BYTES = 4 << 20
+# Decayed core-seconds: a million cores busy for a thousand years is 3e16. A larger value is
+# corruption, and near the float limit the fair-share sums would overflow to inf.
+MAX_USAGE = 1e18
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,10 +35,16 @@ class SavedState:
     tenant_usage: Mapping[str, float]
 
 
+def _usable_usage(value: float) -> bool:
+    return 0 <= value <= MAX_USAGE
+
+
 def save(path: str, state: SavedState) -> None:
     """Refuses what load would reject, so a bad value never replaces a good file."""
-    if not all(math.isfinite(v) and v >= 0 for v in state.tenant_usage.values()):
-        raise NodeagentError(f"refusing to save {path}: usage must be finite and non-negative")
+    if not all(_usable_usage(v) for v in state.tenant_usage.values()):
+        raise NodeagentError(
+            f"refusing to save {path}: usage must be a number from 0 to {MAX_USAGE:g}"
+        )
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, mode=0o750, exist_ok=True)
     body = json.dumps(
@@ -38,6 +52,8 @@ def save(path: str, state: SavedState) -> None:
         sort_keys=True,
         allow_nan=False,
     )
+    if len(body) > MAX_BYTES:
+        raise NodeagentError(f"refusing to save {path}: larger than {MAX_BYTES >> 20} MiB")
     fd, tmp = tempfile.mkstemp(prefix=".state-", dir=directory)
     try:
         with os.fdopen(fd, "w") as f:
@@ -60,21 +76,58 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
 
 
-def load(path: str) -> SavedState | None:
-    """The saved state, None when there is none yet; a one-line error when it is unusable."""
+def _number(value: object, what: str) -> float:
+    """A JSON number as a float; bool is an int in Python, but not a number here."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{what[:60]} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _parse_int(digits: str) -> int | float:
+    """A long JSON integer as a float: 5000 digits would hit Python's int digit limit, and
+    a 309-digit int would overflow float() later; as a float it is inf, refused below."""
+    return int(digits) if len(digits) <= 20 else float(digits)
+
+
+def load(path: str, tenants: Collection[str] | None = None) -> SavedState | None:
+    """The saved state, None when there is none yet; a one-line error when it is unusable.
+
+    Whatever the file holds, only NodeagentError comes out. With `tenants`, the usage of any
+    other tenant (one removed from the policy) is dropped.
+    """
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        raw = read_regular_file(path, MAX_BYTES)
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise NodeagentError(f"state file {path} is unreadable: {e}") from e
+    except (OSError, UnusableFile) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise NodeagentError(f"state file {path} is unreadable: {why}") from e
+    if len(raw) > MAX_BYTES:
+        raise NodeagentError(f"state file {path} is unreadable: larger than {MAX_BYTES >> 20} MiB")
     try:
-        if data["version"] != VERSION:
-            raise ValueError(f"version {data['version']} is not {VERSION}")
-        usage = {str(k): float(v) for k, v in data["tenant_usage"].items()}
-        if not all(math.isfinite(v) and v >= 0 for v in usage.values()):
-            raise ValueError("usage must be finite and non-negative")
-        return SavedState(float(data["saved_at"]), usage)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        data = json.loads(raw.decode("utf-8"), parse_int=_parse_int)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise NodeagentError(f"state file {path} is unreadable: {why}") from e
+    try:
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        version = data.get("version")
+        if type(version) is not int or version != VERSION:
+            raise ValueError(f"version {version!r} is not {VERSION}")
+        saved_at = _number(data["saved_at"], "saved_at")
+        if not math.isfinite(saved_at):
+            raise ValueError("saved_at must be finite")
+        entries = data["tenant_usage"]
+        if not isinstance(entries, dict):
+            raise ValueError("tenant_usage must be an object")
+        usage = {
+            name: _number(value, f"usage of tenant {name!r}")
+            for name, value in entries.items()
+            if tenants is None or name in tenants
+        }
+        if not all(_usable_usage(v) for v in usage.values()):
+            raise ValueError(f"usage must be finite, non-negative and at most {MAX_USAGE:g}")
+        return SavedState(saved_at, usage)
+    except (KeyError, ValueError) as e:
         raise NodeagentError(f"state file {path} is malformed: {e}") from e

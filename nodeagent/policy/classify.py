@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from fnmatch import fnmatchcase
 
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.policy.base import Assignment
+from nodeagent.spec.glob import glob_matches
 from nodeagent.spec.model import Match, PolicySpec
 
 
 def matches(match: Match, w: WorkloadIdentity) -> bool:
     checks = (
-        match.path is None or fnmatchcase(w.path, match.path),
-        match.name is None or fnmatchcase(w.name, match.name),
+        match.path is None or glob_matches(match.path, w.path),
+        match.name is None or glob_matches(match.name, w.name),
         match.runtime is None or match.runtime == w.runtime,
         match.kind is None or match.kind == w.kind,
         match.owner is None or match.owner == w.owner,

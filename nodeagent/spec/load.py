@@ -21,6 +21,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from nodeagent.cgroupfs.tree import split_path
 from nodeagent.cgroupfs.values import QUOTA_MAX_US, QUOTA_MIN_US
 from nodeagent.errors import NodeagentError, UnsafePath
+from nodeagent.regular_file import UnusableFile, read_regular_file
 from nodeagent.spec.model import MAX, PolicySpec
 
 MAX_BYTES = 1 << 20  # a real policy is a few kilobytes; this also stops a read of /dev/zero
@@ -40,8 +41,17 @@ _OTHERS_TREES = frozenset(
     }
 )
 MAX_NODES = 100_000  # counted with every alias expanded, which stops "billion laughs" documents
+# An operator reads the first problems and fixes them; 20,000 lines help nobody. All are
+# still found (in linear time), and the count of the rest is given.
+MAX_SHOWN = 100
+# "Did you mean" compares a name with every candidate: it is offered for this many names at
+# most, among at most this many candidates, so that a hostile file costs no quadratic time.
+MAX_SUGGESTIONS = MAX_SHOWN
+MAX_CANDIDATES = 1000
 EXAMPLE = "config/policy.yaml"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+# A YAML line break, as PyYAML's reader counts them for marks.
+_LINE_BREAK = re.compile("\r\n|[\r\n\x85\u2028\u2029]")
 
 Loc = tuple[str | int, ...]
 
@@ -60,11 +70,17 @@ class Problem:
 
 
 class PolicyError(NodeagentError):
-    """The policy cannot be used; `problems` lists everything found, in file order."""
+    """The policy cannot be used; `problems` lists the first MAX_SHOWN problems found, in
+    file order, and `omitted` counts the others."""
 
     def __init__(self, problems: Iterable[Problem]) -> None:
-        self.problems = tuple(problems)
-        super().__init__("\n".join(map(str, self.problems)))
+        found = tuple(problems)
+        self.problems = found[:MAX_SHOWN]
+        self.omitted = len(found) - len(self.problems)
+        lines = [str(p) for p in self.problems]
+        if self.omitted:
+            lines.append(f"{found[0].file}: ... and {self.omitted} more problems")
+        super().__init__("\n".join(lines))
 
 
 def load_policy(path: str | os.PathLike[str]) -> PolicySpec:
@@ -75,10 +91,11 @@ def load_policy(path: str | os.PathLike[str]) -> PolicySpec:
         return PolicyError([Problem(filename, 1, 1, message)])
 
     try:
-        with open(filename, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
+        data = read_regular_file(filename, MAX_BYTES)
     except OSError as e:
         raise fail(f"cannot read: {e.strerror or e}") from None
+    except UnusableFile as e:
+        raise fail(f"cannot read: {e}") from None
     if len(data) > MAX_BYTES:
         raise fail(f"larger than {MAX_BYTES >> 20} MiB; a policy is a few kilobytes")
     if b"\0" in data:
@@ -93,13 +110,13 @@ def load_policy(path: str | os.PathLike[str]) -> PolicySpec:
 def parse_policy(text: str, filename: str) -> PolicySpec:
     """Parse policy YAML held in memory; `filename` is only used in messages."""
     report = _Report(filename)
-    root, data = _compose_and_construct(text, report)
-    if root is None or data is None:
+    where, data = _compose_and_construct(text, report)
+    if where is None or data is None:
         report.add(None, f"the policy is empty; see {EXAMPLE} for an example")
         raise PolicyError(report.problems)
     if not isinstance(data, dict):
         report.add(
-            root.start_mark,
+            where.root.start_mark,
             "the policy must be a mapping with keys such as version, tenants and rules, "
             f"got {_describe(data)}",
         )
@@ -108,9 +125,11 @@ def parse_policy(text: str, filename: str) -> PolicySpec:
         spec = PolicySpec.model_validate(data)
     except ValidationError as e:
         for error in e.errors(include_url=False):
-            report.add(*_explain(root, error))
+            explained = _explain(where, error)
+            if explained is not None:
+                report.add(*explained)
         raise PolicyError(report.sorted()) from None
-    _check_semantics(spec, root, report)
+    _check_semantics(spec, where, report)
     if report.problems:
         raise PolicyError(report.sorted())
     return spec
@@ -120,19 +139,42 @@ class _Report:
     def __init__(self, filename: str) -> None:
         self.filename = filename
         self.problems: list[Problem] = []
+        self._seen: set[Problem] = set()
 
     def add(self, mark: yaml.Mark | None, message: str) -> None:
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
         problem = Problem(self.filename, line, col, message)
-        if problem not in self.problems:
+        if problem not in self._seen:
+            self._seen.add(problem)
             self.problems.append(problem)
 
     def sorted(self) -> list[Problem]:
         return sorted(self.problems, key=lambda p: (p.line, p.col))
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """One pair of a mapping: its nodes, and whether its key had to be replaced."""
+
+    key: Node
+    value: Node
+    bad_key: bool
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader whose constructor failures always carry the node's position."""
+    """SafeLoader whose constructor failures always carry the node's position, and which
+    indexes every mapping by its constructed keys, so that a location that pydantic reports
+    leads back to its node in constant time.
+
+    The policy's keys are all strings. A key that is not (`1:`, `~:`, `.nan:`, `no:`,
+    `2001-01-01:`, a list) is replaced by a marker that no YAML key can equal: the key is
+    reported where it stands, and what is under it is still checked.
+    """
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.entries: dict[int, dict[str, _Entry]] = {}
+        self._marker_count = 0
 
     def construct_object(self, node: Node, deep: bool = False) -> typing.Any:
         try:
@@ -147,9 +189,38 @@ class _Loader(yaml.SafeLoader):
                 node.start_mark,
             ) from e
 
+    def construct_mapping(self, node: Node, deep: bool = False) -> dict[typing.Any, typing.Any]:
+        if not isinstance(node, MappingNode):
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"expected a mapping node, but found {type(node).__name__}",
+                node.start_mark,
+            )
+        self.flatten_mapping(node)
+        keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+        taken = {k for k in keys if isinstance(k, str)}
+        entries: dict[str, _Entry] = {}
+        mapping: dict[typing.Any, typing.Any] = {}
+        for constructed, (key_node, value_node) in zip(keys, node.value, strict=True):
+            bad = not isinstance(constructed, str)
+            key = self._marker(taken) if bad else constructed
+            entries[key] = _Entry(key_node, value_node, bad)
+            mapping[key] = self.construct_object(value_node, deep=deep)
+        self.entries[id(node)] = entries
+        return mapping
 
-def _compose_and_construct(text: str, report: _Report) -> tuple[Node | None, object]:
-    """The node tree and the plain data built from it; fatal YAML problems raise PolicyError."""
+    def _marker(self, taken: set[str]) -> str:
+        while True:
+            self._marker_count += 1
+            marker = f"\0{self._marker_count}"
+            if marker not in taken:  # a quoted key may hold a NUL, but not this one as well
+                return marker
+
+
+def _compose_and_construct(text: str, report: _Report) -> tuple[_Locator | None, object]:
+    """A locator over the node tree and the plain data built from it, (None, None) for an
+    empty document; fatal YAML problems raise PolicyError."""
     loader: _Loader | None = None
     try:
         loader = _Loader(text)
@@ -157,13 +228,14 @@ def _compose_and_construct(text: str, report: _Report) -> tuple[Node | None, obj
         if root is None:
             return None, None
         _check_nodes(root, report)
-        return root, loader.construct_document(root)
+        data = loader.construct_document(root)
+        where = _Locator(root, loader.entries)
+        where.report_bad_keys(report)
+        return where, data
     except yaml.MarkedYAMLError as e:
         report.add(e.problem_mark or e.context_mark, _yaml_message(e))
     except yaml.reader.ReaderError as e:
-        line = text.count("\n", 0, e.position)
-        col = e.position - (text.rfind("\n", 0, e.position) + 1)
-        report.add(yaml.Mark("", e.position, line, col, None, 0), str(e).split("\n")[0])
+        report.add(_mark_at(text, e.position), str(e).split("\n")[0])
     except yaml.YAMLError as e:
         report.add(None, f"invalid YAML: {e}")
     except RecursionError:
@@ -172,6 +244,14 @@ def _compose_and_construct(text: str, report: _Report) -> tuple[Node | None, obj
         if loader is not None:
             loader.dispose()
     raise PolicyError(report.sorted())
+
+
+def _mark_at(text: str, position: int) -> yaml.Mark:
+    """The mark of a character position, counting line breaks as YAML does (CR alone too)."""
+    line, start = 0, 0
+    for m in _LINE_BREAK.finditer(text, 0, position):
+        line, start = line + 1, m.end()
+    return yaml.Mark("", position, line, position - start, None, 0)
 
 
 def _yaml_message(e: yaml.MarkedYAMLError) -> str:
@@ -243,26 +323,99 @@ def _check_duplicates(node: MappingNode, report: _Report) -> None:
             report.add(key.start_mark, f"duplicate key {key.value!r} (first at line {line})")
 
 
-def _find(root: Node, loc: Loc) -> tuple[Node, Node | None, int]:
-    """The node at `loc` (or its deepest ancestor present), the key node of the last
-    mapping step, and how many items of `loc` were found. '[key]' selects that key node.
-    """
-    node, key = root, None
-    for depth, item in enumerate(loc):
-        if item == "[key]" and key is not None:
-            return key, key, depth + 1
-        if isinstance(node, MappingNode):
-            # The last equal key wins, as when the mapping was constructed.
-            pairs = [(k, v) for k, v in node.value if isinstance(k, ScalarNode)]
-            match = [pair for pair in pairs if pair[0].value == str(item)]
-            if not match:
-                return node, key, depth
-            key, node = match[-1]
-        elif isinstance(node, SequenceNode) and isinstance(item, int) and item < len(node.value):
-            key, node = None, node.value[item]
-        else:
-            return node, key, depth
-    return node, key, len(loc)
+@dataclass(frozen=True)
+class _Place:
+    """Where a location leads in the YAML: the node at it (or its deepest ancestor present),
+    the key node of the last mapping step, how many items of the location were found, and
+    the path found, written as the file writes it."""
+
+    node: Node
+    key: Node | None
+    found: int
+    path: Loc
+    bad_key: bool
+
+
+class _Locator:
+    """Finds the YAML node behind a location such as ('rules', 0, 'limits', 'cpu_max')."""
+
+    def __init__(self, root: Node, index: dict[int, dict[str, _Entry]]) -> None:
+        self.root = root
+        self.index = index
+        self.markers = {k for entries in index.values() for k, e in entries.items() if e.bad_key}
+
+    def find(self, loc: Loc) -> _Place:
+        node, key, path, bad = self.root, None, list[str | int](), False
+        for depth, item in enumerate(loc):
+            entries = self.index.get(id(node)) if isinstance(node, MappingNode) else None
+            if entries is not None and isinstance(item, str) and item in entries:
+                entry = entries[item]
+                node, key, bad = entry.value, entry.key, entry.bad_key
+                path.append(_key_text(key) if bad else item)
+            elif (
+                isinstance(node, SequenceNode)
+                and isinstance(item, int)
+                and 0 <= item < len(node.value)
+            ):
+                node, key, bad = node.value[item], None, False
+                path.append(item)
+            else:
+                return _Place(node, key, depth, tuple(path), bad)
+        return _Place(node, key, len(loc), tuple(path), bad)
+
+    def mark(self, loc: Loc) -> yaml.Mark:
+        return self.find(loc).node.start_mark
+
+    def report_bad_keys(self, report: _Report) -> None:
+        """Report each key that is not a string at the key itself, naming its mapping."""
+        seen: set[int] = set()
+        todo: list[tuple[Node, _Link]] = [(self.root, None)]
+        while todo:
+            node, link = todo.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            children: list[tuple[Node, _Link]] = []
+            if isinstance(node, SequenceNode):
+                children = [(child, (link, i)) for i, child in enumerate(node.value)]
+            for key, entry in self.index.get(id(node), {}).items():
+                if entry.bad_key:
+                    report.add(entry.key.start_mark, _bad_key_message(entry.key, _unlink(link)))
+                children.append(
+                    (entry.value, (link, _key_text(entry.key) if entry.bad_key else key))
+                )
+            todo.extend(reversed(children))  # in file order, so an alias is named by its anchor
+
+
+# A path as a linked list (parent, last item): extending it costs O(1) whatever its depth.
+_Link = tuple["_Link", str | int] | None
+
+
+def _unlink(link: _Link) -> Loc:
+    items: list[str | int] = []
+    while link is not None:
+        link, item = link
+        items.append(item)
+    return tuple(reversed(items))
+
+
+_IMPLICIT = {"int", "float", "bool", "null", "timestamp"}  # what a plain scalar resolves to
+
+
+def _key_text(key: Node) -> str:
+    return key.value if isinstance(key, ScalarNode) else f"<{_NODE_KINDS[type(key)]}>"
+
+
+_NODE_KINDS: dict[type[Node], str] = {MappingNode: "a mapping", SequenceNode: "a list"}
+
+
+def _bad_key_message(key: Node, path: Loc) -> str:
+    inside = f" in {_dotted(path)}" if path else ""
+    if not isinstance(key, ScalarNode):
+        return f"a key{inside} must be a string, got {_NODE_KINDS[type(key)]}"
+    kind = key.tag.removeprefix("tag:yaml.org,2002:")
+    message = f"key {key.value!r}{inside} must be a string, not {kind}"
+    return message + ("; quote it if it is meant as a name" if kind in _IMPLICIT else "")
 
 
 def _dotted(loc: Loc) -> str:
@@ -329,27 +482,26 @@ _PLAIN = {
 }
 
 
-def _explain(root: Node, error: ErrorDetails) -> tuple[yaml.Mark, str]:
-    """Where a pydantic error points in the YAML, and what to tell the operator."""
+def _explain(where: _Locator, error: ErrorDetails) -> tuple[yaml.Mark, str] | None:
+    """Where a pydantic error points in the YAML, and what to tell the operator; None when
+    the problem is a key that is not a string, which is reported already."""
     loc, kind, ctx = error["loc"], error["type"], error.get("ctx", {})
-    node, key, found = _find(root, loc)
+    place = where.find(loc)
     # Items past the nodes found are union member labels such as "literal['max']".
-    path = _dotted(tuple(i for i in loc[:found] if i != "[key]"))
-    where = f" in {path}" if path else ""
-    if kind == "missing" and found == len(loc) - 1:
-        return node.start_mark, f"missing required key {loc[-1]!r}{where}"
-    if kind == "extra_forbidden" and key is not None:
+    path = _dotted(place.path)
+    if kind == "missing" and place.found == len(loc) - 1:
+        return place.node.start_mark, f"missing required key {loc[-1]!r}" + (
+            f" in {path}" if path else ""
+        )
+    if kind == "extra_forbidden" and place.key is not None:
+        if place.bad_key:
+            return None
         parent, name = _model_at(loc[:-1]), str(loc[-1])
         fields = parent.model_fields.items() if parent else ()
         names = [n for field_name, f in fields for n in (field_name, f.alias) if n]
-        inside = _dotted(loc[:-1])
+        inside = _dotted(place.path[:-1])
         message = f"unknown key {name!r}" + (f" in {inside}" if inside else "")
-        return key.start_mark, message + _did_you_mean(name, names)
-    if key is not None and (kind == "invalid_key" or "[key]" in loc):
-        # The loc is ('tenants', 1, '[key]') for a dict, or (..., 1) for a model.
-        inside = _dotted(loc[: found - (2 if "[key]" in loc else 1)])
-        message = f"key {key.value!r}" + (f" in {inside}" if inside else "")
-        return key.start_mark, f"{message} must be a string"
+        return place.key.start_mark, message + _did_you_mean(name, names)
     value = error["input"]
     if kind == "value_error":
         message = str(ctx.get("error", error["msg"]))
@@ -363,7 +515,7 @@ def _explain(root: Node, error: ErrorDetails) -> tuple[yaml.Mark, str]:
     else:
         plain = _PLAIN.get(kind) or error["msg"].replace("Input should be", "must be")
         message = f"{plain}, got {_describe(value)}"
-    return node.start_mark, f"{path}: {message}" if path else message
+    return place.node.start_mark, f"{path}: {message}" if path else message
 
 
 def _is_relative_path(path: str) -> bool:
@@ -373,14 +525,33 @@ def _is_relative_path(path: str) -> bool:
         return False
 
 
-def _check_semantics(spec: PolicySpec, root: Node, report: _Report) -> None:
+class _Suggestions:
+    """'Did you mean' among `choices`, for the first MAX_SUGGESTIONS distinct words asked
+    about, and only among at most MAX_CANDIDATES choices: each costs a pass over them all."""
+
+    def __init__(self, choices: list[str]) -> None:
+        self.choices = choices if len(choices) <= MAX_CANDIDATES else []
+        self.given: dict[str, str] = {}
+
+    def __call__(self, word: str) -> str:
+        if word not in self.given and len(self.given) < MAX_SUGGESTIONS:
+            self.given[word] = _did_you_mean(word, self.choices)
+        return self.given.get(word, "")
+
+
+def _listed(names: list[str], most: int = 10) -> str:
+    shown = ", ".join(map(repr, names[:most]))
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _check_semantics(spec: PolicySpec, where: _Locator, report: _Report) -> None:
     """What the schema cannot say alone: cross references, uniqueness and safe paths."""
 
     def add(loc: Loc, message: str) -> None:
-        report.add(_find(root, loc)[0].start_mark, f"{_dotted(loc)}: {message}")
+        report.add(where.mark(loc), f"{_dotted(loc)}: {message}")
 
     def line_of(loc: Loc) -> int:
-        return _find(root, loc)[0].start_mark.line + 1
+        return where.mark(loc).line + 1
 
     managed = spec.agent.managed_root
     if not _is_relative_path(managed):
@@ -397,6 +568,10 @@ def _check_semantics(spec: PolicySpec, root: Node, report: _Report) -> None:
             " use nodeagent.slice, or a path below nodeagent's own service cgroup with"
             " Delegate=yes, such as system.slice/nodeagent.service/workloads",
         )
+    if spec.agent.state_file == spec.agent.socket:
+        add(("agent", "socket"), "must not be the same path as agent.state_file")
+    tenants = [t for t in spec.tenants if t not in where.markers]
+    suggest = _Suggestions(tenants)
     first_rule: dict[str, int] = {}
     for i, rule in enumerate(spec.rules):
         if rule.name in first_rule:
@@ -404,9 +579,7 @@ def _check_semantics(spec: PolicySpec, root: Node, report: _Report) -> None:
             add(("rules", i, "name"), f"duplicate rule name {rule.name!r} (first at line {first})")
         first_rule.setdefault(rule.name, i)
         if rule.tenant not in spec.tenants:
-            hint = _did_you_mean(rule.tenant, spec.tenants) or (
-                f"; tenants are {', '.join(map(repr, spec.tenants))}"
-            )
+            hint = suggest(rule.tenant) or f"; tenants are {_listed(tenants)}"
             add(("rules", i, "tenant"), f"unknown tenant {rule.tenant!r}{hint}")
         limits = rule.limits
         high, cap = limits.memory_high, limits.memory_max

@@ -5,16 +5,36 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
+import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+)
+from pydantic_core import PydanticCustomError
 
 from nodeagent.api.client import DEFAULT_SOCKET
 from nodeagent.identity import Kind, Owner, QosTier, Runtime
+from nodeagent.spec.glob import compile_glob
 from nodeagent.spec.units import parse_duration, parse_size
 from nodeagent.spec.when import parse_cpu_amount, parse_instant
 
 MAX: Literal["max"] = "max"
+SHARES_MIN, SHARES_MAX = 0.001, 1_000_000
+HALF_LIFE_MAX = 365 * 86400.0  # a year: longer means the history never fades in practice
+SOCKET_PATH_MAX = 107  # bytes in sockaddr_un.sun_path, less its terminating NUL
+# Kernel filesystems: a "file" there is a device, a FIFO or endless (/dev/zero), never storage.
+_KERNEL_TREES = frozenset({"dev", "proc", "sys"})
+# A plain decimal number, as YAML 1.2 reads one; digit runs are bounded like the units'.
+_NUMBER_TEXT = re.compile(r"[-+]?(?:\d{1,20}(?:\.\d{0,20})?|\.\d{1,20})(?:[eE][-+]?\d{1,4})?")
 
 
 def _size_or_max(value: object) -> object:
@@ -44,6 +64,90 @@ def _instant(value: object) -> float:
     return parse_instant(value)
 
 
+def _version(value: object) -> object:
+    """`true` and `1.0` equal 1 in Python, so Literal[1] alone would take them."""
+    if type(value) is not int:
+        raise PydanticCustomError("version", "must be 1")
+    return value
+
+
+def _number(value: object) -> object:
+    """A number, never a boolean (`true` is 1 in Python) nor bytes. A string that spells a
+    plain number is read as one: YAML 1.1 makes `1e6` a string, and an operator means 1e6.
+    Infinity and NaN pass on to the float check, which names them."""
+    if isinstance(value, str) and _NUMBER_TEXT.fullmatch(value):
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PydanticCustomError("float_type", "must be a number")
+    return value
+
+
+def _shares(value: object) -> object:
+    """Shares from 0.001 to 1e6: any two tenants differ by at most 1e9 times.
+
+    Fair share computes s = shares / total and F = 2^(-u/s) with u in [0, 1]. With this
+    floor and ceiling, s >= 0.001 / (n x 1e6) for n tenants, so s is never 0 (1e-320 / 1e6
+    is) and u/s <= n x 1e9 stays finite: F is always defined. 0.001 is finer than any real
+    split (one part in a million of the largest share).
+    """
+    number = _number(value)
+    if not isinstance(number, float | int) or not math.isfinite(number):
+        return number
+    if not SHARES_MIN <= number <= SHARES_MAX:
+        raise PydanticCustomError(
+            "shares_range",
+            f"must be greater than or equal to {SHARES_MIN} and less than or equal to {SHARES_MAX}",
+        )
+    return number
+
+
+def _not_bytes(value: object) -> object:
+    """pydantic would take `!!binary` bytes for a str enum; a policy's text is never bytes."""
+    if isinstance(value, bytes):
+        raise PydanticCustomError("string_type", "must be a string")
+    return value
+
+
+def _glob(pattern: str) -> str:
+    compile_glob(pattern)  # refuses what is too long to match quickly, and warms the cache
+    return pattern
+
+
+def _host_path(path: str) -> str:
+    """An absolute, clean path outside the kernel's filesystems.
+
+    The daemon's cwd is /, so a relative path would land in an unexpected place; a NUL byte
+    cannot reach the kernel at all; and under /dev, /proc or /sys a state file would be read
+    from a device (/dev/zero never ends) or written into a kernel interface.
+    """
+    if "\0" in path:
+        raise ValueError("must not contain a NUL byte")
+    parts = path.split("/")
+    if parts[0] or any(p in ("", ".", "..") for p in parts[1:]):
+        raise ValueError(f"must be an absolute path without '.', '..' or empty parts, got {path!r}")
+    if parts[1] in _KERNEL_TREES:
+        raise ValueError(
+            f"must not be under /{parts[1]}, where files are devices or kernel interfaces,"
+            f" got {path!r}"
+        )
+    return path
+
+
+def _socket_path(path: str) -> str:
+    if len(path.encode()) > SOCKET_PATH_MAX:
+        raise ValueError(
+            f"a socket path is at most {SOCKET_PATH_MAX} bytes (the kernel's limit),"
+            f" got {len(path.encode())} bytes"
+        )
+    return path
+
+
+Name = Annotated[StrictStr, Field(min_length=1)]
+Glob = Annotated[StrictStr, AfterValidator(_glob)]
+HostPath = Annotated[StrictStr, AfterValidator(_host_path)]
+SocketPath = Annotated[HostPath, AfterValidator(_socket_path)]
+Number = Annotated[StrictFloat, BeforeValidator(_number)]
+Shares = Annotated[StrictFloat, BeforeValidator(_shares)]
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 Instant = Annotated[float, BeforeValidator(_instant)]
 """An absolute time with a UTC offset, as unix seconds."""
@@ -72,44 +176,44 @@ class AgentSettings(_Strict):
 
     interval: Duration = Field(1.0, ge=0.05, le=3600)
     resync_interval: Duration = Field(30.0, ge=1, le=86400)
-    managed_root: str = Field("nodeagent.slice", min_length=1)
-    state_file: str = "/var/lib/nodeagent/state.json"
-    socket: str = DEFAULT_SOCKET
-    socket_group: str | None = None
+    managed_root: Name = "nodeagent.slice"
+    state_file: HostPath = "/var/lib/nodeagent/state.json"
+    socket: SocketPath = DEFAULT_SOCKET
+    socket_group: StrictStr | None = None
 
 
 class FairShareSettings(_Strict):
     """Slurm-style fair share: weight follows shares, scaled by F = 2^(-usage/share)."""
 
-    enabled: bool = True
-    half_life: Duration = Field(3600.0, gt=0)
-    weight_per_workload: int = Field(100, ge=1, le=10000)
-    active_threshold: float = Field(0.01, ge=0)
-    deadband: float = Field(0.05, ge=0, lt=1)
+    enabled: StrictBool = True
+    half_life: Duration = Field(3600.0, gt=0, le=HALF_LIFE_MAX)
+    weight_per_workload: StrictInt = Field(100, ge=1, le=10000)
+    active_threshold: Number = Field(0.01, ge=0)
+    deadband: Number = Field(0.05, ge=0, lt=1)
 
 
 class Tenant(_Strict):
-    shares: float = Field(gt=0, le=1e6)
+    shares: Shares
 
 
 class Match(_Strict):
     """All given fields must match. `path` and `name` are shell globs; the rest compare exactly."""
 
-    path: str | None = None
-    name: str | None = None
-    runtime: Runtime | None = None
-    kind: Kind | None = None
-    owner: Owner | None = None
-    qos: QosTier | None = None
-    pod_uid: str | None = None
-    container_id: str | None = None
+    path: Glob | None = None
+    name: Glob | None = None
+    runtime: Annotated[Runtime, BeforeValidator(_not_bytes)] | None = None
+    kind: Annotated[Kind, BeforeValidator(_not_bytes)] | None = None
+    owner: Annotated[Owner, BeforeValidator(_not_bytes)] | None = None
+    qos: Annotated[QosTier, BeforeValidator(_not_bytes)] | None = None
+    pod_uid: StrictStr | None = None
+    container_id: StrictStr | None = None
 
 
 class Limits(_Strict):
     """Static per-rule caps. Memory is rounded down to the page size when applied."""
 
     cpu_max: Cores | None = None
-    cpu_period_us: int = Field(100_000, ge=1000, le=1_000_000)
+    cpu_period_us: StrictInt = Field(100_000, ge=1000, le=1_000_000)
     memory_max: Size | None = None
     memory_high: Size | None = None
     memory_request: Size | None = None
@@ -120,10 +224,12 @@ class Limits(_Strict):
 class Rule(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
-    name: str = Field(min_length=1)
+    name: Name
     match: Match
-    tenant: str
-    workload_class: WorkloadClass = Field(WorkloadClass.BATCH, alias="class")
+    tenant: StrictStr
+    workload_class: Annotated[WorkloadClass, BeforeValidator(_not_bytes)] = Field(
+        WorkloadClass.BATCH, alias="class"
+    )
     limits: Limits = Limits()
     deadline: Instant | None = None
     """When the work must be done: an ISO 8601 time with a UTC offset."""
@@ -140,20 +246,22 @@ class MemoryProtection(enum.StrEnum):
 class ClassSettings(_Strict):
     """How the policies treat one class of work."""
 
-    priority: int = Field(ge=0, le=1000)
+    priority: StrictInt = Field(ge=0, le=1000)
     """Higher wins: a protected class's pressure throttles, then freezes, lower ones."""
-    protect: bool = False
+    protect: StrictBool = False
     """Watched for CPU pressure: when it stalls, lower classes are throttled in steps."""
     reserved_cpu: CpuAmount | None = None
     """CPU kept for this class when it wants it (cores or a share of the node); every
     policy plans around it, deadlines included."""
     floor_cpu: Cores = 0.1
     """Throttling never takes this class's cgroups below this many cores in all."""
-    freezable: bool = True
+    freezable: StrictBool = True
     """May be frozen (cgroup.freeze, never killed) to make room for higher priorities."""
-    memory_protection: MemoryProtection = MemoryProtection.NONE
+    memory_protection: Annotated[MemoryProtection, BeforeValidator(_not_bytes)] = (
+        MemoryProtection.NONE
+    )
     """How memory_request is protected from reclaim: memory.min, memory.low or not at all."""
-    memory_throttle_factor: float = Field(0.9, ge=0, le=1)
+    memory_throttle_factor: Number = Field(0.9, ge=0, le=1)
     """memory.high = request + factor x (limit - request), as the kubelet's MemoryQoS."""
 
 
@@ -191,36 +299,36 @@ class ProtectionSettings(_Strict):
     """Inference first: the controller that throttles lower classes while a protected one
     stalls (koordlet's CPU suppress, with senpai's smooth steps)."""
 
-    cpu_pressure: float = Field(0.10, gt=0, le=1)
+    cpu_pressure: Number = Field(0.10, gt=0, le=1)
     """Stall share (PSI 'some', over 10 s or the last tick) above which a protected cgroup
     is under pressure."""
-    step: float = Field(0.25, gt=0, lt=1)
+    step: Number = Field(0.25, gt=0, lt=1)
     """Each tick under pressure, lower classes' CPU caps shrink by this fraction."""
-    release_step: float = Field(0.10, gt=0, le=1)
+    release_step: Number = Field(0.10, gt=0, le=1)
     """Each calm tick after `calm_ticks`, caps grow by this share of the node's CPUs."""
-    calm_ticks: int = Field(3, ge=1, le=1000)
+    calm_ticks: StrictInt = Field(3, ge=1, le=1000)
     """Ticks below half the threshold before caps are raised or frozen cgroups thawed."""
-    freeze_after: int = Field(5, ge=1, le=1000)
+    freeze_after: StrictInt = Field(5, ge=1, le=1000)
     """Ticks under pressure with every lower class at its floor before the lowest is frozen."""
-    period_us: int = Field(100_000, ge=1000, le=1_000_000)
+    period_us: StrictInt = Field(100_000, ge=1000, le=1_000_000)
     """The cpu.max period of the caps: ten per one-second tick, so a tick sees a smooth rate."""
 
 
 class DeadlineSettings(_Strict):
-    enabled: bool = True
-    headroom: float = Field(1.1, ge=1, le=10)
+    enabled: StrictBool = True
+    headroom: Number = Field(1.1, ge=1, le=10)
     """Required rates are multiplied by this, for the scheduler's and the measurement's noise."""
 
 
 class JobSettings(_Strict):
     """Defaults for `nodeagent exec`."""
 
-    default_tenant: str | None = None
-    default_class: WorkloadClass = WorkloadClass.BATCH
+    default_tenant: StrictStr | None = None
+    default_class: Annotated[WorkloadClass, BeforeValidator(_not_bytes)] = WorkloadClass.BATCH
 
 
 class PolicySpec(_Strict):
-    version: Literal[1]
+    version: Annotated[Literal[1], BeforeValidator(_version)]
     agent: AgentSettings = AgentSettings()
     fair_share: FairShareSettings = FairShareSettings()
     node: NodeSettings = NodeSettings()
@@ -232,5 +340,5 @@ class PolicySpec(_Strict):
     protection: ProtectionSettings = ProtectionSettings()
     deadlines: DeadlineSettings = DeadlineSettings()
     jobs: JobSettings = JobSettings()
-    tenants: dict[str, Tenant] = Field(min_length=1)
+    tenants: dict[StrictStr, Tenant] = Field(min_length=1)
     rules: tuple[Rule, ...] = ()

@@ -52,7 +52,10 @@ def parse_size(value: object) -> int:
     if size is None:
         raise ValueError(f"expected a size such as 512Mi, 4Gi or a number of bytes, got {value!r}")
     if size > MAX_SIZE:
-        raise ValueError(f"size {value!r} is too large (at most 8Ei, or 'max' for no limit)")
+        raise ValueError(
+            f"size {value!r} is too large: at most {MAX_SIZE} bytes (just under 8192Pi),"
+            " or 'max' for no limit"
+        )
     return size
 
 

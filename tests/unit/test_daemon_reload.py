@@ -50,7 +50,8 @@ def test_a_bad_file_keeps_the_last_good_policy(policy_file: Path, tmp_path: Path
     assert agent.spec is before
     problems = [e["problem"] for e in logs if e["event"] == "policy.invalid"]
     assert problems == [
-        f"{policy_file}:3:22: tenants.research.shares: must be greater than 0, got -2"
+        f"{policy_file}:3:22: tenants.research.shares: must be greater than or equal to 0.001"
+        " and less than or equal to 1000000, got -2"
     ]
 
 

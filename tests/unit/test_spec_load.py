@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
+from hostile import bad_tenants, outcome_without_blocking_on, unknown_keys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nodeagent.errors import NodeagentError
 from nodeagent.identity import QosTier, Runtime
-from nodeagent.spec.load import MAX_BYTES, PolicyError, Problem, load_policy, parse_policy
+from nodeagent.spec.load import (
+    MAX_BYTES,
+    MAX_SHOWN,
+    PolicyError,
+    Problem,
+    load_policy,
+    parse_policy,
+)
 from nodeagent.spec.model import PolicySpec, WorkloadClass
 
 REPO = Path(__file__).resolve().parents[2]
@@ -143,7 +153,8 @@ def test_every_problem_is_reported_in_file_order() -> None:
         "p.yaml:2:19: agent.interval: must be less than or equal to 3600, got 86400.0",
         "p.yaml:2:37: agent.socket_group: must be a string, got 5",
         "p.yaml:4:15: tenants.a.shares: must be a finite number, got inf",
-        "p.yaml:5:3: key '1' in tenants must be a string",
+        "p.yaml:5:3: key '1' in tenants must be a string, not int; quote it if it is meant as"
+        " a name",
         "p.yaml:7:32: rules[0].match.runtime: must be 'docker', 'containerd', 'crio', "
         "'podman', 'systemd', 'nodeagent' or 'kubelet', got 'dokcer'; did you mean 'docker'?",
         "p.yaml:7:70: rules[0].limits.cpu_max: "
@@ -157,7 +168,11 @@ def test_every_problem_is_reported_in_file_order() -> None:
         ("{}", "2:10: tenants: must not be empty"),
         ("[a, b]", "2:10: tenants: must be a mapping, got a list"),
         ("{a: 1}", "2:14: tenants.a: must be a mapping, got 1"),
-        ("{a: {shares: 0}}", "2:23: tenants.a.shares: must be greater than 0, got 0"),
+        (
+            "{a: {shares: 0}}",
+            "2:23: tenants.a.shares: must be greater than or equal to 0.001 and less than or"
+            " equal to 1000000, got 0",
+        ),
     ],
 )
 def test_bad_tenants(value: str, where: str) -> None:
@@ -403,7 +418,9 @@ def test_missing_file(tmp_path: Path) -> None:
 
 
 def test_directory(tmp_path: Path) -> None:
-    assert file_problems(tmp_path) == [f"{tmp_path}:1:1: cannot read: Is a directory"]
+    assert file_problems(tmp_path) == [
+        f"{tmp_path}:1:1: cannot read: it is a directory, not a regular file"
+    ]
 
 
 def test_unreadable_path(tmp_path: Path) -> None:
@@ -519,3 +536,210 @@ YAML_PIECES = st.sampled_from(
 @given(st.lists(YAML_PIECES, max_size=40).map("".join))
 def test_yaml_like_text_gives_a_spec_or_policy_error(text: str) -> None:
     check_outcome(lambda: parse_policy(text, "t.yaml"), "t.yaml")
+
+
+# Files that are not regular files (issue 5, item 5)
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "policy.yaml"
+    os.mkfifo(fifo)
+    error = outcome_without_blocking_on(str(fifo), lambda: load_policy(fifo))
+    assert isinstance(error, PolicyError)
+    assert [str(p) for p in error.problems] == [
+        f"{fifo}:1:1: cannot read: it is a FIFO, not a regular file"
+    ]
+
+
+def test_a_socket_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+        assert file_problems(path) == [
+            f"{path}:1:1: cannot read: it is a socket, not a regular file"
+        ]
+
+
+def test_a_device_is_refused() -> None:
+    assert file_problems(Path("/dev/null")) == [
+        "/dev/null:1:1: cannot read: it is a character device, not a regular file"
+    ]
+
+
+def test_a_symlink_to_a_regular_file_is_followed(tmp_path: Path) -> None:
+    """Kubernetes mounts ConfigMaps as symlinks; only what they point to must be regular."""
+    target = tmp_path / "real.yaml"
+    target.write_text(HEAD)
+    link = tmp_path / "policy.yaml"
+    link.symlink_to(target)
+    assert set(load_policy(link).tenants) == {"research", "prod"}
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link.unlink()
+    link.symlink_to(fifo)
+    error = outcome_without_blocking_on(str(fifo), lambda: load_policy(link))
+    assert isinstance(error, PolicyError)
+    assert "it is a FIFO, not a regular file" in str(error)
+
+
+# Very many problems (item 6): all are found, in linear time; the first MAX_SHOWN are shown
+
+
+@pytest.mark.parametrize(
+    ("make", "first", "last_shown"),
+    [
+        (
+            bad_tenants,
+            "p.yaml:3:16: tenants.t0.shares: must be greater than or equal to 0.001 and less"
+            " than or equal to 1000000, got -1",
+            "p.yaml:102:17: tenants.t99.shares: must be greater than or equal to 0.001 and"
+            " less than or equal to 1000000, got -1",
+        ),
+        (
+            unknown_keys,
+            "p.yaml:5:5: unknown key 'k0' in tenants.a",
+            "p.yaml:104:5: unknown key 'k99' in tenants.a",
+        ),
+    ],
+)
+def test_many_problems_are_counted_and_the_first_are_shown(
+    make: Callable[[int], str], first: str, last_shown: str
+) -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_policy(make(2000), "p.yaml")
+    error = info.value
+    assert len(error.problems) == MAX_SHOWN == 100
+    assert error.omitted == 1900
+    assert str(error.problems[0]) == first
+    assert str(error.problems[-1]) == last_shown
+    assert str(error).splitlines()[-1] == "p.yaml: ... and 1900 more problems"
+
+
+def test_few_problems_are_all_shown() -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_policy(bad_tenants(MAX_SHOWN), "p.yaml")
+    assert len(info.value.problems) == MAX_SHOWN
+    assert info.value.omitted == 0
+    assert "more problems" not in str(info.value)
+
+
+def test_unknown_tenants_among_very_many_are_each_reported_with_a_short_list() -> None:
+    """Over MAX_CANDIDATES tenants, no 'did you mean' (each costs a pass over them all)."""
+    tenants = "".join(f"  team{i}: {{shares: 1}}\n" for i in range(1200))
+    rules = "".join(f"  - {{name: r{i}, match: {{}}, tenant: teem{i}}}\n" for i in range(300))
+    with pytest.raises(PolicyError) as info:
+        parse_policy(f"version: 1\ntenants:\n{tenants}rules:\n{rules}", "p.yaml")
+    assert info.value.omitted == 200
+    assert str(info.value.problems[0]) == (
+        "p.yaml:1204:35: rules[0].tenant: unknown tenant 'teem0'; tenants are 'team0',"
+        " 'team1', 'team2', 'team3', 'team4', 'team5', 'team6', 'team7', 'team8', 'team9'"
+        " and 1190 more"
+    )
+
+
+def test_an_unknown_tenant_among_few_gets_a_suggestion() -> None:
+    text = (
+        HEAD
+        + "rules:\n"
+        + "".join(f"  - {{name: r{i}, match: {{}}, tenant: prd}}\n" for i in range(300))
+    )
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text, "p.yaml")
+    assert all(p.message.endswith("did you mean 'prod'?") for p in info.value.problems)
+
+
+# Keys that are not strings, and CR line endings (item 8)
+
+
+@pytest.mark.parametrize(
+    ("key", "kind"),
+    [(".nan", "float"), ("~", "null"), ("2001-01-01", "timestamp"), ("1", "int"), ("no", "bool")],
+)
+def test_a_key_that_is_not_a_string_is_reported_at_the_key(key: str, kind: str) -> None:
+    text = (
+        f'version: 1\ntenants:\n  "1": {{shares: 1}}\n  a: {{shares: 1}}\n  {key}: {{shares: 1}}\n'
+    )
+    assert problems(text) == [
+        f"p.yaml:5:3: key {key!r} in tenants must be a string, not {kind}; quote it if it is"
+        " meant as a name"
+    ]
+
+
+@pytest.mark.parametrize("key", [".nan", "~", "2001-01-01", "1"])
+def test_a_top_level_key_that_is_not_a_string_is_reported_at_the_key(key: str) -> None:
+    found = problems(f"version: 1\ntenants: {{a: {{shares: 1}}}}\n{key}: x\n")
+    assert len(found) == 1
+    assert found[0].startswith(f"p.yaml:3:1: key {key!r} must be a string")
+
+
+def test_what_is_under_a_bad_key_is_still_checked() -> None:
+    assert problems("version: 1\ntenants:\n  a: {shares: 1}\n  ~: {shares: -1}\n") == [
+        "p.yaml:4:3: key '~' in tenants must be a string, not null; quote it if it is meant"
+        " as a name",
+        "p.yaml:4:15: tenants['~'].shares: must be greater than or equal to 0.001 and less than"
+        " or equal to 1000000, got -1",
+    ]
+
+
+def test_a_list_as_a_key() -> None:
+    assert problems("version: 1\ntenants:\n  a: {shares: 1}\n  ? [a, b]\n  : {shares: 1}\n") == [
+        "p.yaml:4:5: a key in tenants must be a string, got a list"
+    ]
+
+
+@pytest.mark.parametrize("newline", ["\r", "\r\n", "\n", "\x85", "\u2028"])
+def test_reader_errors_are_located_whatever_the_line_breaks(newline: str) -> None:
+    text = newline.join(["version: 1", "tenants:", "  a: {shares: 1}", '  b: "x\x01"', ""])
+    assert problems(text) == [
+        "p.yaml:4:8: unacceptable character #x0001: special characters are not allowed"
+    ]
+
+
+@pytest.mark.parametrize("newline", ["\r", "\r\n", "\n"])
+def test_scanner_and_schema_errors_are_located_with_cr_line_breaks(newline: str) -> None:
+    text = newline.join(["version: 1", "tenants:", "  a: {shares: 1}", "  b: @x", ""])
+    assert problems(text) == [
+        "p.yaml:4:6: while scanning for the next token: found character '@' that cannot"
+        " start any token"
+    ]
+    text = newline.join(["version: 1", "tenants:", "  a: {shares: 1}", "  b: {shares: x}", ""])
+    assert problems(text) == ["p.yaml:4:15: tenants.b.shares: must be a number, got 'x'"]
+
+
+# Host paths (item 7): what validate refuses for agent.state_file and agent.socket
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("/dev/zero", "must not be under /dev, where files are devices or kernel interfaces"),
+        ("/proc/self/environ", "must not be under /proc"),
+        ("/sys/fs/cgroup/state.json", "must not be under /sys"),
+        ("state.json", "must be an absolute path without '.', '..' or empty parts"),
+        ("/var/lib/../../dev/zero", "must be an absolute path without '.', '..' or empty parts"),
+        ("/var/lib//state.json", "must be an absolute path"),
+        ("/var/lib/nodeagent/", "must be an absolute path"),
+        ("/", "must be an absolute path"),
+        ('"/var/lib/a\\0b"', "must not contain a NUL byte"),
+    ],
+)
+@pytest.mark.parametrize("key", ["state_file", "socket"])
+def test_unsafe_host_paths_are_refused(key: str, path: str, message: str) -> None:
+    found = problems(HEAD + f"agent:\n  {key}: {path}\n")
+    assert len(found) == 1
+    assert found[0].startswith(f"p.yaml:6:{len(key) + 5}: agent.{key}: {message}")
+
+
+def test_a_socket_path_too_long_for_the_kernel_is_refused() -> None:
+    path = "/run/" + "s" * 103
+    assert problems(HEAD + f"agent:\n  socket: {path}\n") == [
+        "p.yaml:6:11: agent.socket: a socket path is at most 107 bytes (the kernel's limit),"
+        " got 108 bytes"
+    ]
+    assert parse_policy(HEAD + f"agent:\n  socket: {path[:-1]}\n", "p.yaml").agent.socket
+
+
+def test_the_state_file_and_the_socket_must_differ() -> None:
+    assert problems(HEAD + "agent: {state_file: /run/x, socket: /run/x}\n") == [
+        "p.yaml:5:37: agent.socket: must not be the same path as agent.state_file"
+    ]

@@ -6,14 +6,20 @@ import json
 import math
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+import structlog
+from hostile import outcome_without_blocking_on
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from nodeagent import state
+from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.daemon import Agent
 from nodeagent.errors import NodeagentError
+from nodeagent.spec.load import parse_policy
 from nodeagent.state import SavedState
 
 OLD = SavedState(1_700_000_000.0, {"research": 1234.5, "prod": 0.0})
@@ -156,3 +162,160 @@ def test_bad_files_are_one_line_errors_naming_the_file(
 def test_a_directory_in_place_of_the_file(tmp_path: Path) -> None:
     with pytest.raises(NodeagentError, match=f"state file {tmp_path} is unreadable"):
         state.load(str(tmp_path))
+
+
+# Hostile state files (issue 5, item 7): only NodeagentError, whatever the file holds
+
+
+def _file(saved_at: bytes = b"1.0", usage: bytes = b'{"a": 1.0}', version: bytes = b"1") -> bytes:
+    return b'{"version": %s, "saved_at": %s, "tenant_usage": %s}' % (version, saved_at, usage)
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (_file(saved_at=b"9" * 309), "malformed: saved_at must be finite"),
+        (_file(saved_at=b"9" * 5000), "malformed: saved_at must be finite"),
+        (_file(usage=b'{"a": 1%s}' % (b"0" * 308)), "malformed: usage must be finite"),
+        (_file(usage=b'{"a": %s}' % (b"9" * 5000)), "malformed: usage must be finite"),
+        (_file(usage=b'{"a": 1e400}'), "malformed: usage must be finite"),
+        (_file(usage=b'{"a": 1e300}'), "at most 1e+18"),
+        (_file(saved_at=b"NaN"), "malformed: saved_at must be finite"),
+        (_file(saved_at=b"true"), "malformed: saved_at must be a number, got bool"),
+        (_file(usage=b'{"a": true}'), "malformed: usage of tenant 'a' must be a number, got bool"),
+        (_file(usage=b'{"a": [1]}'), "malformed: usage of tenant 'a' must be a number, got list"),
+        (_file(usage=b'{"a": {"b": 1}}'), "must be a number, got dict"),
+        (_file(version=b"true"), "malformed: version True is not 1"),
+        (_file(version=b"1.0"), "malformed: version 1.0 is not 1"),
+        (_file(version=b"9" * 5000), "malformed: version inf is not 1"),
+        (b"[" * 100_000 + b"]" * 100_000, "unreadable: nested too deeply"),
+        (_file(usage=b'{"a": ' * 100_000 + b"1" + b"}" * 100_000), "unreadable: nested too deeply"),
+        (b"1" * 5000, "malformed: not a JSON object"),
+        (b"null", "malformed: not a JSON object"),
+    ],
+)
+def test_hostile_files_are_one_line_errors(tmp_path: Path, content: bytes, problem: str) -> None:
+    path = tmp_path / "state.json"
+    path.write_bytes(content)
+    with pytest.raises(NodeagentError) as info:
+        state.load(str(path))
+    message = str(info.value)
+    assert message.startswith(f"state file {path} is ")
+    assert problem in message
+    assert "\n" not in message
+
+
+def test_a_file_too_large_is_refused_unread(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    path.write_bytes(_file()[:-1] + b" " * state.MAX_BYTES + b"}")
+    with pytest.raises(NodeagentError, match="is unreadable: larger than 4 MiB"):
+        state.load(str(path))
+
+
+def test_save_refuses_what_load_would_refuse_as_too_large(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    huge = SavedState(1.0, {f"{i:04d}" + "t" * 1000: 1.0 for i in range(5000)})
+    with pytest.raises(NodeagentError, match="larger than 4 MiB"):
+        state.save(str(path), huge)
+    assert not path.exists()
+
+
+def test_a_device_is_refused_without_reading_it() -> None:
+    with pytest.raises(NodeagentError) as info:
+        state.load("/dev/zero")
+    assert str(info.value) == (
+        "state file /dev/zero is unreadable: it is a character device, not a regular file"
+    )
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "state.json"
+    os.mkfifo(fifo)
+    error = outcome_without_blocking_on(str(fifo), lambda: state.load(str(fifo)))
+    assert isinstance(error, NodeagentError)
+    assert str(error) == f"state file {fifo} is unreadable: it is a FIFO, not a regular file"
+
+
+def test_a_nul_byte_in_the_path_is_a_one_line_error() -> None:
+    with pytest.raises(NodeagentError, match="is unreadable: the path contains a NUL byte"):
+        state.load("/var/lib/nodeagent/a\0b")
+
+
+def test_tenants_no_longer_in_the_policy_are_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    path.write_bytes(_file(usage=b'{"a": 1.0, "gone": 2.0, "bad-but-gone": true}'))
+    assert state.load(str(path), tenants={"a", "new"}) == SavedState(1.0, {"a": 1.0})
+    assert state.load(str(path), tenants=set()) == SavedState(1.0, {})
+
+
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=10**300, max_value=10**400)
+    | st.floats()
+    | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@example(_file(usage=b'{"a": %d}' % 10**400))  # int() is fine, float() of it overflowed
+@example(_file(saved_at=b"true"))
+@example(b"[" * 50_000)
+@given(
+    st.one_of(
+        st.binary(max_size=200),
+        st.fixed_dictionaries(
+            {"version": JSON | st.just(1), "saved_at": JSON, "tenant_usage": JSON}
+        ).map(lambda d: json.dumps(d).encode()),
+        st.dictionaries(st.text(max_size=5), JSON, max_size=3).map(
+            lambda usage: _file(usage=json.dumps(usage).encode())
+        ),
+    )
+)
+def test_any_content_gives_state_or_a_nodeagent_error(content: bytes) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "state.json")
+        with open(path, "wb") as f:
+            f.write(content)
+        try:
+            saved = state.load(path)
+        except NodeagentError as e:
+            assert "\n" not in str(e)
+        else:
+            assert saved is not None
+            assert math.isfinite(saved.saved_at)
+            assert all(0 <= v <= state.MAX_USAGE for v in saved.tenant_usage.values())
+
+
+# The daemon's side: what it loads and how often a failing save is logged
+
+
+def _agent(tmp_path: Path, state_file: Path, tenants: str = "a: {shares: 1}") -> Agent:
+    cgroups = tmp_path / "cgroup"
+    cgroups.mkdir(exist_ok=True)
+    spec = parse_policy(
+        f"version: 1\nagent: {{state_file: {state_file}}}\ntenants: {{{tenants}}}\n", "p.yaml"
+    )
+    return Agent(spec, CgroupTree(str(cgroups)))
+
+
+def test_the_agent_loads_only_the_tenants_of_its_policy(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    state.save(str(path), SavedState(time.time(), {"a": 10.0, "gone": 5.0}))
+    agent = _agent(tmp_path, path)
+    assert set(agent.usage) == {"a"}
+    assert agent.usage["a"] == pytest.approx(10.0, rel=0.01)
+
+
+def test_a_failing_save_is_logged_once_per_interval_not_every_tick(tmp_path: Path) -> None:
+    (tmp_path / "blocker").write_text("")  # a file where a directory is needed: ENOTDIR
+    agent = _agent(tmp_path, tmp_path / "blocker" / "state.json")
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(5):
+            agent.tick()
+    assert [e["event"] for e in logs if e["event"].startswith("state.")] == ["state.save_failed"]
