@@ -85,6 +85,12 @@ class PolicyError(NodeagentError):
 
 def load_policy(path: str | os.PathLike[str]) -> PolicySpec:
     """Read and parse the policy file at `path`."""
+    return parse_policy(read_text(path, "a policy"), os.fspath(path))
+
+
+def read_text(path: str | os.PathLike[str], what: str) -> str:
+    """The text of a small operator file that must be regular, UTF-8 and a few kilobytes;
+    `what` names it in messages ('a policy'). Any problem is a PolicyError at line 1."""
     filename = os.fspath(path)
 
     def fail(message: str) -> PolicyError:
@@ -97,14 +103,13 @@ def load_policy(path: str | os.PathLike[str]) -> PolicySpec:
     except UnusableFile as e:
         raise fail(f"cannot read: {e}") from None
     if len(data) > MAX_BYTES:
-        raise fail(f"larger than {MAX_BYTES >> 20} MiB; a policy is a few kilobytes")
+        raise fail(f"larger than {MAX_BYTES >> 20} MiB; {what} is a few kilobytes")
     if b"\0" in data:
         raise fail("not a text file: it contains NUL bytes")
     try:
-        text = data.decode("utf-8-sig")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise fail(f"not a text file: invalid UTF-8 at byte {e.start}") from None
-    return parse_policy(text, filename)
 
 
 def parse_policy(text: str, filename: str) -> PolicySpec:

@@ -8,70 +8,49 @@ public face for other files.
 
 from __future__ import annotations
 
-import os
-
 from pydantic import ValidationError
-from yaml.nodes import Node, ScalarNode
+from yaml.nodes import ScalarNode
 
 from nodeagent.spec.load import (
-    MAX_BYTES,
     PolicyError,
     Problem,
     _compose_and_construct,
     _dotted,
-    _find,
+    _Locator,
     _Report,
+    read_text,
 )
+
+__all__ = ["compose", "problem_at", "read_text", "validation_problems"]
 
 Loc = tuple[str | int, ...]
 
 
-def read_text(path: str | os.PathLike[str], what: str) -> str:
-    """The text of a small UTF-8 file; `what` names it in messages ('a GPU node description')."""
-    filename = os.fspath(path)
-
-    def fail(message: str) -> PolicyError:
-        return PolicyError([Problem(filename, 1, 1, message)])
-
-    try:
-        with open(filename, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
-    except OSError as e:
-        raise fail(f"cannot read: {e.strerror or e}") from None
-    if len(data) > MAX_BYTES:
-        raise fail(f"larger than {MAX_BYTES >> 20} MiB; {what} is a few kilobytes")
-    if b"\0" in data:
-        raise fail("not a text file: it contains NUL bytes")
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise fail(f"not a text file: invalid UTF-8 at byte {e.start}") from None
-
-
-def compose(text: str, filename: str, what: str) -> tuple[Node, object]:
-    """The YAML node tree and the plain data built from it; any problem, duplicate keys
-    included, raises PolicyError."""
+def compose(text: str, filename: str, what: str) -> tuple[_Locator, object]:
+    """A locator over the YAML node tree and the plain data built from it; any problem,
+    duplicate keys and keys that are not strings included, raises PolicyError."""
     report = _Report(filename)
-    root, data = _compose_and_construct(text, report)
+    where, data = _compose_and_construct(text, report)
     if report.problems:
         raise PolicyError(report.sorted())
-    if root is None:
+    if where is None:
         raise PolicyError([Problem(filename, 1, 1, f"the file is empty; expected {what}")])
-    return root, data
+    return where, data
 
 
-def problem_at(filename: str, root: Node, loc: Loc, message: str) -> Problem:
+def problem_at(filename: str, where: _Locator, loc: Loc, message: str) -> Problem:
     """A problem at the YAML node that `loc` names (or its closest ancestor present)."""
-    mark = _find(root, loc)[0].start_mark
+    mark = where.mark(loc)
     return Problem(filename, mark.line + 1, mark.column + 1, message)
 
 
-def validation_problems(filename: str, root: Node, error: ValidationError) -> list[Problem]:
+def validation_problems(filename: str, where: _Locator, error: ValidationError) -> list[Problem]:
     """pydantic's errors as problems at their YAML positions, in plain words."""
     out = []
     for e in error.errors(include_url=False):
         loc = tuple(e["loc"])
-        node, key, found = _find(root, loc)
+        place = where.find(loc)
+        node, key, found = place.node, place.key, place.found
         if e["type"] == "missing":
             message = f"missing required key {loc[-1]!r}" + (
                 f" in {_dotted(loc[:-1])}" if loc[:-1] else ""
