@@ -17,6 +17,7 @@ from types import FrameType
 from typing import Any, TypeVar
 
 import structlog
+from pydantic import ValidationError
 
 from nodeagent import sdnotify, state
 from nodeagent.act import Executor
@@ -34,7 +35,7 @@ from nodeagent.report import TickRecord, allocations, explain, find, identities
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
 from nodeagent.spec.load import PolicyError, load_policy
-from nodeagent.spec.model import PolicySpec
+from nodeagent.spec.model import AgentSettings, PolicySpec
 
 log = structlog.get_logger("nodeagent")
 
@@ -79,7 +80,14 @@ class Agent:
         """Command-line settings win over the file's, at start and on every reload."""
         if not self.overrides:
             return spec
-        return spec.model_copy(update={"agent": spec.agent.model_copy(update=self.overrides)})
+        try:  # validated as the file's values are: a bad --state-file is refused the same way
+            agent = AgentSettings.model_validate({**spec.agent.model_dump(), **self.overrides})
+        except ValidationError as e:
+            first = e.errors(include_url=False)[0]
+            option = "--" + str(first["loc"][0]).replace("_", "-")
+            message = str(first.get("ctx", {}).get("error", first["msg"]))
+            raise NodeagentError(f"{option}: {message}") from None
+        return spec.model_copy(update={"agent": agent})
 
     def _load_usage(self) -> dict[str, float]:
         """The saved usage history, decayed by the time away; only tenants still in the

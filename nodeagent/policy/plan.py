@@ -112,6 +112,7 @@ def make_plan(
         sensed = {i.path for i in identities}
         assignments = {p: a for p, a in assignments.items() if p in sensed}
     usage = history.advance(previous_usage, snapshot, assignments, spec.fair_share.half_life)
+    usage = {t: u for t, u in usage.items() if t in spec.tenants}  # a reload may drop tenants
     merged = _Merge({i.path for i in identities})
     earlier: list[Output] = []
     for policy in policies:

@@ -12,6 +12,7 @@ import structlog
 
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent
+from nodeagent.errors import NodeagentError
 from nodeagent.spec.load import load_policy
 
 GOOD = """\
@@ -105,3 +106,20 @@ def test_run_once_reports_a_failed_tick(
     assert agent.run(once=True) is False
     monkeypatch.undo()
     assert agent.run(once=True) is True
+
+
+def test_a_bad_override_is_refused_like_a_bad_file(policy_file: Path, tmp_path: Path) -> None:
+    with pytest.raises(NodeagentError, match=r"^--state-file: must be an absolute path"):
+        Agent(
+            load_policy(policy_file),
+            CgroupTree(str(tmp_path)),
+            dry_run=True,
+            overrides={"state_file": "relative/state.json"},
+        )
+
+
+def test_a_reload_that_drops_a_tenant_drops_its_history(policy_file: Path, tmp_path: Path) -> None:
+    agent = make_agent(policy_file, tmp_path)
+    agent.usage = {"research": 5.0, "gone": 7.0}
+    agent.tick()
+    assert set(agent.usage) == {"research"}
