@@ -14,13 +14,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from types import FrameType
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import structlog
 
 from nodeagent import sdnotify, state
 from nodeagent.act import Executor, Outcome
-from nodeagent.api.server import ApiNotFound, ApiServer
+from nodeagent.api.server import ApiNotFound, ApiServer, Request, Routes
 from nodeagent.cgroupfs.subtree import ensure_managed_root, leave_managed_path
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.discovery.registry import Registry
@@ -163,8 +163,8 @@ class Agent:
             raise ApiNotFound("nodeagent has not completed a tick yet")
         return record
 
-    def routes(self) -> dict[str, Any]:
-        def status(_: Mapping[str, str]) -> object:
+    def routes(self) -> Routes:
+        def status(_: Request) -> object:
             record = self.last
             return {
                 "pid": os.getpid(),
@@ -176,12 +176,12 @@ class Agent:
                 "workloads": len(self.registry.workloads),
             }
 
-        def allocs(_: Mapping[str, str]) -> object:
+        def allocs(_: Request) -> object:
             return allocations(self._record())
 
-        def explain_one(params: Mapping[str, str]) -> object:
+        def explain_one(request: Request) -> object:
             record = self._record()
-            query = params.get("cgroup", "")
+            query = request.query.get("cgroup", "")
             found = find(record.plan, query, self.tree.root)
             if len(found) != 1:
                 what = "no workload" if not found else f"{len(found)} workloads"
@@ -191,7 +191,11 @@ class Agent:
                 )
             return explain(record, found[0])
 
-        return {"/v1/status": status, "/v1/allocations": allocs, "/v1/explain": explain_one}
+        return {
+            "/v1/status": {"GET": status},
+            "/v1/allocations": {"GET": allocs},
+            "/v1/explain": {"GET": explain_one},
+        }
 
     # --- the loop -------------------------------------------------------------------------
 
