@@ -41,7 +41,6 @@ class _DeadlineSocket:
 
     def __init__(self, sock: socket.socket, deadline: Deadline) -> None:
         self._io = DeadlineIO(sock, deadline)
-        self._sock = sock
 
     def sendall(self, data: bytes) -> None:
         self._io.write(data)
@@ -50,7 +49,8 @@ class _DeadlineSocket:
         return io.BufferedReader(self._io)
 
     def close(self) -> None:
-        self._sock.close()
+        """Nothing: http.client closes its connection as soon as an HTTP/1.0 answer's headers
+        are in, before the body is read; the real socket is closed once the call is over."""
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -60,6 +60,7 @@ class _UnixConnection(http.client.HTTPConnection):
         super().__init__("localhost")
         self.socket_path = socket_path
         self.deadline = deadline
+        self.unix_socket: socket.socket | None = None
 
     def connect(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -75,6 +76,7 @@ class _UnixConnection(http.client.HTTPConnection):
         except BaseException:
             sock.close()
             raise
+        self.unix_socket = sock
         self.sock = cast(socket.socket, _DeadlineSocket(sock, self.deadline))
 
 
@@ -172,6 +174,8 @@ def _call(
         ) from None
     finally:
         conn.close()
+        if conn.unix_socket is not None:
+            conn.unix_socket.close()
 
     try:
         answer: object = json.loads(raw) if raw else None

@@ -151,6 +151,13 @@ def test_response_is_compact_sorted_json(serve: Callable[..., ApiServer]) -> Non
     assert headers["Content-Length"] == str(len(body))
 
 
+def test_a_large_answer_arrives_whole(serve: Callable[..., ApiServer]) -> None:
+    # Far more than one read's worth: the client must keep its socket until the last byte.
+    big = {"rows": [{"cgroup": f"system.slice/unit-{i}.service"} for i in range(50_000)]}
+    server = serve({"/v1/big": {"GET": lambda _: big}})
+    assert client.get(server.socket_path, "/v1/big") == big
+
+
 def test_unknown_path_is_404(serve: Callable[..., ApiServer]) -> None:
     server = serve({"/v1/echo": {"GET": echo}})
     status, _, body = raw_request(server.socket_path, b"GET /v1/nope HTTP/1.0\r\n\r\n")
