@@ -14,14 +14,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from types import FrameType
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import structlog
 from pydantic import ValidationError
 
 from nodeagent import sdnotify, state
 from nodeagent.act import Executor
-from nodeagent.api.server import ApiNotFound, ApiServer
+from nodeagent.api.server import ApiNotFound, ApiServer, Request, Routes
 from nodeagent.cgroupfs.subtree import ensure_managed_root, leave_managed_path
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.changes import NoteLog, ProblemLog
@@ -182,8 +182,8 @@ class Agent:
             raise ApiNotFound("nodeagent has not completed a tick yet")
         return record
 
-    def routes(self) -> dict[str, Any]:
-        def status(_: Mapping[str, str]) -> object:
+    def routes(self) -> Routes:
+        def status(_: Request) -> object:
             record = self.last
             return {
                 "pid": os.getpid(),
@@ -196,12 +196,12 @@ class Agent:
                 "deadline_misses": self.notes.deadline_misses,
             }
 
-        def allocs(_: Mapping[str, str]) -> object:
+        def allocs(_: Request) -> object:
             return {**allocations(self._record()), "deadline_misses": self.notes.deadline_misses}
 
-        def explain_one(params: Mapping[str, str]) -> object:
+        def explain_one(request: Request) -> object:
             record = self._record()
-            query = params.get("cgroup", "")
+            query = request.query.get("cgroup", "")
             found = find(identities(record), query, self.tree.root)
             if len(found) != 1:
                 what = "no workload" if not found else f"{len(found)} workloads"
@@ -211,7 +211,11 @@ class Agent:
                 )
             return explain(record, found[0])
 
-        return {"/v1/status": status, "/v1/allocations": allocs, "/v1/explain": explain_one}
+        return {
+            "/v1/status": {"GET": status},
+            "/v1/allocations": {"GET": allocs},
+            "/v1/explain": {"GET": explain_one},
+        }
 
     # --- the loop -------------------------------------------------------------------------
 

@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, cast
 
 import click
 
 from nodeagent.api import client
 from nodeagent.cli.common import json_option, load, socket_option
 from nodeagent.errors import NodeagentError
-from nodeagent.tables import SHOWN, change, cores, size, table
+from nodeagent.tables import SHOWN, change, cores, printable, size, table
+
+
+@contextlib.contextmanager
+def daemon_answer(path: str) -> Iterator[None]:
+    """Rendering an answer of a shape this CLI does not know is a one-line error, not a
+    traceback: a daemon of another version, or something else listening on the socket."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise NodeagentError(
+            f"the daemon's answer to {path} is not what this nodeagent expects"
+            f" ({type(exc).__name__}: {exc}); is the daemon the same version as this CLI?"
+        ) from None
 
 
 def allocations_table(data: Mapping[str, Any]) -> str:
@@ -36,9 +50,8 @@ def allocations_table(data: Mapping[str, Any]) -> str:
         )
     mode = " (dry run: nothing written)" if data["dry_run"] else ""
     head = f"tick {data['tick']}{mode}: {len(rows)} workloads; OLD->NEW where the kernel differs"
-    tail = "".join(
-        f"\n{n['kind']}: {n['status']}: {n['message']}" for n in data.get("node_notes", [])
-    )
+    notes = data.get("node_notes", [])
+    tail = "".join("\n" + printable(f"{n['kind']}: {n['status']}: {n['message']}") for n in notes)
     jobs = [a for a in data["allocations"] if a.get("deadline")]
     if jobs:
         tail += "\n\ndeadline jobs (misses so far: " + str(data.get("deadline_misses", "?")) + ")\n"
@@ -54,7 +67,7 @@ def allocations_table(data: Mapping[str, Any]) -> str:
         "CPU",
         "REASON",
     )
-    return head + "\n" + table(headers, rows) + tail
+    return printable(head) + "\n" + table(headers, rows) + tail
 
 
 def _seconds(value: float | None) -> str | None:
@@ -100,8 +113,12 @@ def allocations_cmd(socket: str, as_json: bool) -> None:
     when a write failed.
     """
     data = client.get(socket, "/v1/allocations")
-    assert isinstance(data, dict)
-    click.echo(json.dumps(data, indent=2, sort_keys=True) if as_json else allocations_table(data))
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        return
+    with daemon_answer("/v1/allocations"):
+        text = allocations_table(cast(Mapping[str, Any], data))
+    click.echo(text)
 
 
 @click.command()
@@ -115,10 +132,15 @@ def explain(cgroup: str, socket: str, as_json: bool) -> None:
     name or a container-id prefix.
     """
     data = client.get(socket, "/v1/explain", {"cgroup": cgroup})
-    assert isinstance(data, dict)
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
         return
+    with daemon_answer("/v1/explain"):
+        text = explain_text(cast(Mapping[str, Any], data))
+    click.echo(text)
+
+
+def explain_text(data: Mapping[str, Any]) -> str:
     lines = [
         f"{data['cgroup']}  ({data['kind']}, {data['runtime']}, owner {data['owner']}"
         + ("" if data["writable"] else ", read-only")
@@ -143,7 +165,7 @@ def explain(cgroup: str, socket: str, as_json: bool) -> None:
         lines.append(
             f"last tick: {w['attribute']} {w['old']}->{w['new']}: {w['outcome']} {w['detail']}"
         )
-    click.echo("\n".join(lines))
+    return "\n".join(printable(line) for line in lines)
 
 
 @click.command()
