@@ -21,12 +21,13 @@ from pydantic import ValidationError
 
 from nodeagent import sdnotify, state
 from nodeagent.act import Executor
-from nodeagent.api.server import ApiNotFound, ApiServer, Request, Routes
+from nodeagent.api.server import ApiBadRequest, ApiNotFound, ApiServer, Request, Routes
 from nodeagent.cgroupfs.subtree import ensure_managed_root, leave_managed_path
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.changes import NoteLog, ProblemLog
 from nodeagent.discovery.registry import Registry
 from nodeagent.errors import NodeagentError
+from nodeagent.jobs import Jobs
 from nodeagent.logs import audit_write
 from nodeagent.policy.classify import assign
 from nodeagent.policy.history import decay
@@ -65,12 +66,13 @@ class Agent:
         # rates over shorter windows than half a tick are noise (cpu.stat moves in scheduler ticks)
         self.sensor = Sensor(tree, NodeSensor(proc_root), min_window=spec.agent.interval / 2)
         self.executor = Executor(tree, audit_write, dry_run)
-        self.usage: dict[str, float] = self._load_usage()
+        self.jobs = Jobs(tree, audit_write, proc_root)
+        self.carry: dict[str, Mapping[str, object]] = {}
+        """The policies' state for their next tick (the protection controller's)."""
+        self.usage: dict[str, float] = self._restore()
         self.last: TickRecord | None = None
         self.problems = ProblemLog()
         self.notes = NoteLog()
-        self.carry: dict[str, Mapping[str, object]] = {}
-        """The policies' state for their next tick (the protection controller's)."""
         self._lock = threading.Lock()
         self._saved_at = 0.0
         self.stop = threading.Event()
@@ -89,9 +91,10 @@ class Agent:
             raise NodeagentError(f"{option}: {message}") from None
         return spec.model_copy(update={"agent": agent})
 
-    def _load_usage(self) -> dict[str, float]:
-        """The saved usage history, decayed by the time away; only tenants still in the
-        policy are kept, so a removed tenant's history is not carried and re-saved forever."""
+    def _restore(self) -> dict[str, float]:
+        """The saved usage history, decayed by the time away (only tenants still in the
+        policy are kept, so a removed tenant's history is not carried and re-saved forever);
+        and the jobs that still run and the policies' carried state."""
         try:
             saved = state.load(self.spec.agent.state_file, tenants=self.spec.tenants)
         except NodeagentError as e:
@@ -99,6 +102,8 @@ class Agent:
             return {}
         if saved is None:
             return {}
+        self.jobs.load(saved.jobs, self.spec.agent.managed_root)
+        self.carry = {k: dict(v) for k, v in saved.carry.items()}
         elapsed = time.time() - saved.saved_at
         return decay(saved.tenant_usage, elapsed, self.spec.fair_share.half_life)
 
@@ -113,14 +118,19 @@ class Agent:
     def tick(self) -> TickRecord:
         started = time.monotonic()
         self.registry.poll()
-        # only workloads a rule claims are sensed: the rest are left alone
+        jobs = self.jobs.assignments()  # exec's jobs, managed whatever the rules say
+        for path in jobs.keys() - self.registry.workloads.keys():
+            self.registry.track(path)  # started since inotify last spoke
+        # only workloads a rule or exec claims are sensed: the rest are left alone
         identities = self.registry.identities()
-        assignments = assign(identities, self.spec)
+        assignments = {**assign(identities, self.spec), **jobs}
         managed = [i for i in identities if i.path in assignments]
         deadline_jobs = [p for p, a in assignments.items() if a.deadline is not None]
         snapshot = self.sensor.snapshot(managed, time.time(), started, deadline_jobs)
         for path in snapshot.vanished:  # inotify may have missed it (a failed watch)
             self.registry.forget(path)
+        if not self.dry_run:
+            self.jobs.reap(snapshot)
         plan = make_plan(
             snapshot, self.spec, self.usage, assignments=assignments, carried=self.carry
         )
@@ -143,8 +153,9 @@ class Agent:
         at the next tick: the attempt counts as the save, so a full disk logs once per
         interval."""
         self._saved_at = time.monotonic()
+        saved = state.SavedState(time.time(), self.usage, self.jobs.dump(), self.carry)
         try:
-            state.save(self.spec.agent.state_file, state.SavedState(time.time(), self.usage))
+            state.save(self.spec.agent.state_file, saved)
         except (OSError, NodeagentError) as e:
             log.error("state.save_failed", file=self.spec.agent.state_file, error=str(e))
 
@@ -211,7 +222,24 @@ class Agent:
                 )
             return explain(record, found[0])
 
+        def start_job(request: Request) -> object:
+            if self.dry_run:
+                raise ApiBadRequest("this daemon runs with --dry-run: it starts no jobs")
+            job = self.jobs.start(request.body, request.peer, self.spec, time.time())
+            self.save_state()  # a restart must know the job before its next periodic save
+            return job.to_json()
+
+        def finish_job(request: Request) -> object:
+            job = self.jobs.finish(request.body, request.peer)
+            if job.deadline is not None and time.time() > job.deadline:
+                self.notes.missed(job.cgroup, job.deadline)
+            return job.to_json()
+
+        def list_jobs(_: Request) -> object:
+            return {"jobs": self.jobs.dump()}
+
         return {
+            "/v1/jobs": {"GET": list_jobs, "POST": start_job, "DELETE": finish_job},
             "/v1/status": {"GET": status},
             "/v1/allocations": {"GET": allocs},
             "/v1/explain": {"GET": explain_one},
