@@ -299,6 +299,8 @@ class ProtectionSettings(_Strict):
     """Inference first: the controller that throttles lower classes while a protected one
     stalls (koordlet's CPU suppress, with senpai's smooth steps)."""
 
+    enabled: StrictBool = True
+    """Off: no throttling or freezing; what it had set is given back."""
     cpu_pressure: Number = Field(0.10, gt=0, le=1)
     """Stall share (PSI 'some', over 10 s or the last tick) above which a protected cgroup
     is under pressure."""
