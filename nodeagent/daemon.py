@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from types import FrameType
 from typing import TypeVar
 
@@ -23,10 +24,12 @@ from nodeagent import sdnotify, state
 from nodeagent.act import Executor
 from nodeagent.api.server import ApiBadRequest, ApiNotFound, ApiServer, Request, Routes
 from nodeagent.cgroupfs.subtree import ensure_managed_root, leave_managed_path
-from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
 from nodeagent.changes import NoteLog, ProblemLog
 from nodeagent.discovery.registry import Registry
 from nodeagent.errors import NodeagentError
+from nodeagent.gpu.backend import open_backend
+from nodeagent.gpu.service import GpuService, environment
 from nodeagent.jobs import Jobs
 from nodeagent.logs import audit_write
 from nodeagent.policy.classify import assign
@@ -66,7 +69,16 @@ class Agent:
         # rates over shorter windows than half a tick are noise (cpu.stat moves in scheduler ticks)
         self.sensor = Sensor(tree, NodeSensor(proc_root), min_window=spec.agent.interval / 2)
         self.executor = Executor(tree, audit_write, dry_run)
-        self.jobs = Jobs(tree, audit_write, proc_root)
+        # one GPU backend for the daemon's life; none on a host without GPUs
+        self.gpus = GpuService(
+            open_backend(spec.gpu.simulate, proc_root),
+            lambda: self.spec,
+            self._fairness,
+            self._exists,
+        )
+        self.jobs = Jobs(
+            tree, audit_write, proc_root, on_end=lambda job: self.gpus.release(job.name)
+        )
         self.carry: dict[str, Mapping[str, object]] = {}
         """The policies' state for their next tick (the protection controller's)."""
         self.usage: dict[str, float] = self._restore()
@@ -91,6 +103,18 @@ class Agent:
             raise NodeagentError(f"{option}: {message}") from None
         return spec.model_copy(update={"agent": agent})
 
+    def _fairness(self, tenant: str) -> float:
+        """How far a tenant is ahead of its share: decayed usage per share (lower first)."""
+        share = self.spec.tenants[tenant].shares if tenant in self.spec.tenants else 1.0
+        return self.usage.get(tenant, 0.0) / share
+
+    def _exists(self, cgroup: str) -> bool:
+        try:
+            with self.tree.open(cgroup):
+                return True
+        except (CgroupVanished, NodeagentError):
+            return False
+
     def _restore(self) -> dict[str, float]:
         """The saved usage history, decayed by the time away (only tenants still in the
         policy are kept, so a removed tenant's history is not carried and re-saved forever);
@@ -103,6 +127,10 @@ class Agent:
         if saved is None:
             return {}
         self.jobs.load(saved.jobs, self.spec.agent.managed_root)
+        running = {j["name"] for j in self.jobs.dump()}
+        self.gpus.ledger.load(
+            saved.gpus, lambda h: h.owner in running if h.kind == "job" else h.kind == "reservation"
+        )
         self.carry = {k: dict(v) for k, v in saved.carry.items()}
         elapsed = time.time() - saved.saved_at
         return decay(saved.tenant_usage, elapsed, self.spec.fair_share.half_life)
@@ -131,10 +159,16 @@ class Agent:
             self.registry.forget(path)
         if not self.dry_run:
             self.jobs.reap(snapshot)
+        snapshot = replace(
+            snapshot,
+            gpus=self.gpus.sense(snapshot.wall_time),
+            local_seconds=_local_seconds(snapshot.wall_time),
+        )
         plan = make_plan(
             snapshot, self.spec, self.usage, assignments=assignments, carried=self.carry
         )
         results = tuple(self.executor.apply(plan, snapshot))
+        self.gpus.apply(plan, self.dry_run)
         self.usage = dict(plan.tenant_usage)
         self.carry = dict(plan.carry)
         self.problems.update(snapshot, plan, results)
@@ -153,7 +187,9 @@ class Agent:
         at the next tick: the attempt counts as the save, so a full disk logs once per
         interval."""
         self._saved_at = time.monotonic()
-        saved = state.SavedState(time.time(), self.usage, self.jobs.dump(), self.carry)
+        saved = state.SavedState(
+            time.time(), self.usage, self.jobs.dump(), self.carry, self.gpus.ledger.dump()
+        )
         try:
             state.save(self.spec.agent.state_file, saved)
         except (OSError, NodeagentError) as e:
@@ -173,6 +209,8 @@ class Agent:
             return
         fixed = ("managed_root", "socket", "socket_group")
         changed = [k for k in fixed if getattr(spec.agent, k) != getattr(self.spec.agent, k)]
+        if spec.gpu.simulate != self.spec.gpu.simulate:
+            changed.append("gpu.simulate")
         if changed:
             log.error(
                 "policy.needs_restart",
@@ -225,9 +263,13 @@ class Agent:
         def start_job(request: Request) -> object:
             if self.dry_run:
                 raise ApiBadRequest("this daemon runs with --dry-run: it starts no jobs")
-            job = self.jobs.start(request.body, request.peer, self.spec, time.time())
+            job = self.jobs.start(
+                request.body, request.peer, self.spec, time.time(), self.gpus.claim
+            )
             self.save_state()  # a restart must know the job before its next periodic save
-            return job.to_json()
+            hold = self.gpus.ledger.holds()
+            mine = next((h for h in hold if h.owner == job.name and h.kind == "job"), None)
+            return {**job.to_json(), "env": {} if mine is None else environment(mine)}
 
         def finish_job(request: Request) -> object:
             job = self.jobs.finish(request.body, request.peer)
@@ -239,6 +281,7 @@ class Agent:
             return {"jobs": self.jobs.dump()}
 
         return {
+            **self.gpus.routes(),
             "/v1/jobs": {"GET": list_jobs, "POST": start_job, "DELETE": finish_job},
             "/v1/status": {"GET": status},
             "/v1/allocations": {"GET": allocs},
@@ -323,6 +366,12 @@ class Agent:
 
 
 T = TypeVar("T")
+
+
+def _local_seconds(wall: float) -> float:
+    """Seconds since local midnight, for the policies' daily windows."""
+    t = time.localtime(wall)
+    return t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec + wall % 1
 
 
 def _guarded(event: str, fn: Callable[..., T], *args: object) -> T | None:

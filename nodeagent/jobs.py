@@ -22,8 +22,8 @@ import math
 import os
 import re
 import threading
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -33,6 +33,7 @@ from nodeagent.api.server import ApiBadRequest, ApiConflict, ApiForbidden, ApiNo
 from nodeagent.cgroupfs.tree import AuditFn, CgroupTree, CgroupVanished
 from nodeagent.cgroupfs.values import Attribute, CpuMax, MemoryLimit
 from nodeagent.errors import NodeagentError, one_line
+from nodeagent.gpu.model import Hold, format_cpulist
 from nodeagent.policy.base import Assignment
 from nodeagent.snapshot import NodeSnapshot
 from nodeagent.spec.model import Limits, PolicySpec, WorkloadClass
@@ -143,22 +144,49 @@ def _parent_and_uid(pid: int, proc_root: str) -> tuple[int, int]:
 class Jobs:
     """The jobs `nodeagent exec` started; shared by the API threads and the loop."""
 
-    def __init__(self, tree: CgroupTree, audit: AuditFn, proc_root: str = "/proc") -> None:
+    def __init__(
+        self,
+        tree: CgroupTree,
+        audit: AuditFn,
+        proc_root: str = "/proc",
+        on_end: Callable[[Job], None] = lambda _: None,
+    ) -> None:
         self.tree = tree
         self.audit = audit
         self.proc_root = proc_root
+        self.on_end = on_end
+        """Called once when a job is gone (its GPUs go back)."""
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
 
     # --- the API's side ---------------------------------------------------------------
 
-    def start(self, body: Mapping[str, Any], peer: Peer, spec: PolicySpec, now: float) -> Job:
-        """Check a request, make the job's cgroup with its limits, move its process in."""
+    def start(
+        self,
+        body: Mapping[str, Any],
+        peer: Peer,
+        spec: PolicySpec,
+        now: float,
+        claim_gpus: Callable[[object, str, str], Hold] | None = None,
+    ) -> Job:
+        """Check a request, make the job's cgroup with its limits, move its process in.
+        With `gpu_request` in the body, `claim_gpus` turns that grant into the job's own."""
         job = self._check(body, peer, spec, now)
         with self._lock:
             if job.name in self._jobs:
                 raise ApiConflict(f"job name {job.name!r} is taken by a running job; pick another")
-            self._make_cgroup(job, spec)
+            hold = None
+            if body.get("gpu_request") is not None:
+                if claim_gpus is None:
+                    raise ApiBadRequest("this daemon has no GPUs to give")
+                hold = claim_gpus(body["gpu_request"], job.name, job.cgroup)
+                job = replace(job, gpus=hold.uuids)
+            try:
+                self._make_cgroup(job, spec, hold)
+            except BaseException:
+                if hold is not None:
+                    self.on_end(job)
+                raise
             self._jobs[job.name] = job
         log.info(
             "job.started",
@@ -234,7 +262,7 @@ class Jobs:
             memory=None if memory is None else int(memory),
         )
 
-    def _make_cgroup(self, job: Job, spec: PolicySpec) -> None:
+    def _make_cgroup(self, job: Job, spec: PolicySpec, hold: Hold | None) -> None:
         try:
             if not self.tree.mkdir(job.cgroup):
                 raise ApiConflict(f"job name {job.name!r} is taken: cgroup {job.cgroup} exists")
@@ -253,6 +281,8 @@ class Jobs:
                     page = os.sysconf("SC_PAGE_SIZE")
                     value = MemoryLimit.aligned(job.memory, page).render()
                     self._write(d, Attribute.MEMORY_MAX, value, job)
+                if hold is not None and spec.gpu.pin_cpus and hold.cpus and d.has("cpuset.cpus"):
+                    self._write(d, "cpuset.cpus", format_cpulist(hold.cpus), job)
                 d.write("cgroup.procs", str(job.pid))
                 self.audit(
                     self.tree.path_of(job.cgroup) + "/cgroup.procs",
@@ -265,7 +295,7 @@ class Jobs:
             self._rmdir(job)
             raise ApiBadRequest(f"cannot start job {job.name!r}: {one_line(e)}") from e
 
-    def _write(self, d: Any, attribute: Attribute, value: str, job: Job) -> None:
+    def _write(self, d: Any, attribute: str, value: str, job: Job) -> None:
         old = d.read(attribute).strip()
         d.write(attribute, value)
         self.audit(
@@ -311,8 +341,10 @@ class Jobs:
             return
         self._rmdir(job)
         with self._lock:
-            self._jobs.pop(job.name, None)
-        log.info("job.finished", job=job.name, cgroup=job.cgroup, exit_status=exit_status)
+            known = self._jobs.pop(job.name, None) is not None
+        if known:
+            self.on_end(job)
+            log.info("job.finished", job=job.name, cgroup=job.cgroup, exit_status=exit_status)
 
     def _rmdir(self, job: Job) -> None:
         try:

@@ -89,8 +89,16 @@ def _deadline(notes: Sequence[Note]) -> dict[str, Any] | None:
     return None if n is None else {"status": n.status, **n.fields}
 
 
+def _gpus(record: TickRecord) -> dict[str, list[int]]:
+    """GPU indices each workload holds, as the tick saw the holds."""
+    gpus = record.snapshot.gpus
+    holds = gpus.holds if gpus is not None else ()
+    return {h.cgroup: list(h.indices) for h in holds if h.cgroup is not None}
+
+
 def allocations(record: TickRecord) -> dict[str, Any]:
     states = {w.path: w for w in record.snapshot.workloads}
+    held = _gpus(record)
     rows = []
     for cg in record.plan.cgroups:
         w = states.get(cg.path)
@@ -111,6 +119,7 @@ def allocations(record: TickRecord) -> dict[str, Any]:
                 "writes": _results_for(cg.path, writes),
                 "deadline": _deadline(cg.notes),
                 "notes": [_note(n) for n in cg.notes],
+                "gpus": held.get(cg.path, []),
             }
         )
     for s in record.snapshot.skipped:
@@ -126,6 +135,7 @@ def allocations(record: TickRecord) -> dict[str, Any]:
                 "writes": [],
                 "deadline": None,
                 "notes": [],
+                "gpus": held.get(s.path, []),
             }
         )
     return {

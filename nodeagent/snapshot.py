@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from nodeagent.cgroupfs.parse import Psi
 from nodeagent.cgroupfs.values import Attribute, Value
+from nodeagent.gpu.model import GpuState
 from nodeagent.identity import WorkloadIdentity
 
 
@@ -89,3 +90,8 @@ class NodeSnapshot:
     skipped: tuple[Skipped, ...] = ()
     vanished: tuple[str, ...] = ()
     """Paths of workloads whose cgroups were gone when sensed (normal on a busy node)."""
+    gpus: GpuState | None = None
+    """None on a node without GPUs, or when they could not be read this tick."""
+    local_seconds: float | None = None
+    """Seconds since local midnight at `wall_time`, for daily windows (policies read no
+    clock and no time zone)."""

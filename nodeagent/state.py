@@ -39,6 +39,8 @@ class SavedState:
     """Job records (nodeagent.jobs.Job.to_json); checked one by one when restored."""
     carry: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Each policy's state for its next tick."""
+    gpus: Sequence[Mapping[str, Any]] = ()
+    """GPU holds of jobs and reservations (nodeagent.gpu.model.Hold)."""
 
 
 def _usable_usage(value: float) -> bool:
@@ -60,6 +62,7 @@ def save(path: str, state: SavedState) -> None:
             "tenant_usage": dict(state.tenant_usage),
             "jobs": list(state.jobs),
             "carry": dict(state.carry),
+            "gpus": list(state.gpus),
         },
         sort_keys=True,
         allow_nan=False,
@@ -146,6 +149,9 @@ def load(path: str, tenants: Collection[str] | None = None) -> SavedState | None
         carry = data.get("carry", {})
         if not isinstance(carry, dict) or not all(isinstance(c, dict) for c in carry.values()):
             raise ValueError("carry must be an object of objects")
-        return SavedState(saved_at, usage, tuple(jobs), carry)
+        gpus = data.get("gpus", [])
+        if not isinstance(gpus, list) or not all(isinstance(g, dict) for g in gpus):
+            raise ValueError("gpus must be a list of objects")
+        return SavedState(saved_at, usage, tuple(jobs), carry, tuple(gpus))
     except (KeyError, ValueError) as e:
         raise NodeagentError(f"state file {path} is malformed: {e}") from e

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -80,24 +81,55 @@ def _foreground(pgid: int) -> Iterator[None]:
 
 
 def _child(go: int, command: Sequence[str]) -> None:
-    """The command's process: wait for the daemon to put it in its cgroup, then exec."""
+    """The command's process: wait for the daemon to put it in its cgroup, then exec with
+    the environment it sends (the job's GPUs)."""
     # Python's own dispositions must not reach the command: SIGINT raises KeyboardInterrupt,
     # and SIGPIPE and SIGXFSZ are ignored, which exec would keep (`cmd | head` never ends).
     for s in (*FORWARDED, signal.SIGPIPE, signal.SIGXFSZ):
         signal.signal(s, signal.SIG_DFL)
     os.setpgid(0, 0)
-    try:
-        ready = os.read(go, 1)
-    except OSError:
-        ready = b""
-    if ready != GO:
+    message = b""
+    with contextlib.suppress(OSError):
+        while chunk := os.read(go, 65536):
+            message += chunk
+    if not message.startswith(GO):
         os._exit(125)  # the daemon refused the job: never run the command
     os.close(go)
+    env = {**os.environ, **json.loads(message[len(GO) :] or b"{}")}
     try:
-        os.execvp(command[0], list(command))  # noqa: S606 - running it is the point
+        os.execvpe(command[0], list(command), env)  # noqa: S606 - running it is the point
     except OSError as e:
         sys.stderr.write(f"nodeagent exec: {command[0]}: {e.strerror}\n")
         os._exit(126 if isinstance(e, PermissionError) else 127)
+
+
+def _wait_for_gpus(socket: str, want: dict[str, Any], timeout: float | None) -> str:
+    """Ask the daemon for GPUs and wait, saying so, until they are granted; the request's id.
+    Waiting requests are served by class priority, then deadline, then fair share."""
+    answer = client.post(socket, "/v1/gpus/requests", want)
+    if not isinstance(answer, dict) or not isinstance(answer.get("id"), str):
+        raise NodeagentError("the daemon gave a GPU answer of the wrong shape")
+    rid, said = str(answer["id"]), None
+    give_up = None if timeout is None else time.monotonic() + timeout
+    try:
+        while answer.get("status") != "granted":
+            line = f"waiting for {want['count']} GPU(s): position {answer.get('position')}"
+            if answer.get("reason"):
+                line += f" ({answer['reason']})"
+            if line != said:
+                click.echo(f"nodeagent exec: {line}", err=True)
+                said = line
+            if give_up is not None and time.monotonic() > give_up:
+                raise NodeagentError(f"no GPUs within --gpu-timeout: {line}")
+            time.sleep(1)
+            answer = client.get(socket, "/v1/gpus/requests", {"id": rid})
+            if not isinstance(answer, dict):
+                raise NodeagentError("the daemon gave a GPU answer of the wrong shape")
+    except BaseException:
+        with contextlib.suppress(NodeagentError):
+            client.delete(socket, "/v1/gpus/requests", {"id": rid})
+        raise
+    return rid
 
 
 def _wait(pid: int) -> int:
@@ -147,6 +179,21 @@ The job shows in `nodeagent allocations` and `nodeagent explain NAME`.""",
 )
 @click.option("--cpus", metavar="X", type=float, help="At most X CPUs (cpu.max), e.g. 2 or 0.5.")
 @click.option("--memory", metavar="SIZE", help="At most SIZE of memory (memory.max), e.g. 8Gi.")
+@click.option(
+    "--gpus",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="N GPUs, placed by topology; CMD sees only them (CUDA_VISIBLE_DEVICES). Waits"
+    " while none fit.",
+)
+@click.option("--gpu-memory", metavar="SIZE", help="Free memory each GPU must have, e.g. 20Gi.")
+@click.option(
+    "--gpu-shared", is_flag=True, help="Share GPUs with other shared jobs (needs --gpu-memory)."
+)
+@click.option("--gpu-mig", metavar="PROFILE", help="MIG instances of PROFILE, e.g. 1g.10gb.")
+@click.option(
+    "--gpu-timeout", metavar="DURATION", help="Give up waiting for GPUs after this (e.g. 10m)."
+)
 @socket_option
 @click.argument("command", nargs=-1, required=True, metavar="-- CMD [ARGS]...")
 def exec_cmd(
@@ -158,6 +205,11 @@ def exec_cmd(
     work: str | None,
     cpus: float | None,
     memory: str | None,
+    gpus: int | None,
+    gpu_memory: str | None,
+    gpu_shared: bool,
+    gpu_mig: str | None,
+    gpu_timeout: str | None,
     socket: str,
     command: tuple[str, ...],
 ) -> None:
@@ -191,6 +243,20 @@ def exec_cmd(
     if cpus is not None and not cpus > 0:
         raise click.BadParameter("must be a positive number of CPUs", param_hint="--cpus")
     job_name = name or _default_name(command)
+    grant = None
+    if gpus is not None:
+        want = {
+            "name": job_name,
+            "count": gpus,
+            "memory": _value("--gpu-memory", parse_size, gpu_memory),
+            "shared": gpu_shared,
+            "mig": gpu_mig,
+            "class": workload_class,
+            "tenant": tenant,
+            "deadline": when,
+        }
+        timeout = _value("--gpu-timeout", parse_duration, gpu_timeout)
+        grant = _wait_for_gpus(socket, {k: v for k, v in want.items() if v is not None}, timeout)
 
     read_end, write_end = os.pipe()
     pid = os.fork()
@@ -209,19 +275,26 @@ def exec_cmd(
         "cpus": cpus,
         "memory": size,
         "pid": pid,
+        "gpu_request": grant,
     }
     # Signals are passed on from here: one that comes before the command runs ends the
     # waiting process, and with it the job, as it would end the command.
     with _forwarding(pid):
         try:
-            client.post(socket, "/v1/jobs", {k: v for k, v in request.items() if v is not None})
+            started = client.post(
+                socket, "/v1/jobs", {k: v for k, v in request.items() if v is not None}
+            )
         except NodeagentError:
             os.close(write_end)  # the child reads no go and exits without running anything
             _wait(pid)
+            if grant is not None:
+                with contextlib.suppress(NodeagentError):
+                    client.delete(socket, "/v1/gpus/requests", {"id": grant})
             raise
+        env = started.get("env", {}) if isinstance(started, dict) else {}
         with _foreground(pid):
             with contextlib.suppress(OSError):  # the child died of a signal meanwhile
-                os.write(write_end, GO)
+                os.write(write_end, GO + json.dumps(env).encode())
             os.close(write_end)
             code = _wait(pid)
     with contextlib.suppress(NodeagentError):

@@ -42,6 +42,7 @@ def allocations_table(data: Mapping[str, Any]) -> str:
                 change(v["cpu.max"]["current"], v["cpu.max"]["target"]),
                 change(size(v["memory.max"]["current"]), size(v["memory.max"]["target"])),
                 change(size(v["memory.high"]["current"]), size(v["memory.high"]["target"])),
+                ",".join(map(str, a.get("gpus") or [])) or None,
                 cores(a["cpu_rate"]),
                 a["reason"]
                 if a.get("status", "ok") == "ok"
@@ -64,6 +65,7 @@ def allocations_table(data: Mapping[str, Any]) -> str:
         "CPU.MAX",
         "MEM.MAX",
         "MEM.HIGH",
+        "GPUS",
         "CPU",
         "REASON",
     )

@@ -131,6 +131,19 @@ class Note:
     status: str
     message: str
     fields: Mapping[str, object] = field(default_factory=dict)
+    key: str = ""
+    """Tells notes of one kind about one cgroup apart (a process on a GPU)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceDecision:
+    """A setting of a device rather than a cgroup: a GPU's power limit, in milliwatts."""
+
+    uuid: str
+    setting: str
+    value: int
+    policy: str
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +154,7 @@ class Carry:
     state: Mapping[str, object]
 
 
-Output = Decision | Share | Floor | Skip | Note | Carry
+Output = Decision | Share | Floor | Skip | Note | DeviceDecision | Carry
 
 
 PLANNING_ERRORS = (ArithmeticError, ValueError, NodeagentError)

@@ -23,6 +23,7 @@ from nodeagent.policy.base import (
     Assignment,
     Carry,
     Decision,
+    DeviceDecision,
     Floor,
     Note,
     Output,
@@ -34,6 +35,8 @@ from nodeagent.policy.base import (
 from nodeagent.policy.classify import assign
 from nodeagent.policy.deadlines import Deadlines
 from nodeagent.policy.fairshare import FairShare
+from nodeagent.policy.gpu_checks import GpuChecks
+from nodeagent.policy.gpu_power import GpuPower
 from nodeagent.policy.limits import StaticLimits
 from nodeagent.policy.protection import Protection
 from nodeagent.policy.reservations import Reservations
@@ -48,10 +51,12 @@ DEFAULT_POLICIES: tuple[Policy, ...] = (
     CpuWeights(),
     StaticLimits(),
     Protection(),
+    GpuChecks(),
+    GpuPower(),
 )
 """Floors first (deadlines, reservations), then the fair split of what is left, weights
-from both, static caps, and last the controller that throttles and freezes lower classes
-on top of everything else."""
+from both, static caps, the controller that throttles and freezes lower classes on top
+of everything else, and the GPUs: verification against the holds, and power by class."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +96,8 @@ class Plan:
     """Every note of the tick, the node's and the cgroups'."""
     carry: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
     """Each policy's state for the next tick."""
+    devices: tuple[DeviceDecision, ...] = ()
+    """Device settings (GPU power limits)."""
 
 
 def make_plan(
@@ -150,6 +157,7 @@ def make_plan(
         tuple(merged.problems),
         tuple(merged.notes),
         merged.carry,
+        tuple(merged.devices),
     )
 
 
@@ -163,10 +171,14 @@ class _Merge:
         self.problems: list[str] = []
         self.notes: list[Note] = []
         self.carry: dict[str, Mapping[str, object]] = {}
+        self.devices: list[DeviceDecision] = []
 
     def add(self, policy: str, o: Output) -> None:
         if isinstance(o, Carry):
             self.carry[o.policy] = o.state
+            return
+        if isinstance(o, DeviceDecision):
+            self.devices.append(o)
             return
         if isinstance(o, Note) and o.path is None:  # about the node as a whole
             self.notes.append(o)

@@ -329,6 +329,54 @@ class JobSettings(_Strict):
     default_class: Annotated[WorkloadClass, BeforeValidator(_not_bytes)] = WorkloadClass.BATCH
 
 
+_CLOCK = re.compile(r"([01]\d|2[0-3]):([0-5]\d)")
+
+
+def _time_of_day(value: object) -> object:
+    """'22:00' as seconds after midnight (local time, as operators read their clocks)."""
+    if isinstance(value, str) and (m := _CLOCK.fullmatch(value.strip())):
+        return int(m.group(1)) * 3600 + int(m.group(2)) * 60
+    # YAML 1.1 reads an unquoted 22:00 as 1320, a number in base 60 (minutes)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 24 * 60:
+        return value * 60
+    raise ValueError(f"expected a time of day such as '22:00', got {value!r}")
+
+
+TimeOfDay = Annotated[int, BeforeValidator(_time_of_day)]
+
+
+class PowerCap(_Strict):
+    """A power limit for the GPUs of one class's workloads, optionally in a daily window."""
+
+    workload_class: Annotated[WorkloadClass, BeforeValidator(_not_bytes)] = Field(alias="class")
+    watts: Number = Field(gt=0, le=10_000)
+    start: TimeOfDay | None = Field(None, alias="from")
+    end: TimeOfDay | None = Field(None, alias="to")
+    """Local time; a window may wrap past midnight (22:00 to 06:00). Without one: always."""
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class ViolationAction(enum.StrEnum):
+    REPORT = "report"
+    FREEZE = "freeze"
+
+
+class GpuSettings(_Strict):
+    """GPUs: where they come from, how jobs are pinned, and power by class."""
+
+    simulate: HostPath | None = None
+    """A simulated node description (config/gpus/*.yaml) instead of NVML; the environment
+    variable NODEAGENT_GPU_SIM does the same."""
+    pin_cpus: StrictBool = False
+    """Pin an exec job's cpuset.cpus to the CPUs of its GPUs' NUMA nodes."""
+    on_violation: Annotated[ViolationAction, BeforeValidator(_not_bytes)] = ViolationAction.REPORT
+    """A process on a GPU its cgroup does not hold: report it (always), or also freeze the
+    managed workload it belongs to until it stops."""
+    power: tuple[PowerCap, ...] = ()
+    claim_timeout: Duration = Field(30.0, gt=0, le=3600)
+    """How long GPUs granted to a request wait for its job to start before they go back."""
+
+
 class PolicySpec(_Strict):
     version: Annotated[Literal[1], BeforeValidator(_version)]
     agent: AgentSettings = AgentSettings()
@@ -342,5 +390,6 @@ class PolicySpec(_Strict):
     protection: ProtectionSettings = ProtectionSettings()
     deadlines: DeadlineSettings = DeadlineSettings()
     jobs: JobSettings = JobSettings()
+    gpu: GpuSettings = GpuSettings()
     tenants: dict[StrictStr, Tenant] = Field(min_length=1)
     rules: tuple[Rule, ...] = ()
