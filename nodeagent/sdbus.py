@@ -21,7 +21,9 @@ cannot be reached at all is a :class:`NoBus` ("no D-Bus: ...").
 
 from __future__ import annotations
 
+import errno
 import itertools
+import os
 import re
 import socket
 import time
@@ -82,10 +84,15 @@ _UNIT_TYPES = {
 _TYPE_PROPERTIES = RESOURCE_PROPERTIES | {"ControlGroup", "Slice", "Delegate"}
 _UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]+\.(?:" + "|".join(_UNIT_TYPES) + ")")
 _ACTIVE_POLL_S = 0.02
-# What the bus answers while systemd is not connected to it (the bus just restarted).
+# What the bus answers while systemd is not connected to it (the bus just restarted), besides
+# failures to activate it (org.freedesktop.DBus.Error.Spawn.*).
 _SYSTEMD_NOT_ON_BUS = frozenset(
     {"org.freedesktop.DBus.Error.ServiceUnknown", "org.freedesktop.DBus.Error.NameHasNoOwner"}
 )
+
+
+def _systemd_not_on_bus(error: str) -> bool:
+    return error in _SYSTEMD_NOT_ON_BUS or error.startswith("org.freedesktop.DBus.Error.Spawn.")
 
 
 class SystemdBusError(NodeagentError):
@@ -194,7 +201,7 @@ class _Connection:
     def _receive(self) -> bytes:
         data = self._sock.recv(65536)
         if not data:
-            raise ConnectionResetError("the peer closed the connection")
+            raise ConnectionResetError(errno.ECONNRESET, os.strerror(errno.ECONNRESET))
         return data
 
     def call(self, message: Any, timeout: float) -> tuple[Any, ...]:
@@ -256,18 +263,20 @@ class Systemd:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _connect(self, what: str, *, bus: bool = True) -> _Connection:
+    def _connect(self, what: str, *, bus_problem: str | None = None) -> _Connection:
+        """The open connection, else a new one: the bus unless `bus_problem`, else the socket."""
         if self._conn is not None:
             return self._conn
         try:
             bus_path = str(get_bus(self.bus_address))
         except (RuntimeError, ValueError, KeyError) as exc:
             raise NoBus(f"no D-Bus: cannot {what}: bad bus address {self.bus_address!r}") from exc
-        candidates = [(bus_path, True, f"the system bus {bus_path}")] if bus else []
+        bus_via = f"the system bus {bus_path}"
+        candidates = [] if bus_problem else [(bus_path, True, bus_via)]
         candidates.append(
             (self.private_socket, False, f"systemd's private socket {self.private_socket}")
         )
-        tried = []
+        tried = [f"{bus_via}: {bus_problem}"] if bus_problem else []
         for path, hello, via in candidates:
             try:
                 self._conn = _Connection(path, hello=hello, timeout=self.timeout)
@@ -280,18 +289,18 @@ class Systemd:
         raise NoBus(f"no D-Bus: cannot {what}: {'; '.join(tried)}")
 
     def _call(self, what: str, message: Any, *, retry: bool = True) -> tuple[Any, ...]:
-        bus = True
+        bus_problem = None
         for attempt in (1, 2):
-            conn = self._connect(what, bus=bus)
+            conn = self._connect(what, bus_problem=bus_problem)
             via = self.via
             try:
                 return conn.call(message, self.timeout)
             except _CallFailed as exc:
-                if attempt == 1 and self._on_bus and exc.name in _SYSTEMD_NOT_ON_BUS:
+                if attempt == 1 and self._on_bus and _systemd_not_on_bus(exc.name):
                     # the bus is up but systemd is not on it (yet): the call never reached
                     # systemd, so even a non-idempotent one can go to the private socket
                     self.close()
-                    bus = False
+                    bus_problem = f"up, but systemd is not on it ({exc.name})"
                     continue
                 raise SystemdBusError(f"cannot {what}: systemd on {via} answered {exc}") from exc
             except TimeoutError as exc:
