@@ -13,7 +13,8 @@ private socket ``/run/systemd/private``, as systemctl does (root only; it speaks
 peer: no bus daemon, no ``Hello``, which is why this module drives jeepney's message layer itself
 rather than its ``DBusConnection``, which always says ``Hello``). A call that finds the connection
 dead (the bus or systemd restarted) reconnects and is retried once; ``StartTransientUnit``, the
-one call here that is not idempotent, is not retried. Every call has a deadline.
+one call here that is not idempotent, is not retried. A bus that answers but has no systemd on
+it (a restart in progress) sends the call to the private socket. Every call has a deadline.
 
 Every failure is a :class:`SystemdBusError`: one line naming the unit and the bus; a bus that
 cannot be reached at all is a :class:`NoBus` ("no D-Bus: ...").
@@ -173,7 +174,8 @@ class _CallFailed(Exception):
     """systemd (or the bus) answered a call with a D-Bus error."""
 
     def __init__(self, name: str, message: str) -> None:
-        super().__init__(f"{name}: {message}" if message else name)
+        text = " ".join(message.split())  # one line, whatever the peer sent
+        super().__init__(f"{name}: {text}" if text else name)
         self.name = name
 
 
@@ -230,13 +232,18 @@ class _Connection:
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "no answer in time"
+    if isinstance(exc, (BrokenPipeError, ConnectionResetError)):  # which one is a race
+        return "the peer closed the connection"
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return str(exc) or type(exc).__name__
 
 
 class Systemd:
-    """systemd's manager over D-Bus: the system bus, else its private socket (see the module)."""
+    """systemd's manager over D-Bus: the system bus, else its private socket (see the module).
+
+    Not thread-safe: one caller (the daemon's loop) at a time.
+    """
 
     def __init__(
         self,

@@ -113,7 +113,7 @@ exec env -i container=other PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 \
 
 BOOT_TIMEOUT_S = float(os.environ.get("NODEAGENT_SYSTEMD_BOOT_TIMEOUT", "240"))
 STOP_TIMEOUT_S = 60.0
-COMMAND_TIMEOUT_S = 60.0
+COMMAND_TIMEOUT_S = 120.0  # generous: under TCG on a busy host, Python starts slowly
 JOURNAL_LINES = 25
 
 
@@ -186,6 +186,12 @@ class SystemdHost:
 
     def systemctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.run("systemctl", "--no-pager", *args, check=check)
+
+    def start_scope(self, unit: str, slice_: str = "system.slice") -> Path:
+        """Transient scope `unit` holding one sleeping process (systemd-run); its VM cgroup."""
+        idle = "sleep 3600 >/dev/null 2>&1 &"
+        self.run("systemd-run", "--scope", f"--unit={unit}", f"--slice={slice_}", "sh", "-c", idle)
+        return self.outer(f"/{slice_}/{unit}")
 
     def journal_tail(self, lines: int = JOURNAL_LINES) -> str:
         """The last lines of its journal, or why there are none (never raises, never hangs)."""

@@ -38,26 +38,41 @@ def inside(host: SystemdHost, code: str) -> dict[str, Any]:
     return result
 
 
+def docker_name() -> str:
+    return f"docker-{secrets.token_hex(32)}.scope"
+
+
 @pytest.fixture
 def docker_scope(systemd_host: SystemdHost) -> Iterator[str]:
-    """A running transient scope named as Docker names its scopes, made through sdbus."""
-    unit = f"docker-{secrets.token_hex(32)}.scope"
-    started = inside(
-        systemd_host,
-        f"""
-sleeper = subprocess.Popen(["sleep", "600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-systemd.start_transient_scope({unit!r}, [sleeper.pid], "system.slice")
-out(cgroup=systemd.unit_property({unit!r}, "ControlGroup"), via=systemd.via)
-""",
-    )
-    assert started == {
-        "cgroup": f"/system.slice/{unit}",
-        "via": "the system bus /run/dbus/system_bus_socket",
-    }
+    """A running transient scope named as Docker names its scopes."""
+    unit = docker_name()
+    systemd_host.start_scope(unit)
     try:
         yield unit
     finally:
         systemd_host.systemctl("stop", unit, check=False)
+
+
+def test_start_transient_scope_makes_a_docker_named_scope(systemd_host: SystemdHost) -> None:
+    host, unit = systemd_host, docker_name()
+    try:
+        started = inside(
+            host,
+            f"""
+sleeper = subprocess.Popen(["sleep", "600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+systemd.start_transient_scope({unit!r}, [sleeper.pid], "system.slice", {{"CPUWeight": 250}})
+out(cgroup=systemd.unit_property({unit!r}, "ControlGroup"), via=systemd.via)
+""",
+        )
+        assert started == {
+            "cgroup": f"/system.slice/{unit}",
+            "via": "the system bus /run/dbus/system_bus_socket",
+        }
+        scope = host.outer(f"/system.slice/{unit}")
+        assert len(read(scope, "cgroup.procs").split()) == 1  # the sleeper, moved in
+        assert read(scope, "cpu.weight") == "250"
+    finally:
+        host.systemctl("stop", unit, check=False)
 
 
 def test_properties_set_over_the_bus_reach_the_files_and_survive_daemon_reload(
@@ -165,7 +180,8 @@ def test_outside_its_namespaces_the_bus_works_and_the_private_socket_refuses(
         assert systemd.via == f"the system bus {host.path('/run/dbus/system_bus_socket')}"
     with Systemd("unix:path=/nonexistent/bus", private) as systemd, pytest.raises(NoBus) as exc:
         systemd.unit_property("dbus.service", "ActiveState")
-    assert str(exc.value).endswith(f"systemd's private socket {private}: Connection reset by peer")
+    refused = f"systemd's private socket {private}: the peer closed the connection"
+    assert str(exc.value).endswith(refused)  # its peer PID reads 0 there: systemd refuses
 
 
 @pytest.fixture

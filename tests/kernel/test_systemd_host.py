@@ -9,7 +9,7 @@ import secrets
 from pathlib import Path
 
 import pytest
-from helpers import read, wait_for
+from helpers import read
 from systemd_host import SystemdHost, SystemdHostError, boot
 
 
@@ -46,13 +46,7 @@ def test_a_docker_named_scope_gets_properties_that_survive_daemon_reload(
 ) -> None:
     host = systemd_host
     unit = docker_scope()
-    # the scope lives while the sleep it holds does
-    host.run(
-        "systemd-run", "--scope", f"--unit={unit}", "--slice=system.slice",
-        "--", "sh", "-c", "sleep 300 >/dev/null 2>&1 &",
-    )  # fmt: skip
-    scope = host.outer(f"/system.slice/{unit}")
-    assert wait_for(scope.exists, timeout=10)
+    scope = host.start_scope(unit)
     try:
         host.systemctl("set-property", "--runtime", unit, "CPUWeight=500", "CPUQuota=50%")
         assert read(scope, "cpu.weight") == "500"
