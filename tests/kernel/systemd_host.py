@@ -16,7 +16,7 @@ runtime boots systemd in a container (``container=other``):
   only in its mount namespace. From the VM they are reachable through ``/proc/<pid>/root/...``
   (:attr:`SystemdHost.system_bus_address`), but systemd refuses private-socket clients outside its
   PID namespace (their peer PID reads as 0): code that must use the private socket runs inside,
-  through :meth:`SystemdHost.run` / :meth:`SystemdHost.python` (``nsenter -p -m``).
+  through :meth:`SystemdHost.run` / :meth:`SystemdHost.python` (``nsenter -p -m -C``).
 
 Every wait has a deadline; a boot that fails raises :class:`SystemdHostError` with a one-line
 reason followed by the journal's tail.
