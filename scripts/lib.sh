@@ -4,8 +4,8 @@
 #   ensure_venv             .venv with `pip install -e '.[dev]'`, reinstalled only when pyproject.toml changes
 #   host_has_cgroup2        true when this host itself is a usable cgroup v2 kernel (cgroup2 at
 #                           /sys/fs/cgroup, writable, cpu+memory controllers, root)
-#   ensure_vm_tools         qemu, a Debian kernel, busybox & co. (apt, only what is missing) and
-#                           virtme-ng in .venv-vm; sets VM_KERNEL
+#   ensure_vm_tools         qemu, a Debian kernel, busybox & co., systemd and dbus (apt, only what
+#                           is missing) and virtme-ng in .venv-vm; sets VM_KERNEL
 #   on_cgroup2 OUTDIR CMD   runs the bash command string CMD in the repo root, as root, on a real
 #                           cgroup v2 kernel: natively if host_has_cgroup2, else in a virtme-ng VM
 #                           (TCG, no KVM) with OUTDIR as its only writable host directory.
@@ -20,8 +20,9 @@
 #   NODEAGENT_VM_TIMEOUT=3600     seconds before a hung VM is killed
 #
 # CMD always gets NODEAGENT_REAL_KERNEL=1, PYTHONDONTWRITEBYTECODE=1 and .venv/bin first on PATH.
-# In the VM the host's files are shared read-only (same paths), /tmp, /var and /run are throwaway
-# overlays, and only OUTDIR is written back to the host.
+# In the VM the host's files are shared (same paths) under throwaway writable overlays on /etc,
+# /usr, /var, /tmp, /opt, /home and /srv (writes are lost at power-off), /run is a tmpfs, and
+# only OUTDIR is written back to the host.
 set -euo pipefail
 
 NODEAGENT_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
@@ -29,7 +30,9 @@ NODEAGENT_VENV=$NODEAGENT_ROOT/.venv
 NODEAGENT_VM_VENV=$NODEAGENT_ROOT/.venv-vm
 # virtme-ng is pinned: its command line and guest behaviour are what on_cgroup2 relies on.
 NODEAGENT_VNG_SPEC=${NODEAGENT_VNG_SPEC:-virtme-ng==1.42}
-NODEAGENT_VM_APT_PACKAGES=(qemu-system-x86 busybox-static binutils file kmod python3-venv)
+# systemd and dbus: the kernel suite boots a real systemd with a system bus inside the VM
+# (tests/kernel/systemd_host.py); the guest runs the host's own files.
+NODEAGENT_VM_APT_PACKAGES=(qemu-system-x86 busybox-static binutils file kmod python3-venv systemd dbus)
 ON_CGROUP2_WHERE=
 VM_KERNEL=
 _NODEAGENT_APT_UPDATED=
