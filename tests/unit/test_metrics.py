@@ -4,6 +4,8 @@ prometheus-client parser, as Prometheus would read a scrape."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +31,7 @@ from nodeagent.snapshot import CgroupSample, Skipped, WorkloadState
 from nodeagent.spec.model import PolicySpec, Rule, WorkloadClass
 
 NOW = 1_700_000_000.0
+REPO = Path(__file__).resolve().parents[2]
 A1, A2, B1 = "nodeagent.slice/a-1", "nodeagent.slice/a-2", "nodeagent.slice/b-1"
 K8S = k8s_container(CID2)
 POLICY = PolicySpec.model_validate(
@@ -304,18 +307,29 @@ def test_skipped_cgroups_by_step() -> None:
     assert value(s, "nodeagent_policy_failures") == 0
 
 
-def test_deadline_jobs_and_misses() -> None:
-    due = {
-        "name": "due",
-        "match": {"path": "nodeagent.slice/due"},
-        "tenant": "a",
-        "class": "training",
-        "deadline": "2023-11-14T22:15:00+00:00",  # NOW + 100 s
-        "work": 60,
+DUE = "nodeagent.slice/due"
+WITH_DEADLINE = POLICY.model_copy(
+    update={
+        "rules": (
+            Rule.model_validate(
+                {
+                    "name": "due",
+                    "match": {"path": DUE},
+                    "tenant": "a",
+                    "class": "training",
+                    "deadline": "2023-11-14T22:15:00+00:00",  # NOW + 100 s
+                    "work": 60,
+                }
+            ),
+            *POLICY.rules,
+        )
     }
-    policy = POLICY.model_copy(update={"rules": (Rule.model_validate(due), *POLICY.rules)})
-    running = state("nodeagent.slice/due", 1.0, used_s=20.0)
-    s = observed(record([running, state(B1, 1.0)], policy=policy), misses=3)
+)
+
+
+def test_deadline_jobs_and_misses() -> None:
+    running = state(DUE, 1.0, used_s=20.0)
+    s = observed(record([running, state(B1, 1.0)], policy=WITH_DEADLINE), misses=3)
     job_ = {"cgroup": "nodeagent.slice/due", "rule": "due", "class": "training"}
     assert value(s, "nodeagent_deadline_timestamp_seconds", **job_) == NOW + 100
     assert value(s, "nodeagent_deadline_work_cpu_seconds", **job_) == 60
@@ -437,18 +451,45 @@ def test_every_family_is_described_and_named_koordlet_style() -> None:
         assert (f.kind == "counter") == f.name.endswith("_total"), f.name
 
 
+def full_scrape() -> CollectorRegistry:
+    """Every kind of series at once: a deadline job, a stalling inference pod that has
+    batch throttled, GPUs (a simulated node)."""
+    c = TickCollector(lambda: 1)
+    stalling = state(K8S, 0.5, stall=0.4)
+    due = state(DUE, 1.0, used_s=20.0)
+    c.observe(record([stalling, due, state(A1, 3.0), state(B1, 3.0)], policy=WITH_DEADLINE))
+    c.watch_gpus(load_simulated(REPO / "config" / "gpus" / "dgx-h100-nvswitch.yaml"))
+    registry = CollectorRegistry()
+    registry.register(c)
+    return registry
+
+
 def test_a_full_scrape_is_valid_exposition() -> None:
-    """Every family at once, through the parser; OpenMetrics too."""
+    """Through both parsers: the Prometheus text format and OpenMetrics."""
     from prometheus_client.openmetrics.exposition import generate_latest as openmetrics
     from prometheus_client.openmetrics.parser import text_string_to_metric_families as om
 
-    c = TickCollector(lambda: 1)
-    c.observe(record([state(K8S, 0.5, stall=0.4), state(A1, 3.0), state(B1, 3.0)]))
-    registry = CollectorRegistry()
-    registry.register(c)
+    registry = full_scrape()
+    text = {f.name for f in text_string_to_metric_families(generate_latest(registry).decode())}
     names = {f.name for f in om(openmetrics(registry).decode())}
-    assert "nodeagent_workload_cpu_weight" in names
-    assert "nodeagent_ticks" in names
+    assert names == text
+    for family in ("deadline_status", "protection_state", "gpu_info", "ticks"):
+        assert f"nodeagent_{family}" in names
+
+
+def test_promtool_accepts_a_full_scrape() -> None:
+    """promtool's lint (names, types, units, help); the kernel test checks a real daemon's
+    scrape the same way."""
+    promtool = Path(sys.executable).with_name("promtool")
+    if not promtool.exists():
+        pytest.skip(f"no {promtool}: ./scripts/test installs it")
+    check = subprocess.run(
+        [str(promtool), "check", "metrics"],
+        input=generate_latest(full_scrape()),
+        capture_output=True,
+        check=False,
+    )
+    assert (check.returncode, check.stdout, check.stderr) == (0, b"", b"")
 
 
 def test_a_missing_figure_adds_no_sample() -> None:
