@@ -510,3 +510,11 @@ def test_an_exec_job_has_its_own_rule_label() -> None:
     cgroups = tuple(replace(cg, assignment=exec_job) for cg in r.plan.cgroups)
     s = observed(replace(r, plan=replace(r.plan, cgroups=cgroups)))
     assert value(s, "nodeagent_workload_cpu_weight", cgroup=A1, rule="exec:train") > 0
+
+
+def test_hostile_cgroup_names_are_escaped() -> None:
+    """A cgroup name may hold quotes, backslashes and newlines: they stay label values."""
+    odd = 'nodeagent.slice/a-"x"\\y\nz} 1'
+    s = observed(record([state(odd, 1.0)]))
+    assert value(s, "nodeagent_workload_cpu_usage_cores", cgroup=odd) == 1.0
+    assert value(s, "nodeagent_managed_workloads") == 1
