@@ -149,8 +149,11 @@ def test_the_endpoint_shows_what_the_agent_wrote(
             for name in ("target_share_ratio", "achieved_share_ratio", "cpu_usage_cores"):
                 value = one(s, f"nodeagent_tenant_{name}", tenant=tenant)
                 assert value is not None and value >= 0, (tenant, name)
-        target = one(s, "nodeagent_tenant_target_share_ratio", tenant="a")
-        assert target == pytest.approx(2 / 3, abs=0.05)
+        for kind in ("target", "achieved"):
+            a, b_ = (one(s, f"nodeagent_tenant_{kind}_share_ratio", tenant=t) for t in "ab")
+            assert a is not None and b_ is not None and a + b_ == pytest.approx(1), kind
+            if kind == "target":  # shares 2:1, moved by fair share's usage history
+                assert a > b_
         ok = one(s, "nodeagent_ticks_total", result="ok")
         assert ok is not None and ok >= 2
         assert one(s, "nodeagent_tick_duration_seconds_count") == ok
