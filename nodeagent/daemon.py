@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import FrameType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 from pydantic import ValidationError
@@ -40,6 +40,9 @@ from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
 from nodeagent.spec.load import PolicyError, load_policy
 from nodeagent.spec.model import AgentSettings, PolicySpec
+
+if TYPE_CHECKING:
+    from nodeagent.metrics.server import MetricsServer
 
 log = structlog.get_logger("nodeagent")
 
@@ -85,6 +88,8 @@ class Agent:
         self.last: TickRecord | None = None
         self.problems = ProblemLog()
         self.notes = NoteLog()
+        self.observers: list[Callable[[TickRecord | None], None]] = []
+        """Told of every tick: its record, or None when it failed (the metrics)."""
         self._lock = threading.Lock()
         self._saved_at = 0.0
         self.stop = threading.Event()
@@ -207,7 +212,7 @@ class Agent:
                     "policy.invalid", problem=str(problem), action="keeping the last good policy"
                 )
             return
-        fixed = ("managed_root", "socket", "socket_group")
+        fixed = ("managed_root", "socket", "socket_group", "metrics")
         changed = [k for k in fixed if getattr(spec.agent, k) != getattr(self.spec.agent, k)]
         if spec.gpu.simulate != self.spec.gpu.simulate:
             changed.append("gpu.simulate")
@@ -305,6 +310,8 @@ class Agent:
         ok = False
         while not self.stop.is_set():
             record = _guarded("tick.failed", self.tick)
+            for observe in self.observers:
+                _guarded("observer.failed", observe, record)
             ok = record is not None
             if record is not None:
                 last_ok = time.monotonic()
@@ -383,6 +390,21 @@ def _guarded(event: str, fn: Callable[..., T], *args: object) -> T | None:
     except Exception as e:  # a bug or an unexpected kernel answer: keep the loop alive
         log.exception(event, error=f"{type(e).__name__}: {e}")
     return None
+
+
+def serve_metrics(agent: Agent) -> MetricsServer | None:
+    """The Prometheus endpoint, when `agent.metrics.listen` is set."""
+    listen = agent.spec.agent.metrics.listen
+    if listen is None:
+        return None
+    # imported only when metrics are on: prometheus_client is slow to import on a cold disk
+    from nodeagent.metrics.collector import TickCollector  # noqa: PLC0415
+    from nodeagent.metrics.server import MetricsServer  # noqa: PLC0415
+
+    collector = TickCollector(lambda: agent.notes.deadline_misses)
+    server = MetricsServer.start(listen, collector)
+    agent.observers.append(collector.observe)
+    return server
 
 
 def serve(agent: Agent) -> ApiServer:

@@ -57,7 +57,7 @@ def _results_for(path: str, results: Sequence[WriteResult]) -> list[dict[str, An
     ]
 
 
-def _status(
+def status_of(
     cg: CgroupPlan, w: WorkloadState | None, results: Sequence[WriteResult]
 ) -> tuple[str, str | None]:
     """ok, frozen, skipped (no plan this tick) or failed (a write was refused), with why."""
@@ -104,7 +104,7 @@ def allocations(record: TickRecord) -> dict[str, Any]:
         w = states.get(cg.path)
         reasons = sorted({t.reason for t in cg.targets.values()})
         writes = [r for r in record.results if r.path == cg.path]
-        status, problem = _status(cg, w, writes)
+        status, problem = status_of(cg, w, writes)
         rows.append(
             {
                 **describe(cg.identity, cg.assignment),
@@ -193,7 +193,7 @@ def explain(record: TickRecord, identity: WorkloadIdentity) -> dict[str, Any]:
         }
     w = next((w for w in record.snapshot.workloads if w.path == cg.path), None)
     writes = [r for r in record.results if r.path == cg.path]
-    status, problem = _status(cg, w, writes)
+    status, problem = status_of(cg, w, writes)
     return {
         "sensed": _sensed(w),
         **describe(cg.identity, cg.assignment),

@@ -2,6 +2,7 @@
 # scripts/lib.sh: helpers sourced by scripts/test, scripts/vm, scripts/demo, scripts/bench.
 #
 #   ensure_venv             .venv with `pip install -e '.[dev]'`, reinstalled only when pyproject.toml changes
+#   ensure_promtool         .venv/bin/promtool, from Debian's prometheus package (unpacked only)
 #   host_has_cgroup2        true when this host itself is a usable cgroup v2 kernel (cgroup2 at
 #                           /sys/fs/cgroup, writable, cpu+memory controllers, root)
 #   ensure_vm_tools         qemu, a Debian kernel, busybox & co., systemd and dbus (apt, only what
@@ -123,6 +124,28 @@ ensure_venv() {
     touch "$stamp"
   fi
   _setup_unlock
+}
+
+# ensure_promtool: Prometheus's promtool in .venv/bin, for `promtool check metrics` on the
+# metrics endpoint. Unpacked from Debian's prometheus package, not installed: no Prometheus
+# server or service comes with it.
+ensure_promtool() {
+  local bin=$NODEAGENT_VENV/bin/promtool tmp
+  [[ -x $bin ]] && return 0
+  command -v apt-get >/dev/null || die "promtool comes from Debian's prometheus package, and there is no apt-get"
+  tmp=$(mktemp -d "${TMPDIR:-/tmp}/nodeagent-promtool.XXXXXX")
+  _promtool_download() { (cd "$tmp" && apt-get download -q -o APT::Sandbox::User=root prometheus); }
+  if ! _promtool_download >/dev/null 2>&1; then # no package lists yet: fetch them once
+    [[ -n $_NODEAGENT_APT_UPDATED ]] || run_logged "apt-get update" env DEBIAN_FRONTEND=noninteractive \
+      apt-get update -q -o DPkg::Lock::Timeout=600 || return 1
+    _NODEAGENT_APT_UPDATED=1
+    run_logged "apt-get download prometheus" _promtool_download || return 1
+  fi
+  dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/unpacked" &&
+    install -m 0755 "$tmp/unpacked/usr/bin/promtool" "$bin"
+  local rc=$?
+  rm -rf "$tmp"
+  return "$rc"
 }
 
 host_has_cgroup2() {

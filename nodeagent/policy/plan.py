@@ -40,7 +40,7 @@ from nodeagent.policy.gpu_power import GpuPower
 from nodeagent.policy.limits import StaticLimits
 from nodeagent.policy.protection import Protection
 from nodeagent.policy.reservations import Reservations
-from nodeagent.policy.weights import CpuWeights
+from nodeagent.policy.weights import CpuWeights, cpu_targets
 from nodeagent.snapshot import NodeSnapshot
 from nodeagent.spec.model import PolicySpec
 
@@ -85,6 +85,15 @@ class CgroupPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class CpuTarget:
+    """The CPU a workload is meant to get: its floor plus its part of the pool."""
+
+    cores: float
+    active: bool
+    """False for an idle workload: it takes no part in its tenant's target."""
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     seq: int
     wall_time: float
@@ -98,6 +107,9 @@ class Plan:
     """Each policy's state for the next tick."""
     devices: tuple[DeviceDecision, ...] = ()
     """Device settings (GPU power limits)."""
+    cpu_targets: Mapping[str, CpuTarget] = field(default_factory=dict)
+    """The CPU each workload with a floor or a share is meant to get, which its weight
+    follows: the metrics' target shares."""
 
 
 def make_plan(
@@ -132,6 +144,11 @@ def make_plan(
         for o in outputs:
             merged.add(policy.name, o)
         earlier.extend(outputs)
+    final = PolicyInput(snapshot, spec, assignments, usage, tuple(earlier), carried or {})
+    try:
+        targets = {p: CpuTarget(c, a) for p, (c, a, _) in cpu_targets(final).items()}
+    except Exception:  # cpu-weights failed on the same input, and problems names it
+        targets = {}
     for path, assignment in assignments.items():
         merged.traces[path].insert(
             0,
@@ -158,6 +175,7 @@ def make_plan(
         tuple(merged.notes),
         merged.carry,
         tuple(merged.devices),
+        targets,
     )
 
 

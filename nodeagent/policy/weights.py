@@ -34,14 +34,7 @@ class CpuWeights:
     name = "cpu-weights"
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
-        floors = given.floors()
-        shares = {o.path: o for o in given.earlier if isinstance(o, Share)}
-        capacity = usable(given)
-        pool = max(0.0, capacity - sum(f.cores for f in floors.values()))
-        targets: dict[str, tuple[float, bool, str]] = {}
-        for path in floors.keys() | shares.keys():
-            targets[path] = _target(floors.get(path), shares.get(path), pool)
-
+        targets = cpu_targets(given)
         groups: dict[str, list[str]] = {}
         for path in targets:
             groups.setdefault(parent(path), []).append(path)
@@ -90,6 +83,15 @@ class CpuWeights:
                     )
                 )
         return out
+
+
+def cpu_targets(given: PolicyInput) -> dict[str, tuple[float, bool, str]]:
+    """(cores, active, why) for every workload with a floor or a share: what its weight
+    follows, and what the plan reports as its CPU target."""
+    floors = given.floors()
+    shares = {o.path: o for o in given.earlier if isinstance(o, Share)}
+    pool = max(0.0, usable(given) - sum(f.cores for f in floors.values()))
+    return {p: _target(floors.get(p), shares.get(p), pool) for p in floors.keys() | shares.keys()}
 
 
 def _target(floor: Floor | None, share: Share | None, pool: float) -> tuple[float, bool, str]:

@@ -24,6 +24,7 @@ from pydantic_core import PydanticCustomError
 from nodeagent.api.client import DEFAULT_SOCKET
 from nodeagent.identity import Kind, Owner, QosTier, Runtime
 from nodeagent.spec.glob import compile_glob
+from nodeagent.spec.listen import parse_listen
 from nodeagent.spec.units import parse_duration, parse_size
 from nodeagent.spec.when import parse_cpu_amount, parse_instant
 
@@ -108,6 +109,11 @@ def _not_bytes(value: object) -> object:
     return value
 
 
+def _listen(text: str) -> str:
+    parse_listen(text)
+    return text
+
+
 def _glob(pattern: str) -> str:
     compile_glob(pattern)  # refuses what is too long to match quickly, and warms the cache
     return pattern
@@ -144,6 +150,8 @@ def _socket_path(path: str) -> str:
 
 Name = Annotated[StrictStr, Field(min_length=1)]
 Glob = Annotated[StrictStr, AfterValidator(_glob)]
+Listen = Annotated[StrictStr, AfterValidator(_listen)]
+"""HOST:PORT or [IPV6]:PORT (see `spec.listen`)."""
 HostPath = Annotated[StrictStr, AfterValidator(_host_path)]
 SocketPath = Annotated[HostPath, AfterValidator(_socket_path)]
 Number = Annotated[StrictFloat, BeforeValidator(_number)]
@@ -171,6 +179,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+class MetricsSettings(_Strict):
+    """The Prometheus endpoint: off unless `listen` is set."""
+
+    listen: Listen | None = None
+    """Where to serve /metrics over HTTP, such as 127.0.0.1:9464 or [::1]:9464."""
+
+
 class AgentSettings(_Strict):
     """How the daemon runs: its tick, where it keeps state, and which subtree it owns."""
 
@@ -180,6 +195,7 @@ class AgentSettings(_Strict):
     state_file: HostPath = "/var/lib/nodeagent/state.json"
     socket: SocketPath = DEFAULT_SOCKET
     socket_group: StrictStr | None = None
+    metrics: MetricsSettings = MetricsSettings()
 
 
 class FairShareSettings(_Strict):
