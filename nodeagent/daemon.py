@@ -402,6 +402,8 @@ def serve_metrics(agent: Agent) -> MetricsServer | None:
     from nodeagent.metrics.server import MetricsServer  # noqa: PLC0415
 
     collector = TickCollector(lambda: agent.notes.deadline_misses)
+    if agent.gpus.backend.inventory():
+        collector.watch_gpus(agent.gpus.backend)
     server = MetricsServer.start(listen, collector)
     agent.observers.append(collector.observe)
     return server
