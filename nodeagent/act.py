@@ -16,6 +16,7 @@ from nodeagent.cgroupfs import parse
 from nodeagent.cgroupfs.tree import AuditFn, CgroupDir, CgroupTree, CgroupVanished
 from nodeagent.cgroupfs.values import Attribute, MemoryLimit, Value, is_looser
 from nodeagent.errors import NodeagentError, one_line
+from nodeagent.ownership import WriteMode
 from nodeagent.policy.plan import Plan, Target
 from nodeagent.snapshot import NodeSnapshot
 
@@ -70,7 +71,7 @@ class Executor:
                 if now == target.value:
                     continue
                 change = _Pending(cg.path, attr, target, now)
-                if cg.identity.owner.writable:
+                if cg.write is not WriteMode.READ_ONLY:
                     pending.append(change)
                 else:
                     why = f"owned by {cg.identity.owner}: not written directly"

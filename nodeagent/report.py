@@ -9,6 +9,7 @@ from typing import Any
 from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.values import Attribute, Frozen
 from nodeagent.identity import WorkloadIdentity
+from nodeagent.ownership import WriteMode
 from nodeagent.policy.base import Assignment, Note, describe
 from nodeagent.policy.plan import CgroupPlan, Plan
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
@@ -24,6 +25,8 @@ class TickRecord:
     dry_run: bool
     assignments: Mapping[str, Assignment] = field(default_factory=dict)
     """Every claimed workload's rule, including those skipped this tick."""
+    modes: Mapping[str, WriteMode] = field(default_factory=dict)
+    """How the agent may write each claimed workload, including those skipped this tick."""
 
 
 _VALUE_KEYS = ("current", "target", "policy", "reason")
@@ -107,7 +110,7 @@ def allocations(record: TickRecord) -> dict[str, Any]:
         status, problem = status_of(cg, w, writes)
         rows.append(
             {
-                **describe(cg.identity, cg.assignment),
+                **describe(cg.identity, cg.assignment, cg.write),
                 "status": status,
                 "problem": problem,
                 "values": _values(cg, w),
@@ -125,7 +128,7 @@ def allocations(record: TickRecord) -> dict[str, Any]:
     for s in record.snapshot.skipped:
         rows.append(
             {
-                **describe(s.identity, record.assignments.get(s.path)),
+                **describe(s.identity, record.assignments.get(s.path), record.modes.get(s.path)),
                 "status": "skipped",
                 "problem": f"{s.step}: {s.reason}",
                 "values": {a: dict.fromkeys(_VALUE_KEYS) for a in SHOWN},
@@ -179,7 +182,9 @@ def explain(record: TickRecord, identity: WorkloadIdentity) -> dict[str, Any]:
         s = next(s for s in record.snapshot.skipped if s.path == identity.path)
         return {
             "sensed": {},
-            **describe(identity, record.assignments.get(identity.path)),
+            **describe(
+                identity, record.assignments.get(identity.path), record.modes.get(identity.path)
+            ),
             "status": "skipped",
             "problem": f"{s.step}: {s.reason}",
             "tick": record.snapshot.seq,
@@ -196,7 +201,7 @@ def explain(record: TickRecord, identity: WorkloadIdentity) -> dict[str, Any]:
     status, problem = status_of(cg, w, writes)
     return {
         "sensed": _sensed(w),
-        **describe(cg.identity, cg.assignment),
+        **describe(cg.identity, cg.assignment, cg.write),
         "status": status,
         "problem": problem,
         "tick": record.snapshot.seq,

@@ -29,13 +29,20 @@ def daemon_answer(path: str) -> Iterator[None]:
         ) from None
 
 
+def _mode(row: Mapping[str, Any]) -> str:
+    """' (read-only)' or ' (via systemd)' after a cgroup the agent does not write directly."""
+    return {"read-only": " (read-only)", "systemd": " (via systemd)"}.get(
+        row.get("write") or "", ""
+    )
+
+
 def allocations_table(data: Mapping[str, Any]) -> str:
     rows = []
     for a in data["allocations"]:
         v = a["values"]
         rows.append(
             (
-                a["cgroup"] + ("" if a["writable"] else " (read-only)"),
+                a["cgroup"] + _mode(a),
                 a["tenant"],
                 a["class"],
                 change(v["cpu.weight"]["current"], v["cpu.weight"]["target"]),
@@ -145,7 +152,7 @@ def explain(cgroup: str, socket: str, as_json: bool) -> None:
 def explain_text(data: Mapping[str, Any]) -> str:
     lines = [
         f"{data['cgroup']}  ({data['kind']}, {data['runtime']}, owner {data['owner']}"
-        + ("" if data["writable"] else ", read-only")
+        + ("" if data.get("write") in (None, "direct") else f", {data['write']}")
         + ")",
         f"  rule {data['rule']}  tenant {data['tenant']}  class {data['class']}",
         f"  cpu now: {cores(data['cpu_rate'])} cores   (tick {data['tick']}"
@@ -178,13 +185,15 @@ def workloads(cgroup_root: str, config: str | None, as_json: bool) -> None:
     """List the workload cgroups discovery finds, reading the tree directly (no daemon)."""
     from nodeagent.cgroupfs.tree import CgroupTree
     from nodeagent.discovery.registry import Registry
+    from nodeagent.ownership import write_mode
     from nodeagent.policy.base import describe
     from nodeagent.policy.classify import assign
     from nodeagent.sense.cgroup_files import probe
     from nodeagent.spec.model import AgentSettings
 
     spec = load(config) if config else None
-    managed_root = spec.agent.managed_root if spec else AgentSettings().managed_root
+    agent_settings = spec.agent if spec else AgentSettings()
+    managed_root = agent_settings.managed_root
     if not os.path.isdir(cgroup_root):
         raise NodeagentError(f"cgroup root {cgroup_root} is not a directory")
     tree = CgroupTree(cgroup_root)
@@ -197,7 +206,7 @@ def workloads(cgroup_root: str, config: str | None, as_json: bool) -> None:
     for i in found:
         # claimed workloads are read as the sensor would, so one it would skip shows here
         problem = probe(tree, i.path, page) if i.path in assigned else None
-        row = describe(i, assigned.get(i.path))
+        row = describe(i, assigned.get(i.path), write_mode(i, agent_settings))
         rows.append(
             {**row, "status": "ok" if problem is None else "unreadable", "problem": problem}
         )
@@ -228,9 +237,7 @@ def workloads(cgroup_root: str, config: str | None, as_json: bool) -> None:
                     r["cgroup"],
                     r.get("kind"),
                     r.get("runtime"),
-                    None
-                    if "owner" not in r
-                    else f"{r['owner']}" + ("" if r["writable"] else " (read-only)"),
+                    None if "owner" not in r else f"{r['owner']}" + _mode(r),
                     (r.get("container_id") or "")[:12] or None,
                     r.get("pod_uid"),
                     r.get("qos"),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from nodeagent.cgroupfs.values import Attribute, Value
 from nodeagent.identity import WorkloadIdentity
+from nodeagent.ownership import WriteMode, write_mode
 from nodeagent.policy import history
 from nodeagent.policy.base import (
     Assignment,
@@ -78,6 +79,8 @@ class CgroupPlan:
     skipped: str | None = None
     """Why no plan could be made for this cgroup this tick; it then has no targets."""
     notes: tuple[Note, ...] = ()
+    write: WriteMode = WriteMode.DIRECT
+    """How the executor may write it (nodeagent.ownership)."""
 
     @property
     def path(self) -> str:
@@ -163,6 +166,7 @@ def make_plan(
             tuple(merged.traces[i.path]),
             merged.skipped.get(i.path),
             tuple(n for n in merged.notes if n.path == i.path),
+            write_mode(i, spec.agent),
         )
         for i in identities
     )

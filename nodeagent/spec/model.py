@@ -186,6 +186,34 @@ class MetricsSettings(_Strict):
     """Where to serve /metrics over HTTP, such as 127.0.0.1:9464 or [::1]:9464."""
 
 
+class Permission(enum.StrEnum):
+    WRITE = "write"
+    READ_ONLY = "read-only"
+
+
+class WithoutBus(enum.StrEnum):
+    READ_ONLY = "read-only"
+    DIRECT = "direct"
+
+
+_Permission = Annotated[Permission, BeforeValidator(_not_bytes)]
+
+
+class SystemdSettings(_Strict):
+    """Which cgroups systemd owns the agent writes (through systemd's D-Bus API, then the
+    file), and what it does when D-Bus cannot be reached."""
+
+    containers: _Permission = Permission.WRITE
+    """Runtime scopes (docker-<id>.scope, cri-containerd-<id>.scope, ...) and pod slices."""
+    services: _Permission = Permission.READ_ONLY
+    """*.service units."""
+    slices: _Permission = Permission.WRITE
+    """Parent slices (system.slice, machine.slice, ...), for fair share across parents."""
+    without_bus: Annotated[WithoutBus, BeforeValidator(_not_bytes)] = WithoutBus.READ_ONLY
+    """No D-Bus: leave systemd's cgroups alone (read-only), or write their files directly
+    (direct), which systemd undoes at its next daemon-reload."""
+
+
 class AgentSettings(_Strict):
     """How the daemon runs: its tick, where it keeps state, and which subtree it owns."""
 
@@ -196,6 +224,10 @@ class AgentSettings(_Strict):
     socket: SocketPath = DEFAULT_SOCKET
     socket_group: StrictStr | None = None
     metrics: MetricsSettings = MetricsSettings()
+    systemd: SystemdSettings = SystemdSettings()
+    kubelet_levels: _Permission = Permission.READ_ONLY
+    """kubepods and the QoS tiers: the kubelet rewrites their weights about every minute,
+    so by default the agent leaves them to it (see the README)."""
 
 
 class FairShareSettings(_Strict):
@@ -206,6 +238,9 @@ class FairShareSettings(_Strict):
     weight_per_workload: StrictInt = Field(100, ge=1, le=10000)
     active_threshold: Number = Field(0.01, ge=0)
     deadband: Number = Field(0.05, ge=0, lt=1)
+    hierarchy: StrictBool = True
+    """Also weight the parents of workloads (slices, pods, the managed root) so that tenant
+    shares hold wherever their workloads sit; off: workloads only."""
 
 
 class Tenant(_Strict):

@@ -16,8 +16,9 @@ import pytest
 from helpers import read
 from systemd_host import SystemdHost
 
+from nodeagent.cgroupfs.unitprops import UINT64_MAX, cpu_quota_properties, systemd_value
 from nodeagent.cgroupfs.values import Attribute, CpuMax
-from nodeagent.sdbus import UINT64_MAX, NoBus, Systemd, cpu_quota_properties, systemd_value
+from nodeagent.sdbus import NoBus, Systemd
 
 MIB = 1 << 20
 
@@ -25,6 +26,7 @@ MIB = 1 << 20
 PRELUDE = """
 import json, subprocess, sys
 from nodeagent.sdbus import *
+from nodeagent.cgroupfs.unitprops import *
 from nodeagent.cgroupfs.values import CpuMax
 systemd = Systemd(timeout=20)
 def out(**values):

@@ -158,13 +158,22 @@ def test_workloads_json(runner: CliRunner, cgroup_root: Path) -> None:
     assert result.exit_code == 0, result.output
     rows = {r["cgroup"]: r for r in json.loads(result.stdout)}
     assert sorted(rows) == sorted([DOCKER, POD, POD_CONTAINER, JOB, RESEARCH_JOB, CRON])
-    fields = ("kind", "runtime", "owner", "writable", "container_id", "pod_uid", "qos")
+    fields = ("kind", "runtime", "owner", "write", "container_id", "pod_uid", "qos")
     expected = {
-        DOCKER: ("container", "docker", "systemd", False, CID, None, None),
-        POD: ("pod", "kubelet", "cgroupfs", True, None, POD_UID, "burstable"),
-        POD_CONTAINER: ("container", "containerd", "cgroupfs", True, CID2, POD_UID, "burstable"),
-        JOB: ("job", "nodeagent", "nodeagent", True, None, None, None),
-        CRON: ("service", "systemd", "systemd", False, None, None, None),
+        # systemd-owned container scopes are written through systemd, services are not
+        DOCKER: ("container", "docker", "systemd", "systemd", CID, None, None),
+        POD: ("pod", "kubelet", "cgroupfs", "direct", None, POD_UID, "burstable"),
+        POD_CONTAINER: (
+            "container",
+            "containerd",
+            "cgroupfs",
+            "direct",
+            CID2,
+            POD_UID,
+            "burstable",
+        ),
+        JOB: ("job", "nodeagent", "nodeagent", "direct", None, None, None),
+        CRON: ("service", "systemd", "systemd", "read-only", None, None, None),
     }
     for path, want in expected.items():
         assert tuple(rows[path][f] for f in fields) == want, path
@@ -216,8 +225,8 @@ def test_workloads_table(runner: CliRunner, cgroup_root: Path, tmp_path: Path) -
         "CGROUP", "KIND", "RUNTIME", "OWNER", "ID", "POD", "QOS", "TENANT", "CLASS", "STATUS",
     ]  # fmt: skip
     docker_line = next(line for line in lines if line.startswith(DOCKER))
-    assert "systemd (read-only)" in docker_line
-    assert docker_line.split()[5] == CID[:12]  # the short id in the ID column
+    assert "systemd (via systemd)" in docker_line
+    assert docker_line.split()[6] == CID[:12]  # the short id in the ID column
     assert docker_line.split()[-1] == "ok"
     assert len(lines) == 7
 

@@ -14,19 +14,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, MemoryLimit
-from nodeagent.errors import NodeagentError
-from nodeagent.sdbus import (
+from nodeagent.cgroupfs.unitprops import (
     UINT64_MAX,
-    NoBus,
-    Systemd,
-    SystemdBusError,
+    UnitPropertyError,
     cpu_max_from_properties,
     cpu_quota_properties,
-    is_unit_name,
     systemd_value,
     unit_properties,
 )
+from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, MemoryLimit
+from nodeagent.errors import NodeagentError
+from nodeagent.sdbus import NoBus, Systemd, SystemdBusError, is_unit_name
 
 DOCKER_SCOPE = "docker-" + "ab" * 32 + ".scope"
 
@@ -76,7 +74,7 @@ def test_systemd_lengthens_a_period_too_short_for_a_1_ms_quota() -> None:
 
 
 def test_a_zero_quota_is_refused() -> None:
-    with pytest.raises(SystemdBusError, match="CPUQuotaPerSecUSec=0"):
+    with pytest.raises(UnitPropertyError, match="CPUQuotaPerSecUSec=0"):
         cpu_max_from_properties(0, 100_000)
 
 
@@ -111,7 +109,7 @@ def test_weights_and_memory_map_one_to_one() -> None:
 
 
 def test_a_value_of_the_wrong_kind_has_no_property() -> None:
-    with pytest.raises(SystemdBusError, match=r"no systemd property for cpu\.weight"):
+    with pytest.raises(UnitPropertyError, match=r"no systemd property for cpu\.weight"):
         unit_properties(Attribute.CPU_WEIGHT, MemoryLimit(4096))
 
 
