@@ -30,12 +30,16 @@ from nodeagent.discovery.registry import Registry
 from nodeagent.errors import NodeagentError
 from nodeagent.gpu.backend import open_backend
 from nodeagent.gpu.service import GpuService, environment
+from nodeagent.identity import WorkloadIdentity
 from nodeagent.jobs import Jobs
 from nodeagent.logs import audit_write
+from nodeagent.ownership import parent_identity, write_mode
 from nodeagent.policy.classify import assign
 from nodeagent.policy.history import decay
 from nodeagent.policy.plan import make_plan
+from nodeagent.policy.weights import ancestors
 from nodeagent.report import TickRecord, allocations, explain, find, identities
+from nodeagent.sdbus import Systemd
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
 from nodeagent.spec.load import PolicyError, load_policy
@@ -71,7 +75,15 @@ class Agent:
         self.registry = Registry(tree, spec.agent.managed_root)
         # rates over shorter windows than half a tick are noise (cpu.stat moves in scheduler ticks)
         self.sensor = Sensor(tree, NodeSensor(proc_root), min_window=spec.agent.interval / 2)
-        self.executor = Executor(tree, audit_write, dry_run)
+        # systemd's D-Bus API, for the cgroups it owns; connected at the first write there
+        self.systemd = Systemd()
+        self.executor = Executor(
+            tree,
+            audit_write,
+            dry_run,
+            self.systemd,
+            lambda: self.spec.agent.systemd.without_bus,
+        )
         # one GPU backend for the daemon's life; none on a host without GPUs
         self.gpus = GpuService(
             open_backend(spec.gpu.simulate, proc_root),
@@ -107,6 +119,16 @@ class Agent:
             message = str(first.get("ctx", {}).get("error", first["msg"]))
             raise NodeagentError(f"{option}: {message}") from None
         return spec.model_copy(update={"agent": agent})
+
+    def _levels(self, managed: list[WorkloadIdentity]) -> list[WorkloadIdentity]:
+        """The parents of the claimed workloads, up to (not including) the root, for the
+        hierarchy of fair share."""
+        if not self.spec.fair_share.hierarchy:
+            return []
+        claimed = {i.path for i in managed}
+        found = {a for i in managed for a in ancestors(i.path) if a not in claimed}
+        root = self.spec.agent.managed_root
+        return [parent_identity(p, root) for p in sorted(found)]
 
     def _fairness(self, tenant: str) -> float:
         """How far a tenant is ahead of its share: decayed usage per share (lower first)."""
@@ -159,7 +181,9 @@ class Agent:
         assignments = {**assign(identities, self.spec), **jobs}
         managed = [i for i in identities if i.path in assignments]
         deadline_jobs = [p for p, a in assignments.items() if a.deadline is not None]
-        snapshot = self.sensor.snapshot(managed, time.time(), started, deadline_jobs)
+        snapshot = self.sensor.snapshot(
+            managed, time.time(), started, deadline_jobs, self._levels(managed)
+        )
         for path in snapshot.vanished:  # inotify may have missed it (a failed watch)
             self.registry.forget(path)
         if not self.dry_run:
@@ -178,8 +202,9 @@ class Agent:
         self.carry = dict(plan.carry)
         self.problems.update(snapshot, plan, results)
         self.notes.update(plan.notes)
+        modes = {i.path: write_mode(i, self.spec.agent) for i in managed}
         record = TickRecord(
-            snapshot, plan, results, time.monotonic() - started, self.dry_run, assignments
+            snapshot, plan, results, time.monotonic() - started, self.dry_run, assignments, modes
         )
         with self._lock:
             self.last = record

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 
+from nodeagent.discovery.layouts import classify
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.spec.model import AgentSettings, Permission
 
@@ -67,3 +68,9 @@ def classify_level(path: str, managed_root: str) -> WorkloadIdentity:
     if name.endswith(_UNIT_SUFFIXES):
         return group(Runtime.SYSTEMD, Owner.SYSTEMD)
     return group(Runtime.SYSTEMD, Owner.OTHER)
+
+
+def parent_identity(path: str, managed_root: str) -> WorkloadIdentity:
+    """A parent of a claimed workload: a workload itself when discovery knows its layout
+    (a pod, written as pods are), else a level (`classify_level`)."""
+    return classify(path, managed_root) or classify_level(path, managed_root)

@@ -282,6 +282,12 @@ class Systemd:
         changes = [(name, ("t", value)) for name, value in props]
         self._manager(what, "SetUnitProperties", "sba(sv)", unit, runtime, changes)
 
+    def freeze_unit(self, unit: str, frozen: bool) -> None:
+        """Freeze (or thaw) every process of a unit through systemd, which keeps its own
+        record of the unit's freezer state (FreezeUnit/ThawUnit, systemd 246+)."""
+        method = "FreezeUnit" if frozen else "ThawUnit"
+        self._manager(f"{method} {unit}", method, "s", unit)
+
     def unit_property(self, unit: str, name: str) -> Any:
         """A loaded unit's property: cgroup ones from its type's interface, the rest from Unit."""
         what = f"read {name} of {unit}"

@@ -90,6 +90,9 @@ class NodeSnapshot:
     skipped: tuple[Skipped, ...] = ()
     vanished: tuple[str, ...] = ()
     """Paths of workloads whose cgroups were gone when sensed (normal on a busy node)."""
+    levels: tuple[WorkloadState, ...] = ()
+    """Parents of the claimed workloads (Kind.GROUP), with their cpu.weight: the levels
+    hierarchical fair share weights."""
     gpus: GpuState | None = None
     """None on a node without GPUs, or when they could not be read this tick."""
     local_seconds: float | None = None

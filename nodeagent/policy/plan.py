@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from nodeagent.cgroupfs.unitprops import systemd_value
 from nodeagent.cgroupfs.values import Attribute, Value
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.ownership import WriteMode, write_mode
@@ -127,9 +128,9 @@ def make_plan(
     """`assignments` may be passed in when the caller already classified the workloads;
     those of workloads missing from the snapshot are ignored. `carried` is the previous
     plan's `carry`."""
-    identities = [w.identity for w in snapshot.workloads]
-    if assignments is None:
-        assignments = assign(identities, spec)
+    identities = [w.identity for w in (*snapshot.workloads, *snapshot.levels)]
+    if assignments is None:  # rules claim workloads; levels are only weighted
+        assignments = assign([w.identity for w in snapshot.workloads], spec)
     else:
         sensed = {i.path for i in identities}
         assignments = {p: a for p, a in assignments.items() if p in sensed}
@@ -158,15 +159,16 @@ def make_plan(
             f"matched rule {assignment.rule}: tenant {assignment.tenant},"
             f" class {assignment.workload_class}",
         )
+    modes = {i.path: write_mode(i, spec.agent) for i in identities}
     cgroups = tuple(
         CgroupPlan(
             i,
             assignments.get(i.path),
-            {} if i.path in merged.skipped else merged.targets[i.path],
+            {} if i.path in merged.skipped else _as_written(merged.targets[i.path], modes[i.path]),
             tuple(merged.traces[i.path]),
             merged.skipped.get(i.path),
             tuple(n for n in merged.notes if n.path == i.path),
-            write_mode(i, spec.agent),
+            modes[i.path],
         )
         for i in identities
     )
@@ -223,6 +225,19 @@ class _Merge:
             self.traces[o.path].extend(f"{o.policy}: {line}" for line in (*o.trace, o.reason))
         elif isinstance(o, Share | Floor):
             self.traces[o.path].extend(f"{o.policy}: {line}" for line in (*o.trace, o.reason))
+
+
+def _as_written(targets: Mapping[Attribute, Target], mode: WriteMode) -> dict[Attribute, Target]:
+    """For a cgroup systemd owns, each value as systemd will write it (cpu.max rounded to
+    its property's precision), so that the file, the property and the plan agree."""
+    if mode is not WriteMode.SYSTEMD:
+        return dict(targets)
+    out = {}
+    for attr, t in targets.items():
+        value = t.value if attr is Attribute.FREEZE else systemd_value(attr, t.value)
+        reason = t.reason if value == t.value else f"{t.reason} (as systemd writes it)"
+        out[attr] = Target(value, t.policy, reason)
+    return out
 
 
 def _error(e: Exception) -> str:
