@@ -214,8 +214,8 @@ class Executor:
             self.audit(self.tree.path_of(d.path) + "/" + p.attribute, p.attribute, old, new, reason)
             return WriteResult(d.path, p.attribute, old, new, reason, Outcome.WRITTEN)
         result = self._write(d, replace(p, target=replace(p.target, reason=reason)))
-        if result.outcome is Outcome.UNCHANGED and p.current is not None:  # systemd wrote it
-            old = p.current.render()
+        if result.outcome is Outcome.UNCHANGED:  # systemd wrote it (or enabled its controller)
+            old = None if p.current is None else p.current.render()
             self.audit(self.tree.path_of(d.path) + "/" + p.attribute, p.attribute, old, new, reason)
             return replace(result, old=old, outcome=Outcome.WRITTEN)
         return result
