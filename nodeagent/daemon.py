@@ -21,7 +21,7 @@ import structlog
 from pydantic import ValidationError
 
 from nodeagent import sdnotify, state
-from nodeagent.act import Executor
+from nodeagent.act import Executor, Outcome
 from nodeagent.api.server import ApiBadRequest, ApiNotFound, ApiServer, Request, Routes
 from nodeagent.cgroupfs.subtree import ensure_managed_root, leave_managed_path
 from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
@@ -36,6 +36,7 @@ from nodeagent.logs import audit_write
 from nodeagent.ownership import parent_identity, write_mode
 from nodeagent.policy.classify import assign
 from nodeagent.policy.history import decay
+from nodeagent.policy.newcomer import plan_newcomers
 from nodeagent.policy.plan import make_plan
 from nodeagent.policy.weights import ancestors
 from nodeagent.report import TickRecord, allocations, explain, find, identities
@@ -173,6 +174,7 @@ class Agent:
     def tick(self) -> TickRecord:
         started = time.monotonic()
         self.registry.poll()
+        self.registry.new.clear()  # this tick plans them in full
         jobs = self.jobs.assignments()  # exec's jobs, managed whatever the rules say
         for path in jobs.keys() - self.registry.workloads.keys():
             self.registry.track(path)  # started since inotify last spoke
@@ -373,13 +375,39 @@ class Agent:
         return ok
 
     def _wait_for_cgroup_events(self, timeout: float) -> bool:
-        """Sleep until timeout or until a cgroup appears or goes; True for the latter."""
+        """Sleep until timeout or until cgroups appear or go. New workloads get their plan
+        at once through the fast path; True only when events were lost (a resync), so
+        that a full tick follows now."""
         fd = self.registry.fileno()
         if fd is None:
             time.sleep(timeout)
             return False
         readable, _, _ = select.select([fd], [], [], timeout)
-        return bool(readable) and self.registry.poll()
+        if not readable:
+            return False
+        self.registry.poll()
+        new, self.registry.new = self.registry.new, []
+        if new:
+            _guarded("fastpath.failed", self.fast_path, new)
+        resynced, self.registry.resynced = self.registry.resynced, False
+        return resynced
+
+    def fast_path(self, paths: list[str]) -> None:
+        """Apply new workloads' own caps and their tenant's weight now, before the next
+        full tick (policy.newcomer explains what it sets)."""
+        identities = [self.registry.workloads[p] for p in paths if p in self.registry.workloads]
+        jobs = self.jobs.assignments()
+        assignments = {**assign(identities, self.spec), **jobs}
+        last = self.last
+        node = last.snapshot.node if last is not None else self.sensor.node.read()
+        plan, snapshot = plan_newcomers(
+            identities, assignments, self.spec, previous=None if last is None else last.plan,
+            node=node, wall_time=time.time(),
+        )  # fmt: skip
+        for r in self.executor.apply(plan, snapshot):
+            if r.outcome is Outcome.FAILED:
+                log.warning("fastpath.write_failed", cgroup=r.path, attribute=str(r.attribute),
+                            detail=r.detail)  # fmt: skip
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT stop the loop, SIGHUP reloads the policy. Call this before prepare(),

@@ -30,6 +30,10 @@ class Registry:
         self.workloads: dict[str, WorkloadIdentity] = {}
         self.problems: dict[str, str] = {}
         """Directories the last scan could not read, with why (shown by `workloads`)."""
+        self.new: list[str] = []
+        """Workloads inotify reported since the daemon last took them (its fast path)."""
+        self.resynced = False
+        """A resync replaced the set since the daemon last looked (an event queue overflow)."""
         self._inotify = INotify() if watch else None
         self._wd_path: dict[int, str] = {}
         self._path_wd: dict[str, int] = {}
@@ -59,6 +63,7 @@ class Registry:
                 # events were lost, deletions and IN_IGNORED among them: start watching afresh
                 self._reset_watches()
                 self.resync()
+                self.resynced = True
                 return True
             parent = self._wd_path.get(event.wd)
             if parent is None:
@@ -76,11 +81,13 @@ class Registry:
         before = len(self.workloads)
         if identity is not None:
             self.workloads[path] = identity
+            self.new.append(path)
         if descends(identity):
             # Watch first, then scan: a child made between the two is seen by one of them.
             self._watch(path)
             result = scan(self.tree, self.managed_root, start=path, into=ScanResult())
             self.workloads.update(result.workloads)
+            self.new.extend(result.workloads)
             self.problems.update(result.problems)
             for parent in result.parents:
                 self._watch(parent)

@@ -164,7 +164,7 @@ def make_plan(
         CgroupPlan(
             i,
             assignments.get(i.path),
-            {} if i.path in merged.skipped else _as_written(merged.targets[i.path], modes[i.path]),
+            {} if i.path in merged.skipped else as_written(merged.targets[i.path], modes[i.path]),
             tuple(merged.traces[i.path]),
             merged.skipped.get(i.path),
             tuple(n for n in merged.notes if n.path == i.path),
@@ -227,7 +227,7 @@ class _Merge:
             self.traces[o.path].extend(f"{o.policy}: {line}" for line in (*o.trace, o.reason))
 
 
-def _as_written(targets: Mapping[Attribute, Target], mode: WriteMode) -> dict[Attribute, Target]:
+def as_written(targets: Mapping[Attribute, Target], mode: WriteMode) -> dict[Attribute, Target]:
     """For a cgroup systemd owns, each value as systemd will write it (cpu.max rounded to
     its property's precision), so that the file, the property and the plan agree."""
     if mode is not WriteMode.SYSTEMD:
