@@ -18,7 +18,7 @@ says whether such cgroups are left alone (said once) or their files written dire
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -101,12 +101,18 @@ class Executor:
         self._bus_down: str | None = None
         """Why D-Bus could not be reached, while it cannot; logged once per outage."""
 
-    def apply(self, plan: Plan, snapshot: NodeSnapshot) -> list[WriteResult]:
+    def apply(
+        self, plan: Plan, snapshot: NodeSnapshot, only: Collection[str] | None = None
+    ) -> list[WriteResult]:
+        """`only`: the cgroups to compare (those read afresh when the plan has not
+        changed); all of them by default."""
         current = {w.path: w.sample.settings for w in (*snapshot.workloads, *snapshot.levels)}
         self._systemd = _UnitWrites(plan, current)
         results: list[WriteResult] = []
         pending: list[_Pending] = []
         for cg in plan.cgroups:
+            if only is not None and cg.path not in only:
+                continue
             settings = current.get(cg.path, {})
             for attr, target in cg.targets.items():
                 now = settings.get(attr)

@@ -33,16 +33,22 @@ from nodeagent.gpu.service import GpuService, environment
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.jobs import Jobs
 from nodeagent.logs import audit_write
-from nodeagent.ownership import parent_identity, write_mode
+from nodeagent.ownership import WriteMode, parent_identity, write_mode
+from nodeagent.policy import history
+from nodeagent.policy.base import Assignment
 from nodeagent.policy.classify import assign
+from nodeagent.policy.fairshare import is_active
 from nodeagent.policy.history import decay
 from nodeagent.policy.newcomer import plan_newcomers
-from nodeagent.policy.plan import make_plan
+from nodeagent.policy.plan import Plan, make_plan
+from nodeagent.policy.protection import stall
 from nodeagent.policy.weights import ancestors
 from nodeagent.report import TickRecord, allocations, explain, find, identities
 from nodeagent.sdbus import Systemd
+from nodeagent.sense.cgroup_files import Needs
 from nodeagent.sense.node import NodeSensor
-from nodeagent.sense.sensor import Sensor
+from nodeagent.sense.sensor import NO_NEEDS, Sensor
+from nodeagent.snapshot import NodeSnapshot
 from nodeagent.spec.load import PolicyError, load_policy
 from nodeagent.spec.model import AgentSettings, PolicySpec
 
@@ -75,7 +81,12 @@ class Agent:
         self.proc_root = proc_root
         self.registry = Registry(tree, spec.agent.managed_root)
         # rates over shorter windows than half a tick are noise (cpu.stat moves in scheduler ticks)
-        self.sensor = Sensor(tree, NodeSensor(proc_root), min_window=spec.agent.interval / 2)
+        self.sensor = Sensor(
+            tree,
+            NodeSensor(proc_root),
+            min_window=spec.agent.interval / 2,
+            verify_every=spec.agent.resync_interval,
+        )
         # systemd's D-Bus API, for the cgroups it owns; connected at the first write there
         self.systemd = Systemd()
         self.executor = Executor(
@@ -105,6 +116,21 @@ class Agent:
         """Told of every tick: its record, or None when it failed (the metrics)."""
         self._lock = threading.Lock()
         self._saved_at = 0.0
+        self._read_all = True
+        """Read every file of every workload next tick (at start, after a reload)."""
+        self._plan_key: object = None
+        self._replan_at = 0.0
+        self._held_back: set[str] = set()
+        """Workloads whose memory.max waits for their usage to fit: read it every tick."""
+        self._needs_key: object = None
+        self._needs_value: dict[str, Needs] = {}
+        self._claimed_key: object = None
+        self._claimed_value: tuple[
+            dict[str, Assignment],
+            list[WorkloadIdentity],
+            list[WorkloadIdentity],
+            dict[str, WriteMode],
+        ] = ({}, [], [], {})
         self.stop = threading.Event()
         self.reload_requested = threading.Event()
 
@@ -180,12 +206,16 @@ class Agent:
             self.registry.track(path)  # started since inotify last spoke
         # only workloads a rule or exec claims are sensed: the rest are left alone
         identities = self.registry.identities()
-        assignments = {**assign(identities, self.spec), **jobs}
-        managed = [i for i in identities if i.path in assignments]
-        deadline_jobs = [p for p, a in assignments.items() if a.deadline is not None]
+        assignments, managed, levels, modes = self._claimed(identities, jobs)
         snapshot = self.sensor.snapshot(
-            managed, time.time(), started, deadline_jobs, self._levels(managed)
+            managed,
+            time.time(),
+            started,
+            needs=self._needs(assignments, managed),
+            levels=levels,
+            full=self._read_all,
         )
+        self._read_all = False
         for path in snapshot.vanished:  # inotify may have missed it (a failed watch)
             self.registry.forget(path)
         if not self.dry_run:
@@ -195,16 +225,21 @@ class Agent:
             gpus=self.gpus.sense(snapshot.wall_time),
             local_seconds=_local_seconds(snapshot.wall_time),
         )
-        plan = make_plan(
-            snapshot, self.spec, self.usage, assignments=assignments, carried=self.carry
-        )
-        results = tuple(self.executor.apply(plan, snapshot))
+        plan, same = self._plan(snapshot, assignments, started)
+        # an unchanged plan was applied already: only what was read afresh can differ
+        only = self.sensor.fresh if same else None
+        results = tuple(self.executor.apply(plan, snapshot, only))
+        self._held_back = {r.path for r in results if r.outcome is Outcome.UNREACHABLE}
+        written = [r for r in results if r.outcome is Outcome.WRITTEN]
+        if written:
+            targets = {c.path: c.targets for c in plan.cgroups}
+            for r in written:
+                self.sensor.learn(r.path, r.attribute, targets[r.path][r.attribute].value)
         self.gpus.apply(plan, self.dry_run)
         self.usage = dict(plan.tenant_usage)
         self.carry = dict(plan.carry)
         self.problems.update(snapshot, plan, results)
         self.notes.update(plan.notes)
-        modes = {i.path: write_mode(i, self.spec.agent) for i in managed}
         record = TickRecord(
             snapshot, plan, results, time.monotonic() - started, self.dry_run, assignments, modes
         )
@@ -213,6 +248,99 @@ class Agent:
         if not self.dry_run and time.monotonic() - self._saved_at >= STATE_SAVE_INTERVAL:
             self.save_state()
         return record
+
+    def _claimed(
+        self, identities: list[WorkloadIdentity], jobs: Mapping[str, Assignment]
+    ) -> tuple[
+        dict[str, Assignment], list[WorkloadIdentity], list[WorkloadIdentity], dict[str, WriteMode]
+    ]:
+        """Who the rules and the jobs claim, their parents and write modes: worked out again
+        only when the workloads, the jobs or the policy change (a steady tick skips it)."""
+        key = (tuple(identities), tuple(jobs.items()), id(self.spec))
+        if key != self._claimed_key:
+            assignments = {**assign(identities, self.spec), **jobs}
+            managed = [i for i in identities if i.path in assignments]
+            modes = {i.path: write_mode(i, self.spec.agent) for i in managed}
+            self._claimed_value = (assignments, managed, self._levels(managed), modes)
+            self._claimed_key = key
+        return self._claimed_value
+
+    def _needs(
+        self, assignments: Mapping[str, Assignment], managed: list[WorkloadIdentity]
+    ) -> dict[str, Needs]:
+        """What each workload's lean read adds to its usage, for the policies in use:
+        memory.current only while a memory.max waits for usage to fit."""
+        key = (id(assignments), frozenset(self._held_back))
+        if key == self._needs_key:
+            return self._needs_value
+        classes = self.spec.classes
+        out = {}
+        for i in managed:
+            a = assignments[i.path]
+            cls = classes[a.workload_class]
+            need = Needs(
+                events=a.rule.startswith("exec:"),
+                memory=i.path in self._held_back,
+                pressure=cls.protect or cls.reserved_cpu is not None or a.deadline is not None,
+                threads=a.deadline is not None,
+            )
+            if need != NO_NEEDS:
+                out[i.path] = need
+        self._needs_key, self._needs_value = key, out
+        return out
+
+    def _plan(
+        self, snapshot: NodeSnapshot, assignments: Mapping[str, Assignment], now: float
+    ) -> tuple[Plan, bool]:
+        """A new plan when something it depends on changed, or `agent.replan_interval`
+        has passed; otherwise the last one again, with the usage history advanced. What
+        a plan depends on: which workloads there are and which are busy, what could not
+        be read, the GPUs' holders, and anything that moves every tick (deadline jobs, a
+        protected cgroup under pressure, the protection controller at work)."""
+        spec = self.spec
+        active = frozenset(w.path for w in snapshot.workloads if is_active(w, spec.fair_share))
+        gpus = snapshot.gpus
+        key = (
+            frozenset(w.path for w in snapshot.workloads),
+            active,
+            frozenset(s.path for s in snapshot.skipped),
+            frozenset(w.path for w in snapshot.levels),
+            None
+            if gpus is None
+            else (gpus.holds, tuple((p.pid, p.device_uuid) for p in gpus.processes)),
+        )
+        last = self.last
+        moving = any(a.deadline is not None for a in assignments.values()) or self._pressure(
+            snapshot
+        )
+        if last is not None and key == self._plan_key and now < self._replan_at and not moving:
+            usage = history.advance(
+                self.usage, snapshot, last.plan.assignments(), spec.fair_share.half_life
+            )
+            again = replace(
+                last.plan, seq=snapshot.seq, wall_time=snapshot.wall_time, tenant_usage=usage
+            )
+            return again, True
+        self._plan_key, self._replan_at = key, now + spec.agent.replan_interval
+        plan = make_plan(snapshot, spec, self.usage, assignments=assignments, carried=self.carry)
+        return plan, False
+
+    def _pressure(self, snapshot: NodeSnapshot) -> bool:
+        """The protection controller is at work, or a cgroup it watches stalls."""
+        carried = self.carry.get("protection", {})
+        if (
+            carried.get("caps")
+            or carried.get("frozen")
+            or carried.get("uncap")
+            or carried.get("thaw")
+        ):
+            return True
+        threshold = self.spec.protection.cpu_pressure / 2
+        return any(
+            (stall(w) or 0.0) >= threshold
+            for w in snapshot.workloads
+            if w.sample.cpu_psi is not None
+        )
 
     def save_state(self) -> None:
         """Save the usage history. A failure is logged and retried at the next interval, not
@@ -252,6 +380,8 @@ class Agent:
             return
         self.spec = spec
         self.sensor.min_window = spec.agent.interval / 2
+        self.sensor.verify_every = spec.agent.resync_interval
+        self._read_all, self._replan_at = True, 0.0
         log.info("policy.reloaded", file=self.config_path, rules=len(spec.rules))
 
     # --- the API's view -------------------------------------------------------------------

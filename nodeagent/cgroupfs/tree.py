@@ -154,6 +154,16 @@ class CgroupTree:
 
     @contextmanager
     def open(self, path: str) -> Iterator[CgroupDir]:
+        fd = self.open_fd(path)
+        try:
+            yield CgroupDir(path, fd)
+        finally:
+            os.close(fd)
+
+    def open_fd(self, path: str) -> int:
+        """A directory fd for the cgroup at `path`, walked as `open` walks it; the caller
+        closes it. Kept open, it still names the same cgroup when another takes its path:
+        files opened through it then fail with ENOENT (CgroupVanished)."""
         parts = split_path(path)
         try:
             fd = os.open(self.root, _DIR_FLAGS)
@@ -171,10 +181,7 @@ class CgroupTree:
             if e.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise UnsafePath(f"cgroup path {path!r} passes through a symlink") from e
             raise NodeagentError(f"cannot open cgroup {path}: {e.strerror}") from e
-        try:
-            yield CgroupDir(path, fd)
-        finally:
-            os.close(fd)
+        return fd
 
     def mkdir(self, path: str) -> bool:
         """Create one cgroup whose parent exists; False when it already existed."""

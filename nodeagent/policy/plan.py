@@ -115,6 +115,9 @@ class Plan:
     """The CPU each workload with a floor or a share is meant to get, which its weight
     follows: the metrics' target shares."""
 
+    def assignments(self) -> dict[str, Assignment]:
+        return {cg.path: cg.assignment for cg in self.cgroups if cg.assignment is not None}
+
 
 def make_plan(
     snapshot: NodeSnapshot,

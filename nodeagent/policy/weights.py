@@ -174,14 +174,21 @@ def _split_note(
         now = states[path].sample.settings.get(Attribute.CPU_WEIGHT) if path in states else None
         return float(now.value) if isinstance(now, CpuWeight) else 100.0
 
+    totals: dict[tuple[str, bool], float] = {}
+
+    def total(group: str, planned: bool) -> float:
+        key = (group, planned)
+        if key not in totals:
+            totals[key] = sum(weight(s, planned) for s in siblings[group] if nodes[s].active)
+        return totals[key]
+
     def share(path: str, planned: bool) -> float:
         fraction = 1.0
         for p in [path, *ancestors(path)]:
             if p not in nodes:
                 break
-            group = [s for s in siblings[parent(p)] if nodes[s].active]
-            total = sum(weight(s, planned) for s in group)
-            fraction *= weight(p, planned) / total if total else 0.0
+            whole = total(parent(p), planned)
+            fraction *= weight(p, planned) / whole if whole else 0.0
         return fraction
 
     tenants: dict[str, list[float]] = {}

@@ -1,9 +1,11 @@
-"""Read one cgroup's interface files into a CgroupSample."""
+"""Read one cgroup's interface files into a CgroupSample: all of them (a full read), or
+only what moves and what the policies in use need (a lean read)."""
 
 from __future__ import annotations
 
 import errno
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from nodeagent.cgroupfs import parse
@@ -98,6 +100,54 @@ def read_sample(d: CgroupDir, page_size: int, *, threads: bool = False) -> Cgrou
         memory_psi=_pressure(d, "memory.pressure"),
         threads=len(d.read("cgroup.threads").split()) if threads else None,
         settings=settings,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Needs:
+    """What a lean read adds to cpu.stat for one workload, because a policy in use needs
+    it every tick."""
+
+    events: bool = False
+    """cgroup.events: whether it holds processes (exec's jobs, to remove them when empty)."""
+    memory: bool = False
+    """memory.current: a memory limit is planned from usage (never below it)."""
+    pressure: bool = False
+    """cpu.pressure: a protected class, or a floor, whose stalls throttle others."""
+    threads: bool = False
+    """cgroup.threads: a deadline job's parallelism."""
+
+
+def read_lean(d: CgroupDir, known: CgroupSample, needs: Needs) -> CgroupSample:
+    """The usage counters and what `needs` asks for, fresh; everything else as `known`
+    (the last full read, updated with what the agent wrote since). Whether it holds
+    processes is unknown unless asked for: its CPU rate says whether it is busy."""
+    cpu = parse.flat_keyed(d.read("cpu.stat"))
+    populated = memory = psi = threads = None
+    if needs.events:
+        populated = bool(parse.flat_keyed(d.read("cgroup.events"))["populated"])
+    if needs.memory:
+        text = d.read_optional("memory.current")
+        memory = None if text is None else parse.single_int(text)
+    if needs.pressure:
+        psi = _pressure(d, "cpu.pressure")
+    if needs.threads:
+        threads = len(d.read("cgroup.threads").split())
+    k = known
+    return CgroupSample(  # one constructor call: dataclasses.replace costs as much as a read
+        populated=populated,
+        cpu_usage_us=cpu.get("usage_usec"),
+        cpu_nr_periods=cpu.get("nr_periods"),
+        cpu_nr_throttled=cpu.get("nr_throttled"),
+        cpu_throttled_us=cpu.get("throttled_usec"),
+        memory_current=memory if needs.memory else k.memory_current,
+        memory_anon=k.memory_anon,
+        memory_file=k.memory_file,
+        memory_events=k.memory_events,
+        cpu_psi=psi if needs.pressure else k.cpu_psi,
+        memory_psi=k.memory_psi,
+        threads=threads if needs.threads else k.threads,
+        settings=k.settings,
     )
 
 

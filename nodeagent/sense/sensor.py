@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+import os
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 
 from nodeagent.cgroupfs import parse
-from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
-from nodeagent.cgroupfs.values import Attribute, CpuWeight
+from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree, CgroupVanished
+from nodeagent.cgroupfs.values import Attribute, CpuWeight, Value
 from nodeagent.errors import one_line
 from nodeagent.identity import WorkloadIdentity
-from nodeagent.sense.cgroup_files import read_sample
+from nodeagent.sense.cgroup_files import Needs, read_lean, read_sample
 from nodeagent.sense.node import NodeSensor
 from nodeagent.snapshot import CgroupSample, NodeSnapshot, Skipped, WorkloadState
 
@@ -25,7 +27,15 @@ class _Counters:
 
 
 class Sensor:
-    """Reads every known workload once per tick.
+    """Reads every known workload once per tick, reading what moves.
+
+    A workload's files are all read when it is first seen, then in turn, a few
+    workloads a tick so that each is read in full every `verify_every` seconds; every
+    other tick reads its cpu.stat only, plus what a policy in use needs (`Needs`), and
+    takes its settings from the last full read, updated with what the agent wrote
+    (`learn`). So a tick costs little more than reading each workload's usage, and a
+    change made by another writer is seen within `verify_every` seconds at most (and
+    repaired at once). Directory fds are kept from tick to tick: a read is one openat.
 
     One cgroup never costs the others: a vanished cgroup is dropped and reported in
     `vanished`; one whose files cannot be read or parsed (whatever the error) is
@@ -37,46 +47,111 @@ class Sensor:
     stands and the baseline is kept.
     """
 
-    def __init__(self, tree: CgroupTree, node: NodeSensor, min_window: float = 0.0) -> None:
+    def __init__(
+        self,
+        tree: CgroupTree,
+        node: NodeSensor,
+        min_window: float = 0.0,
+        verify_every: float = 30.0,
+    ) -> None:
         self.tree = tree
         self.node = node
         self.min_window = min_window
+        self.verify_every = verify_every
         self._seq = 0
         self._last_mono: float | None = None
         self._baseline: dict[str, _Counters] = {}
         self._rates: dict[str, _Rates] = {}
+        self._known: dict[str, CgroupSample] = {}
+        self._dirs: dict[str, int] = {}
+        self._turn: deque[str] = deque()
+        self._credit = 0.0
+        self.fresh: frozenset[str] = frozenset()
+        """The workloads whose settings the last snapshot read from the kernel, and the
+        levels (read every tick)."""
+
+    def learn(self, path: str, attribute: Attribute, value: Value) -> None:
+        """What the agent just wrote, so the next lean read does not take it for drift."""
+        known = self._known.get(path)
+        if known is not None:
+            self._known[path] = replace(known, settings={**known.settings, attribute: value})
+
+    def close(self) -> None:
+        for fd in self._dirs.values():
+            os.close(fd)
+        self._dirs.clear()
+
+    def _dir(self, path: str) -> CgroupDir:
+        fd = self._dirs.get(path)
+        if fd is None:
+            if len(self._dirs) >= MAX_OPEN_DIRS:
+                raise _NoRoom
+            fd = self._dirs[path] = self.tree.open_fd(path)
+        return CgroupDir(path, fd)
+
+    def _drop(self, path: str) -> None:
+        fd = self._dirs.pop(path, None)
+        if fd is not None:
+            os.close(fd)
+        self._known.pop(path, None)
+
+    def _due(self, paths: list[str], elapsed: float | None, full: bool) -> set[str]:
+        """The workloads to read in full this tick: new ones, and the next in turn."""
+        if full:
+            return set(paths)
+        due = {p for p in paths if p not in self._known}
+        if elapsed and self.verify_every > 0:
+            self._credit += len(paths) * min(elapsed, self.verify_every) / self.verify_every
+        live = set(paths)
+        self._turn = deque(p for p in self._turn if p in live)
+        queued = set(self._turn)
+        self._turn.extend(p for p in paths if p not in queued)
+        while self._credit >= 1 and self._turn:
+            p = self._turn.popleft()
+            self._turn.append(p)
+            due.add(p)
+            self._credit -= 1
+        return due
 
     def snapshot(
         self,
         workloads: Iterable[WorkloadIdentity],
         wall_time: float,
         monotonic: float,
-        count_threads: Collection[str] = (),
+        *,
+        needs: Mapping[str, Needs] | None = None,
         levels: Iterable[WorkloadIdentity] = (),
+        full: bool = False,
     ) -> NodeSnapshot:
-        """`count_threads`: paths whose threads are counted too (deadline jobs); `levels`:
-        parents of workloads, of which only cpu.weight is read (one that cannot be read is
-        left out: the hierarchy stops below it)."""
+        """`needs`: what a lean read adds for each workload; `levels`: parents of
+        workloads, of which only cpu.weight is read (one that cannot be read is left out:
+        the hierarchy stops below it); `full`: read every file of every workload."""
         elapsed = None if self._last_mono is None else monotonic - self._last_mono
         node = self.node.read()
+        identities = list(workloads)
+        due = self._due([i.path for i in identities], elapsed, full)
+        needs = needs or {}
         states = []
         skipped: list[Skipped] = []
         vanished: list[str] = []
         baseline: dict[str, _Counters] = {}
         rates: dict[str, _Rates] = {}
-        for identity in workloads:
+        read: set[str] = set()
+        for identity in identities:
+            path = identity.path
             try:
-                with self.tree.open(identity.path) as d:
-                    sample = read_sample(d, node.page_size, threads=identity.path in count_threads)
+                sample = self._read(path, path in due, needs.get(path, NO_NEEDS), node.page_size)
             except CgroupVanished:
-                vanished.append(identity.path)
+                vanished.append(path)
+                self._drop(path)
                 continue
             except Exception as e:  # unreadable, unparsable, unexpected: skip this one only
                 skipped.append(Skipped(identity, "sense", one_line(e)))
-                if identity.path in self._baseline:  # measure from it when the cgroup recovers
-                    baseline[identity.path] = self._baseline[identity.path]
+                self._drop(path)
+                if path in self._baseline:  # measure from it when the cgroup recovers
+                    baseline[path] = self._baseline[path]
                 continue
-            path = identity.path
+            read.add(path)
             now = _counters(sample, monotonic)
             prev = self._baseline.get(path)
             if now is not None:
@@ -97,10 +172,13 @@ class Sensor:
                     None if r is None else r.stall,
                 )
             )
+        for gone in [p for p in self._dirs if p not in read]:
+            self._drop(gone)  # no longer sensed: a workload that went, or one no rule claims
         self._baseline, self._rates = baseline, rates
         self._last_mono = monotonic
         self._seq += 1
         parents = self._levels(levels, skipped)
+        self.fresh = frozenset(due | {w.path for w in parents})
         return NodeSnapshot(
             self._seq,
             wall_time,
@@ -111,6 +189,18 @@ class Sensor:
             tuple(vanished),
             parents,
         )
+
+    def _read(self, path: str, full: bool, needs: Needs, page_size: int) -> CgroupSample:
+        try:
+            d = self._dir(path)
+        except _NoRoom:  # more workloads than fds kept: open this one for this read only
+            with self.tree.open(path) as d:
+                return read_sample(d, page_size, threads=needs.threads)
+        if full or path not in self._known:
+            sample = read_sample(d, page_size, threads=needs.threads)
+            self._known[path] = sample
+            return sample
+        return read_lean(d, self._known[path], needs)
 
     def _levels(
         self, levels: Iterable[WorkloadIdentity], skipped: list[Skipped]
@@ -129,6 +219,15 @@ class Sensor:
             settings = {} if weight is None else {Attribute.CPU_WEIGHT: weight}
             out.append(WorkloadState(identity, CgroupSample(settings=settings)))
         return tuple(out)
+
+
+MAX_OPEN_DIRS = 4096
+"""Directory fds kept open across ticks; workloads past this are opened per read."""
+NO_NEEDS = Needs()
+
+
+class _NoRoom(Exception):
+    pass
 
 
 @dataclass(frozen=True, slots=True)

@@ -219,6 +219,11 @@ class AgentSettings(_Strict):
 
     interval: Duration = Field(1.0, ge=0.05, le=3600)
     resync_interval: Duration = Field(30.0, ge=1, le=86400)
+    """Also how long another writer's change can last: each workload's settings are read
+    again at least this often (a few workloads a tick), and repaired when they differ."""
+    replan_interval: Duration = Field(10.0, ge=0, le=3600)
+    """A plan is made again at least this often while nothing it depends on changes (the
+    set of workloads and which are busy, deadlines, pressure); 0: every tick."""
     managed_root: Name = "nodeagent.slice"
     state_file: HostPath = "/var/lib/nodeagent/state.json"
     socket: SocketPath = DEFAULT_SOCKET

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -104,14 +105,19 @@ def test_an_unchanged_plan_writes_nothing(
 def test_drift_is_repaired(
     managed: str, tmp_path: Path, procs: list[subprocess.Popen[bytes]]
 ) -> None:
-    a = agent(spec(managed, tmp_path, **TWO_TENANTS))
+    """Settings are read again at least every resync_interval (a few workloads a tick):
+    a change by another writer lasts that long at most, then is repaired."""
+    a = agent(spec(managed, tmp_path, agent={"resync_interval": 1}, **TWO_TENANTS))
     (a1,) = _jobs(managed, "a-1")
     procs.append(sleeper(a1))
     a.registry.resync()
     a.tick()
     Path(a1, "cpu.max").write_text("max 100000")
-    a.tick()  # the sensor sees the drift in this tick's snapshot
+    time.sleep(1.1)  # a resync interval: every workload's turn has come
+    record = a.tick()
     assert read(a1, "cpu.max") == "150000 100000"
+    repaired = [r for r in record.results if r.attribute is Attribute.CPU_MAX]
+    assert [(r.old, r.new) for r in repaired] == [("max 100000", "150000 100000")]
 
 
 def test_a_cgroup_that_vanishes_mid_tick_does_not_break_the_loop(

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupReadError, CgroupTree
+from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
+from nodeagent.sense.cgroup_files import Needs
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
 
@@ -20,6 +22,7 @@ FILES = {
     "cpu.max": "max 100000\n",
     "cpu.pressure": "some avg10=1.00 avg60=0.50 avg300=0.10 total=1234\n",
     "memory.current": "4096\n",
+    "cgroup.threads": "11\n12\n",
 }
 
 
@@ -96,3 +99,52 @@ def test_a_skipped_cgroup_keeps_its_rate_baseline(tree: CgroupTree, tmp_path: Pa
     stat.write_text("usage_usec 2000100\n")
     (w,) = sensor.snapshot([job("good")], 3.0, 3.0).workloads
     assert w.cpu_rate == pytest.approx(1.0), "2 s of CPU over the 2 s since the last good read"
+
+
+def test_a_steady_tick_reads_usage_and_verifies_a_few_in_turn(
+    tree: CgroupTree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a workload's first (full) read, a tick reads its cpu.stat only; settings come
+    from what is known, and every workload is read in full again within verify_every."""
+    opened: list[str] = []
+    real = CgroupDir.read
+
+    def counting(self: CgroupDir, name: str) -> str:
+        opened.append(name)
+        return real(self, name)
+
+    monkeypatch.setattr(CgroupDir, "read", counting)
+    sensor = Sensor(tree, NodeSensor(), verify_every=3.0)
+    jobs = [job("good")]
+    sensor.snapshot(jobs, 0.0, 0.0)
+    assert "cpu.weight" in opened, "first sight: a full read"
+    (tmp_path / "s" / "good" / "cpu.weight").write_text("777\n")  # another writer
+    seen = []
+    for t in (1.0, 2.0, 3.0):
+        opened.clear()
+        snap = sensor.snapshot(jobs, t, t)
+        seen.append(snap.workloads[0].sample.settings[Attribute.CPU_WEIGHT])
+        if t < 3.0:
+            assert opened == ["cpu.stat"], f"tick at {t}: {opened}"
+    assert seen == [CpuWeight(100), CpuWeight(100), CpuWeight(777)], "verified in its turn"
+    assert sensor.fresh == {"s/good"}
+
+
+def test_what_the_agent_writes_is_known_without_reading_it(tree: CgroupTree) -> None:
+    sensor = Sensor(tree, NodeSensor(), verify_every=3600)
+    sensor.snapshot([job("good")], 0.0, 0.0)
+    sensor.learn("s/good", Attribute.CPU_WEIGHT, CpuWeight(250))
+    snap = sensor.snapshot([job("good")], 1.0, 1.0)
+    assert snap.workloads[0].sample.settings[Attribute.CPU_WEIGHT] == CpuWeight(250)
+    assert snap.workloads[0].sample.populated is None, "unknown in a lean read: the rate says"
+
+
+def test_needs_add_what_a_policy_uses_every_tick(tree: CgroupTree) -> None:
+    sensor = Sensor(tree, NodeSensor(), verify_every=3600)
+    sensor.snapshot([job("good")], 0.0, 0.0)
+    needs = {"s/good": Needs(events=True, memory=True, pressure=True, threads=True)}
+    (w,) = sensor.snapshot([job("good")], 1.0, 1.0, needs=needs).workloads
+    assert w.sample.populated is True
+    assert w.sample.memory_current == 4096
+    assert w.sample.cpu_psi is not None
+    assert w.sample.threads == 2
