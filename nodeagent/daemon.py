@@ -21,7 +21,7 @@ import structlog
 from pydantic import ValidationError
 
 from nodeagent import sdnotify, state
-from nodeagent.act import Executor, Outcome
+from nodeagent.act import Executor, Outcome, WriteResult
 from nodeagent.api.server import ApiBadRequest, ApiNotFound, ApiServer, Request, Routes
 from nodeagent.cgroupfs.subtree import ensure_managed_root, leave_managed_path
 from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
@@ -120,8 +120,12 @@ class Agent:
         """Read every file of every workload next tick (at start, after a reload)."""
         self._plan_key: object = None
         self._replan_at = 0.0
+        self._fast_results: list[WriteResult] = []
+        """The fast path's writes since the last tick, reported with the next one."""
         self._held_back: set[str] = set()
         """Workloads whose memory.max waits for their usage to fit: read it every tick."""
+        self._retry: frozenset[str] = frozenset()
+        """Workloads with a failed write last tick: written again even on an unchanged plan."""
         self._needs_key: object = None
         self._needs_value: dict[str, Needs] = {}
         self._claimed_key: object = None
@@ -226,10 +230,13 @@ class Agent:
             local_seconds=_local_seconds(snapshot.wall_time),
         )
         plan, same = self._plan(snapshot, assignments, started)
-        # an unchanged plan was applied already: only what was read afresh can differ
-        only = self.sensor.fresh if same else None
-        results = tuple(self.executor.apply(plan, snapshot, only))
+        # an unchanged plan was applied already: only what was read afresh can differ, and
+        # what failed to be written last time is tried again
+        only = self.sensor.fresh | self._retry if same else None
+        results = (*self._fast_results, *self.executor.apply(plan, snapshot, only))
+        self._fast_results = []
         self._held_back = {r.path for r in results if r.outcome is Outcome.UNREACHABLE}
+        self._retry = frozenset(r.path for r in results if r.outcome is Outcome.FAILED)
         written = [r for r in results if r.outcome is Outcome.WRITTEN]
         if written:
             targets = {c.path: c.targets for c in plan.cgroups}
@@ -295,8 +302,9 @@ class Agent:
         """A new plan when something it depends on changed, or `agent.replan_interval`
         has passed; otherwise the last one again, with the usage history advanced. What
         a plan depends on: which workloads there are and which are busy, what could not
-        be read, the GPUs' holders, and anything that moves every tick (deadline jobs, a
-        protected cgroup under pressure, the protection controller at work)."""
+        be read, the GPUs' holders, each tenant's part of the usage history (to the percent),
+        and anything that moves every tick (deadline jobs, a protected cgroup under pressure,
+        the protection controller at work, a memory.max waiting for usage to fit)."""
         spec = self.spec
         active = frozenset(w.path for w in snapshot.workloads if is_active(w, spec.fair_share))
         gpus = snapshot.gpus
@@ -308,10 +316,13 @@ class Agent:
             None
             if gpus is None
             else (gpus.holds, tuple((p.pid, p.device_uuid) for p in gpus.processes)),
+            _usage_shares(self.usage),
         )
         last = self.last
-        moving = any(a.deadline is not None for a in assignments.values()) or self._pressure(
-            snapshot
+        moving = (
+            bool(self._held_back)  # memory.max waits for usage: try it again each tick
+            or any(a.deadline is not None for a in assignments.values())
+            or self._pressure(snapshot)
         )
         if last is not None and key == self._plan_key and now < self._replan_at and not moving:
             usage = history.advance(
@@ -534,7 +545,9 @@ class Agent:
             identities, assignments, self.spec, previous=None if last is None else last.plan,
             node=node, wall_time=time.time(),
         )  # fmt: skip
-        for r in self.executor.apply(plan, snapshot):
+        results = self.executor.apply(plan, snapshot)
+        self._fast_results.extend(results)  # reported with the next tick's
+        for r in results:
             if r.outcome is Outcome.FAILED:
                 log.warning("fastpath.write_failed", cgroup=r.path, attribute=str(r.attribute),
                             detail=r.detail)  # fmt: skip
@@ -556,6 +569,13 @@ class Agent:
 
 
 T = TypeVar("T")
+
+
+def _usage_shares(usage: Mapping[str, float]) -> tuple[tuple[str, float], ...]:
+    """Each tenant's part of the decayed usage, to the percent: fair share re-plans when
+    it moves, and not for every last core-second."""
+    total = sum(usage.values())
+    return tuple(sorted((t, round(u / total, 2) if total else 0.0) for t, u in usage.items()))
 
 
 def _local_seconds(wall: float) -> float:

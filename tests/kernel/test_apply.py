@@ -128,9 +128,9 @@ def test_a_cgroup_that_vanishes_mid_tick_does_not_break_the_loop(
     a.registry.resync()
     real_apply = a.executor.apply
 
-    def apply_after_rmdir(plan, snapshot):  # type: ignore[no-untyped-def]
+    def apply_after_rmdir(*args):  # type: ignore[no-untyped-def]
         b1.rmdir()  # gone after it was sensed, before it is written
-        return real_apply(plan, snapshot)
+        return real_apply(*args)
 
     monkeypatch.setattr(a.executor, "apply", apply_after_rmdir)
     record = a.tick()

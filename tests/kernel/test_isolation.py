@@ -132,10 +132,10 @@ def test_a_file_that_breaks_at_write_time_fails_that_write_only(
     (tmp_path / "garbage").write_text("lots\n")
     real = a.executor.apply
 
-    def break_then_apply(plan, snapshot):  # type: ignore[no-untyped-def]
+    def break_then_apply(*args):  # type: ignore[no-untyped-def]
         # read fine when sensed; the memory guard re-reads memory.current before writing
         bind(tmp_path / "garbage", bad / "memory.current", mounts)
-        return real(plan, snapshot)
+        return real(*args)
 
     monkeypatch.setattr(a.executor, "apply", break_then_apply)
     record = a.tick()
