@@ -5,6 +5,9 @@ Prints, for 10, 100 and 1000 workload cgroups: the agent's steady-state tick
 cost of reading the same interface files in a tight loop, and their ratio.
 Then the latency from a new cgroup's mkdir to the daemon's first write to it,
 woken by inotify (interval and resync are an hour, so nothing else wakes it).
+
+--json figures: ticks[] (cgroups, tick_ms, raw_read_ms, ratio, files_per_tick) and
+latency[] (background, p50_ms, p99_ms, max_ms, samples).
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import yaml
+from benchkit import Bench, clear, percentile, populate
 
 from nodeagent import logs
 from nodeagent.cgroupfs.tree import CgroupTree
@@ -31,15 +34,6 @@ ROOT = Path("/sys/fs/cgroup")
 MANAGED = "nodeagent-bench.slice"
 SIZES = (10, 100, 1000)
 LATENCY_SAMPLES = 40
-OUT: list[Path] = []
-
-
-def say(line: str = "") -> None:
-    """Print a figure, and append it to the output file at once: a crash keeps what was found."""
-    print(line, flush=True)
-    for path in OUT:
-        with open(path, "a") as f:
-            f.write(line + "\n")
 
 
 def policy(state_dir: str, **agent: object) -> dict[str, object]:
@@ -70,36 +64,9 @@ def policy(state_dir: str, **agent: object) -> dict[str, object]:
     }
 
 
-def populate(n: int) -> list[subprocess.Popen[bytes]]:
-    """n workload cgroups, each with one sleeping process so that it counts as active."""
-    procs = []
-    (ROOT / MANAGED).mkdir(exist_ok=True)
-    for i in range(n):
-        d = ROOT / MANAGED / f"{'ab'[i % 2]}-{i}"
-        d.mkdir()
-        enter = 'echo $$ > "$0/cgroup.procs" && exec sleep 3600'
-        procs.append(subprocess.Popen(["sh", "-c", enter, str(d)]))
-    for p, i in zip(procs, range(n), strict=True):
-        d = ROOT / MANAGED / f"{'ab'[i % 2]}-{i}"
-        while str(p.pid) not in (d / "cgroup.procs").read_text().split():
-            time.sleep(0.01)
-    return procs
-
-
-def clear(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        p.kill()
-    for p in procs:
-        p.wait()
-    base = ROOT / MANAGED
-    for d in sorted(base.iterdir()) if base.exists() else []:
-        if d.is_dir():
-            while True:
-                try:
-                    d.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.01)
+def names(n: int) -> list[str]:
+    """Workload names that the policy's two rules share between tenants a and b."""
+    return [f"{'ab'[i % 2]}-{i}" for i in range(n)]
 
 
 def raw_read(paths: list[str]) -> None:
@@ -110,13 +77,14 @@ def raw_read(paths: list[str]) -> None:
         os.close(fd)
 
 
-def bench_ticks(state_dir: str) -> None:
-    say("tick cost (steady state: policies run, nothing left to write)")
-    say(f"{'cgroups':>8} {'tick ms':>9} {'raw read ms':>12} {'ratio':>6} {'files/tick':>11}")
+def bench_ticks(bench: Bench, state_dir: str) -> None:
+    bench.say("tick cost (steady state: policies run, nothing left to write)")
+    bench.say(f"{'cgroups':>8} {'tick ms':>9} {'raw read ms':>12} {'ratio':>6} {'files/tick':>11}")
+    rows = bench.figures["ticks"] = []
     logs.configure("warning")  # the audit trail of the set-up ticks would drown the figures
     spec = PolicySpec.model_validate(policy(state_dir))
     for n in SIZES:
-        procs = populate(n)
+        procs = populate(ROOT / MANAGED, names(n))
         try:
             agent = Agent(spec, CgroupTree(str(ROOT)))
             agent.prepare()
@@ -138,15 +106,25 @@ def bench_ticks(state_dir: str) -> None:
                 raw_read(files)
                 raws.append(time.perf_counter() - t0)
             tick_ms, raw_ms = statistics.median(ticks) * 1e3, statistics.median(raws) * 1e3
-            say(f"{n:>8} {tick_ms:>9.2f} {raw_ms:>12.2f} {tick_ms / raw_ms:>6.2f} {len(files):>11}")
+            ratio = tick_ms / raw_ms
+            bench.say(f"{n:>8} {tick_ms:>9.2f} {raw_ms:>12.2f} {ratio:>6.2f} {len(files):>11}")
+            rows.append(
+                {
+                    "cgroups": n,
+                    "tick_ms": round(tick_ms, 3),
+                    "raw_read_ms": round(raw_ms, 3),
+                    "ratio": round(ratio, 3),
+                    "files_per_tick": len(files),
+                }
+            )
         finally:
-            clear(procs)
+            clear(ROOT / MANAGED, procs)
 
 
-def bench_latency(state_dir: str, background: int) -> None:
+def bench_latency(bench: Bench, state_dir: str, background: int) -> None:
     config = Path(state_dir, "latency.yaml")
     config.write_text(yaml.safe_dump(policy(state_dir, interval=3600, resync_interval=3600)))
-    procs = populate(background)
+    procs = populate(ROOT / MANAGED, names(background))
     log_path = Path(state_dir, "agent.log")
     with open(log_path, "w") as log:
         agent = subprocess.Popen(
@@ -174,16 +152,24 @@ def bench_latency(state_dir: str, background: int) -> None:
                 if key in event["path"] and key not in first:
                     first[key] = event["ts"] - t
         lat = sorted(first.values())
-        p50 = statistics.median(lat) * 1e3
-        p99 = lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))] * 1e3
-        say(
+        p50, p99, top = (percentile(lat, q) * 1e3 for q in (0.5, 0.99, 1))
+        bench.say(
             f"mkdir -> first write, {background} other cgroups: p50 {p50:.1f} ms, p99 {p99:.1f} ms"
-            f" (n={len(lat)}, max {lat[-1] * 1e3:.1f} ms)"
+            f" (n={len(lat)}, max {top:.1f} ms)"
+        )
+        bench.figures.setdefault("latency", []).append(
+            {
+                "background": background,
+                "p50_ms": round(p50, 2),
+                "p99_ms": round(p99, 2),
+                "max_ms": round(top, 2),
+                "samples": len(lat),
+            }
         )
     finally:
         agent.terminate()
         agent.wait()
-        clear(procs)
+        clear(ROOT / MANAGED, procs)
 
 
 def wait_for_log(path: Path, needle: str, agent: subprocess.Popen[bytes]) -> None:
@@ -197,20 +183,12 @@ def wait_for_log(path: Path, needle: str, agent: subprocess.Popen[bytes]) -> Non
 
 
 def main() -> None:
-    if len(sys.argv) > 1:
-        OUT.append(Path(sys.argv[1]))
-        OUT[0].write_text("")
-    say(f"kernel {os.uname().release}, {os.cpu_count()} CPUs")
-    try:
-        with tempfile.TemporaryDirectory() as state_dir:
-            bench_ticks(state_dir)
-            say()
-            say("latency from mkdir to the first applied write (inotify; interval and resync 1 h)")
-            for background in (10, 100):
-                bench_latency(state_dir, background)
-    except BaseException:
-        say(traceback.format_exc())
-        raise
+    with Bench("tick", __doc__) as bench, tempfile.TemporaryDirectory() as state_dir:
+        bench_ticks(bench, state_dir)
+        bench.say()
+        bench.say("latency from mkdir to the first applied write (inotify; interval, resync 1 h)")
+        for background in (10, 100):
+            bench_latency(bench, state_dir, background)
 
 
 if __name__ == "__main__":

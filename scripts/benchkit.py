@@ -1,0 +1,132 @@
+"""What every `scripts/bench NAME` benchmark shares: its options, --json, the saved figures.
+
+A benchmark is scripts/bench_NAME.py, run as a script. It opens a `Bench` and reports
+through it, so that the table and the JSON object can never disagree:
+
+    with Bench("api", __doc__, options) as bench:
+        bench.say(f"{ok}/{n} calls succeeded")    # a line of the table
+        bench.figures["succeeded"] = ok            # the same figure, for --json
+
+Without --json the table goes to stdout. With --json, stdout gets one JSON object holding
+the figures and nothing else; the table goes to stderr, as progress. Either way the table is
+saved to OUT/NAME.txt and the object to OUT/NAME.json when --out OUT is given (scripts/bench
+gives out/bench). A benchmark that fails saves what it had, with the traceback, and exits
+non-zero without printing an object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+
+class Bench:
+    def __init__(
+        self,
+        name: str,
+        doc: str | None,
+        options: Callable[[argparse.ArgumentParser], None] | None = None,
+        argv: Sequence[str] | None = None,
+    ) -> None:
+        parser = argparse.ArgumentParser(
+            prog=f"scripts/bench {name}",
+            description=doc,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        parser.add_argument(
+            "--json",
+            action="store_true",
+            help="print one JSON object with the figures, and nothing else, on stdout"
+            " (the table goes to stderr)",
+        )
+        parser.add_argument(
+            "--out",
+            metavar="DIR",
+            help=f"also save the table to DIR/{name}.txt, the figures to DIR/{name}.json",
+        )
+        if options is not None:
+            options(parser)
+        self.args = parser.parse_args(argv)
+        self.name = name
+        self.figures: dict[str, Any] = {
+            "benchmark": name,
+            "kernel": os.uname().release,
+            "cpus": os.cpu_count(),
+        }
+        self._table = sys.stderr if self.args.json else sys.stdout
+        self._saved: Path | None = None
+        if self.args.out:
+            Path(self.args.out).mkdir(parents=True, exist_ok=True)
+            self._saved = Path(self.args.out, f"{name}.txt")
+            self._saved.write_text("")
+
+    def say(self, line: str = "") -> None:
+        """A line of the table; saved at once, so a crash keeps what was found."""
+        print(line, file=self._table, flush=True)
+        if self._saved is not None:
+            with open(self._saved, "a") as f:
+                f.write(line + "\n")
+
+    def __enter__(self) -> Bench:
+        self.say(f"kernel {self.figures['kernel']}, {self.figures['cpus']} CPUs")
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            self.say("".join(traceback.format_exception(exc_type, exc, tb)).rstrip())
+            return
+        text = json.dumps(self.figures, sort_keys=True)
+        if self.args.out:
+            Path(self.args.out, f"{self.name}.json").write_text(text + "\n")
+        if self.args.json:
+            print(text, flush=True)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank q-quantile (0 <= q <= 1) of values."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def populate(parent: Path, names: Sequence[str]) -> list[subprocess.Popen[bytes]]:
+    """A cgroup per name under parent, each with one sleeping process so that it is active."""
+    parent.mkdir(exist_ok=True)
+    procs = []
+    for name in names:
+        (parent / name).mkdir()
+        enter = 'echo $$ > "$0/cgroup.procs" && exec sleep 3600'
+        procs.append(subprocess.Popen(["sh", "-c", enter, str(parent / name)]))
+    for p, name in zip(procs, names, strict=True):
+        while str(p.pid) not in (parent / name / "cgroup.procs").read_text().split():
+            time.sleep(0.01)
+    return procs
+
+
+def clear(parent: Path, procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Kill procs and remove every cgroup directly under parent."""
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.wait()
+    for d in sorted(parent.iterdir()) if parent.exists() else []:
+        if d.is_dir():
+            while True:
+                try:
+                    d.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.01)
