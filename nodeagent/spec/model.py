@@ -91,7 +91,10 @@ def _shares(value: object) -> object:
     split (one part in a million of the largest share).
     """
     number = _number(value)
-    if not isinstance(number, float | int) or not math.isfinite(number):
+    # an int is finite however long (isfinite would overflow converting it to a float)
+    if not isinstance(number, float | int) or (
+        isinstance(number, float) and not math.isfinite(number)
+    ):
         return number
     if not SHARES_MIN <= number <= SHARES_MAX:
         raise PydanticCustomError(
