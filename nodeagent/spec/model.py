@@ -126,7 +126,7 @@ def _host_path(path: str) -> str:
     if "\0" in path:
         raise ValueError("must not contain a NUL byte")
     parts = path.split("/")
-    if parts[0] or any(p in ("", ".", "..") for p in parts[1:]):
+    if parts[0] or len(parts) < 2 or any(p in ("", ".", "..") for p in parts[1:]):
         raise ValueError(f"must be an absolute path without '.', '..' or empty parts, got {path!r}")
     if parts[1] in _KERNEL_TREES:
         raise ValueError(
