@@ -29,7 +29,9 @@ class Registry:
         self.managed_root = managed_root
         self.workloads: dict[str, WorkloadIdentity] = {}
         self.problems: dict[str, str] = {}
-        """Directories the last scan could not read, with why (shown by `workloads`)."""
+        """What the last scan skipped (directories it could not read, symlinks), with why;
+        logged once each, shown by `workloads`."""
+        self._logged: dict[str, str] = {}
         self._inotify = INotify() if watch else None
         self._wd_path: dict[int, str] = {}
         self._path_wd: dict[str, int] = {}
@@ -43,6 +45,7 @@ class Registry:
         result = scan(self.tree, self.managed_root)
         self.workloads = result.workloads
         self.problems = result.problems
+        self._log_problems()
         for path in result.parents:
             self._watch(path)
         live = set(result.parents)
@@ -82,9 +85,18 @@ class Registry:
             result = scan(self.tree, self.managed_root, start=path, into=ScanResult())
             self.workloads.update(result.workloads)
             self.problems.update(result.problems)
+            self._log_problems()
             for parent in result.parents:
                 self._watch(parent)
         return len(self.workloads) != before
+
+    def _log_problems(self) -> None:
+        """A skipped directory hides whatever is below it from the policy: say so once,
+        and again should it come back after it was fixed."""
+        for path, why in self.problems.items():
+            if self._logged.get(path) != why:
+                log.warning("discovery.skipped", cgroup=path, reason=why)
+        self._logged = dict(self.problems)
 
     def _deleted(self, path: str) -> bool:
         gone = [p for p in self.workloads if p == path or p.startswith(path + "/")]
