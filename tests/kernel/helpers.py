@@ -68,6 +68,18 @@ def agent(policy: PolicySpec) -> Agent:
     return a
 
 
+def bind(source: str | Path, target: str | Path, mounts: list[Path]) -> None:
+    """Bind-mount `source` over `target`, noted in `mounts` (the fixture unmounts it)."""
+    subprocess.run(["mount", "--bind", str(source), str(target)], check=True)
+    mounts.append(Path(target))
+
+
+def mount_tmpfs(target: str | Path, mounts: list[Path]) -> None:
+    """A fresh tmpfs over `target`: a directory where cgroupfs's rules do not hold."""
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(target)], check=True)
+    mounts.append(Path(target))
+
+
 def wait_for(check: Callable[[], bool], timeout: float, step: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
