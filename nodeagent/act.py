@@ -4,20 +4,39 @@ Writes that relax a limit go top-down and writes that tighten go bottom-up, so
 a parent is never tighter than its child mid-change (koordlet's leveled
 update). memory.max is never set below what the cgroup uses: the write is held
 back and reported unreachable until usage fits (the plan lowers memory.high
-meanwhile, so the kernel reclaims). Cgroups owned by systemd are never written directly.
+meanwhile, so the kernel reclaims).
+
+A cgroup systemd owns is written as runc does it: before its first file, every
+attribute the plan holds for it is set as a runtime property of its unit over D-Bus
+(systemd re-applies a unit's whole controller from its properties whenever one changes
+and at every daemon-reload, so a file written alone would be undone), then each file is
+written with the value systemd writes for it (the plan holds it rounded already); a
+freeze goes through systemd's FreezeUnit. Without D-Bus, `agent.systemd.without_bus`
+says whether such cgroups are left alone (said once) or their files written directly.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import structlog
 
 from nodeagent.cgroupfs import parse
 from nodeagent.cgroupfs.tree import AuditFn, CgroupDir, CgroupTree, CgroupVanished
-from nodeagent.cgroupfs.values import Attribute, MemoryLimit, Value, is_looser
+from nodeagent.cgroupfs.unitprops import unit_properties
+from nodeagent.cgroupfs.values import Attribute, Frozen, MemoryLimit, Value, is_looser
 from nodeagent.errors import NodeagentError, one_line
+from nodeagent.logs import audit_event
+from nodeagent.ownership import WriteMode
 from nodeagent.policy.plan import Plan, Target
+from nodeagent.sdbus import NoBus
 from nodeagent.snapshot import NodeSnapshot
+from nodeagent.spec.model import WithoutBus
+
+log = structlog.get_logger("nodeagent")
 
 
 class Outcome(enum.StrEnum):
@@ -53,14 +72,38 @@ class _Pending:
         return self.path.count("/")
 
 
+class Units(Protocol):
+    """systemd's side of writing the cgroups it owns (nodeagent.sdbus.Systemd)."""
+
+    def unit_for_cgroup(self, cgroup: str) -> str: ...
+
+    def set_unit_properties(
+        self, unit: str, properties: Mapping[str, int], *, runtime: bool = True
+    ) -> None: ...
+
+    def freeze_unit(self, unit: str, frozen: bool) -> None: ...
+
+
 class Executor:
-    def __init__(self, tree: CgroupTree, audit: AuditFn, dry_run: bool = False) -> None:
+    def __init__(
+        self,
+        tree: CgroupTree,
+        audit: AuditFn,
+        dry_run: bool = False,
+        units: Units | None = None,
+        without_bus: Callable[[], WithoutBus] = lambda: WithoutBus.READ_ONLY,
+    ) -> None:
         self.tree = tree
         self.audit = audit
         self.dry_run = dry_run
+        self.units = units
+        self.without_bus = without_bus
+        self._bus_down: str | None = None
+        """Why D-Bus could not be reached, while it cannot; logged once per outage."""
 
     def apply(self, plan: Plan, snapshot: NodeSnapshot) -> list[WriteResult]:
-        current = {w.path: w.sample.settings for w in snapshot.workloads}
+        current = {w.path: w.sample.settings for w in (*snapshot.workloads, *snapshot.levels)}
+        self._systemd = _UnitWrites(plan, current)
         results: list[WriteResult] = []
         pending: list[_Pending] = []
         for cg in plan.cgroups:
@@ -70,7 +113,7 @@ class Executor:
                 if now == target.value:
                     continue
                 change = _Pending(cg.path, attr, target, now)
-                if cg.identity.owner.writable:
+                if cg.write is not WriteMode.READ_ONLY:
                     pending.append(change)
                 else:
                     why = f"owned by {cg.identity.owner}: not written directly"
@@ -98,11 +141,84 @@ class Executor:
                     refused = self._memory_guard(d, p)
                     if refused is not None:
                         return refused
+                if self._systemd.owns(p.path):
+                    unit = self._unit_ready(d, p.path)
+                    if isinstance(unit, WriteResult):
+                        return replace(unit, attribute=p.attribute, new=p.target.render())
+                    if unit is not None:
+                        return self._through_systemd(d, p, unit)
                 return self._write(d, p)
         except CgroupVanished:
             return _result(p, Outcome.VANISHED)
         except Exception as e:  # refused, unreadable, unparsable: this write only
             return _result(p, Outcome.FAILED, one_line(e))
+
+    def _unit_ready(self, d: CgroupDir, path: str) -> str | WriteResult | None:
+        """The unit of a systemd cgroup with its properties set (once per tick), None to
+        write its files directly (no D-Bus, by the operator's choice), or the result that
+        stands for all its writes (read-only without D-Bus, or the unit refused)."""
+        done = self._systemd.units.get(path)
+        if done is not None:
+            return done
+        try:
+            if self.units is None:
+                raise NoBus("no D-Bus client configured")
+            unit = self.units.unit_for_cgroup(path)
+            properties = self._systemd.properties(path, self._usage(d))
+            self.units.set_unit_properties(unit, properties)
+        except NoBus as e:
+            outcome: str | WriteResult | None = self._no_bus(path, str(e))
+        except NodeagentError as e:
+            outcome = WriteResult(path, Attribute.CPU_WEIGHT, None, "", "", Outcome.FAILED, str(e))
+        else:
+            if self._bus_down is not None:
+                log.info("systemd.reachable", via=getattr(self.units, "via", None))
+                self._bus_down = None
+            audit_event(
+                "systemd.set_properties",
+                unit=unit,
+                cgroup=path,
+                properties=properties,
+                reason="set on the unit before its files, as runc does",
+            )
+            outcome = unit
+        self._systemd.units[path] = outcome
+        return outcome
+
+    def _no_bus(self, path: str, why: str) -> WriteResult | None:
+        fallback = self.without_bus()
+        if self._bus_down is None:
+            log.warning(
+                "systemd.unreachable",
+                error=why,
+                action="writing the files of systemd's cgroups directly (lost at daemon-reload)"
+                if fallback is WithoutBus.DIRECT
+                else "leaving the cgroups systemd owns as they are until D-Bus is back",
+            )
+            self._bus_down = why
+        if fallback is WithoutBus.DIRECT:
+            return None
+        return WriteResult(path, Attribute.CPU_WEIGHT, None, "", "", Outcome.READ_ONLY, why)
+
+    def _usage(self, d: CgroupDir) -> int | None:
+        text = d.read_optional("memory.current")
+        return None if text is None else parse.single_int(text)
+
+    def _through_systemd(self, d: CgroupDir, p: _Pending, unit: str) -> WriteResult:
+        """systemd has the property; the file follows (systemd may have written it already)."""
+        new, reason = p.target.render(), f"{p.target.reason} (through systemd, unit {unit})"
+        if p.attribute is Attribute.FREEZE:
+            assert isinstance(p.target.value, Frozen)
+            self.units.freeze_unit(unit, p.target.value.frozen)  # type: ignore[union-attr]
+            old = None if p.current is None else p.current.render()
+            self.audit(self.tree.path_of(d.path) + "/" + p.attribute, p.attribute, old, new, reason)
+            return WriteResult(d.path, p.attribute, old, new, reason, Outcome.WRITTEN)
+        result = self._write(d, replace(p, target=replace(p.target, reason=reason)))
+        if result.outcome is Outcome.UNCHANGED and p.current is not None:  # systemd wrote it
+            old = p.current.render()
+            self.audit(self.tree.path_of(d.path) + "/" + p.attribute, p.attribute, old, new, reason)
+            return replace(result, old=old, outcome=Outcome.WRITTEN)
+        return result
 
     def _write(self, d: CgroupDir, p: _Pending) -> WriteResult:
         """Re-read the old value (recorded in the audit), then write only if it still differs."""
@@ -128,6 +244,41 @@ class Executor:
             return None
         detail = f"usage {usage} is above the target {target.bytes}: memory.max waits for reclaim"
         return _result(p, Outcome.UNREACHABLE, detail)
+
+
+class _UnitWrites:
+    """One tick's systemd cgroups: their properties, and each unit once set."""
+
+    def __init__(self, plan: Plan, current: Mapping[str, Mapping[Attribute, Value]]) -> None:
+        self.plans = {cg.path: cg for cg in plan.cgroups if cg.write is WriteMode.SYSTEMD}
+        self.current = current
+        self.units: dict[str, str | WriteResult | None] = {}
+
+    def owns(self, path: str) -> bool:
+        return path in self.plans
+
+    def properties(self, path: str, usage: int | None) -> dict[str, int]:
+        """Every attribute the plan holds for the cgroup, as unit properties: systemd resets
+        any it is not given to the unit's own value. A memory.max that must wait for
+        reclaim keeps the kernel's value meanwhile."""
+        out: dict[str, int] = {}
+        for attr, target in self.plans[path].targets.items():
+            if attr is Attribute.FREEZE:
+                continue
+            value = target.value
+            if (
+                attr is Attribute.MEMORY_MAX
+                and isinstance(value, MemoryLimit)
+                and value.bytes is not None
+                and usage is not None
+                and usage > value.bytes
+            ):
+                kept = self.current.get(path, {}).get(attr)
+                if kept is None:
+                    continue
+                value = kept
+            out.update(unit_properties(attr, value))
+        return out
 
 
 def _result(p: _Pending, outcome: Outcome, detail: str = "") -> WriteResult:

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import structlog
 
 from nodeagent.act import Outcome, WriteResult
+from nodeagent.logs import audit_event
 from nodeagent.policy.base import Note
 from nodeagent.policy.plan import Plan
 from nodeagent.snapshot import NodeSnapshot
@@ -63,23 +64,29 @@ class ProblemLog:
                 log.info("cgroup.problem_cleared", cgroup=key[1], was=key[0])
 
 
+AUDITED = frozenset({"gpu-violation"})
+"""Notes that are also audit events: they must be on record even with logging turned down."""
+
+
 class NoteLog:
     """Logs a note when its status changes (a deadline job going from on-track to
     predicted-miss, a class throttled or released), and counts deadline misses."""
 
     def __init__(self) -> None:
-        self._last: dict[tuple[str | None, str], str] = {}
+        self._last: dict[tuple[str | None, str, str], str] = {}
         self.deadline_misses = 0
         self._missed: set[tuple[str | None, object]] = set()
 
     def update(self, notes: Iterable[Note]) -> None:
         seen = set()
         for n in notes:
-            key = (n.path, n.kind)
+            key = (n.path, n.kind, n.key)
             seen.add(key)
             if self._last.get(key) != n.status:
                 event = f"{n.kind}.{n.status.split(maxsplit=1)[0]}"
-                log.info(event, cgroup=n.path, status=n.status, message=n.message, **n.fields)
+                emit = audit_event if n.kind in AUDITED else log.info
+                fields = {**n.fields, "cgroup": n.path, "status": n.status, "message": n.message}
+                emit(event, **fields)
                 self._last[key] = n.status
             if n.kind == "deadline" and n.status == "missed":
                 self.missed(n.path, n.fields.get("deadline"))

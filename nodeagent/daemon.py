@@ -13,29 +13,40 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from types import FrameType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 from pydantic import ValidationError
 
 from nodeagent import sdnotify, state
 from nodeagent.act import Executor
-from nodeagent.api.server import ApiNotFound, ApiServer
+from nodeagent.api.server import ApiBadRequest, ApiNotFound, ApiServer, Request, Routes
 from nodeagent.cgroupfs.subtree import ensure_managed_root, leave_managed_path
-from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
 from nodeagent.changes import NoteLog, ProblemLog
 from nodeagent.discovery.registry import Registry
 from nodeagent.errors import NodeagentError
+from nodeagent.gpu.backend import open_backend
+from nodeagent.gpu.service import GpuService, environment
+from nodeagent.identity import WorkloadIdentity
+from nodeagent.jobs import Jobs
 from nodeagent.logs import audit_write
+from nodeagent.ownership import parent_identity, write_mode
 from nodeagent.policy.classify import assign
 from nodeagent.policy.history import decay
 from nodeagent.policy.plan import make_plan
+from nodeagent.policy.weights import ancestors
 from nodeagent.report import TickRecord, allocations, explain, find, identities
+from nodeagent.sdbus import Systemd
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
 from nodeagent.spec.load import PolicyError, load_policy
 from nodeagent.spec.model import AgentSettings, PolicySpec
+
+if TYPE_CHECKING:
+    from nodeagent.metrics.server import MetricsServer
 
 log = structlog.get_logger("nodeagent")
 
@@ -64,13 +75,33 @@ class Agent:
         self.registry = Registry(tree, spec.agent.managed_root)
         # rates over shorter windows than half a tick are noise (cpu.stat moves in scheduler ticks)
         self.sensor = Sensor(tree, NodeSensor(proc_root), min_window=spec.agent.interval / 2)
-        self.executor = Executor(tree, audit_write, dry_run)
-        self.usage: dict[str, float] = self._load_usage()
+        # systemd's D-Bus API, for the cgroups it owns; connected at the first write there
+        self.systemd = Systemd()
+        self.executor = Executor(
+            tree,
+            audit_write,
+            dry_run,
+            self.systemd,
+            lambda: self.spec.agent.systemd.without_bus,
+        )
+        # one GPU backend for the daemon's life; none on a host without GPUs
+        self.gpus = GpuService(
+            open_backend(spec.gpu.simulate, proc_root),
+            lambda: self.spec,
+            self._fairness,
+            self._exists,
+        )
+        self.jobs = Jobs(
+            tree, audit_write, proc_root, on_end=lambda job: self.gpus.release(job.name)
+        )
+        self.carry: dict[str, Mapping[str, object]] = {}
+        """The policies' state for their next tick (the protection controller's)."""
+        self.usage: dict[str, float] = self._restore()
         self.last: TickRecord | None = None
         self.problems = ProblemLog()
         self.notes = NoteLog()
-        self.carry: dict[str, Mapping[str, object]] = {}
-        """The policies' state for their next tick (the protection controller's)."""
+        self.observers: list[Callable[[TickRecord | None], None]] = []
+        """Told of every tick: its record, or None when it failed (the metrics)."""
         self._lock = threading.Lock()
         self._saved_at = 0.0
         self.stop = threading.Event()
@@ -89,9 +120,32 @@ class Agent:
             raise NodeagentError(f"{option}: {message}") from None
         return spec.model_copy(update={"agent": agent})
 
-    def _load_usage(self) -> dict[str, float]:
-        """The saved usage history, decayed by the time away; only tenants still in the
-        policy are kept, so a removed tenant's history is not carried and re-saved forever."""
+    def _levels(self, managed: list[WorkloadIdentity]) -> list[WorkloadIdentity]:
+        """The parents of the claimed workloads, up to (not including) the root, for the
+        hierarchy of fair share."""
+        if not self.spec.fair_share.hierarchy:
+            return []
+        claimed = {i.path for i in managed}
+        found = {a for i in managed for a in ancestors(i.path) if a not in claimed}
+        root = self.spec.agent.managed_root
+        return [parent_identity(p, root) for p in sorted(found)]
+
+    def _fairness(self, tenant: str) -> float:
+        """How far a tenant is ahead of its share: decayed usage per share (lower first)."""
+        share = self.spec.tenants[tenant].shares if tenant in self.spec.tenants else 1.0
+        return self.usage.get(tenant, 0.0) / share
+
+    def _exists(self, cgroup: str) -> bool:
+        try:
+            with self.tree.open(cgroup):
+                return True
+        except (CgroupVanished, NodeagentError):
+            return False
+
+    def _restore(self) -> dict[str, float]:
+        """The saved usage history, decayed by the time away (only tenants still in the
+        policy are kept, so a removed tenant's history is not carried and re-saved forever);
+        and the jobs that still run and the policies' carried state."""
         try:
             saved = state.load(self.spec.agent.state_file, tenants=self.spec.tenants)
         except NodeagentError as e:
@@ -99,6 +153,12 @@ class Agent:
             return {}
         if saved is None:
             return {}
+        self.jobs.load(saved.jobs, self.spec.agent.managed_root)
+        running = {j["name"] for j in self.jobs.dump()}
+        self.gpus.ledger.load(
+            saved.gpus, lambda h: h.owner in running if h.kind == "job" else h.kind == "reservation"
+        )
+        self.carry = {k: dict(v) for k, v in saved.carry.items()}
         elapsed = time.time() - saved.saved_at
         return decay(saved.tenant_usage, elapsed, self.spec.fair_share.half_life)
 
@@ -113,24 +173,38 @@ class Agent:
     def tick(self) -> TickRecord:
         started = time.monotonic()
         self.registry.poll()
-        # only workloads a rule claims are sensed: the rest are left alone
+        jobs = self.jobs.assignments()  # exec's jobs, managed whatever the rules say
+        for path in jobs.keys() - self.registry.workloads.keys():
+            self.registry.track(path)  # started since inotify last spoke
+        # only workloads a rule or exec claims are sensed: the rest are left alone
         identities = self.registry.identities()
-        assignments = assign(identities, self.spec)
+        assignments = {**assign(identities, self.spec), **jobs}
         managed = [i for i in identities if i.path in assignments]
         deadline_jobs = [p for p, a in assignments.items() if a.deadline is not None]
-        snapshot = self.sensor.snapshot(managed, time.time(), started, deadline_jobs)
+        snapshot = self.sensor.snapshot(
+            managed, time.time(), started, deadline_jobs, self._levels(managed)
+        )
         for path in snapshot.vanished:  # inotify may have missed it (a failed watch)
             self.registry.forget(path)
+        if not self.dry_run:
+            self.jobs.reap(snapshot)
+        snapshot = replace(
+            snapshot,
+            gpus=self.gpus.sense(snapshot.wall_time),
+            local_seconds=_local_seconds(snapshot.wall_time),
+        )
         plan = make_plan(
             snapshot, self.spec, self.usage, assignments=assignments, carried=self.carry
         )
         results = tuple(self.executor.apply(plan, snapshot))
+        self.gpus.apply(plan, self.dry_run)
         self.usage = dict(plan.tenant_usage)
         self.carry = dict(plan.carry)
         self.problems.update(snapshot, plan, results)
         self.notes.update(plan.notes)
+        modes = {i.path: write_mode(i, self.spec.agent) for i in managed}
         record = TickRecord(
-            snapshot, plan, results, time.monotonic() - started, self.dry_run, assignments
+            snapshot, plan, results, time.monotonic() - started, self.dry_run, assignments, modes
         )
         with self._lock:
             self.last = record
@@ -143,8 +217,11 @@ class Agent:
         at the next tick: the attempt counts as the save, so a full disk logs once per
         interval."""
         self._saved_at = time.monotonic()
+        saved = state.SavedState(
+            time.time(), self.usage, self.jobs.dump(), self.carry, self.gpus.ledger.dump()
+        )
         try:
-            state.save(self.spec.agent.state_file, state.SavedState(time.time(), self.usage))
+            state.save(self.spec.agent.state_file, saved)
         except (OSError, NodeagentError) as e:
             log.error("state.save_failed", file=self.spec.agent.state_file, error=str(e))
 
@@ -160,8 +237,10 @@ class Agent:
                     "policy.invalid", problem=str(problem), action="keeping the last good policy"
                 )
             return
-        fixed = ("managed_root", "socket", "socket_group")
+        fixed = ("managed_root", "socket", "socket_group", "metrics")
         changed = [k for k in fixed if getattr(spec.agent, k) != getattr(self.spec.agent, k)]
+        if spec.gpu.simulate != self.spec.gpu.simulate:
+            changed.append("gpu.simulate")
         if changed:
             log.error(
                 "policy.needs_restart",
@@ -182,8 +261,8 @@ class Agent:
             raise ApiNotFound("nodeagent has not completed a tick yet")
         return record
 
-    def routes(self) -> dict[str, Any]:
-        def status(_: Mapping[str, str]) -> object:
+    def routes(self) -> Routes:
+        def status(_: Request) -> object:
             record = self.last
             return {
                 "pid": os.getpid(),
@@ -196,12 +275,12 @@ class Agent:
                 "deadline_misses": self.notes.deadline_misses,
             }
 
-        def allocs(_: Mapping[str, str]) -> object:
+        def allocs(_: Request) -> object:
             return {**allocations(self._record()), "deadline_misses": self.notes.deadline_misses}
 
-        def explain_one(params: Mapping[str, str]) -> object:
+        def explain_one(request: Request) -> object:
             record = self._record()
-            query = params.get("cgroup", "")
+            query = request.query.get("cgroup", "")
             found = find(identities(record), query, self.tree.root)
             if len(found) != 1:
                 what = "no workload" if not found else f"{len(found)} workloads"
@@ -211,7 +290,33 @@ class Agent:
                 )
             return explain(record, found[0])
 
-        return {"/v1/status": status, "/v1/allocations": allocs, "/v1/explain": explain_one}
+        def start_job(request: Request) -> object:
+            if self.dry_run:
+                raise ApiBadRequest("this daemon runs with --dry-run: it starts no jobs")
+            job = self.jobs.start(
+                request.body, request.peer, self.spec, time.time(), self.gpus.claim
+            )
+            self.save_state()  # a restart must know the job before its next periodic save
+            hold = self.gpus.ledger.holds()
+            mine = next((h for h in hold if h.owner == job.name and h.kind == "job"), None)
+            return {**job.to_json(), "env": {} if mine is None else environment(mine)}
+
+        def finish_job(request: Request) -> object:
+            job = self.jobs.finish(request.body, request.peer)
+            if job.deadline is not None and time.time() > job.deadline:
+                self.notes.missed(job.cgroup, job.deadline)
+            return job.to_json()
+
+        def list_jobs(_: Request) -> object:
+            return {"jobs": self.jobs.dump()}
+
+        return {
+            **self.gpus.routes(),
+            "/v1/jobs": {"GET": list_jobs, "POST": start_job, "DELETE": finish_job},
+            "/v1/status": {"GET": status},
+            "/v1/allocations": {"GET": allocs},
+            "/v1/explain": {"GET": explain_one},
+        }
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -230,6 +335,8 @@ class Agent:
         ok = False
         while not self.stop.is_set():
             record = _guarded("tick.failed", self.tick)
+            for observe in self.observers:
+                _guarded("observer.failed", observe, record)
             ok = record is not None
             if record is not None:
                 last_ok = time.monotonic()
@@ -293,6 +400,12 @@ class Agent:
 T = TypeVar("T")
 
 
+def _local_seconds(wall: float) -> float:
+    """Seconds since local midnight, for the policies' daily windows."""
+    t = time.localtime(wall)
+    return t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec + wall % 1
+
+
 def _guarded(event: str, fn: Callable[..., T], *args: object) -> T | None:
     """Run one step of the loop; an error is logged, never fatal: the next tick retries."""
     try:
@@ -302,6 +415,23 @@ def _guarded(event: str, fn: Callable[..., T], *args: object) -> T | None:
     except Exception as e:  # a bug or an unexpected kernel answer: keep the loop alive
         log.exception(event, error=f"{type(e).__name__}: {e}")
     return None
+
+
+def serve_metrics(agent: Agent) -> MetricsServer | None:
+    """The Prometheus endpoint, when `agent.metrics.listen` is set."""
+    listen = agent.spec.agent.metrics.listen
+    if listen is None:
+        return None
+    # imported only when metrics are on: prometheus_client is slow to import on a cold disk
+    from nodeagent.metrics.collector import TickCollector  # noqa: PLC0415
+    from nodeagent.metrics.server import MetricsServer  # noqa: PLC0415
+
+    collector = TickCollector(lambda: agent.notes.deadline_misses)
+    if agent.gpus.backend.inventory():
+        collector.watch_gpus(agent.gpus.backend)
+    server = MetricsServer.start(listen, collector)
+    agent.observers.append(collector.observe)
+    return server
 
 
 def serve(agent: Agent) -> ApiServer:

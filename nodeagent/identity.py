@@ -21,23 +21,20 @@ class Kind(enum.StrEnum):
     POD = "pod"
     SERVICE = "service"
     JOB = "job"
+    GROUP = "group"
+    """A parent of workloads (a slice, a QoS tier, the managed root): written for the
+    hierarchy of fair share, never claimed by a rule."""
 
 
 class Owner(enum.StrEnum):
-    """Who manages the cgroup's attributes.
-
-    systemd's rule is that nobody else writes the attributes of cgroups it owns,
-    so only NODEAGENT (our delegated subtree) and CGROUPFS (trees made by a runtime
-    with the cgroupfs driver) are writable by the agent.
-    """
+    """Who manages the cgroup's attributes, and so how the agent may write them (see
+    nodeagent.ownership): its own subtree and cgroupfs-driver trees directly, systemd's
+    cgroups through systemd's D-Bus API (never the file alone), others not at all."""
 
     NODEAGENT = "nodeagent"
     CGROUPFS = "cgroupfs"
     SYSTEMD = "systemd"
-
-    @property
-    def writable(self) -> bool:
-        return self is not Owner.SYSTEMD
+    OTHER = "other"
 
 
 class QosTier(enum.StrEnum):

@@ -58,3 +58,9 @@ def configure(level: str = "info", json: bool | None = None) -> None:
 def audit_write(path: str, attribute: str, old: str | None, new: str, reason: str) -> None:
     """Record one cgroup attribute write: where, what, the value before and after, and why."""
     _audit.info("cgroup.write", path=path, attribute=attribute, old=old, new=new, reason=reason)
+
+
+def audit_event(event: str, **fields: object) -> None:
+    """Record an action on something other than a cgroup file (a GPU granted, released or
+    power-capped, a GPU violation), in the same audit stream as the cgroup writes."""
+    _audit.info(event, **fields)

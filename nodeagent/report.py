@@ -9,6 +9,7 @@ from typing import Any
 from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.values import Attribute, Frozen
 from nodeagent.identity import WorkloadIdentity
+from nodeagent.ownership import WriteMode
 from nodeagent.policy.base import Assignment, Note, describe
 from nodeagent.policy.plan import CgroupPlan, Plan
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
@@ -24,6 +25,8 @@ class TickRecord:
     dry_run: bool
     assignments: Mapping[str, Assignment] = field(default_factory=dict)
     """Every claimed workload's rule, including those skipped this tick."""
+    modes: Mapping[str, WriteMode] = field(default_factory=dict)
+    """How the agent may write each claimed workload, including those skipped this tick."""
 
 
 _VALUE_KEYS = ("current", "target", "policy", "reason")
@@ -57,7 +60,7 @@ def _results_for(path: str, results: Sequence[WriteResult]) -> list[dict[str, An
     ]
 
 
-def _status(
+def status_of(
     cg: CgroupPlan, w: WorkloadState | None, results: Sequence[WriteResult]
 ) -> tuple[str, str | None]:
     """ok, frozen, skipped (no plan this tick) or failed (a write was refused), with why."""
@@ -89,17 +92,25 @@ def _deadline(notes: Sequence[Note]) -> dict[str, Any] | None:
     return None if n is None else {"status": n.status, **n.fields}
 
 
+def _gpus(record: TickRecord) -> dict[str, list[int]]:
+    """GPU indices each workload holds, as the tick saw the holds."""
+    gpus = record.snapshot.gpus
+    holds = gpus.holds if gpus is not None else ()
+    return {h.cgroup: list(h.indices) for h in holds if h.cgroup is not None}
+
+
 def allocations(record: TickRecord) -> dict[str, Any]:
     states = {w.path: w for w in record.snapshot.workloads}
+    held = _gpus(record)
     rows = []
     for cg in record.plan.cgroups:
         w = states.get(cg.path)
         reasons = sorted({t.reason for t in cg.targets.values()})
         writes = [r for r in record.results if r.path == cg.path]
-        status, problem = _status(cg, w, writes)
+        status, problem = status_of(cg, w, writes)
         rows.append(
             {
-                **describe(cg.identity, cg.assignment),
+                **describe(cg.identity, cg.assignment, cg.write),
                 "status": status,
                 "problem": problem,
                 "values": _values(cg, w),
@@ -111,12 +122,13 @@ def allocations(record: TickRecord) -> dict[str, Any]:
                 "writes": _results_for(cg.path, writes),
                 "deadline": _deadline(cg.notes),
                 "notes": [_note(n) for n in cg.notes],
+                "gpus": held.get(cg.path, []),
             }
         )
     for s in record.snapshot.skipped:
         rows.append(
             {
-                **describe(s.identity, record.assignments.get(s.path)),
+                **describe(s.identity, record.assignments.get(s.path), record.modes.get(s.path)),
                 "status": "skipped",
                 "problem": f"{s.step}: {s.reason}",
                 "values": {a: dict.fromkeys(_VALUE_KEYS) for a in SHOWN},
@@ -126,6 +138,7 @@ def allocations(record: TickRecord) -> dict[str, Any]:
                 "writes": [],
                 "deadline": None,
                 "notes": [],
+                "gpus": held.get(s.path, []),
             }
         )
     return {
@@ -169,7 +182,9 @@ def explain(record: TickRecord, identity: WorkloadIdentity) -> dict[str, Any]:
         s = next(s for s in record.snapshot.skipped if s.path == identity.path)
         return {
             "sensed": {},
-            **describe(identity, record.assignments.get(identity.path)),
+            **describe(
+                identity, record.assignments.get(identity.path), record.modes.get(identity.path)
+            ),
             "status": "skipped",
             "problem": f"{s.step}: {s.reason}",
             "tick": record.snapshot.seq,
@@ -183,10 +198,10 @@ def explain(record: TickRecord, identity: WorkloadIdentity) -> dict[str, Any]:
         }
     w = next((w for w in record.snapshot.workloads if w.path == cg.path), None)
     writes = [r for r in record.results if r.path == cg.path]
-    status, problem = _status(cg, w, writes)
+    status, problem = status_of(cg, w, writes)
     return {
         "sensed": _sensed(w),
-        **describe(cg.identity, cg.assignment),
+        **describe(cg.identity, cg.assignment, cg.write),
         "status": status,
         "problem": problem,
         "tick": record.snapshot.seq,

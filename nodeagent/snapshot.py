@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from nodeagent.cgroupfs.parse import Psi
 from nodeagent.cgroupfs.values import Attribute, Value
+from nodeagent.gpu.model import GpuState
 from nodeagent.identity import WorkloadIdentity
 
 
@@ -89,3 +90,11 @@ class NodeSnapshot:
     skipped: tuple[Skipped, ...] = ()
     vanished: tuple[str, ...] = ()
     """Paths of workloads whose cgroups were gone when sensed (normal on a busy node)."""
+    levels: tuple[WorkloadState, ...] = ()
+    """Parents of the claimed workloads (Kind.GROUP), with their cpu.weight: the levels
+    hierarchical fair share weights."""
+    gpus: GpuState | None = None
+    """None on a node without GPUs, or when they could not be read this tick."""
+    local_seconds: float | None = None
+    """Seconds since local midnight at `wall_time`, for daily windows (policies read no
+    clock and no time zone)."""

@@ -1,7 +1,8 @@
 """The state file: what must survive a restart, written atomically.
 
-Only the decayed usage history lives here; current limits are re-read from the
-kernel on the first tick, so the file can never contradict the kernel. Writes
+The decayed usage history, the jobs `nodeagent exec` started, and the policies' carried
+state (the protection controller's caps and frozen cgroups) live here; current limits are
+re-read from the kernel on the first tick, so the file can never contradict the kernel. Writes
 go to a temp file that is fsynced and renamed over the old one, and the
 directory is fsynced, so a crash leaves either the old file or the new one.
 """
@@ -13,8 +14,9 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from nodeagent.errors import NodeagentError
 from nodeagent.regular_file import UnusableFile, read_regular_file
@@ -33,6 +35,12 @@ MAX_USAGE = 1e18
 class SavedState:
     saved_at: float
     tenant_usage: Mapping[str, float]
+    jobs: Sequence[Mapping[str, Any]] = ()
+    """Job records (nodeagent.jobs.Job.to_json); checked one by one when restored."""
+    carry: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Each policy's state for its next tick."""
+    gpus: Sequence[Mapping[str, Any]] = ()
+    """GPU holds of jobs and reservations (nodeagent.gpu.model.Hold)."""
 
 
 def _usable_usage(value: float) -> bool:
@@ -48,7 +56,14 @@ def save(path: str, state: SavedState) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, mode=0o750, exist_ok=True)
     body = json.dumps(
-        {"version": VERSION, "saved_at": state.saved_at, "tenant_usage": dict(state.tenant_usage)},
+        {
+            "version": VERSION,
+            "saved_at": state.saved_at,
+            "tenant_usage": dict(state.tenant_usage),
+            "jobs": list(state.jobs),
+            "carry": dict(state.carry),
+            "gpus": list(state.gpus),
+        },
         sort_keys=True,
         allow_nan=False,
     )
@@ -128,6 +143,15 @@ def load(path: str, tenants: Collection[str] | None = None) -> SavedState | None
         }
         if not all(_usable_usage(v) for v in usage.values()):
             raise ValueError(f"usage must be finite, non-negative and at most {MAX_USAGE:g}")
-        return SavedState(saved_at, usage)
+        jobs = data.get("jobs", [])  # absent in files written before jobs existed
+        if not isinstance(jobs, list) or not all(isinstance(j, dict) for j in jobs):
+            raise ValueError("jobs must be a list of objects")
+        carry = data.get("carry", {})
+        if not isinstance(carry, dict) or not all(isinstance(c, dict) for c in carry.values()):
+            raise ValueError("carry must be an object of objects")
+        gpus = data.get("gpus", [])
+        if not isinstance(gpus, list) or not all(isinstance(g, dict) for g in gpus):
+            raise ValueError("gpus must be a list of objects")
+        return SavedState(saved_at, usage, tuple(jobs), carry, tuple(gpus))
     except (KeyError, ValueError) as e:
         raise NodeagentError(f"state file {path} is malformed: {e}") from e

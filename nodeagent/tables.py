@@ -1,4 +1,9 @@
-"""Plain-text tables for the CLI: aligned columns, no colour, safe to grep and paste."""
+"""Plain-text tables for the CLI: aligned columns, no colour, safe to grep, paste and print.
+
+Cgroup names come from whoever made the cgroup: they may hold bytes that are not UTF-8
+(os.scandir hands them over as lone surrogates, which a strict UTF-8 stdout refuses) and
+control characters (which a terminal would obey). Everything shown goes through `printable`.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,31 @@ SHOWN = (Attribute.CPU_WEIGHT, Attribute.CPU_MAX, Attribute.MEMORY_MAX, Attribut
 """The attributes that allocations and explain show, in their column order."""
 
 
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(char: str) -> str:
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8, as surrogateescape keeps it
+        return f"\\x{code - 0xDC00:02x}"
+    if code <= 0xFF:
+        return _NAMED.get(char) or f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def printable(text: str) -> str:
+    r"""`text` with every character a terminal should not get raw (controls, bytes that were
+    not UTF-8, invisible format and separator characters) written as a Python-style escape:
+    \n, \x1b, \xff, \u202e. Backslashes stay as they are (systemd names use \x2d)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _escape(c) for c in text)
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    cells = [[printable(str(h)) for h in headers]] + [
+        ["-" if c is None else printable(str(c)) for c in r] for r in rows
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = [
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells

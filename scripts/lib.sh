@@ -2,10 +2,11 @@
 # scripts/lib.sh: helpers sourced by scripts/test, scripts/vm, scripts/demo, scripts/bench.
 #
 #   ensure_venv             .venv with `pip install -e '.[dev]'`, reinstalled only when pyproject.toml changes
+#   ensure_promtool         .venv/bin/promtool, from Debian's prometheus package (unpacked only)
 #   host_has_cgroup2        true when this host itself is a usable cgroup v2 kernel (cgroup2 at
 #                           /sys/fs/cgroup, writable, cpu+memory controllers, root)
-#   ensure_vm_tools         qemu, a Debian kernel, busybox & co. (apt, only what is missing) and
-#                           virtme-ng in .venv-vm; sets VM_KERNEL
+#   ensure_vm_tools         qemu, a Debian kernel, busybox & co., systemd and dbus (apt, only what
+#                           is missing) and virtme-ng in .venv-vm; sets VM_KERNEL
 #   on_cgroup2 OUTDIR CMD   runs the bash command string CMD in the repo root, as root, on a real
 #                           cgroup v2 kernel: natively if host_has_cgroup2, else in a virtme-ng VM
 #                           (TCG, no KVM) with OUTDIR as its only writable host directory.
@@ -20,8 +21,9 @@
 #   NODEAGENT_VM_TIMEOUT=3600     seconds before a hung VM is killed
 #
 # CMD always gets NODEAGENT_REAL_KERNEL=1, PYTHONDONTWRITEBYTECODE=1 and .venv/bin first on PATH.
-# In the VM the host's files are shared read-only (same paths), /tmp, /var and /run are throwaway
-# overlays, and only OUTDIR is written back to the host.
+# In the VM the host's files are shared (same paths) under throwaway writable overlays on /etc,
+# /usr, /var, /tmp, /opt, /home and /srv (writes are lost at power-off), /run is a tmpfs, and
+# only OUTDIR is written back to the host.
 set -euo pipefail
 
 NODEAGENT_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
@@ -29,7 +31,9 @@ NODEAGENT_VENV=$NODEAGENT_ROOT/.venv
 NODEAGENT_VM_VENV=$NODEAGENT_ROOT/.venv-vm
 # virtme-ng is pinned: its command line and guest behaviour are what on_cgroup2 relies on.
 NODEAGENT_VNG_SPEC=${NODEAGENT_VNG_SPEC:-virtme-ng==1.42}
-NODEAGENT_VM_APT_PACKAGES=(qemu-system-x86 busybox-static binutils file kmod python3-venv)
+# systemd and dbus: the kernel suite boots a real systemd with a system bus inside the VM
+# (tests/kernel/systemd_host.py); the guest runs the host's own files.
+NODEAGENT_VM_APT_PACKAGES=(qemu-system-x86 busybox-static binutils file kmod python3-venv systemd dbus)
 ON_CGROUP2_WHERE=
 VM_KERNEL=
 _NODEAGENT_APT_UPDATED=
@@ -120,6 +124,28 @@ ensure_venv() {
     touch "$stamp"
   fi
   _setup_unlock
+}
+
+# ensure_promtool: Prometheus's promtool in .venv/bin, for `promtool check metrics` on the
+# metrics endpoint. Unpacked from Debian's prometheus package, not installed: no Prometheus
+# server or service comes with it.
+ensure_promtool() {
+  local bin=$NODEAGENT_VENV/bin/promtool tmp
+  [[ -x $bin ]] && return 0
+  command -v apt-get >/dev/null || die "promtool comes from Debian's prometheus package, and there is no apt-get"
+  tmp=$(mktemp -d "${TMPDIR:-/tmp}/nodeagent-promtool.XXXXXX")
+  _promtool_download() { (cd "$tmp" && apt-get download -q -o APT::Sandbox::User=root prometheus); }
+  if ! _promtool_download >/dev/null 2>&1; then # no package lists yet: fetch them once
+    [[ -n $_NODEAGENT_APT_UPDATED ]] || run_logged "apt-get update" env DEBIAN_FRONTEND=noninteractive \
+      apt-get update -q -o DPkg::Lock::Timeout=600 || return 1
+    _NODEAGENT_APT_UPDATED=1
+    run_logged "apt-get download prometheus" _promtool_download || return 1
+  fi
+  dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/unpacked" &&
+    install -m 0755 "$tmp/unpacked/usr/bin/promtool" "$bin"
+  local rc=$?
+  rm -rf "$tmp"
+  return "$rc"
 }
 
 host_has_cgroup2() {

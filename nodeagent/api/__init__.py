@@ -1,5 +1,16 @@
 """The daemon's local API: HTTP+JSON over a Unix socket, guarded by file mode and peer credentials.
 
 A Unix socket rather than TCP so that the kernel, not a token, says who is calling: the
-file mode keeps strangers out and SO_PEERCRED tells the server exactly which uid connected.
+file mode keeps strangers out and SO_PEERCRED/SO_PEERGROUPS tell the server exactly which
+process, user and groups connected.
+
+Adding an endpoint: a route maps a path to its methods, each a handler taking a
+`server.Request` (query, JSON body, the caller's pid/uid/gid/groups):
+
+    {"/v1/jobs": {"GET": list_jobs, "POST": add_job, "DELETE": remove_job}}
+
+A handler returns JSON-serialisable data (200), or raises ApiBadRequest, ApiForbidden,
+ApiNotFound or ApiConflict (400, 403, 404, 409) with a message for the user. The CLI calls
+`client.get`, `client.post` or `client.delete`; every failure is one line (ApiRefused, with
+the status, when the daemon said no).
 """

@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from nodeagent.cli import capacity, gpus, inspection, run
+from nodeagent.cli import capacity, exec, gpus, inspection, run
 from nodeagent.errors import NodeagentError
 
 
@@ -28,6 +28,9 @@ def main() -> None:
       nodeagent run --config FILE               the daemon (as root, on cgroup v2)
       nodeagent allocations                     what the daemon set, and why
       nodeagent explain CGROUP                  the full policy trace for one workload
+      nodeagent exec --deadline +2h --work 3h -- CMD
+                                                run CMD as a job, in time for its deadline
+      nodeagent gpus                            this node's GPUs, their health and users
       nodeagent capacity --arrival-rate L ...   replicas for a mean wait (M/M/c, Erlang C)
     """
 
@@ -38,6 +41,7 @@ for _command in (
     inspection.workloads,
     inspection.allocations_cmd,
     inspection.explain,
+    exec.exec_cmd,
     capacity.capacity,
     gpus.gpus,
 ):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from nodeagent.cli.common import json_option
+from nodeagent.cli.common import json_option, socket_option
 from nodeagent.errors import NodeagentError
 from nodeagent.tables import size, table
 
@@ -45,11 +45,17 @@ def _num(x: float | None, unit: str = "") -> str:
 
 @click.group("gpus", invoke_without_command=True)
 @simulate_option
+@socket_option
 @json_option
 @click.pass_context
-def gpus(ctx: click.Context, simulate: str | None, as_json: bool) -> None:
+def gpus(ctx: click.Context, simulate: str | None, socket: str, as_json: bool) -> None:
     """This node's GPUs: health, utilisation, memory, power, MIG devices, and the
     compute processes on them with their cgroups.
+
+    With a daemon running, it also shows what the daemon assigned to each GPU, the
+    processes that run on GPUs their cgroup does not hold (violations), and the
+    requests waiting for GPUs. Without one (or with --simulate), it reads the GPUs
+    itself.
 
     GPUs come from NVML, or from a simulated node (a YAML file, see config/gpus/)
     named by --simulate or NODEAGENT_GPU_SIM. Everything simulated says so. A host
@@ -60,16 +66,30 @@ def gpus(ctx: click.Context, simulate: str | None, as_json: bool) -> None:
       nodeagent gpus
       nodeagent gpus --simulate config/gpus/dgx-h100-nvswitch.yaml --json
       nodeagent gpus place --count 4 --busy 0,5
+      nodeagent gpus reserve --name web-1 --count 1 --format docker
     """
     if ctx.invoked_subcommand is not None:
         return
+    from nodeagent.api import client
+    from nodeagent.errors import DaemonUnreachable
     from nodeagent.gpu.report import read_report
 
-    backend = _open(simulate)
-    try:
-        data = read_report(backend)
-    finally:
-        backend.close()
+    data: dict[str, Any] | None = None
+    if simulate is None:
+        try:
+            answer = client.get(socket, "/v1/gpus")
+            data = answer if isinstance(answer, dict) and "gpus" in answer else None
+        except DaemonUnreachable:
+            pass
+        except NodeagentError as e:
+            if "no GPUs" not in str(e):
+                raise
+    if data is None:
+        backend = _open(simulate)
+        try:
+            data = read_report(backend)
+        finally:
+            backend.close()
     if as_json:
         click.echo(json.dumps(data, indent=2))
     elif not data["gpus"]:
@@ -93,11 +113,15 @@ def _gpus_table(data: dict[str, Any]) -> str:
             _num(g["temperature_c"], "C"),
             _num(g["numa_node"]),
             g["cpus"] or "-",
+            ", ".join(a["owner"] for a in g["assigned"]) if "assigned" in g else "?",
         )
         for g in gpus
     ]
-    headers = ("GPU", "UUID", "NAME", "HEALTH", "UTIL", "MEMORY", "POWER", "TEMP", "NUMA", "CPUS")
+    headers: tuple[str, ...] = ("GPU", "UUID", "NAME", "HEALTH", "UTIL", "MEMORY", "POWER")
+    headers += ("TEMP", "NUMA", "CPUS", "ASSIGNED")
     out = [head, table(headers, rows)]
+    if "assigned" not in gpus[0]:
+        out.append("(assignments and violations: no nodeagent daemon answered)")
     migs = [(g["index"], m) for g in gpus for m in g["mig_devices"]]
     if migs:
         out += [
@@ -135,7 +159,97 @@ def _gpus_table(data: dict[str, Any]) -> str:
                 ],
             )
         )
+    violations = [(g["index"], v) for g in gpus for v in g.get("violations", [])]
+    if violations:
+        out += ["", "VIOLATIONS: processes on GPUs their cgroup does not hold:"]
+        out.append(
+            table(
+                ("PID", "GPU", "DEVICE", "KIND", "CGROUP", "HOLDS"),
+                [
+                    (v["pid"], i, v["device"], v["kind"], v["cgroup"], v["holder"] or "nothing")
+                    for i, v in violations
+                ],
+            )
+        )
+    if data.get("queue"):
+        out += ["", "waiting for GPUs:"]
+        out.append(
+            table(
+                ("REQUEST", "FOR", "COUNT", "CLASS", "WHY"),
+                [(q["id"], q["owner"], q["count"], q["class"], q["reason"]) for q in data["queue"]],
+            )
+        )
     return "\n".join(out)
+
+
+@gpus.command("reserve")
+@click.option("--name", required=True, metavar="NAME", help="Who the GPUs are for (a container).")
+@click.option("--count", "-k", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--memory", metavar="SIZE", help="Free memory each GPU needs, such as 20Gi.")
+@click.option("--shared", is_flag=True, help="Share GPUs with other shared holders.")
+@click.option(
+    "--ttl",
+    default="10m",
+    show_default=True,
+    metavar="DURATION",
+    help="Released after this unless a process of the container shows on the GPUs.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["docker", "env", "json"]),
+    default="docker",
+    show_default=True,
+    help="docker: arguments for `docker run`; env: an env file; json: everything.",
+)
+@socket_option
+def reserve_cmd(
+    *, name: str, count: int, memory: str | None, shared: bool, ttl: str, fmt: str, socket: str
+) -> None:
+    """Hold GPUs for a container that gets them at creation; print how to give them to it.
+
+    The daemon places the GPUs as for a job and holds them under NAME. Once a process of
+    the container shows on them, the hold follows that container's cgroup and goes back
+    when the cgroup goes; if none shows within --ttl, it goes back then.
+
+    \b
+      docker run $(nodeagent gpus reserve --name web-1 --count 2) IMAGE
+      nodeagent gpus reserve --name web-1 --format env > web-1.env
+      nodeagent gpus release web-1
+    """
+    from nodeagent.api import client
+    from nodeagent.spec.units import parse_size
+
+    body: dict[str, Any] = {"name": name, "count": count, "shared": shared, "ttl": ttl}
+    if memory is not None:
+        try:
+            body["memory"] = parse_size(memory)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--memory") from None
+    got = client.post(socket, "/v1/gpus/reservations", body)
+    if not isinstance(got, dict) or not isinstance(got.get("uuids"), list):
+        raise NodeagentError("the daemon gave a reservation answer of the wrong shape")
+    visible = ",".join(got["uuids"])
+    if fmt == "json":
+        click.echo(json.dumps(got, indent=2))
+    elif fmt == "env":
+        click.echo(
+            f"CUDA_VISIBLE_DEVICES={visible}\nNVIDIA_VISIBLE_DEVICES={visible}\n"
+            "CUDA_DEVICE_ORDER=PCI_BUS_ID"
+        )
+    else:
+        click.echo(f"--gpus '\"device={visible}\"'")
+
+
+@gpus.command("release")
+@click.argument("name")
+@socket_option
+def release_cmd(name: str, socket: str) -> None:
+    """Give back the GPUs reserved under NAME."""
+    from nodeagent.api import client
+
+    client.delete(socket, "/v1/gpus/reservations", {"name": name})
+    click.echo(f"released {name}")
 
 
 @gpus.command("place")

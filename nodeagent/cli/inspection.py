@@ -2,17 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, cast
 
 import click
 
 from nodeagent.api import client
 from nodeagent.cli.common import json_option, load, socket_option
 from nodeagent.errors import NodeagentError
-from nodeagent.tables import SHOWN, change, cores, size, table
+from nodeagent.tables import SHOWN, change, cores, printable, size, table
+
+
+@contextlib.contextmanager
+def daemon_answer(path: str) -> Iterator[None]:
+    """Rendering an answer of a shape this CLI does not know is a one-line error, not a
+    traceback: a daemon of another version, or something else listening on the socket."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise NodeagentError(
+            f"the daemon's answer to {path} is not what this nodeagent expects"
+            f" ({type(exc).__name__}: {exc}); is the daemon the same version as this CLI?"
+        ) from None
+
+
+def _mode(row: Mapping[str, Any]) -> str:
+    """' (read-only)' or ' (via systemd)' after a cgroup the agent does not write directly."""
+    return {"read-only": " (read-only)", "systemd": " (via systemd)"}.get(
+        row.get("write") or "", ""
+    )
 
 
 def allocations_table(data: Mapping[str, Any]) -> str:
@@ -21,13 +42,14 @@ def allocations_table(data: Mapping[str, Any]) -> str:
         v = a["values"]
         rows.append(
             (
-                a["cgroup"] + ("" if a["writable"] else " (read-only)"),
+                a["cgroup"] + _mode(a),
                 a["tenant"],
                 a["class"],
                 change(v["cpu.weight"]["current"], v["cpu.weight"]["target"]),
                 change(v["cpu.max"]["current"], v["cpu.max"]["target"]),
                 change(size(v["memory.max"]["current"]), size(v["memory.max"]["target"])),
                 change(size(v["memory.high"]["current"]), size(v["memory.high"]["target"])),
+                ",".join(map(str, a.get("gpus") or [])) or None,
                 cores(a["cpu_rate"]),
                 a["reason"]
                 if a.get("status", "ok") == "ok"
@@ -36,9 +58,8 @@ def allocations_table(data: Mapping[str, Any]) -> str:
         )
     mode = " (dry run: nothing written)" if data["dry_run"] else ""
     head = f"tick {data['tick']}{mode}: {len(rows)} workloads; OLD->NEW where the kernel differs"
-    tail = "".join(
-        f"\n{n['kind']}: {n['status']}: {n['message']}" for n in data.get("node_notes", [])
-    )
+    notes = data.get("node_notes", [])
+    tail = "".join("\n" + printable(f"{n['kind']}: {n['status']}: {n['message']}") for n in notes)
     jobs = [a for a in data["allocations"] if a.get("deadline")]
     if jobs:
         tail += "\n\ndeadline jobs (misses so far: " + str(data.get("deadline_misses", "?")) + ")\n"
@@ -51,10 +72,11 @@ def allocations_table(data: Mapping[str, Any]) -> str:
         "CPU.MAX",
         "MEM.MAX",
         "MEM.HIGH",
+        "GPUS",
         "CPU",
         "REASON",
     )
-    return head + "\n" + table(headers, rows) + tail
+    return printable(head) + "\n" + table(headers, rows) + tail
 
 
 def _seconds(value: float | None) -> str | None:
@@ -100,8 +122,12 @@ def allocations_cmd(socket: str, as_json: bool) -> None:
     when a write failed.
     """
     data = client.get(socket, "/v1/allocations")
-    assert isinstance(data, dict)
-    click.echo(json.dumps(data, indent=2, sort_keys=True) if as_json else allocations_table(data))
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        return
+    with daemon_answer("/v1/allocations"):
+        text = allocations_table(cast(Mapping[str, Any], data))
+    click.echo(text)
 
 
 @click.command()
@@ -115,13 +141,18 @@ def explain(cgroup: str, socket: str, as_json: bool) -> None:
     name or a container-id prefix.
     """
     data = client.get(socket, "/v1/explain", {"cgroup": cgroup})
-    assert isinstance(data, dict)
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
         return
+    with daemon_answer("/v1/explain"):
+        text = explain_text(cast(Mapping[str, Any], data))
+    click.echo(text)
+
+
+def explain_text(data: Mapping[str, Any]) -> str:
     lines = [
         f"{data['cgroup']}  ({data['kind']}, {data['runtime']}, owner {data['owner']}"
-        + ("" if data["writable"] else ", read-only")
+        + ("" if data.get("write") in (None, "direct") else f", {data['write']}")
         + ")",
         f"  rule {data['rule']}  tenant {data['tenant']}  class {data['class']}",
         f"  cpu now: {cores(data['cpu_rate'])} cores   (tick {data['tick']}"
@@ -143,7 +174,7 @@ def explain(cgroup: str, socket: str, as_json: bool) -> None:
         lines.append(
             f"last tick: {w['attribute']} {w['old']}->{w['new']}: {w['outcome']} {w['detail']}"
         )
-    click.echo("\n".join(lines))
+    return "\n".join(printable(line) for line in lines)
 
 
 @click.command()
@@ -154,13 +185,15 @@ def workloads(cgroup_root: str, config: str | None, as_json: bool) -> None:
     """List the workload cgroups discovery finds, reading the tree directly (no daemon)."""
     from nodeagent.cgroupfs.tree import CgroupTree
     from nodeagent.discovery.registry import Registry
+    from nodeagent.ownership import write_mode
     from nodeagent.policy.base import describe
     from nodeagent.policy.classify import assign
     from nodeagent.sense.cgroup_files import probe
     from nodeagent.spec.model import AgentSettings
 
     spec = load(config) if config else None
-    managed_root = spec.agent.managed_root if spec else AgentSettings().managed_root
+    agent_settings = spec.agent if spec else AgentSettings()
+    managed_root = agent_settings.managed_root
     if not os.path.isdir(cgroup_root):
         raise NodeagentError(f"cgroup root {cgroup_root} is not a directory")
     tree = CgroupTree(cgroup_root)
@@ -173,7 +206,7 @@ def workloads(cgroup_root: str, config: str | None, as_json: bool) -> None:
     for i in found:
         # claimed workloads are read as the sensor would, so one it would skip shows here
         problem = probe(tree, i.path, page) if i.path in assigned else None
-        row = describe(i, assigned.get(i.path))
+        row = describe(i, assigned.get(i.path), write_mode(i, agent_settings))
         rows.append(
             {**row, "status": "ok" if problem is None else "unreadable", "problem": problem}
         )
@@ -204,9 +237,7 @@ def workloads(cgroup_root: str, config: str | None, as_json: bool) -> None:
                     r["cgroup"],
                     r.get("kind"),
                     r.get("runtime"),
-                    None
-                    if "owner" not in r
-                    else f"{r['owner']}" + ("" if r["writable"] else " (read-only)"),
+                    None if "owner" not in r else f"{r['owner']}" + _mode(r),
                     (r.get("container_id") or "")[:12] or None,
                     r.get("pod_uid"),
                     r.get("qos"),

@@ -72,7 +72,7 @@ def run(
     from nodeagent import logs
     from nodeagent.cgroupfs.detect import detect
     from nodeagent.cgroupfs.tree import CgroupTree
-    from nodeagent.daemon import Agent, serve
+    from nodeagent.daemon import Agent, serve, serve_metrics
 
     logs.configure(log_level)
     spec = load(config)
@@ -94,12 +94,15 @@ def run(
     )
     agent.install_signal_handlers()
     agent.prepare()
+    metrics = None if once else serve_metrics(agent)
     server = None if no_api or once else serve(agent)
     try:
         ok = agent.run(once=once, on_tick=_plan_printer() if dry_run else None)
     finally:
         if server is not None:
             server.close()
+        if metrics is not None:
+            metrics.close()
     if once and not ok:
         raise NodeagentError("the tick failed (see tick.failed in the log above)")
 

@@ -149,6 +149,12 @@ class Registry:
         if path is not None:
             self._path_wd.pop(path, None)
 
+    def track(self, path: str) -> None:
+        """Add a workload made by the agent itself now, before inotify reports it."""
+        identity = classify(path, self.managed_root)
+        if identity is not None:
+            self.workloads[path] = identity
+
     def forget(self, path: str) -> None:
         """Drop a workload that the sensor found gone, in case inotify missed its removal."""
         self.workloads.pop(path, None)

@@ -180,3 +180,47 @@ def format_cpulist(cpus: Iterable[int]) -> str:
         else:
             runs.append([cpu, cpu])
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """GPUs (or MIG devices) held by one owner: a job, a reservation for a container, or a
+    granted request waiting for its job to start."""
+
+    owner: str
+    kind: str
+    """'job', 'reservation' or 'request'."""
+    uuids: tuple[str, ...]
+    """What CUDA_VISIBLE_DEVICES lists: GPU UUIDs, or MIG UUIDs."""
+    indices: tuple[int, ...]
+    """The GPUs' indices (the parent GPUs of MIG devices)."""
+    shared_memory: int | None = None
+    """Bytes promised on each GPU to a shared holder; None: held alone."""
+    cgroup: str | None = None
+    """The workload using them (a job's cgroup; a reservation's once its processes show)."""
+    workload_class: str | None = None
+    until: float | None = None
+    """Unix time when an unclaimed hold lapses; None: until released."""
+    cpus: tuple[int, ...] = ()
+    """The CPUs closest to these GPUs (their NUMA nodes'), for pinning a job's cpuset."""
+
+    def covers(self, device_uuid: str, parents: Mapping[str, str]) -> bool:
+        """Whether a process on `device_uuid` (a GPU or a MIG device) is on these GPUs."""
+        return device_uuid in self.uuids or parents.get(device_uuid) in self.uuids
+
+
+@dataclass(frozen=True, slots=True)
+class GpuState:
+    """The node's GPUs as one tick saw them, with what the agent had assigned then."""
+
+    devices: tuple[Device, ...]
+    topology: Topology
+    telemetry: tuple[Telemetry, ...]
+    processes: tuple[GpuProcess, ...]
+    holds: tuple[Hold, ...]
+    source: str
+    simulated: bool
+
+    def parents(self) -> dict[str, str]:
+        """MIG device UUID -> its GPU's UUID."""
+        return {m.uuid: d.uuid for d in self.devices for m in d.mig_devices}

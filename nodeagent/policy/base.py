@@ -23,6 +23,7 @@ from typing import Protocol
 from nodeagent.cgroupfs.values import Attribute, Value
 from nodeagent.errors import NodeagentError
 from nodeagent.identity import WorkloadIdentity
+from nodeagent.ownership import WriteMode
 from nodeagent.snapshot import NodeSnapshot
 from nodeagent.spec.model import Limits, PolicySpec, WorkloadClass
 
@@ -44,8 +45,11 @@ class Assignment:
     """At most this many CPUs at once (its parallelism), when declared."""
 
 
-def describe(identity: WorkloadIdentity, assignment: Assignment | None) -> dict[str, object]:
-    """A workload as the API, the CLI and --json show it."""
+def describe(
+    identity: WorkloadIdentity, assignment: Assignment | None, write: WriteMode | None = None
+) -> dict[str, object]:
+    """A workload as the API, the CLI and --json show it; `write` says how the agent may
+    write it (direct, systemd or read-only)."""
     i, a = identity, assignment
     return {
         "cgroup": i.path,
@@ -53,7 +57,8 @@ def describe(identity: WorkloadIdentity, assignment: Assignment | None) -> dict[
         "kind": str(i.kind),
         "runtime": str(i.runtime),
         "owner": str(i.owner),
-        "writable": i.owner.writable,
+        "write": None if write is None else str(write),
+        "writable": None if write is None else write is not WriteMode.READ_ONLY,
         "container_id": i.container_id,
         "pod_uid": i.pod_uid,
         "qos": None if i.qos is None else str(i.qos),
@@ -131,6 +136,19 @@ class Note:
     status: str
     message: str
     fields: Mapping[str, object] = field(default_factory=dict)
+    key: str = ""
+    """Tells notes of one kind about one cgroup apart (a process on a GPU)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceDecision:
+    """A setting of a device rather than a cgroup: a GPU's power limit, in milliwatts."""
+
+    uuid: str
+    setting: str
+    value: int
+    policy: str
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +159,7 @@ class Carry:
     state: Mapping[str, object]
 
 
-Output = Decision | Share | Floor | Skip | Note | Carry
+Output = Decision | Share | Floor | Skip | Note | DeviceDecision | Carry
 
 
 PLANNING_ERRORS = (ArithmeticError, ValueError, NodeagentError)

@@ -16,13 +16,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from nodeagent.cgroupfs.unitprops import systemd_value
 from nodeagent.cgroupfs.values import Attribute, Value
 from nodeagent.identity import WorkloadIdentity
+from nodeagent.ownership import WriteMode, write_mode
 from nodeagent.policy import history
 from nodeagent.policy.base import (
     Assignment,
     Carry,
     Decision,
+    DeviceDecision,
     Floor,
     Note,
     Output,
@@ -34,10 +37,12 @@ from nodeagent.policy.base import (
 from nodeagent.policy.classify import assign
 from nodeagent.policy.deadlines import Deadlines
 from nodeagent.policy.fairshare import FairShare
+from nodeagent.policy.gpu_checks import GpuChecks
+from nodeagent.policy.gpu_power import GpuPower
 from nodeagent.policy.limits import StaticLimits
 from nodeagent.policy.protection import Protection
 from nodeagent.policy.reservations import Reservations
-from nodeagent.policy.weights import CpuWeights
+from nodeagent.policy.weights import CpuWeights, cpu_targets
 from nodeagent.snapshot import NodeSnapshot
 from nodeagent.spec.model import PolicySpec
 
@@ -48,10 +53,12 @@ DEFAULT_POLICIES: tuple[Policy, ...] = (
     CpuWeights(),
     StaticLimits(),
     Protection(),
+    GpuChecks(),
+    GpuPower(),
 )
 """Floors first (deadlines, reservations), then the fair split of what is left, weights
-from both, static caps, and last the controller that throttles and freezes lower classes
-on top of everything else."""
+from both, static caps, the controller that throttles and freezes lower classes on top
+of everything else, and the GPUs: verification against the holds, and power by class."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +80,21 @@ class CgroupPlan:
     skipped: str | None = None
     """Why no plan could be made for this cgroup this tick; it then has no targets."""
     notes: tuple[Note, ...] = ()
+    write: WriteMode = WriteMode.DIRECT
+    """How the executor may write it (nodeagent.ownership)."""
 
     @property
     def path(self) -> str:
         return self.identity.path
+
+
+@dataclass(frozen=True, slots=True)
+class CpuTarget:
+    """The CPU a workload is meant to get: its floor plus its part of the pool."""
+
+    cores: float
+    active: bool
+    """False for an idle workload: it takes no part in its tenant's target."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +109,11 @@ class Plan:
     """Every note of the tick, the node's and the cgroups'."""
     carry: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
     """Each policy's state for the next tick."""
+    devices: tuple[DeviceDecision, ...] = ()
+    """Device settings (GPU power limits)."""
+    cpu_targets: Mapping[str, CpuTarget] = field(default_factory=dict)
+    """The CPU each workload with a floor or a share is meant to get, which its weight
+    follows: the metrics' target shares."""
 
 
 def make_plan(
@@ -105,9 +128,9 @@ def make_plan(
     """`assignments` may be passed in when the caller already classified the workloads;
     those of workloads missing from the snapshot are ignored. `carried` is the previous
     plan's `carry`."""
-    identities = [w.identity for w in snapshot.workloads]
-    if assignments is None:
-        assignments = assign(identities, spec)
+    identities = [w.identity for w in (*snapshot.workloads, *snapshot.levels)]
+    if assignments is None:  # rules claim workloads; levels are only weighted
+        assignments = assign([w.identity for w in snapshot.workloads], spec)
     else:
         sensed = {i.path for i in identities}
         assignments = {p: a for p, a in assignments.items() if p in sensed}
@@ -125,20 +148,27 @@ def make_plan(
         for o in outputs:
             merged.add(policy.name, o)
         earlier.extend(outputs)
+    final = PolicyInput(snapshot, spec, assignments, usage, tuple(earlier), carried or {})
+    try:
+        targets = {p: CpuTarget(c, a) for p, (c, a, _) in cpu_targets(final).items()}
+    except Exception:  # cpu-weights failed on the same input, and problems names it
+        targets = {}
     for path, assignment in assignments.items():
         merged.traces[path].insert(
             0,
             f"matched rule {assignment.rule}: tenant {assignment.tenant},"
             f" class {assignment.workload_class}",
         )
+    modes = {i.path: write_mode(i, spec.agent) for i in identities}
     cgroups = tuple(
         CgroupPlan(
             i,
             assignments.get(i.path),
-            {} if i.path in merged.skipped else merged.targets[i.path],
+            {} if i.path in merged.skipped else _as_written(merged.targets[i.path], modes[i.path]),
             tuple(merged.traces[i.path]),
             merged.skipped.get(i.path),
             tuple(n for n in merged.notes if n.path == i.path),
+            modes[i.path],
         )
         for i in identities
     )
@@ -150,6 +180,8 @@ def make_plan(
         tuple(merged.problems),
         tuple(merged.notes),
         merged.carry,
+        tuple(merged.devices),
+        targets,
     )
 
 
@@ -163,10 +195,14 @@ class _Merge:
         self.problems: list[str] = []
         self.notes: list[Note] = []
         self.carry: dict[str, Mapping[str, object]] = {}
+        self.devices: list[DeviceDecision] = []
 
     def add(self, policy: str, o: Output) -> None:
         if isinstance(o, Carry):
             self.carry[o.policy] = o.state
+            return
+        if isinstance(o, DeviceDecision):
+            self.devices.append(o)
             return
         if isinstance(o, Note) and o.path is None:  # about the node as a whole
             self.notes.append(o)
@@ -189,6 +225,19 @@ class _Merge:
             self.traces[o.path].extend(f"{o.policy}: {line}" for line in (*o.trace, o.reason))
         elif isinstance(o, Share | Floor):
             self.traces[o.path].extend(f"{o.policy}: {line}" for line in (*o.trace, o.reason))
+
+
+def _as_written(targets: Mapping[Attribute, Target], mode: WriteMode) -> dict[Attribute, Target]:
+    """For a cgroup systemd owns, each value as systemd will write it (cpu.max rounded to
+    its property's precision), so that the file, the property and the plan agree."""
+    if mode is not WriteMode.SYSTEMD:
+        return dict(targets)
+    out = {}
+    for attr, t in targets.items():
+        value = t.value if attr is Attribute.FREEZE else systemd_value(attr, t.value)
+        reason = t.reason if value == t.value else f"{t.reason} (as systemd writes it)"
+        out[attr] = Target(value, t.policy, reason)
+    return out
 
 
 def _error(e: Exception) -> str:

@@ -157,8 +157,11 @@ class Protection:
         node = _Node(given)
         state = _State.load(given.carried.get(self.name))
         state.frozen = [p for p in state.frozen if p in node.states]
-        stalling = node.stalling()
-        if stalling:
+        stalling = node.stalling() if node.settings.enabled else {}
+        if not node.settings.enabled:  # give everything back at once
+            state.thaw += state.frozen
+            state.frozen, state.caps = [], {}
+        elif stalling:
             self._tighten(node, state, stalling)
         else:
             self._relax(node, state)

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
+from nodeagent.cgroupfs import parse
 from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
+from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.errors import one_line
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.sense.cgroup_files import read_sample
@@ -50,8 +52,11 @@ class Sensor:
         wall_time: float,
         monotonic: float,
         count_threads: Collection[str] = (),
+        levels: Iterable[WorkloadIdentity] = (),
     ) -> NodeSnapshot:
-        """`count_threads`: paths whose threads are counted too (deadline jobs)."""
+        """`count_threads`: paths whose threads are counted too (deadline jobs); `levels`:
+        parents of workloads, of which only cpu.weight is read (one that cannot be read is
+        left out: the hierarchy stops below it)."""
         elapsed = None if self._last_mono is None else monotonic - self._last_mono
         node = self.node.read()
         states = []
@@ -95,9 +100,35 @@ class Sensor:
         self._baseline, self._rates = baseline, rates
         self._last_mono = monotonic
         self._seq += 1
+        parents = self._levels(levels, skipped)
         return NodeSnapshot(
-            self._seq, wall_time, elapsed, node, tuple(states), tuple(skipped), tuple(vanished)
+            self._seq,
+            wall_time,
+            elapsed,
+            node,
+            tuple(states),
+            tuple(skipped),
+            tuple(vanished),
+            parents,
         )
+
+    def _levels(
+        self, levels: Iterable[WorkloadIdentity], skipped: list[Skipped]
+    ) -> tuple[WorkloadState, ...]:
+        out = []
+        for identity in levels:
+            try:
+                with self.tree.open(identity.path) as d:
+                    text = d.read_optional(Attribute.CPU_WEIGHT)
+                    weight = None if text is None else CpuWeight(parse.single_int(text))
+            except CgroupVanished:
+                continue
+            except Exception as e:  # unreadable: not weighted this tick, said once
+                skipped.append(Skipped(identity, "sense", one_line(e)))
+                continue
+            settings = {} if weight is None else {Attribute.CPU_WEIGHT: weight}
+            out.append(WorkloadState(identity, CgroupSample(settings=settings)))
+        return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from pydantic_core import PydanticCustomError
 from nodeagent.api.client import DEFAULT_SOCKET
 from nodeagent.identity import Kind, Owner, QosTier, Runtime
 from nodeagent.spec.glob import compile_glob
+from nodeagent.spec.listen import parse_listen
 from nodeagent.spec.units import parse_duration, parse_size
 from nodeagent.spec.when import parse_cpu_amount, parse_instant
 
@@ -111,6 +112,11 @@ def _not_bytes(value: object) -> object:
     return value
 
 
+def _listen(text: str) -> str:
+    parse_listen(text)
+    return text
+
+
 def _glob(pattern: str) -> str:
     compile_glob(pattern)  # refuses what is too long to match quickly, and warms the cache
     return pattern
@@ -147,6 +153,8 @@ def _socket_path(path: str) -> str:
 
 Name = Annotated[StrictStr, Field(min_length=1)]
 Glob = Annotated[StrictStr, AfterValidator(_glob)]
+Listen = Annotated[StrictStr, AfterValidator(_listen)]
+"""HOST:PORT or [IPV6]:PORT (see `spec.listen`)."""
 HostPath = Annotated[StrictStr, AfterValidator(_host_path)]
 SocketPath = Annotated[HostPath, AfterValidator(_socket_path)]
 Number = Annotated[StrictFloat, BeforeValidator(_number)]
@@ -174,6 +182,41 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+class MetricsSettings(_Strict):
+    """The Prometheus endpoint: off unless `listen` is set."""
+
+    listen: Listen | None = None
+    """Where to serve /metrics over HTTP, such as 127.0.0.1:9464 or [::1]:9464."""
+
+
+class Permission(enum.StrEnum):
+    WRITE = "write"
+    READ_ONLY = "read-only"
+
+
+class WithoutBus(enum.StrEnum):
+    READ_ONLY = "read-only"
+    DIRECT = "direct"
+
+
+_Permission = Annotated[Permission, BeforeValidator(_not_bytes)]
+
+
+class SystemdSettings(_Strict):
+    """Which cgroups systemd owns the agent writes (through systemd's D-Bus API, then the
+    file), and what it does when D-Bus cannot be reached."""
+
+    containers: _Permission = Permission.WRITE
+    """Runtime scopes (docker-<id>.scope, cri-containerd-<id>.scope, ...) and pod slices."""
+    services: _Permission = Permission.READ_ONLY
+    """*.service units."""
+    slices: _Permission = Permission.WRITE
+    """Parent slices (system.slice, machine.slice, ...), for fair share across parents."""
+    without_bus: Annotated[WithoutBus, BeforeValidator(_not_bytes)] = WithoutBus.READ_ONLY
+    """No D-Bus: leave systemd's cgroups alone (read-only), or write their files directly
+    (direct), which systemd undoes at its next daemon-reload."""
+
+
 class AgentSettings(_Strict):
     """How the daemon runs: its tick, where it keeps state, and which subtree it owns."""
 
@@ -183,6 +226,11 @@ class AgentSettings(_Strict):
     state_file: HostPath = "/var/lib/nodeagent/state.json"
     socket: SocketPath = DEFAULT_SOCKET
     socket_group: StrictStr | None = None
+    metrics: MetricsSettings = MetricsSettings()
+    systemd: SystemdSettings = SystemdSettings()
+    kubelet_levels: _Permission = Permission.READ_ONLY
+    """kubepods and the QoS tiers: the kubelet rewrites their weights about every minute,
+    so by default the agent leaves them to it (see the README)."""
 
 
 class FairShareSettings(_Strict):
@@ -193,6 +241,9 @@ class FairShareSettings(_Strict):
     weight_per_workload: StrictInt = Field(100, ge=1, le=10000)
     active_threshold: Number = Field(0.01, ge=0)
     deadband: Number = Field(0.05, ge=0, lt=1)
+    hierarchy: StrictBool = True
+    """Also weight the parents of workloads (slices, pods, the managed root) so that tenant
+    shares hold wherever their workloads sit; off: workloads only."""
 
 
 class Tenant(_Strict):
@@ -302,6 +353,8 @@ class ProtectionSettings(_Strict):
     """Inference first: the controller that throttles lower classes while a protected one
     stalls (koordlet's CPU suppress, with senpai's smooth steps)."""
 
+    enabled: StrictBool = True
+    """Off: no throttling or freezing; what it had set is given back."""
     cpu_pressure: Number = Field(0.10, gt=0, le=1)
     """Stall share (PSI 'some', over 10 s or the last tick) above which a protected cgroup
     is under pressure."""
@@ -330,6 +383,54 @@ class JobSettings(_Strict):
     default_class: Annotated[WorkloadClass, BeforeValidator(_not_bytes)] = WorkloadClass.BATCH
 
 
+_CLOCK = re.compile(r"([01]\d|2[0-3]):([0-5]\d)")
+
+
+def _time_of_day(value: object) -> object:
+    """'22:00' as seconds after midnight (local time, as operators read their clocks)."""
+    if isinstance(value, str) and (m := _CLOCK.fullmatch(value.strip())):
+        return int(m.group(1)) * 3600 + int(m.group(2)) * 60
+    # YAML 1.1 reads an unquoted 22:00 as 1320, a number in base 60 (minutes)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 24 * 60:
+        return value * 60
+    raise ValueError(f"expected a time of day such as '22:00', got {value!r}")
+
+
+TimeOfDay = Annotated[int, BeforeValidator(_time_of_day)]
+
+
+class PowerCap(_Strict):
+    """A power limit for the GPUs of one class's workloads, optionally in a daily window."""
+
+    workload_class: Annotated[WorkloadClass, BeforeValidator(_not_bytes)] = Field(alias="class")
+    watts: Number = Field(gt=0, le=10_000)
+    start: TimeOfDay | None = Field(None, alias="from")
+    end: TimeOfDay | None = Field(None, alias="to")
+    """Local time; a window may wrap past midnight (22:00 to 06:00). Without one: always."""
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class ViolationAction(enum.StrEnum):
+    REPORT = "report"
+    FREEZE = "freeze"
+
+
+class GpuSettings(_Strict):
+    """GPUs: where they come from, how jobs are pinned, and power by class."""
+
+    simulate: HostPath | None = None
+    """A simulated node description (config/gpus/*.yaml) instead of NVML; the environment
+    variable NODEAGENT_GPU_SIM does the same."""
+    pin_cpus: StrictBool = False
+    """Pin an exec job's cpuset.cpus to the CPUs of its GPUs' NUMA nodes."""
+    on_violation: Annotated[ViolationAction, BeforeValidator(_not_bytes)] = ViolationAction.REPORT
+    """A process on a GPU its cgroup does not hold: report it (always), or also freeze the
+    managed workload it belongs to until it stops."""
+    power: tuple[PowerCap, ...] = ()
+    claim_timeout: Duration = Field(30.0, gt=0, le=3600)
+    """How long GPUs granted to a request wait for its job to start before they go back."""
+
+
 class PolicySpec(_Strict):
     version: Annotated[Literal[1], BeforeValidator(_version)]
     agent: AgentSettings = AgentSettings()
@@ -343,5 +444,6 @@ class PolicySpec(_Strict):
     protection: ProtectionSettings = ProtectionSettings()
     deadlines: DeadlineSettings = DeadlineSettings()
     jobs: JobSettings = JobSettings()
+    gpu: GpuSettings = GpuSettings()
     tenants: dict[StrictStr, Tenant] = Field(min_length=1)
     rules: tuple[Rule, ...] = ()

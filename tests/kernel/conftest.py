@@ -162,3 +162,58 @@ def cgroup_sandbox() -> Iterator[Path]:
         yield sandbox
     finally:
         remove_cgroup_tree(sandbox)
+
+
+# -- a real systemd (tests/kernel/systemd_host.py) -----------------------------------------------
+# Booted once, on first use, and stopped right after the last test that uses it, so that the
+# tests that do not use it neither wait for it nor run beside it.
+SYSTEMD_FIXTURE = "systemd_host"
+_systemd: dict[str, Any] = {}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    users = [item for item in items if SYSTEMD_FIXTURE in getattr(item, "fixturenames", ())]
+    _systemd["last_user"] = users[-1].nodeid if users else None
+
+
+def _stop_systemd() -> None:
+    host = _systemd.get("host")
+    if host is not None:
+        host.stop()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    if item.nodeid == _systemd.get("last_user"):
+        _stop_systemd()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    host = _systemd.get("host")
+    if host is not None:
+        terminalreporter.write_line(
+            f"test systemd: running {host.boot_seconds:.1f} s after the start of its boot,"
+            f" stopped in {host.stop_seconds:.1f} s"
+        )
+
+
+@pytest.fixture(scope="session")
+def systemd_host() -> Iterator[Any]:
+    """A real systemd (PID 1 of its own namespaces, cgroup root below /sys/fs/cgroup), ``running``.
+
+    See systemd_host.py for what it is and how to reach it. A boot that fails fails every test
+    that uses it with one line of reason and the journal's tail.
+    """
+    from systemd_host import SystemdHostError, boot
+
+    problem = None
+    try:
+        _systemd["host"] = boot()
+    except SystemdHostError as exc:
+        problem = str(exc)
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
+    try:
+        yield _systemd["host"]
+    finally:
+        _stop_systemd()

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent
+from nodeagent.daemon import Agent, serve
 from nodeagent.spec.model import PolicySpec
 
 ROOT = "/sys/fs/cgroup"
@@ -87,3 +89,19 @@ def wait_for(check: Callable[[], bool], timeout: float, step: float = 0.02) -> b
             return True
         time.sleep(step)
     return check()
+
+
+@contextlib.contextmanager
+def running(policy: PolicySpec) -> Iterator[Agent]:
+    """The agent's loop and API in this process, as `nodeagent run` serves them."""
+    a = agent(policy)
+    server = serve(a)
+    loop = threading.Thread(target=a.run, daemon=True)
+    loop.start()
+    try:
+        assert wait_for(lambda: a.last is not None, timeout=60), "no first tick"
+        yield a
+    finally:
+        a.stop.set()
+        loop.join(timeout=30)
+        server.close()

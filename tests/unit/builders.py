@@ -34,6 +34,13 @@ def docker(cid: str = CID) -> WorkloadIdentity:
     )
 
 
+def docker_cgroupfs(cid: str = CID) -> WorkloadIdentity:
+    """A docker container under the cgroupfs driver: written directly."""
+    return WorkloadIdentity(
+        f"docker/{cid}", Kind.CONTAINER, Runtime.DOCKER, Owner.CGROUPFS, cid[:12], container_id=cid
+    )
+
+
 def k8s_container(cid: str = CID2, qos: QosTier = QosTier.BURSTABLE) -> WorkloadIdentity:
     return WorkloadIdentity(
         f"kubepods/{qos}/pod{POD_UID}/{cid}",

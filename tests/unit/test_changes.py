@@ -29,3 +29,19 @@ def test_each_problem_is_logged_once_until_it_changes_or_clears() -> None:
     ]
     assert logs[0]["reason"] == "cgroup a-2: cannot read cpu.stat"
     assert logs[0]["step"] == "sense"
+
+
+def test_every_note_kind_logs_and_violations_go_to_the_audit_stream() -> None:
+    """A note's fields may hold any key (a GPU violation names the process's cgroup)."""
+    from nodeagent.changes import NoteLog
+    from nodeagent.policy.base import Note
+
+    fields = {"pid": 7, "process_cgroup": "x.slice/y", "cgroup": "shadowed"}
+    note = Note(None, "gpu-checks", "gpu-violation", "unassigned", "pid 7 on GPU-a", fields, "7@")
+    log = NoteLog()
+    with capture_logs() as logs:
+        log.update([note])
+        log.update([note])
+    assert [e["event"] for e in logs] == ["gpu-violation.unassigned"]
+    assert logs[0]["process_cgroup"] == "x.slice/y"
+    assert logs[0]["cgroup"] is None

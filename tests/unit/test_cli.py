@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
+from nodeagent.api.server import ApiNotFound, ApiServer, Request, Routes
 from nodeagent.cli import main
+from nodeagent.tables import printable, table
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "config" / "policy.yaml"
@@ -28,7 +34,7 @@ RESEARCH_JOB = "nodeagent.slice/research-train"
 CRON = "system.slice/cron.service"
 
 
-def nodeagent(*args: str) -> subprocess.CompletedProcess[str]:
+def nodeagent(*args: str | bytes, **env: str) -> subprocess.CompletedProcess[str]:
     """The installed console script (nodeagent.cli:entrypoint), as an operator runs it."""
     script = Path(sys.executable).parent / "nodeagent"
     command = (
@@ -36,9 +42,9 @@ def nodeagent(*args: str) -> subprocess.CompletedProcess[str]:
         if script.exists()
         else [sys.executable, "-c", "from nodeagent.cli import entrypoint; entrypoint()"]
     )
-    env = {k: v for k, v in os.environ.items() if k != "NODEAGENT_SOCKET"}
+    environ = {k: v for k, v in os.environ.items() if k != "NODEAGENT_SOCKET"} | env
     return subprocess.run(
-        [*command, *args], capture_output=True, text=True, cwd=REPO, env=env, check=False
+        [*command, *args], capture_output=True, text=True, cwd=REPO, env=environ, check=False
     )
 
 
@@ -152,13 +158,22 @@ def test_workloads_json(runner: CliRunner, cgroup_root: Path) -> None:
     assert result.exit_code == 0, result.output
     rows = {r["cgroup"]: r for r in json.loads(result.stdout)}
     assert sorted(rows) == sorted([DOCKER, POD, POD_CONTAINER, JOB, RESEARCH_JOB, CRON])
-    fields = ("kind", "runtime", "owner", "writable", "container_id", "pod_uid", "qos")
+    fields = ("kind", "runtime", "owner", "write", "container_id", "pod_uid", "qos")
     expected = {
-        DOCKER: ("container", "docker", "systemd", False, CID, None, None),
-        POD: ("pod", "kubelet", "cgroupfs", True, None, POD_UID, "burstable"),
-        POD_CONTAINER: ("container", "containerd", "cgroupfs", True, CID2, POD_UID, "burstable"),
-        JOB: ("job", "nodeagent", "nodeagent", True, None, None, None),
-        CRON: ("service", "systemd", "systemd", False, None, None, None),
+        # systemd-owned container scopes are written through systemd, services are not
+        DOCKER: ("container", "docker", "systemd", "systemd", CID, None, None),
+        POD: ("pod", "kubelet", "cgroupfs", "direct", None, POD_UID, "burstable"),
+        POD_CONTAINER: (
+            "container",
+            "containerd",
+            "cgroupfs",
+            "direct",
+            CID2,
+            POD_UID,
+            "burstable",
+        ),
+        JOB: ("job", "nodeagent", "nodeagent", "direct", None, None, None),
+        CRON: ("service", "systemd", "systemd", "read-only", None, None, None),
     }
     for path, want in expected.items():
         assert tuple(rows[path][f] for f in fields) == want, path
@@ -210,8 +225,8 @@ def test_workloads_table(runner: CliRunner, cgroup_root: Path, tmp_path: Path) -
         "CGROUP", "KIND", "RUNTIME", "OWNER", "ID", "POD", "QOS", "TENANT", "CLASS", "STATUS",
     ]  # fmt: skip
     docker_line = next(line for line in lines if line.startswith(DOCKER))
-    assert "systemd (read-only)" in docker_line
-    assert docker_line.split()[5] == CID[:12]  # the short id in the ID column
+    assert "systemd (via systemd)" in docker_line
+    assert docker_line.split()[6] == CID[:12]  # the short id in the ID column
     assert docker_line.split()[-1] == "ok"
     assert len(lines) == 7
 
@@ -297,3 +312,207 @@ def test_run_refuses_a_root_that_is_not_cgroup2_and_writes_nothing(tmp_path: Pat
     assert sorted(os.walk(root)) == before
     assert not state_file.parent.exists()
     assert not socket.exists()
+
+
+# --- names a terminal must not get raw (non-UTF-8 bytes, control characters) -------------------
+
+ODD = [b"job-\xff", b"job-\nfake  row", b"job-\x1b[31mred", "job-\u202eevil".encode()]
+"""Cgroup names anyone allowed to mkdir under the cgroup root can make."""
+SHOWN_AS = ["job-\\xff", "job-\\nfake  row", "job-\\x1b[31mred", "job-\\u202eevil"]
+STRICT = {"PYTHONIOENCODING": "utf-8:strict"}
+
+
+def odd(name: bytes) -> str:
+    """The cgroup path of `name` as discovery (os.scandir) reports it."""
+    return "nodeagent.slice/" + os.fsdecode(name)
+
+
+def assert_terminal_safe(stdout: str) -> None:
+    assert all(c == "\n" or c.isprintable() for c in stdout), repr(stdout)
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("plain/path-1", "plain/path-1"),
+        ("tab\there", "tab\\there"),
+        ("cr\rlf\n", "cr\\rlf\\n"),
+        ("\x00\x7f\x9b", "\\x00\\x7f\\x9b"),
+        (os.fsdecode(b"\xff\xfe"), "\\xff\\xfe"),
+        ("\u202e\u200b\u2028\xa0", "\\u202e\\u200b\\u2028\\xa0"),
+        ("caf\xe9 \u5b57 \U0001f600", "caf\xe9 \u5b57 \U0001f600"),  # printable: as is
+        ("system-systemd\\x2dfsck.slice", "system-systemd\\x2dfsck.slice"),
+    ],
+)
+def test_printable(text: str, shown: str) -> None:
+    assert printable(text) == shown
+
+
+def test_table_escapes_cells_and_keeps_alignment() -> None:
+    lines = table(("CGROUP", "N"), [("a\nb", 1), ("long-name", 2)]).splitlines()
+    assert lines == ["CGROUP     N", "a\\nb       1", "long-name  2"]
+
+
+@pytest.fixture
+def odd_root(tmp_path: Path) -> Path:
+    root = tmp_path / "cgroup"
+    (root / "nodeagent.slice").mkdir(parents=True)
+    for name in ODD:
+        os.mkdir(os.path.join(os.fsencode(root / "nodeagent.slice"), name))
+    for d, _, _ in os.walk(os.fsencode(root)):
+        Path(os.fsdecode(d), "cgroup.procs").write_text("")
+    return root
+
+
+def test_workloads_shows_odd_names_escaped_on_a_strict_utf8_stdout(
+    odd_root: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "policy.yaml"
+    config.write_text(
+        "version: 1\ntenants: {t: {shares: 1}}\n"
+        "rules: [{name: jobs, match: {path: 'nodeagent.slice/job-*'}, tenant: t}]\n"
+    )
+    proc = nodeagent("workloads", "--cgroup-root", str(odd_root), "--config", str(config), **STRICT)
+    assert proc.returncode == 0, proc.stderr
+    assert_terminal_safe(proc.stdout)
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1 + len(ODD)  # no name broke a row in two
+    for shown in SHOWN_AS:
+        row = next(line for line in lines if line.startswith(f"nodeagent.slice/{shown} "))
+        assert row.split()[-3:] == ["t", "batch", "ok"]
+
+
+def test_workloads_json_keeps_odd_names_exact(odd_root: Path) -> None:
+    proc = nodeagent("workloads", "--cgroup-root", str(odd_root), "--json", **STRICT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.isascii()
+    assert sorted(r["cgroup"] for r in json.loads(proc.stdout)) == sorted(odd(n) for n in ODD)
+
+
+def allocation(cgroup: str) -> dict[str, Any]:
+    """One row of /v1/allocations, as report.allocations makes it."""
+    value = {"current": "100", "target": "200", "policy": "fair_share", "reason": "2 shares"}
+    return {
+        "cgroup": cgroup,
+        "name": cgroup.rsplit("/", 1)[-1],
+        "kind": "job",
+        "runtime": "nodeagent",
+        "owner": "nodeagent",
+        "writable": True,
+        "container_id": None,
+        "pod_uid": None,
+        "qos": None,
+        "rule": "jobs",
+        "tenant": "t",
+        "class": "batch",
+        "values": {a: value for a in ("cpu.weight", "cpu.max", "memory.max", "memory.high")},
+        "cpu_rate": 0.5,
+        "memory_current": 4096,
+        "reason": "fair share",
+        "writes": [],
+    }
+
+
+def explanation(cgroup: str) -> dict[str, Any]:
+    """/v1/explain for one cgroup, as report.explain makes it."""
+    row = allocation(cgroup)
+    del row["memory_current"], row["reason"]
+    return {
+        **row,
+        "tick": 7,
+        "dry_run": False,
+        "sensed": {"cpu_rate": 0.5},
+        "trace": [f"{cgroup}: rule jobs"],
+        "writes": [
+            {"attribute": "cpu.weight", "old": "100", "new": "200", "outcome": "ok", "detail": ""}
+        ],
+    }
+
+
+@pytest.fixture
+def fake_daemon() -> Iterator[Any]:
+    """Start an API server with the given routes; yields a function that returns its socket."""
+    sockdir = Path(tempfile.mkdtemp(prefix="nodeagent-cli-"))
+    servers: list[ApiServer] = []
+
+    def start(routes: Routes) -> str:
+        server = ApiServer(str(sockdir / "api.sock"), routes)
+        server.start()
+        servers.append(server)
+        return server.socket_path
+
+    yield start
+    for server in servers:
+        server.close()
+    shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def odd_daemon(fake_daemon: Any) -> str:
+    paths = [odd(n) for n in ODD]
+
+    def explain(request: Request) -> object:
+        if request.query.get("cgroup") not in paths:
+            raise ApiNotFound(f"no workload match {request.query.get('cgroup')!r}")
+        return explanation(request.query["cgroup"])
+
+    answer = {"tick": 7, "dry_run": False, "allocations": [allocation(p) for p in paths]}
+    return str(
+        fake_daemon({"/v1/allocations": {"GET": lambda _: answer}, "/v1/explain": {"GET": explain}})
+    )
+
+
+def test_allocations_shows_odd_names_escaped_on_a_strict_utf8_stdout(fake_daemon: Any) -> None:
+    sock = odd_daemon(fake_daemon)
+    proc = nodeagent("allocations", "--socket", sock, **STRICT)
+    assert proc.returncode == 0, proc.stderr
+    assert_terminal_safe(proc.stdout)
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 + len(ODD)
+    for shown in SHOWN_AS:
+        assert any(line.startswith(f"nodeagent.slice/{shown} ") for line in lines)
+    proc = nodeagent("allocations", "--socket", sock, "--json", **STRICT)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["allocations"]
+    assert [r["cgroup"] for r in rows] == [odd(n) for n in ODD]
+
+
+@pytest.mark.parametrize(("name", "shown"), list(zip(ODD, SHOWN_AS, strict=True)))
+def test_explain_finds_and_shows_an_odd_name(fake_daemon: Any, name: bytes, shown: str) -> None:
+    sock = odd_daemon(fake_daemon)
+    # The name as an operator passes it: the raw bytes, as the shell gives them.
+    proc = nodeagent("explain", b"nodeagent.slice/" + name, "--socket", sock, **STRICT)
+    assert proc.returncode == 0, proc.stderr
+    assert_terminal_safe(proc.stdout)
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"nodeagent.slice/{shown}  (job, ")
+    assert f"  nodeagent.slice/{shown}: rule jobs" in lines
+    proc = nodeagent("explain", b"nodeagent.slice/" + name, "--socket", sock, "--json", **STRICT)
+    assert json.loads(proc.stdout)["cgroup"] == odd(name)
+
+
+WRONG_SHAPES: list[object] = [
+    {"unexpected": 1},
+    [1, 2],
+    "text",
+    None,
+    {"tick": 1, "dry_run": False, "allocations": [{"cgroup": 5}]},
+    {"tick": 1, "dry_run": False, "allocations": [{**allocation("a"), "cpu_rate": "fast"}]},
+    {"tick": 1, "dry_run": False, "allocations": [{**allocation("a"), "values": []}]},
+]
+
+
+@pytest.mark.parametrize("answer", WRONG_SHAPES)
+@pytest.mark.parametrize(
+    ("command", "endpoint"), [("allocations", "allocations"), ("explain", "explain")]
+)
+def test_an_answer_of_the_wrong_shape_is_a_one_line_error(
+    fake_daemon: Any, answer: object, command: str, endpoint: str
+) -> None:
+    sock = fake_daemon({f"/v1/{endpoint}": {"GET": lambda _: answer}})
+    args = [command, "x"] if command == "explain" else [command]
+    message = assert_one_line_error(nodeagent(*args, "--socket", sock))
+    assert message.startswith(
+        f"nodeagent: error: the daemon's answer to /v1/{endpoint} is not what this nodeagent"
+        " expects ("
+    )
+    assert message.endswith("); is the daemon the same version as this CLI?")

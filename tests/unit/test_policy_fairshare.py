@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
-from nodeagent.policy.base import Decision, PolicyInput, Share
+from nodeagent.policy.base import Decision, Note, PolicyInput, Share
 from nodeagent.policy.fairshare import FairShare, is_active
 from nodeagent.policy.plan import make_plan
 from nodeagent.policy.weights import CpuWeights
@@ -26,7 +26,11 @@ def weights(given_: PolicyInput) -> dict[str, int]:
     """Fair share, then the weights made from its shares, as the plan runs them."""
     shares = list(FairShare().decide(given_))
     assert all(isinstance(s, Share) for s in shares)
-    decisions = CpuWeights().decide(replace(given_, earlier=tuple(shares)))
+    decisions = [
+        d
+        for d in CpuWeights().decide(replace(given_, earlier=tuple(shares)))
+        if not isinstance(d, Note)  # the hierarchy's report
+    ]
     out = {}
     for d in decisions:
         assert isinstance(d, Decision)

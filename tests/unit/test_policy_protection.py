@@ -128,3 +128,22 @@ def test_a_lifted_cap_is_given_back_until_the_kernel_shows_it() -> None:
     plan = tick(0.0, carried, {p: {Attribute.CPU_MAX: CpuMax(None)} for p in (BATCH, TRAIN)})
     assert Attribute.CPU_MAX not in next(c for c in plan.cgroups if c.path == BATCH).targets
     assert plan.carry["protection"]["uncap"] == []
+
+
+def test_turning_protection_off_gives_everything_back() -> None:
+    carried = tick(0.4, {}).carry
+    off = POLICY.model_copy(
+        update={"protection": POLICY.protection.model_copy(update={"enabled": False})}
+    )
+    states = []
+    for path, rate in ((INFER, 0.5), (BATCH, 1.6), (TRAIN, 1.6)):
+        sample = CgroupSample(
+            populated=True, cpu_usage_us=1, settings={Attribute.CPU_MAX: CpuMax(80_000)}
+        )
+        states.append(WorkloadState(job(path), sample, rate, 0.0, 0.4))
+    snap = replace(snapshot(states), node=replace(snapshot(states).node, cpu_count=4))
+    plan = make_plan(snap, off, {}, [Protection()], assignments=ASSIGNED, carried=carried)
+    for path in (BATCH, TRAIN):
+        cg = next(c for c in plan.cgroups if c.path == path)
+        assert cg.targets[Attribute.CPU_MAX].value == CpuMax(None)
+    assert next(n for n in plan.notes if n.kind == "protection").status == "idle"

@@ -51,7 +51,7 @@ def test_shipped_example_loads() -> None:
     assert {name: t.shares for name, t in spec.tenants.items()} == {"research": 2, "prod": 1}
     assert [r.name for r in spec.rules] == [
         "research-training",
-        "prod-inference",
+        "prod-jobs",
         "docker-batch",
         "k8s-besteffort",
     ]
@@ -744,3 +744,10 @@ def test_the_state_file_and_the_socket_must_differ() -> None:
     assert problems(HEAD + "agent: {state_file: /run/x, socket: /run/x}\n") == [
         "p.yaml:5:37: agent.socket: must not be the same path as agent.state_file"
     ]
+
+
+def test_shipped_example_names_a_default_tenant_for_exec() -> None:
+    spec = load_policy(REPO / "config" / "policy.yaml")
+    assert spec.jobs.default_tenant in spec.tenants
+    assert spec.classes[WorkloadClass.INFERENCE].protect
+    assert spec.classes[WorkloadClass.INFERENCE].reserved_cpu == (0.2, True)

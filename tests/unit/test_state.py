@@ -319,3 +319,28 @@ def test_a_failing_save_is_logged_once_per_interval_not_every_tick(tmp_path: Pat
         for _ in range(5):
             agent.tick()
     assert [e["event"] for e in logs if e["event"].startswith("state.")] == ["state.save_failed"]
+
+
+def test_jobs_and_carried_state_round_trip(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.json")
+    saved = state.SavedState(
+        1.0,
+        {"a": 2.0},
+        ({"name": "j", "cgroup": "nodeagent.slice/j"},),
+        {"protection": {"caps": {"batch": 0.5}, "frozen": []}},
+    )
+    state.save(path, saved)
+    assert state.load(path) == saved
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [({"jobs": {"j": 1}}, "jobs must be a list"), ({"carry": {"p": 1}}, "carry must be an object")],
+)
+def test_malformed_jobs_or_carry_are_one_line_errors(
+    tmp_path: Path, extra: dict[str, object], message: str
+) -> None:
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps({"version": 1, "saved_at": 1.0, "tenant_usage": {}, **extra}))
+    with pytest.raises(NodeagentError, match=message):
+        state.load(str(path))

@@ -1,0 +1,302 @@
+"""`nodeagent exec`: run a command as a job the daemon manages, in a cgroup of its own."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from types import FrameType
+from typing import Any
+
+import click
+
+from nodeagent.api import client
+from nodeagent.cli.common import socket_option
+from nodeagent.errors import NodeagentError
+
+FORWARDED = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+GO = b"1"
+
+
+def _value(option: str, parser: Any, text: str | None, **kwargs: Any) -> Any:
+    if text is None:
+        return None
+    try:
+        return parser(text, **kwargs)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint=option) from None
+
+
+def _default_name(command: Sequence[str]) -> str:
+    base = re.sub(r"[^A-Za-z0-9_.@+-]", "-", os.path.basename(command[0]))[:40].lstrip("._-@+")
+    return f"{base or 'job'}-{secrets.token_hex(3)}"
+
+
+@contextlib.contextmanager
+def _forwarding(pid: int) -> Iterator[None]:
+    """Signals to this process go to the command's; the old handlers come back after."""
+
+    def forward(signum: int, _: FrameType | None) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+    old = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _foreground(pgid: int) -> Iterator[None]:
+    """On a terminal, the command's process group gets the foreground (as a shell would do),
+    so Ctrl-C reaches it once, not once directly and once forwarded."""
+    fd = sys.stdin.fileno() if sys.stdin is not None and sys.stdin.isatty() else None
+    own = os.getpgrp()
+    if fd is None or os.tcgetpgrp(fd) != own:
+        yield
+        return
+    old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        os.tcsetpgrp(fd, pgid)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.tcsetpgrp(fd, own)
+        signal.signal(signal.SIGTTOU, old)
+
+
+def _child(go: int, command: Sequence[str]) -> None:
+    """The command's process: wait for the daemon to put it in its cgroup, then exec with
+    the environment it sends (the job's GPUs)."""
+    # Python's own dispositions must not reach the command: SIGINT raises KeyboardInterrupt,
+    # and SIGPIPE and SIGXFSZ are ignored, which exec would keep (`cmd | head` never ends).
+    for s in (*FORWARDED, signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(s, signal.SIG_DFL)
+    os.setpgid(0, 0)
+    message = b""
+    with contextlib.suppress(OSError):
+        while chunk := os.read(go, 65536):
+            message += chunk
+    if not message.startswith(GO):
+        os._exit(125)  # the daemon refused the job: never run the command
+    os.close(go)
+    env = {**os.environ, **json.loads(message[len(GO) :] or b"{}")}
+    try:
+        os.execvpe(command[0], list(command), env)  # noqa: S606 - running it is the point
+    except OSError as e:
+        sys.stderr.write(f"nodeagent exec: {command[0]}: {e.strerror}\n")
+        os._exit(126 if isinstance(e, PermissionError) else 127)
+
+
+def _wait_for_gpus(socket: str, want: dict[str, Any], timeout: float | None) -> str:
+    """Ask the daemon for GPUs and wait, saying so, until they are granted; the request's id.
+    Waiting requests are served by class priority, then deadline, then fair share."""
+    answer = client.post(socket, "/v1/gpus/requests", want)
+    if not isinstance(answer, dict) or not isinstance(answer.get("id"), str):
+        raise NodeagentError("the daemon gave a GPU answer of the wrong shape")
+    rid, said = str(answer["id"]), None
+    give_up = None if timeout is None else time.monotonic() + timeout
+    try:
+        while answer.get("status") != "granted":
+            line = f"waiting for {want['count']} GPU(s): position {answer.get('position')}"
+            if answer.get("reason"):
+                line += f" ({answer['reason']})"
+            if line != said:
+                click.echo(f"nodeagent exec: {line}", err=True)
+                said = line
+            if give_up is not None and time.monotonic() > give_up:
+                raise NodeagentError(f"no GPUs within --gpu-timeout: {line}")
+            time.sleep(1)
+            answer = client.get(socket, "/v1/gpus/requests", {"id": rid})
+            if not isinstance(answer, dict):
+                raise NodeagentError("the daemon gave a GPU answer of the wrong shape")
+    except BaseException:
+        with contextlib.suppress(NodeagentError):
+            client.delete(socket, "/v1/gpus/requests", {"id": rid})
+        raise
+    return rid
+
+
+def _wait(pid: int) -> int:
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError:
+            return 1
+        except InterruptedError:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        return 128 - code if code < 0 else code
+
+
+@click.command(
+    "exec",
+    context_settings={"allow_interspersed_args": False},
+    epilog="""\b
+Examples:
+  nodeagent exec -- python train.py
+  nodeagent exec --name nightly --tenant research --class training \\
+      --deadline +2h --work 3h --cpus 2 --memory 8Gi -- ./train.sh
+  nodeagent exec --deadline 2026-12-01T18:00:00Z --work 5400 -- make -j4
+
+The job shows in `nodeagent allocations` and `nodeagent explain NAME`.""",
+)
+@click.option("--name", metavar="N", help="The job's name and cgroup name (default: CMD-<random>).")
+@click.option(
+    "--tenant", metavar="T", help="Its tenant (default: jobs.default_tenant in the policy)."
+)
+@click.option(
+    "--class",
+    "workload_class",
+    metavar="C",
+    help="inference, training, batch or besteffort (default: jobs.default_class, batch).",
+)
+@click.option(
+    "--deadline",
+    metavar="WHEN",
+    help="When the work must be done: ISO 8601 (2026-12-01T18:00:00Z; no offset means local"
+    " time) or relative (+90s, +2h). Needs --work.",
+)
+@click.option(
+    "--work",
+    metavar="CPU_SECONDS",
+    help="The CPU time the job needs in all: seconds or a duration (5400, 90m, 1.5h).",
+)
+@click.option("--cpus", metavar="X", type=float, help="At most X CPUs (cpu.max), e.g. 2 or 0.5.")
+@click.option("--memory", metavar="SIZE", help="At most SIZE of memory (memory.max), e.g. 8Gi.")
+@click.option(
+    "--gpus",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="N GPUs, placed by topology; CMD sees only them (CUDA_VISIBLE_DEVICES). Waits"
+    " while none fit.",
+)
+@click.option("--gpu-memory", metavar="SIZE", help="Free memory each GPU must have, e.g. 20Gi.")
+@click.option(
+    "--gpu-shared", is_flag=True, help="Share GPUs with other shared jobs (needs --gpu-memory)."
+)
+@click.option("--gpu-mig", metavar="PROFILE", help="MIG instances of PROFILE, e.g. 1g.10gb.")
+@click.option(
+    "--gpu-timeout", metavar="DURATION", help="Give up waiting for GPUs after this (e.g. 10m)."
+)
+@socket_option
+@click.argument("command", nargs=-1, required=True, metavar="-- CMD [ARGS]...")
+def exec_cmd(
+    *,
+    name: str | None,
+    tenant: str | None,
+    workload_class: str | None,
+    deadline: str | None,
+    work: str | None,
+    cpus: float | None,
+    memory: str | None,
+    gpus: int | None,
+    gpu_memory: str | None,
+    gpu_shared: bool,
+    gpu_mig: str | None,
+    gpu_timeout: str | None,
+    socket: str,
+    command: tuple[str, ...],
+) -> None:
+    """Run CMD as a job the daemon manages, in a cgroup of its own under the managed root.
+
+    CMD is in that cgroup, under its limits, before its first instruction; the job is
+    managed whether or not a rule matches it. A job with --deadline and --work gets the CPU
+    rate it needs to finish in time (EDF), or is reported as predicted to miss. Signals
+    (INT, TERM, HUP, QUIT, USR1, USR2) are passed to CMD, and this command exits with CMD's
+    exit status (128+N when CMD is killed by signal N). The job and its cgroup go away when
+    the cgroup empties. Nothing is started when the daemon refuses the job (unknown tenant
+    or class, a name that is taken, a deadline in the past, ...).
+    """
+    from nodeagent.spec.units import parse_duration, parse_size
+    from nodeagent.spec.when import parse_instant
+
+    now = time.time()
+    when = _value("--deadline", parse_instant, deadline, now=now, naive_is_local=True)
+    cpu_seconds = _value("--work", parse_duration, work)
+    size = _value("--memory", parse_size, memory)
+    if when is not None and when <= now:
+        raise click.BadParameter(
+            f"{deadline} is {now - when:.0f} s in the past", param_hint="--deadline"
+        )
+    if cpu_seconds is not None and cpu_seconds <= 0:
+        raise click.BadParameter("the work must be positive", param_hint="--work")
+    if (when is None) != (cpu_seconds is None):
+        raise click.UsageError(
+            "--deadline and --work go together: the rate needed is work / time left"
+        )
+    if cpus is not None and not cpus > 0:
+        raise click.BadParameter("must be a positive number of CPUs", param_hint="--cpus")
+    job_name = name or _default_name(command)
+    grant = None
+    if gpus is not None:
+        want = {
+            "name": job_name,
+            "count": gpus,
+            "memory": _value("--gpu-memory", parse_size, gpu_memory),
+            "shared": gpu_shared,
+            "mig": gpu_mig,
+            "class": workload_class,
+            "tenant": tenant,
+            "deadline": when,
+        }
+        timeout = _value("--gpu-timeout", parse_duration, gpu_timeout)
+        grant = _wait_for_gpus(socket, {k: v for k, v in want.items() if v is not None}, timeout)
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(write_end)
+        _child(read_end, command)
+    os.close(read_end)
+    with contextlib.suppress(OSError):
+        os.setpgid(pid, pid)  # also here: whichever of the two runs first
+    request = {
+        "name": job_name,
+        "tenant": tenant,
+        "class": workload_class,
+        "deadline": when,
+        "work": cpu_seconds,
+        "cpus": cpus,
+        "memory": size,
+        "pid": pid,
+        "gpu_request": grant,
+    }
+    # Signals are passed on from here: one that comes before the command runs ends the
+    # waiting process, and with it the job, as it would end the command.
+    with _forwarding(pid):
+        try:
+            started = client.post(
+                socket, "/v1/jobs", {k: v for k, v in request.items() if v is not None}
+            )
+        except NodeagentError:
+            os.close(write_end)  # the child reads no go and exits without running anything
+            _wait(pid)
+            if grant is not None:
+                with contextlib.suppress(NodeagentError):
+                    client.delete(socket, "/v1/gpus/requests", {"id": grant})
+            raise
+        env = started.get("env", {}) if isinstance(started, dict) else {}
+        with _foreground(pid):
+            with contextlib.suppress(OSError):  # the child died of a signal meanwhile
+                os.write(write_end, GO + json.dumps(env).encode())
+            os.close(write_end)
+            code = _wait(pid)
+    with contextlib.suppress(NodeagentError):
+        client.delete(socket, "/v1/jobs", {"name": job_name, "exit_status": code})
+    sys.exit(code)

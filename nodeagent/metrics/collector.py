@@ -1,0 +1,324 @@
+"""Render the latest tick as Prometheus series.
+
+A custom collector rather than long-lived Gauge children: every scrape is rendered from
+the latest TickRecord, so a workload's series are there while it is and go away with it,
+and label sets cannot pile up on a node where containers come and go. What must count
+across ticks (ticks, writes, the tick-time histogram) is kept here, per tick, by
+`observe`; a workload's counters are dropped in the tick it is gone.
+
+`observe` runs on the loop's thread, `collect` on the HTTP server's: the shared state is
+copied under one lock, and the record itself is frozen.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from nodeagent.act import Outcome, WriteResult
+from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, MemoryLimit, Value
+from nodeagent.gpu.backend import GpuBackend
+from nodeagent.identity import WorkloadIdentity
+from nodeagent.metrics.families import FAMILIES, WORKLOAD, Scrape
+from nodeagent.metrics.gpus import GpuMetrics
+from nodeagent.policy.base import Assignment, Note, describe
+from nodeagent.policy.plan import CgroupPlan
+from nodeagent.report import TickRecord, status_of
+from nodeagent.snapshot import WorkloadState
+
+TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, math.inf)
+"""Seconds: from a handful of workloads on metal to a thousand under emulation."""
+DEADLINE_STATUSES = ("on-track", "predicted-miss", "missed", "overrun", "done", "waiting")
+PROTECTION_STATES = ("idle", "throttling", "releasing", "freezing")
+SKIP_STEPS = ("sense", "plan")
+MEMORY = (
+    (Attribute.MEMORY_MAX, "nodeagent_workload_memory_max_bytes"),
+    (Attribute.MEMORY_HIGH, "nodeagent_workload_memory_high_bytes"),
+    (Attribute.MEMORY_LOW, "nodeagent_workload_memory_low_bytes"),
+    (Attribute.MEMORY_MIN, "nodeagent_workload_memory_min_bytes"),
+)
+DEADLINE_FIELDS = (
+    ("deadline", "nodeagent_deadline_timestamp_seconds"),
+    ("work", "nodeagent_deadline_work_cpu_seconds"),
+    ("remaining", "nodeagent_deadline_remaining_cpu_seconds"),
+    ("required_rate", "nodeagent_deadline_required_rate_cores"),
+    ("rate", "nodeagent_deadline_given_rate_cores"),
+    ("parallelism", "nodeagent_deadline_parallelism_cores"),
+    ("slack", "nodeagent_deadline_slack_seconds"),
+    ("predicted_finish", "nodeagent_deadline_predicted_finish_timestamp_seconds"),
+)
+
+Counts = Mapping[tuple[str, str], int]
+"""Writes by (attribute, outcome)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """What one scrape renders: the latest record, and the counters as of it."""
+
+    record: TickRecord | None
+    ticks: Mapping[str, int]
+    durations: tuple[int, ...]
+    duration_sum: float
+    writes: Counts
+    workload_writes: Mapping[str, Counts]
+
+
+class TickCollector(Collector):
+    """`deadline_misses` is read at each scrape: the loop counts misses (changes.NoteLog)."""
+
+    def __init__(self, deadline_misses: Callable[[], int] = lambda: 0) -> None:
+        self._deadline_misses = deadline_misses
+        self._lock = threading.Lock()
+        self._record: TickRecord | None = None
+        self._ticks: Counter[str] = Counter({"ok": 0, "failed": 0})
+        self._durations = [0] * len(TICK_BUCKETS)
+        self._duration_sum = 0.0
+        self._writes: Counter[tuple[str, str]] = Counter()
+        self._workload_writes: dict[str, Counter[tuple[str, str]]] = {}
+        self._gpus: GpuMetrics | None = None
+
+    def watch_gpus(self, backend: GpuBackend) -> None:
+        """Export `backend`'s GPUs from now on: each GPU's health and telemetry, and each
+        workload's GPU memory and processes, read at every scrape. The daemon calls this
+        once it has a GPU backend; until then there are no GPU series."""
+        self._gpus = GpuMetrics(backend)
+
+    def observe(self, record: TickRecord | None) -> None:
+        """Count one tick: its record, or None when it failed."""
+        with self._lock:
+            if record is None:
+                self._ticks["failed"] += 1
+                return
+            self._ticks["ok"] += 1
+            self._duration_sum += record.duration
+            for i, bound in enumerate(TICK_BUCKETS):
+                if record.duration <= bound:
+                    self._durations[i] += 1
+            present = _paths(record)
+            for path in [p for p in self._workload_writes if p not in present]:
+                del self._workload_writes[path]
+            for r in record.results:
+                key = (str(r.attribute), str(r.outcome))
+                self._writes[key] += 1
+                self._workload_writes.setdefault(r.path, Counter())[key] += 1
+            self._record = record
+
+    def describe(self) -> Iterator[Metric]:
+        return iter([f.empty() for f in FAMILIES])
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            seen = _Seen(
+                self._record,
+                dict(self._ticks),
+                tuple(self._durations),
+                self._duration_sum,
+                dict(self._writes),
+                {p: dict(c) for p, c in self._workload_writes.items()},
+            )
+        out = Scrape()
+        _loop(out, seen, self._deadline_misses())
+        workloads: dict[str, tuple[str, ...]] = {}
+        if seen.record is not None:
+            workloads = _workloads(out, seen.record, seen.workload_writes)
+            _tenants(out, seen.record)
+            _protection(out, seen.record)
+        if self._gpus is not None:
+            self._gpus.render(out, workloads)
+        return iter(out)
+
+
+def _paths(record: TickRecord) -> set[str]:
+    return {cg.path for cg in record.plan.cgroups} | {s.path for s in record.snapshot.skipped}
+
+
+def _loop(out: Scrape, seen: _Seen, misses: int) -> None:
+    for result, n in sorted(seen.ticks.items()):
+        out.add("nodeagent_ticks_total", (result,), n)
+    buckets = list(zip(TICK_BUCKETS, seen.durations, strict=True))
+    out.histogram("nodeagent_tick_duration_seconds", buckets, seen.duration_sum)
+    for (attribute, outcome), n in sorted(seen.writes.items()):
+        out.add("nodeagent_cgroup_writes_total", (attribute, outcome), n)
+    out.add("nodeagent_deadline_misses_total", (), misses)
+    record = seen.record
+    if record is None:
+        return
+    snap, plan = record.snapshot, record.plan
+    out.add("nodeagent_last_tick_timestamp_seconds", (), snap.wall_time)
+    out.add("nodeagent_dry_run", (), int(record.dry_run))
+    out.add("nodeagent_managed_workloads", (), len(_paths(record)))
+    steps = Counter(dict.fromkeys(SKIP_STEPS, 0))
+    steps.update(s.step for s in snap.skipped)
+    steps.update("plan" for cg in plan.cgroups if cg.skipped is not None)
+    for step, n in sorted(steps.items()):
+        out.add("nodeagent_skipped_cgroups", (step,), n)
+    out.add("nodeagent_policy_failures", (), len(plan.problems))
+    out.add("nodeagent_node_cpu_cores", (), snap.node.cpu_count)
+    out.add("nodeagent_node_cpu_busy_ratio", (), snap.node.cpu_busy)
+
+
+def _labels(identity: WorkloadIdentity, assignment: Assignment | None) -> tuple[str, ...]:
+    d = describe(identity, assignment)
+    return tuple(str(d[k] or "") for k in WORKLOAD)
+
+
+def _info(out: Scrape, identity: WorkloadIdentity, labels: tuple[str, ...], status: str) -> None:
+    i = identity
+    found = (str(i.kind), str(i.runtime), str(i.owner), str(i.qos or ""), status)
+    out.add("nodeagent_workload_info", (*labels, *found), 1)
+
+
+def _workloads(
+    out: Scrape, record: TickRecord, writes: Mapping[str, Counts]
+) -> dict[str, tuple[str, ...]]:
+    """Every claimed workload's series; returns each one's labels, by path."""
+    states = {w.path: w for w in record.snapshot.workloads}
+    results: dict[str, list[WriteResult]] = defaultdict(list)
+    for r in record.results:
+        results[r.path].append(r)
+    labelled: dict[str, tuple[str, ...]] = {}
+    for cg in record.plan.cgroups:
+        labels = labelled[cg.path] = _labels(cg.identity, cg.assignment)
+        w = states.get(cg.path)
+        _info(out, cg.identity, labels, status_of(cg, w, results[cg.path])[0])
+        if w is not None:
+            _settings(out, labels, _applied(cg, w, results[cg.path]))
+            _usage(out, labels, w)
+        target = record.plan.cpu_targets.get(cg.path)
+        cores = None if target is None else target.cores
+        out.add("nodeagent_workload_cpu_target_cores", labels, cores)
+        _deadline(out, labels, cg.notes)
+    for s in record.snapshot.skipped:
+        labels = labelled[s.path] = _labels(s.identity, record.assignments.get(s.path))
+        _info(out, s.identity, labels, "skipped")
+    for path, labels in labelled.items():
+        for (attribute, outcome), n in sorted(writes.get(path, {}).items()):
+            out.add("nodeagent_workload_writes_total", (*labels, attribute, outcome), n)
+    return labelled
+
+
+def _applied(
+    cg: CgroupPlan, w: WorkloadState, results: Sequence[WriteResult]
+) -> dict[Attribute, Value]:
+    """The values in the kernel after this tick: what was read, updated by what was written
+    (or found already equal when re-read before the write)."""
+    values = dict(w.sample.settings)
+    for r in results:
+        target = cg.targets.get(r.attribute)
+        if target is not None and r.outcome in (Outcome.WRITTEN, Outcome.UNCHANGED):
+            values[r.attribute] = target.value
+    return values
+
+
+def _settings(out: Scrape, labels: tuple[str, ...], values: Mapping[Attribute, Value]) -> None:
+    weight = values.get(Attribute.CPU_WEIGHT)
+    if isinstance(weight, CpuWeight):
+        out.add("nodeagent_workload_cpu_weight", labels, weight.value)
+    cpu_max = values.get(Attribute.CPU_MAX)
+    if isinstance(cpu_max, CpuMax):
+        cores = cpu_max.cores
+        out.add("nodeagent_workload_cpu_max_cores", labels, math.inf if cores is None else cores)
+        out.add("nodeagent_workload_cpu_max_unlimited", labels, int(cores is None))
+    for attribute, name in MEMORY:
+        limit = values.get(attribute)
+        if isinstance(limit, MemoryLimit):
+            out.add(name, labels, math.inf if limit.bytes is None else limit.bytes)
+    frozen = values.get(Attribute.FREEZE)
+    if isinstance(frozen, Frozen):
+        out.add("nodeagent_workload_frozen", labels, int(frozen.frozen))
+
+
+def _usage(out: Scrape, labels: tuple[str, ...], w: WorkloadState) -> None:
+    s = w.sample
+    out.add("nodeagent_workload_memory_usage_bytes", labels, s.memory_current)
+    out.add("nodeagent_workload_cpu_usage_cores", labels, w.cpu_rate)
+    out.add("nodeagent_workload_cpu_usage_seconds_total", labels, _seconds(s.cpu_usage_us))
+    out.add("nodeagent_workload_cpu_throttled_ratio", labels, w.throttled_fraction)
+    out.add("nodeagent_workload_cpu_throttled_seconds_total", labels, _seconds(s.cpu_throttled_us))
+    for psi, name in (
+        (s.cpu_psi, "nodeagent_workload_cpu_psi_some_avg10_ratio"),
+        (s.memory_psi, "nodeagent_workload_memory_psi_some_avg10_ratio"),
+    ):
+        out.add(name, labels, None if psi is None else psi.some.avg10 / 100)
+    out.add("nodeagent_workload_cpu_stall_ratio", labels, w.cpu_stall)
+
+
+def _seconds(us: int | None) -> float | None:
+    return None if us is None else us / 1e6
+
+
+def _number(value: object) -> float | None:
+    """A note's field as a sample value: JSON numbers only."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _deadline(out: Scrape, labels: tuple[str, ...], notes: Sequence[Note]) -> None:
+    note = next((n for n in notes if n.kind == "deadline"), None)
+    if note is None:
+        return
+    for key, name in DEADLINE_FIELDS:
+        out.add(name, labels, _number(note.fields.get(key)))
+    statuses = DEADLINE_STATUSES if note.status in DEADLINE_STATUSES else (note.status,)
+    for status in statuses:
+        out.add("nodeagent_deadline_status", (*labels, status), int(status == note.status))
+
+
+def _tenants(out: Scrape, record: TickRecord) -> None:
+    """Target against achieved: each tenant's part of the CPU the plan hands to the active
+    managed workloads, and of the CPU all managed workloads used over the last tick."""
+    tenant = {cg.path: cg.assignment.tenant for cg in record.plan.cgroups if cg.assignment}
+    for s in record.snapshot.skipped:
+        if (a := record.assignments.get(s.path)) is not None:
+            tenant[s.path] = a.tenant
+    used: dict[str, float] = defaultdict(float)
+    for w in record.snapshot.workloads:
+        if w.path in tenant and w.cpu_rate is not None:
+            used[tenant[w.path]] += w.cpu_rate
+    meant: dict[str, float] = defaultdict(float)
+    for path, target in record.plan.cpu_targets.items():
+        if target.active and path in tenant:
+            meant[tenant[path]] += target.cores
+    count = Counter(tenant.values())
+    all_used, all_meant = sum(used.values()), sum(meant.values())
+    for t in sorted(count):
+        out.add("nodeagent_tenant_workloads", (t,), count[t])
+        out.add("nodeagent_tenant_cpu_usage_cores", (t,), used[t])
+        out.add("nodeagent_tenant_cpu_target_cores", (t,), meant[t])
+        out.add("nodeagent_tenant_target_share_ratio", (t,), _part(meant[t], all_meant))
+        out.add("nodeagent_tenant_achieved_share_ratio", (t,), _part(used[t], all_used))
+    for t, usage in sorted(record.plan.tenant_usage.items()):
+        out.add("nodeagent_tenant_decayed_usage_cpu_seconds", (t,), usage)
+
+
+def _part(mine: float, total: float) -> float | None:
+    """None while nothing is measured or planned: a share of nothing is undefined."""
+    return mine / total if total > 0 else None
+
+
+def _protection(out: Scrape, record: TickRecord) -> None:
+    note = next((n for n in record.plan.notes if n.path is None and n.kind == "protection"), None)
+    if note is None:
+        return
+    state = note.status.split(maxsplit=1)[0] if note.status else ""
+    states = PROTECTION_STATES if state in PROTECTION_STATES else (state,)
+    for s in states:
+        out.add("nodeagent_protection_state", (s,), int(s == state))
+    caps = note.fields.get("caps")
+    if isinstance(caps, Mapping):
+        for cls, cores in sorted(caps.items()):
+            out.add("nodeagent_protection_cap_cores", (str(cls),), _number(cores))
+    for key, name in (
+        ("stalling", "nodeagent_protection_stalling_cgroups"),
+        ("frozen", "nodeagent_protection_frozen_cgroups"),
+    ):
+        value = note.fields.get(key)
+        out.add(name, (), len(value) if isinstance(value, Mapping | list | tuple) else None)

@@ -1,0 +1,367 @@
+"""Every series nodeagent exports, in one table: name, type, help and label names.
+
+Names follow koordlet's: a `nodeagent_` prefix, the unit last (`_cores`, `_bytes`,
+`_seconds`, `_ratio` for 0..1), `_total` on counters. A workload's series carry
+WORKLOAD's labels; an unset label (a job has no container id) is the empty string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+WORKLOAD = ("cgroup", "tenant", "class", "rule", "container_id", "pod_uid")
+GPU = ("gpu", "uuid")
+
+Kind = Literal["gauge", "counter", "histogram"]
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+
+    def empty(self) -> Metric:
+        if self.kind == "counter":
+            return CounterMetricFamily(self.name, self.help, labels=self.labels)
+        if self.kind == "histogram":
+            return HistogramMetricFamily(self.name, self.help, labels=self.labels)
+        return GaugeMetricFamily(self.name, self.help, labels=self.labels)
+
+    def series(self) -> tuple[str, ...]:
+        """The sample names a scrape shows for this family."""
+        if self.kind == "histogram":
+            return tuple(f"{self.name}_{s}" for s in ("bucket", "sum", "count"))
+        return (self.name,)
+
+
+def _f(name: str, kind: Kind, help: str, *labels: str) -> Family:
+    return Family(name, kind, help, labels)
+
+
+W = WORKLOAD
+FAMILIES: tuple[Family, ...] = (
+    # the loop
+    _f("nodeagent_tick_duration_seconds", "histogram", "Time one tick took: sense, plan, act."),
+    _f(
+        "nodeagent_ticks_total",
+        "counter",
+        "Ticks by result: ok, or failed (logged as tick.failed; nothing was applied).",
+        "result",
+    ),
+    _f("nodeagent_last_tick_timestamp_seconds", "gauge", "Unix time of the last completed tick."),
+    _f("nodeagent_dry_run", "gauge", "1 when the agent runs with --dry-run and writes nothing."),
+    _f("nodeagent_managed_workloads", "gauge", "Workloads a rule claims this tick."),
+    _f(
+        "nodeagent_skipped_cgroups",
+        "gauge",
+        "Workloads left out of this tick, by the step that failed (sense or plan).",
+        "step",
+    ),
+    _f(
+        "nodeagent_policy_failures",
+        "gauge",
+        "Policies that failed as a whole this tick and were left out (policy.failed).",
+    ),
+    _f(
+        "nodeagent_cgroup_writes_total",
+        "counter",
+        "Cgroup attribute changes by outcome: written, unchanged, dry-run, read-only,"
+        " vanished, unreachable (memory.max above usage) or failed.",
+        "attribute",
+        "outcome",
+    ),
+    _f("nodeagent_node_cpu_cores", "gauge", "CPUs on the node."),
+    _f("nodeagent_node_cpu_busy_ratio", "gauge", "Busy share of all CPUs over the last tick."),
+    # each workload
+    _f(
+        "nodeagent_workload_info",
+        "gauge",
+        "1 for each workload a rule claims, with what discovery found and its status this"
+        " tick (ok, frozen, skipped, failed).",
+        *W,
+        "kind",
+        "runtime",
+        "owner",
+        "qos",
+        "status",
+    ),
+    _f("nodeagent_workload_cpu_weight", "gauge", "cpu.weight after this tick's writes.", *W),
+    _f(
+        "nodeagent_workload_cpu_max_cores",
+        "gauge",
+        "cpu.max after this tick's writes, as cores (quota / period); +Inf when unlimited.",
+        *W,
+    ),
+    _f(
+        "nodeagent_workload_cpu_max_unlimited",
+        "gauge",
+        "1 when cpu.max is 'max' (no CPU cap).",
+        *W,
+    ),
+    _f(
+        "nodeagent_workload_memory_max_bytes",
+        "gauge",
+        "memory.max after this tick's writes; +Inf when 'max'.",
+        *W,
+    ),
+    _f(
+        "nodeagent_workload_memory_high_bytes",
+        "gauge",
+        "memory.high after this tick's writes; +Inf when 'max'.",
+        *W,
+    ),
+    _f("nodeagent_workload_memory_low_bytes", "gauge", "memory.low after this tick.", *W),
+    _f("nodeagent_workload_memory_min_bytes", "gauge", "memory.min after this tick.", *W),
+    _f("nodeagent_workload_memory_usage_bytes", "gauge", "memory.current.", *W),
+    _f("nodeagent_workload_frozen", "gauge", "1 when cgroup.freeze is set.", *W),
+    _f(
+        "nodeagent_workload_cpu_usage_cores",
+        "gauge",
+        "CPU used over the last tick, in cores (absent on a workload's first tick).",
+        *W,
+    ),
+    _f(
+        "nodeagent_workload_cpu_usage_seconds_total",
+        "counter",
+        "CPU time used since the cgroup was made (cpu.stat usage_usec).",
+        *W,
+    ),
+    _f(
+        "nodeagent_workload_cpu_throttled_ratio",
+        "gauge",
+        "Share of CFS periods throttled by cpu.max over the last tick.",
+        *W,
+    ),
+    _f(
+        "nodeagent_workload_cpu_throttled_seconds_total",
+        "counter",
+        "Time throttled by cpu.max since the cgroup was made (cpu.stat throttled_usec).",
+        *W,
+    ),
+    _f(
+        "nodeagent_workload_cpu_psi_some_avg10_ratio",
+        "gauge",
+        "cpu.pressure 'some' avg10: share of the last 10 s some task waited for a CPU.",
+        *W,
+    ),
+    _f(
+        "nodeagent_workload_memory_psi_some_avg10_ratio",
+        "gauge",
+        "memory.pressure 'some' avg10: share of the last 10 s some task waited for memory.",
+        *W,
+    ),
+    _f(
+        "nodeagent_workload_cpu_stall_ratio",
+        "gauge",
+        "Share of the last tick some task waited for a CPU (from cpu.pressure's total).",
+        *W,
+    ),
+    _f(
+        "nodeagent_workload_cpu_target_cores",
+        "gauge",
+        "The CPU the plan means the workload to get (floor plus part of the pool), which"
+        " its cpu.weight follows.",
+        *W,
+    ),
+    _f(
+        "nodeagent_workload_writes_total",
+        "counter",
+        "This workload's attribute changes by outcome (see nodeagent_cgroup_writes_total).",
+        *W,
+        "attribute",
+        "outcome",
+    ),
+    # tenants
+    _f(
+        "nodeagent_tenant_target_share_ratio",
+        "gauge",
+        "The tenant's part of the CPU the plan hands to active managed workloads.",
+        "tenant",
+    ),
+    _f(
+        "nodeagent_tenant_achieved_share_ratio",
+        "gauge",
+        "The tenant's part of the CPU all managed workloads used over the last tick.",
+        "tenant",
+    ),
+    _f(
+        "nodeagent_tenant_cpu_target_cores",
+        "gauge",
+        "CPU the plan means the tenant's active workloads to get.",
+        "tenant",
+    ),
+    _f(
+        "nodeagent_tenant_cpu_usage_cores",
+        "gauge",
+        "CPU the tenant's workloads used over the last tick.",
+        "tenant",
+    ),
+    _f(
+        "nodeagent_tenant_decayed_usage_cpu_seconds",
+        "gauge",
+        "The tenant's decayed CPU usage, which fair share weighs against its shares.",
+        "tenant",
+    ),
+    _f("nodeagent_tenant_workloads", "gauge", "Workloads the tenant's rules claim.", "tenant"),
+    # deadline jobs
+    _f(
+        "nodeagent_deadline_misses_total",
+        "counter",
+        "Deadline jobs that missed their deadline (one per job and deadline).",
+    ),
+    _f("nodeagent_deadline_timestamp_seconds", "gauge", "The job's deadline, unix time.", *W),
+    _f("nodeagent_deadline_work_cpu_seconds", "gauge", "CPU time the job declared.", *W),
+    _f(
+        "nodeagent_deadline_remaining_cpu_seconds",
+        "gauge",
+        "Declared work less the CPU time used; negative when it overran.",
+        *W,
+    ),
+    _f(
+        "nodeagent_deadline_required_rate_cores",
+        "gauge",
+        "Remaining work over the time left to the deadline.",
+        *W,
+    ),
+    _f(
+        "nodeagent_deadline_given_rate_cores",
+        "gauge",
+        "The CPU floor the deadline policy gave the job this tick.",
+        *W,
+    ),
+    _f(
+        "nodeagent_deadline_parallelism_cores",
+        "gauge",
+        "The most CPUs the job can use at once (declared CPUs, threads, node).",
+        *W,
+    ),
+    _f(
+        "nodeagent_deadline_slack_seconds",
+        "gauge",
+        "Time to the deadline less the time the remaining work needs at full parallelism.",
+        *W,
+    ),
+    _f(
+        "nodeagent_deadline_predicted_finish_timestamp_seconds",
+        "gauge",
+        "When the job finishes at its given (else measured) rate, unix time.",
+        *W,
+    ),
+    _f(
+        "nodeagent_deadline_status",
+        "gauge",
+        "1 for the job's status: on-track, predicted-miss, missed, overrun, done, waiting.",
+        *W,
+        "status",
+    ),
+    # the protection controller
+    _f(
+        "nodeagent_protection_state",
+        "gauge",
+        "1 for the controller's state: idle, throttling, releasing, freezing.",
+        "state",
+    ),
+    _f(
+        "nodeagent_protection_cap_cores",
+        "gauge",
+        "CPU a throttled class's cgroups may use in all.",
+        "class",
+    ),
+    _f(
+        "nodeagent_protection_stalling_cgroups",
+        "gauge",
+        "Protected cgroups stalling for CPU above the threshold.",
+    ),
+    _f(
+        "nodeagent_protection_frozen_cgroups",
+        "gauge",
+        "Cgroups the controller holds frozen.",
+    ),
+    # GPUs (once the daemon has a GPU backend)
+    _f(
+        "nodeagent_gpu_info",
+        "gauge",
+        "1 for each GPU; simulated=true when it comes from a node description file.",
+        *GPU,
+        "name",
+        "simulated",
+    ),
+    _f("nodeagent_gpu_healthy", "gauge", "1 while the GPU is healthy.", *GPU),
+    _f(
+        "nodeagent_gpu_utilization_ratio",
+        "gauge",
+        "Share of the last sample period a kernel ran.",
+        *GPU,
+    ),
+    _f("nodeagent_gpu_memory_used_bytes", "gauge", "GPU memory in use.", *GPU),
+    _f("nodeagent_gpu_memory_total_bytes", "gauge", "GPU memory in all.", *GPU),
+    _f("nodeagent_gpu_power_draw_watts", "gauge", "Power drawn.", *GPU),
+    _f("nodeagent_gpu_power_limit_watts", "gauge", "Power limit in force.", *GPU),
+    _f("nodeagent_gpu_temperature_celsius", "gauge", "GPU temperature.", *GPU),
+    _f(
+        "nodeagent_workload_gpu_memory_bytes",
+        "gauge",
+        "GPU memory the workload's processes use on one GPU or MIG device.",
+        *W,
+        "device_uuid",
+    ),
+    _f(
+        "nodeagent_workload_gpu_processes",
+        "gauge",
+        "The workload's compute processes on one GPU or MIG device.",
+        *W,
+        "device_uuid",
+    ),
+)
+BY_NAME = {f.name: f for f in FAMILIES}
+
+
+class Scrape:
+    """One scrape's families, filled sample by sample; only families with samples show."""
+
+    def __init__(self) -> None:
+        self._made: dict[str, Metric] = {}
+
+    def _family(self, name: str, labels: Sequence[str]) -> Metric:
+        spec = BY_NAME[name]
+        if len(labels) != len(spec.labels):
+            raise ValueError(f"{name} takes labels {spec.labels}, got {tuple(labels)}")
+        if name not in self._made:
+            self._made[name] = spec.empty()
+        return self._made[name]
+
+    def add(self, name: str, labels: Sequence[str], value: float | None) -> None:
+        """One sample; None (a figure not known this tick) adds nothing."""
+        if value is None:
+            return
+        family = self._family(name, labels)
+        assert isinstance(family, GaugeMetricFamily | CounterMetricFamily)
+        family.add_metric(list(labels), value)
+
+    def histogram(
+        self,
+        name: str,
+        buckets: Sequence[tuple[float, int]],
+        total: float,
+    ) -> None:
+        family = self._family(name, ())
+        assert isinstance(family, HistogramMetricFamily)
+        family.add_metric([], [(_le(b), c) for b, c in buckets], total)
+
+    def __iter__(self) -> Iterator[Metric]:
+        return iter(self._made[f.name] for f in FAMILIES if f.name in self._made)
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)

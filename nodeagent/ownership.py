@@ -1,0 +1,76 @@
+"""How the agent may write each cgroup: directly, through systemd, or not at all.
+
+Its own subtree (the managed root and below) and the trees runtimes make with the
+cgroupfs driver (docker/, libpod_parent/) are written directly. Cgroups systemd owns are
+written as runc and the kubelet do: the unit's properties first, over D-Bus, then the
+file (nodeagent.sdbus explains why), and only the kinds the policy allows
+(`agent.systemd`): by default runtime scopes and pod slices and parent slices, not
+services. The kubelet's own levels (kubepods, the QoS tiers, under either driver) are
+read-only by default: the kubelet rewrites their weights about every minute
+(`agent.kubelet_levels`). Anything else (a cgroup no known layout explains) is
+read-only.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from nodeagent.discovery.layouts import classify
+from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
+from nodeagent.spec.model import AgentSettings, Permission
+
+_CGROUPFS_RUNTIMES = {"docker": Runtime.DOCKER, "libpod_parent": Runtime.PODMAN}
+_UNIT_SUFFIXES = (".slice", ".scope", ".service")
+
+
+class WriteMode(enum.StrEnum):
+    DIRECT = "direct"
+    SYSTEMD = "systemd"
+    READ_ONLY = "read-only"
+
+
+def write_mode(identity: WorkloadIdentity, settings: AgentSettings) -> WriteMode:
+    allowed = {Permission.WRITE: WriteMode.SYSTEMD, Permission.READ_ONLY: WriteMode.READ_ONLY}
+    if identity.owner is Owner.NODEAGENT:
+        return WriteMode.DIRECT
+    if identity.runtime is Runtime.KUBELET and identity.kind is Kind.GROUP:
+        if settings.kubelet_levels is Permission.READ_ONLY:
+            return WriteMode.READ_ONLY
+        return WriteMode.DIRECT if identity.owner is Owner.CGROUPFS else WriteMode.SYSTEMD
+    if identity.owner is Owner.CGROUPFS:
+        return WriteMode.DIRECT
+    if identity.owner is Owner.SYSTEMD:
+        systemd = settings.systemd
+        if identity.kind is Kind.SERVICE:
+            return allowed[systemd.services]
+        if identity.kind is Kind.GROUP:
+            return allowed[systemd.slices]
+        return allowed[systemd.containers]
+    return WriteMode.READ_ONLY
+
+
+def classify_level(path: str, managed_root: str) -> WorkloadIdentity:
+    """A parent of workloads, by where it is: ours, a runtime's, the kubelet's, systemd's."""
+    name = path.rsplit("/", 1)[-1]
+    top = path.split("/", 1)[0]
+
+    def group(runtime: Runtime, owner: Owner) -> WorkloadIdentity:
+        return WorkloadIdentity(path, Kind.GROUP, runtime, owner, name)
+
+    if path == managed_root or path.startswith(managed_root + "/"):
+        return group(Runtime.NODEAGENT, Owner.NODEAGENT)
+    if top == "kubepods":
+        return group(Runtime.KUBELET, Owner.CGROUPFS)
+    if top in _CGROUPFS_RUNTIMES:
+        return group(_CGROUPFS_RUNTIMES[top], Owner.CGROUPFS)
+    if name.startswith("kubepods") and name.endswith(".slice"):
+        return group(Runtime.KUBELET, Owner.SYSTEMD)
+    if name.endswith(_UNIT_SUFFIXES):
+        return group(Runtime.SYSTEMD, Owner.SYSTEMD)
+    return group(Runtime.SYSTEMD, Owner.OTHER)
+
+
+def parent_identity(path: str, managed_root: str) -> WorkloadIdentity:
+    """A parent of a claimed workload: a workload itself when discovery knows its layout
+    (a pod, written as pods are), else a level (`classify_level`)."""
+    return classify(path, managed_root) or classify_level(path, managed_root)

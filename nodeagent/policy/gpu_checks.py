@@ -1,0 +1,100 @@
+"""GPU verification: every compute process must run on GPUs its cgroup holds.
+
+NVML's process list is compared with the agent's holds each tick. A process whose cgroup
+is (inside) a holder's cgroup but runs on a GPU that holder does not hold, or whose
+cgroup holds nothing at all, is a violation: reported as a note (shown by
+`nodeagent gpus`, written to the audit log when it starts), and with
+`gpu.on_violation: freeze` the managed workload it belongs to is frozen until the
+process is gone from the GPU, then thawed. Reservations not yet bound to a workload are
+not checked here: the daemon binds them to the cgroup whose processes show on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from nodeagent.cgroupfs.values import Attribute, Frozen
+from nodeagent.gpu.model import GpuProcess, GpuState, Hold
+from nodeagent.policy.base import Carry, Decision, Note, Output, PolicyInput
+from nodeagent.spec.model import ViolationAction
+
+
+def within(cgroup: str, parent: str) -> bool:
+    return cgroup == parent or cgroup.startswith(parent + "/")
+
+
+def holder(process: GpuProcess, holds: Sequence[Hold]) -> Hold | None:
+    if process.cgroup is None:
+        return None
+    return next(
+        (h for h in holds if h.cgroup is not None and within(process.cgroup, h.cgroup)), None
+    )
+
+
+def violations(gpus: GpuState) -> list[tuple[GpuProcess, str, Hold | None]]:
+    """(process, kind, its holder) for each process on a GPU its cgroup does not hold:
+    kind 'wrong-gpu' (its cgroup holds others) or 'unassigned' (it holds none)."""
+    parents = gpus.parents()
+    unbound = [h for h in gpus.holds if h.cgroup is None]
+    out: list[tuple[GpuProcess, str, Hold | None]] = []
+    for p in gpus.processes:
+        if p.cgroup is None:
+            continue  # gone since NVML listed it
+        h = holder(p, gpus.holds)
+        if h is not None and not h.covers(p.device_uuid, parents):
+            out.append((p, "wrong-gpu", h))
+        elif h is None and not any(u.covers(p.device_uuid, parents) for u in unbound):
+            out.append((p, "unassigned", None))
+    return out
+
+
+def _workload(cgroup: str, paths: Sequence[str]) -> str | None:
+    """The managed workload a process's cgroup is in (the closest one)."""
+    inside = [w for w in paths if within(cgroup, w)]
+    return max(inside, key=len) if inside else None
+
+
+class GpuChecks:
+    name = "gpu-checks"
+
+    def decide(self, given: PolicyInput) -> Sequence[Output]:
+        gpus = given.snapshot.gpus
+        raw = given.carried.get(self.name, {}).get("frozen")
+        was_frozen = [str(p) for p in raw] if isinstance(raw, list) else []
+        freeze = given.spec.gpu.on_violation is ViolationAction.FREEZE
+        paths = [w.path for w in given.snapshot.workloads]
+        out: list[Output] = []
+        frozen: set[str] = set()
+        for p, kind, h in violations(gpus) if gpus is not None else []:
+            assert p.cgroup is not None
+            workload = _workload(p.cgroup, paths)
+            held = "nothing" if h is None else ", ".join(h.uuids)
+            message = f"pid {p.pid} in {p.cgroup} runs on {p.device_uuid}; its cgroup holds {held}"
+            fields = {
+                "pid": p.pid,
+                "device": p.device_uuid,
+                "process_cgroup": p.cgroup,
+                "holder": None if h is None else h.owner,
+            }
+            key = f"{p.pid}@{p.device_uuid}"
+            out.append(Note(workload, self.name, "gpu-violation", kind, message, fields, key))
+            if freeze and workload is not None and workload in given.assignments:
+                frozen.add(workload)
+        for path in sorted(frozen):
+            out.append(
+                Decision(
+                    path, Attribute.FREEZE, Frozen(True), self.name,
+                    "frozen while a process of it uses GPUs it does not hold",
+                )
+            )  # fmt: skip
+        kernel = {w.path: w.sample.settings.get(Attribute.FREEZE) for w in given.snapshot.workloads}
+        thaw = [p for p in was_frozen if p not in frozen and kernel.get(p) == Frozen(True)]
+        for path in thaw:
+            out.append(
+                Decision(
+                    path, Attribute.FREEZE, Frozen(False), self.name,
+                    "thawed: it no longer uses GPUs it does not hold",
+                )
+            )  # fmt: skip
+        out.append(Carry(self.name, {"frozen": sorted(frozen | set(thaw))}))
+        return out

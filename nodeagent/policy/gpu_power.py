@@ -1,0 +1,59 @@
+"""GPU power by class: each GPU's limit is the lowest cap that applies to the classes of
+the workloads holding it, in force now; a GPU no cap applies to is set back to its
+default limit. Caps are clamped to the card's range; the daemon sets them through the
+GPU backend and reads them back. Windows are local time and may wrap past midnight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from nodeagent.policy.base import DeviceDecision, Output, PolicyInput
+from nodeagent.spec.model import PowerCap
+
+DAY = 86_400
+
+
+def in_force(cap: PowerCap, local_seconds: float | None) -> bool:
+    if cap.start is None or cap.end is None:
+        return True
+    if local_seconds is None:
+        return False
+    now = local_seconds % DAY
+    if cap.start <= cap.end:
+        return cap.start <= now < cap.end
+    return now >= cap.start or now < cap.end  # e.g. 22:00 to 06:00
+
+
+class GpuPower:
+    name = "gpu-power"
+
+    def decide(self, given: PolicyInput) -> Sequence[Output]:
+        gpus, caps = given.snapshot.gpus, given.spec.gpu.power
+        if gpus is None or not caps:
+            return []
+        active = [c for c in caps if in_force(c, given.snapshot.local_seconds)]
+        out: list[Output] = []
+        for t in gpus.telemetry:
+            classes = {h.workload_class for h in gpus.holds if t.index in h.indices}
+            applying = [c for c in active if str(c.workload_class) in classes]
+            if applying:
+                cap = min(applying, key=lambda c: c.watts)
+                wanted = int(cap.watts * 1000)
+                why = f"class {cap.workload_class} holds it: capped at {cap.watts:g} W"
+                if cap.start is not None and cap.end is not None:
+                    why += f" from {cap.start // 3600:02d}:{cap.start % 3600 // 60:02d}"
+                    why += f" to {cap.end // 3600:02d}:{cap.end % 3600 // 60:02d}"
+            elif t.power_default_mw is not None:
+                wanted, why = t.power_default_mw, "no cap applies: the card's default"
+            else:
+                continue
+            low, high = t.power_min_mw, t.power_max_mw
+            if low is not None and high is not None:
+                clamped = max(low, min(high, wanted))
+                if clamped != wanted:
+                    why += f" (clamped to the card's {low / 1000:g}-{high / 1000:g} W)"
+                wanted = clamped
+            if t.power_limit_mw != wanted:
+                out.append(DeviceDecision(t.uuid, "power_limit_mw", wanted, self.name, why))
+        return out

@@ -1,0 +1,115 @@
+"""`nodeagent exec --gpus` on a real kernel, with a simulated GPU node (a labelled fake from
+config/gpus/; no GPU here): the real child process sees exactly its GPUs; the hold is
+kept across a restart and goes back when the job ends; a request that does not fit waits
+and says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, rel, running, spec, wait_for
+
+from nodeagent.api import client
+from nodeagent.daemon import Agent
+
+REPO = Path(__file__).resolve().parents[2]
+NODE = str(REPO / "config" / "gpus" / "4x-a100-two-nvlink-pairs.yaml")
+
+
+@pytest.fixture
+def daemon(cgroup_sandbox: Path, tmp_path: Path) -> Iterator[tuple[Agent, str]]:
+    policy = spec(
+        rel(cgroup_sandbox) + "/managed",
+        tmp_path,
+        agent={"socket": str(tmp_path / "api.sock"), "interval": 0.5},
+        tenants={"research": {"shares": 1}},
+        jobs={"default_tenant": "research"},
+        gpu={"simulate": NODE},
+    )
+    with running(policy) as a:
+        yield a, str(tmp_path / "api.sock")
+
+
+def exec_(sock: str, *args: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "NVIDIA_"))}
+    return subprocess.Popen(
+        ["nodeagent", "exec", "--socket", sock, *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+
+
+def test_the_child_sees_exactly_its_gpus(daemon: tuple[Agent, str]) -> None:
+    a, sock = daemon
+    show = "env | grep -E '^(CUDA|NVIDIA)_' | sort"
+    p = exec_(sock, "--name", "pair", "--gpus", "2", "--", "sh", "-c", show)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    env = dict(line.split("=", 1) for line in out.split())
+    uuids = env["CUDA_VISIBLE_DEVICES"].split(",")
+    devices = {d.uuid: d for d in a.gpus.backend.inventory()}
+    assert len(uuids) == 2 and all(u in devices for u in uuids)
+    nvlinked = a.gpus.backend.topology().link(devices[uuids[0]].index, devices[uuids[1]].index)
+    assert nvlinked.nvlinks > 0, "two GPUs of one NVLink pair"
+    assert env == {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": ",".join(uuids),
+        "NVIDIA_VISIBLE_DEVICES": ",".join(uuids),
+    }
+    assert wait_for(lambda: not a.gpus.ledger.holds(), timeout=30), "given back at the end"
+
+
+def test_a_request_that_does_not_fit_waits_and_says_so(daemon: tuple[Agent, str]) -> None:
+    a, sock = daemon
+    holder = exec_(sock, "--name", "all", "--gpus", "4", "--", "sleep", "300")
+    try:
+        assert wait_for(lambda: any(h.kind == "job" for h in a.gpus.ledger.holds()), timeout=120)
+        waiter = exec_(sock, "--name", "more", "--gpus", "1", "--gpu-timeout", "3s", "--", "true")
+        _, err = waiter.communicate(timeout=120)
+        assert waiter.returncode == 1
+        assert "waiting for 1 GPU(s): position 1" in err
+        assert err.strip().splitlines()[-1].startswith("nodeagent: error: no GPUs within")
+        listed = client.get(sock, "/v1/gpus")
+        assert isinstance(listed, dict)
+        owners = {x["owner"] for g in listed["gpus"] for x in g["assigned"]}
+        assert owners == {"all"}
+        assert listed["queue"] == [], "the timed-out request is gone"
+    finally:
+        holder.send_signal(signal.SIGTERM)
+        holder.communicate(timeout=60)
+
+
+def test_holds_survive_a_restart(cgroup_sandbox: Path, tmp_path: Path) -> None:
+    managed = rel(cgroup_sandbox) + "/managed"
+    policy = spec(
+        managed,
+        tmp_path,
+        agent={"socket": str(tmp_path / "api.sock"), "interval": 0.5},
+        tenants={"research": {"shares": 1}},
+        jobs={"default_tenant": "research"},
+        gpu={"simulate": NODE},
+    )
+    sock = str(tmp_path / "api.sock")
+    with running(policy) as a:
+        p = exec_(sock, "--name", "keep", "--gpus", "1", "--", "sleep", "300")
+        claimed = lambda: any(h.owner == "keep" and h.kind == "job" for h in a.gpus.ledger.holds())  # noqa: E731
+        assert wait_for(claimed, timeout=120)
+        before = a.gpus.ledger.holds()
+        a.save_state()
+    saved = json.loads((tmp_path / "state.json").read_text())
+    assert [g["owner"] for g in saved["gpus"]] == ["keep"]
+    try:
+        with running(policy) as again:
+            assert again.gpus.ledger.holds() == before
+            p.send_signal(signal.SIGTERM)
+            p.communicate(timeout=60)
+            assert wait_for(lambda: not again.gpus.ledger.holds(), timeout=30)
+            assert not Path(ROOT, managed, "keep").exists()
+    finally:
+        if p.poll() is None:
+            p.kill()

@@ -1,0 +1,204 @@
+"""The metrics endpoint of a real daemon (`nodeagent run`), scraped over HTTP on loopback.
+
+The values on the endpoint are the ones the agent wrote to the kernel; a workload's series
+go when its cgroup does; the scrape passes `promtool check metrics` (scripts/test installs
+promtool beside the venv's Python, from Debian's prometheus package).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import busy, read, rel, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+PROMTOOL = Path(sys.executable).with_name("promtool")
+POLICY = """\
+version: 1
+agent:
+  interval: 250ms
+  managed_root: {managed}
+  state_file: {tmp}/state.json
+  socket: {tmp}/nodeagent.sock
+  metrics: {{listen: "127.0.0.1:{port}"}}
+tenants:
+  a: {{shares: 2}}
+  b: {{shares: 1}}
+rules:
+  - {{name: a-jobs, match: {{name: a-*}}, tenant: a, class: training}}
+  - name: b-jobs
+    match: {{name: b-*}}
+    tenant: b
+    limits: {{cpu_max: 0.5, memory_max: 256Mi}}
+"""
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def fetch(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return str(r.read().decode())
+
+
+def serving(port: int) -> bool:
+    try:
+        fetch(port)
+    except OSError:  # not listening yet: the daemon serves after its set-up
+        return False
+    return True
+
+
+def parse(text: str) -> Samples:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def one(samples: Samples, name: str, **labels: str) -> float | None:
+    found = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls]
+    assert len(found) <= 1, f"{name} {labels}: {found}"
+    return found[0] if found else None
+
+
+class Daemon:
+    def __init__(self, policy: Path, log: Path) -> None:
+        self.log = log
+        with log.open("wb") as out:
+            argv = [sys.executable, "-m", "nodeagent", "run", "--config", str(policy)]
+            self.proc = subprocess.Popen(argv, stderr=out, stdout=out)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+
+@pytest.fixture
+def setup(cgroup_sandbox: Path, tmp_path: Path) -> Iterator[tuple[Path, int, Path]]:
+    managed = cgroup_sandbox / "managed"
+    port = free_port()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY.format(managed=rel(managed), tmp=tmp_path, port=port))
+    yield managed, port, policy
+
+
+def test_the_endpoint_shows_what_the_agent_wrote(
+    setup: tuple[Path, int, Path], tmp_path: Path
+) -> None:
+    managed, port, policy = setup
+    daemon = Daemon(policy, tmp_path / "daemon.log")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        assert wait_for(lambda: serving(port), timeout=120), daemon.log.read_text()
+        jobs = {name: managed / name for name in ("a-1", "a-2", "b-1")}
+        for path in jobs.values():
+            path.mkdir()
+            procs.append(busy(path))
+        cg = {name: rel(path) for name, path in jobs.items()}
+
+        def settled() -> bool:
+            """Every workload measured, and the scrape agrees with the kernel's files."""
+            s = parse(fetch(port))
+            return all(
+                one(s, "nodeagent_workload_cpu_usage_cores", cgroup=c) is not None
+                and one(s, "nodeagent_workload_cpu_weight", cgroup=c)
+                == int(read(jobs[n], "cpu.weight"))
+                for n, c in cg.items()
+            )
+
+        assert wait_for(settled, timeout=120), daemon.log.read_text()
+        text = fetch(port)
+        s = parse(text)
+        print("\n".join(line for line in text.splitlines() if "b-1" in line or "tenant_" in line))
+
+        b = {"cgroup": cg["b-1"], "tenant": "b", "class": "batch", "rule": "b-jobs"}
+        assert read(jobs["b-1"], "cpu.max") == "50000 100000"
+        assert one(s, "nodeagent_workload_cpu_max_cores", **b) == 0.5
+        assert one(s, "nodeagent_workload_cpu_max_unlimited", **b) == 0
+        assert int(read(jobs["b-1"], "memory.max")) == 256 << 20
+        assert one(s, "nodeagent_workload_memory_max_bytes", **b) == 256 << 20
+        assert one(s, "nodeagent_workload_cpu_max_unlimited", cgroup=cg["a-1"]) == 1
+        used = one(s, "nodeagent_workload_cpu_usage_seconds_total", **b)
+        assert used is not None and used > 0
+        assert one(s, "nodeagent_workload_cpu_psi_some_avg10_ratio", **b) is not None
+        written = one(
+            s,
+            "nodeagent_workload_writes_total",
+            cgroup=cg["b-1"],
+            attribute="cpu.max",
+            outcome="written",
+        )
+        assert written == 1
+        for tenant in ("a", "b"):
+            for name in ("target_share_ratio", "achieved_share_ratio", "cpu_usage_cores"):
+                value = one(s, f"nodeagent_tenant_{name}", tenant=tenant)
+                assert value is not None and value >= 0, (tenant, name)
+        for kind in ("target", "achieved"):
+            a, b_ = (one(s, f"nodeagent_tenant_{kind}_share_ratio", tenant=t) for t in "ab")
+            assert a is not None and b_ is not None and a + b_ == pytest.approx(1), kind
+            if kind == "target":  # shares 2:1, moved by fair share's usage history
+                assert a > b_
+        ok = one(s, "nodeagent_ticks_total", result="ok")
+        assert ok is not None and ok >= 2
+        assert one(s, "nodeagent_tick_duration_seconds_count") == ok
+        assert one(s, "nodeagent_skipped_cgroups", step="sense") == 0
+
+        assert PROMTOOL.exists(), f"no {PROMTOOL}: run this suite with ./scripts/test kernel"
+        check = subprocess.run(
+            [str(PROMTOOL), "check", "metrics"],
+            input=text.encode(),
+            capture_output=True,
+            check=False,
+        )
+        assert check.returncode == 0 and not check.stdout and not check.stderr, check
+        print(f"promtool check metrics: exit {check.returncode}, no findings")
+
+        # the workload goes: so do its series, and the node's counters keep what it had
+        procs.pop().kill()
+        assert wait_for(lambda: not read(jobs["b-1"], "cgroup.procs"), timeout=30)
+        jobs["b-1"].rmdir()
+        assert wait_for(lambda: cg["b-1"] not in fetch(port), timeout=60), fetch(port)
+        after = parse(fetch(port))
+        assert one(after, "nodeagent_tenant_workloads", tenant="b") is None
+        assert one(after, "nodeagent_tenant_workloads", tenant="a") == 2
+        still = one(after, "nodeagent_cgroup_writes_total", attribute="cpu.max", outcome="written")
+        assert still is not None and still >= 1
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        assert daemon.stop() == 0, daemon.log.read_text()
+
+
+def test_a_port_in_use_stops_the_daemon_in_one_line(
+    setup: tuple[Path, int, Path], tmp_path: Path
+) -> None:
+    _, port, policy = setup
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        daemon = Daemon(policy, tmp_path / "daemon.log")
+        code = daemon.proc.wait(timeout=120)
+    lines = daemon.log.read_text().splitlines()
+    assert code == 1
+    assert lines[-1] == (
+        f"nodeagent: error: agent.metrics.listen 127.0.0.1:{port}: cannot listen:"
+        " Address already in use"
+    )
+    assert not os.path.exists(tmp_path / "nodeagent.sock"), "the API was not started"

@@ -1,0 +1,173 @@
+"""Inference first, reservations and deadlines on a real kernel (2 vCPUs): lower classes
+are throttled while a protected cgroup stalls and released when it calms, frozen (never
+killed) when throttling is not enough and thawed after; a reservation holds against busy
+neighbours; the earliest deadline wins."""
+
+from __future__ import annotations
+
+import datetime as dt
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import ROOT, busy, read, rel, running, spec, usage_us, wait_for
+
+BATCH = {"name": "batch", "match": {"name": "b-*"}, "tenant": "t", "class": "batch"}
+INFER = {"name": "infer", "match": {"name": "i-*"}, "tenant": "t", "class": "inference"}
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture
+def managed(cgroup_sandbox: Path) -> str:
+    return rel(cgroup_sandbox) + "/managed"
+
+
+def cgroups(managed: str, *names: str) -> list[Path]:
+    out = [Path(ROOT, managed, n) for n in names]
+    for p in out:
+        p.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def quota(cgroup: Path) -> float | None:
+    q, period = read(cgroup, "cpu.max").split()
+    return None if q == "max" else int(q) / int(period)
+
+
+def cpu_over(paths: list[Path], seconds: float) -> list[float]:
+    before = [usage_us(p) for p in paths]
+    time.sleep(seconds)
+    return [(usage_us(p) - b) / 1e6 / seconds for p, b in zip(paths, before, strict=True)]
+
+
+def policy(managed: str, tmp_path: Path, **sections: Any) -> Any:
+    base: dict[str, Any] = {
+        "agent": {"interval": 0.5},
+        "fair_share": {"active_threshold": 0},
+        "tenants": {"t": {"shares": 1}},
+        "rules": [INFER, BATCH],
+    }
+    return spec(managed, tmp_path, **{**base, **sections})
+
+
+def test_lower_classes_are_throttled_while_inference_stalls_and_released_after(
+    managed: str, tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    infer, *batch = cgroups(managed, "i-1", "b-1", "b-2", "b-3")
+    procs += [busy(p) for p in batch]
+    p = policy(
+        managed,
+        tmp_path,
+        classes={"batch": {"floor_cpu": 0.2, "freezable": False}},
+        protection={"step": 0.5, "calm_ticks": 2, "release_step": 0.5},
+    )
+    with running(p):
+        time.sleep(2)
+        assert all(quota(b) is None for b in batch), "no stall yet: no throttle"
+        stalled = [busy(infer), busy(infer)]  # two busy threads against three: it waits
+        procs += stalled
+        assert wait_for(lambda: all((quota(b) or 9) <= 0.1 for b in batch), timeout=60), [
+            read(b, "cpu.max") for b in batch
+        ]
+        shares = cpu_over([infer, *batch], 5)
+        assert shares[0] > 1.4, f"inference should get most of the 2 CPUs: {shares}"
+        for s in stalled:
+            s.kill()
+            s.wait()
+        assert wait_for(lambda: all(quota(b) is None for b in batch), timeout=60), (
+            "released once calm: back to max"
+        )
+
+
+def test_a_lower_class_is_frozen_when_throttling_is_not_enough_and_thawed_after(
+    managed: str, tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    infer, low = cgroups(managed, "i-1", "b-1")
+    sleeper = subprocess.Popen(["sh", "-c", f'echo $$ > "{low}/cgroup.procs"; exec sleep 600'])
+    procs.append(sleeper)
+    procs.append(busy(low))
+    p = policy(
+        managed,
+        tmp_path,
+        # a floor too high to relieve the inference cgroup: throttling alone cannot help
+        classes={"batch": {"floor_cpu": 1.5}},
+        protection={"step": 0.5, "calm_ticks": 2, "freeze_after": 2},
+    )
+    with running(p):
+        procs += [busy(infer), busy(infer), busy(infer)]
+        assert wait_for(lambda: read(low, "cgroup.freeze") == "1", timeout=60)
+        assert wait_for(lambda: "frozen 1" in read(low, "cgroup.events"), timeout=30)
+        assert sleeper.poll() is None, "frozen, never killed"
+        for q in procs[2:]:
+            q.kill()
+            q.wait()
+        assert wait_for(lambda: read(low, "cgroup.freeze") == "0", timeout=60)
+        assert sleeper.poll() is None
+        assert wait_for(lambda: "frozen 0" in read(low, "cgroup.events"), timeout=30)
+
+
+def test_a_reservation_holds_against_busy_neighbours(
+    managed: str, tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """1 of the 2 CPUs reserved for inference: its one busy process gets about a CPU
+    against four busy batch cgroups, where equal weights give it 2/5 of a CPU."""
+    infer, *batch = cgroups(managed, "i-1", "b-1", "b-2", "b-3", "b-4")
+    procs += [busy(infer), *(busy(b) for b in batch)]
+    time.sleep(1)
+    without = cpu_over([infer], 5)[0]
+    p = policy(
+        managed,
+        tmp_path,
+        # protection off: this is the reservation alone
+        classes={"inference": {"reserved_cpu": "50%", "protect": False}},
+    )
+    with running(p):
+        time.sleep(3)
+        with_reservation = cpu_over([infer], 10)[0]
+    print(f"inference CPU: {without:.2f} without the agent, {with_reservation:.2f} with")
+    assert without < 0.6
+    assert with_reservation > 0.85
+
+
+def test_the_earliest_deadline_wins(
+    managed: str, tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """Two single-threaded jobs on one CPU's worth: each needs 0.8 of a CPU; only the one
+    due first is admitted, the other is predicted to miss, and the weights follow."""
+    early, late, filler = cgroups(managed, "d-early", "d-late", "b-1")
+    procs += [busy(early), busy(late), busy(filler), busy(filler)]
+    now = dt.datetime.now(dt.UTC)
+
+    def job(name: str, due_in: int, work: float) -> dict[str, Any]:
+        when = (now + dt.timedelta(seconds=due_in)).isoformat()
+        return {"name": name, "match": {"name": name}, "tenant": "t", "class": "training",
+                "deadline": when, "work": work}  # fmt: skip
+
+    p = policy(
+        managed,
+        tmp_path,
+        # 1.2 of the 2 CPUs are reserved for the system: 0.8 is left for deadlines
+        node={"reserved_cpu": 1.2},
+        rules=[job("d-early", 100, 75), job("d-late", 120, 90), BATCH],
+    )
+    with running(p) as a:
+        assert wait_for(lambda: a.last is not None and a.last.snapshot.seq >= 3, timeout=60)
+        notes = {n.path: n for n in a.last.plan.notes if n.kind == "deadline"}  # type: ignore[union-attr]
+        assert notes[rel(early)].status == "on-track"
+        assert notes[rel(late)].status == "predicted-miss"
+        weights = {
+            n: int(read(c, "cpu.weight")) for n, c in (("e", early), ("l", late), ("f", filler))
+        }
+        assert weights["e"] > weights["l"], weights
+        assert weights["e"] > weights["f"], weights

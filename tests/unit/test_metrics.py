@@ -1,0 +1,520 @@
+"""The metrics collector, rendered from hand-built ticks and read back with the
+prometheus-client parser, as Prometheus would read a scrape."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from builders import CID2, POD_UID, job, k8s_container, snapshot
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from nodeagent.act import Outcome, WriteResult
+from nodeagent.cgroupfs.parse import Psi, PsiLine
+from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, MemoryLimit, Value
+from nodeagent.gpu.simulated import load_simulated
+from nodeagent.identity import WorkloadIdentity
+from nodeagent.metrics.collector import TickCollector
+from nodeagent.metrics.families import FAMILIES, WORKLOAD
+from nodeagent.policy.base import Assignment
+from nodeagent.policy.classify import assign
+from nodeagent.policy.plan import make_plan
+from nodeagent.report import TickRecord
+from nodeagent.snapshot import CgroupSample, Skipped, WorkloadState
+from nodeagent.spec.model import PolicySpec, Rule, WorkloadClass
+
+NOW = 1_700_000_000.0
+REPO = Path(__file__).resolve().parents[2]
+A1, A2, B1 = "nodeagent.slice/a-1", "nodeagent.slice/a-2", "nodeagent.slice/b-1"
+K8S = k8s_container(CID2)
+POLICY = PolicySpec.model_validate(
+    {
+        "version": 1,
+        "tenants": {"a": {"shares": 2}, "b": {"shares": 1}},
+        "rules": [
+            {"name": "a-jobs", "match": {"path": "nodeagent.slice/a-*"}, "tenant": "a"},
+            {"name": "b-jobs", "match": {"path": "nodeagent.slice/b-*"}, "tenant": "b"},
+            {
+                "name": "pods",
+                "match": {"runtime": "containerd"},
+                "tenant": "b",
+                "class": "inference",
+                "limits": {"cpu_max": 1.5, "memory_max": "1Gi"},
+            },
+        ],
+    }
+)
+KERNEL: dict[Attribute, Value] = {
+    Attribute.CPU_WEIGHT: CpuWeight(100),
+    Attribute.CPU_MAX: CpuMax(None),
+    Attribute.MEMORY_MAX: MemoryLimit(None),
+    Attribute.MEMORY_HIGH: MemoryLimit(None),
+    Attribute.MEMORY_LOW: MemoryLimit(0),
+    Attribute.MEMORY_MIN: MemoryLimit(0),
+    Attribute.FREEZE: Frozen(False),
+}
+
+
+def psi(avg10: float) -> Psi:
+    line = PsiLine(avg10, 0.0, 0.0, 1234)
+    return Psi(line, line)
+
+
+def state(
+    who: WorkloadIdentity | str,
+    rate: float | None,
+    *,
+    used_s: float = 10.0,
+    settings: Mapping[Attribute, Value] = KERNEL,
+    stall: float | None = 0.02,
+) -> WorkloadState:
+    sample = CgroupSample(
+        populated=True,
+        cpu_usage_us=int(used_s * 1e6),
+        cpu_nr_periods=100,
+        cpu_nr_throttled=5,
+        cpu_throttled_us=250_000,
+        memory_current=300 << 20,
+        cpu_psi=psi(12.5),
+        memory_psi=psi(1.5),
+        settings=dict(settings),
+    )
+    identity = job(who) if isinstance(who, str) else who
+    return WorkloadState(identity, sample, rate, 0.05 if rate else None, stall)
+
+
+def record(
+    states: Sequence[WorkloadState],
+    *,
+    written: bool = True,
+    skipped: Sequence[Skipped] = (),
+    policy: PolicySpec = POLICY,
+    seq: int = 7,
+    duration: float = 0.012,
+) -> TickRecord:
+    """A tick whose plan is made by the real policies; every planned change is written
+    (or, with written=False, failed)."""
+    snap = replace(snapshot(states, seq=seq, wall_time=NOW), skipped=tuple(skipped))
+    plan = make_plan(snap, policy, {"a": 30.0})
+    current = {w.path: w.sample.settings for w in snap.workloads}
+    results = tuple(
+        WriteResult(
+            cg.path,
+            attribute,
+            None,
+            target.render(),
+            target.reason,
+            Outcome.WRITTEN if written else Outcome.FAILED,
+            "" if written else "EINVAL",
+        )
+        for cg in plan.cgroups
+        for attribute, target in cg.targets.items()
+        if current[cg.path].get(attribute) != target.value
+    )
+    assignments = assign([w.identity for w in states] + [x.identity for x in skipped], policy)
+    return TickRecord(snap, plan, results, duration, False, assignments)
+
+
+Samples = dict[str, list[Sample]]
+
+
+def scrape(collector: TickCollector) -> Samples:
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def values(samples: Samples, name: str, **labels: str) -> list[float]:
+    return [
+        s.value
+        for s in samples.get(name, [])
+        if all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    (v,) = values(samples, name, **labels)
+    return v
+
+
+def observed(*records: TickRecord | None, misses: int = 0) -> Samples:
+    c = TickCollector(lambda: misses)
+    for r in records:
+        c.observe(r)
+    return scrape(c)
+
+
+def test_each_workload_shows_what_was_applied_and_measured() -> None:
+    r = record([state(A1, 1.5), state(A2, 0.5), state(B1, 0.5), state(K8S, 0.25, used_s=3)])
+    s = observed(r)
+    weights = {cg.path: cg.targets[Attribute.CPU_WEIGHT].value for cg in r.plan.cgroups}
+    for path, w in weights.items():
+        assert isinstance(w, CpuWeight)
+        assert value(s, "nodeagent_workload_cpu_weight", cgroup=path) == w.value
+    assert weights[A1] != CpuWeight(100), "the applied weight is the one written, not the old"
+
+    pod = {"cgroup": K8S.path, "tenant": "b", "class": "inference", "rule": "pods"}
+    assert value(s, "nodeagent_workload_cpu_max_cores", **pod) == 1.5
+    assert value(s, "nodeagent_workload_cpu_max_unlimited", **pod) == 0
+    assert value(s, "nodeagent_workload_memory_max_bytes", **pod) == 1 << 30
+    assert value(s, "nodeagent_workload_cpu_max_cores", cgroup=A1) == math.inf
+    assert value(s, "nodeagent_workload_cpu_max_unlimited", cgroup=A1) == 1
+    assert value(s, "nodeagent_workload_memory_high_bytes", cgroup=A1) == math.inf
+    assert value(s, "nodeagent_workload_memory_low_bytes", cgroup=A1) == 0
+    assert value(s, "nodeagent_workload_memory_min_bytes", cgroup=A1) == 0
+    assert value(s, "nodeagent_workload_memory_usage_bytes", cgroup=A1) == 300 << 20
+    assert value(s, "nodeagent_workload_frozen", cgroup=A1) == 0
+
+    (info,) = s["nodeagent_workload_info"][3:]
+    assert info.labels == {
+        **pod,
+        "container_id": CID2,
+        "pod_uid": POD_UID,
+        "kind": "container",
+        "runtime": "containerd",
+        "owner": "cgroupfs",
+        "qos": "burstable",
+        "status": "ok",
+    }
+    assert value(s, "nodeagent_workload_cpu_usage_cores", cgroup=A1) == 1.5
+    assert value(s, "nodeagent_workload_cpu_usage_seconds_total", cgroup=K8S.path) == 3.0
+    assert value(s, "nodeagent_workload_cpu_throttled_ratio", cgroup=A1) == 0.05
+    assert value(s, "nodeagent_workload_cpu_throttled_seconds_total", cgroup=A1) == 0.25
+    assert value(s, "nodeagent_workload_cpu_psi_some_avg10_ratio", cgroup=A1) == 0.125
+    assert value(s, "nodeagent_workload_memory_psi_some_avg10_ratio", cgroup=A1) == 0.015
+    assert value(s, "nodeagent_workload_cpu_stall_ratio", cgroup=A1) == 0.02
+    targets = {p: t.cores for p, t in r.plan.cpu_targets.items()}
+    assert value(s, "nodeagent_workload_cpu_target_cores", cgroup=A1) == targets[A1]
+    for sample in s["nodeagent_workload_cpu_weight"]:
+        assert set(sample.labels) == set(WORKLOAD)
+
+
+def test_a_failed_write_leaves_the_kernels_value() -> None:
+    s = observed(record([state(A1, 1.0), state(B1, 1.0)], written=False))
+    assert value(s, "nodeagent_workload_cpu_weight", cgroup=A1) == 100
+    assert value(s, "nodeagent_workload_info", cgroup=A1, status="failed") == 1
+    assert value(s, "nodeagent_cgroup_writes_total", attribute="cpu.weight", outcome="failed") == 2
+
+
+def test_tenant_target_and_achieved_shares() -> None:
+    """Shares 2:1; tenant a runs 2 workloads and b 1, all busy: the plan means a to get
+    2/3 of the CPU whatever its workload count; a used 2 of the 3 cores measured."""
+    s = observed(record([state(A1, 1.5), state(A2, 0.5), state(B1, 1.0)], policy=_no_usage()))
+    assert value(s, "nodeagent_tenant_target_share_ratio", tenant="a") == pytest.approx(2 / 3)
+    assert value(s, "nodeagent_tenant_target_share_ratio", tenant="b") == pytest.approx(1 / 3)
+    assert value(s, "nodeagent_tenant_achieved_share_ratio", tenant="a") == pytest.approx(2 / 3)
+    assert value(s, "nodeagent_tenant_achieved_share_ratio", tenant="b") == pytest.approx(1 / 3)
+    assert value(s, "nodeagent_tenant_cpu_usage_cores", tenant="a") == 2.0
+    assert value(s, "nodeagent_tenant_cpu_target_cores", tenant="a") == pytest.approx(8 * 2 / 3)
+    assert value(s, "nodeagent_tenant_workloads", tenant="a") == 2
+    assert value(s, "nodeagent_tenant_decayed_usage_cpu_seconds", tenant="a") > 0
+
+
+def _no_usage() -> PolicySpec:
+    """POLICY with a half-life so short that the seeded usage history is forgotten."""
+    return POLICY.model_copy(
+        update={"fair_share": POLICY.fair_share.model_copy(update={"half_life": 1e-3})}
+    )
+
+
+def test_no_share_before_anything_is_measured() -> None:
+    """On a workload's first tick there is no rate: a share of nothing is left out."""
+    s = observed(record([state(A1, None), state(B1, None)]))
+    assert values(s, "nodeagent_tenant_achieved_share_ratio") == []
+    assert value(s, "nodeagent_tenant_cpu_usage_cores", tenant="a") == 0
+    assert values(s, "nodeagent_workload_cpu_usage_cores") == []
+
+
+def test_a_workloads_series_go_when_it_does() -> None:
+    c = TickCollector()
+    c.observe(record([state(A1, 1.0), state(B1, 1.0)], seq=1))
+    before = scrape(c)
+    assert values(before, "nodeagent_workload_writes_total", cgroup=B1)
+    c.observe(record([state(A1, 1.0)], seq=2))
+    after = scrape(c)
+    for name, samples in after.items():
+        gone = [x for x in samples if x.labels.get("cgroup") == B1]
+        assert not gone, f"{name} still has {B1}"
+    assert {x.labels["tenant"] for x in after["nodeagent_tenant_workloads"]} == {"a"}
+    assert values(after, "nodeagent_workload_writes_total", cgroup=A1)
+    # the node's write counter keeps counting what the gone workload had
+    total = sum(values(after, "nodeagent_cgroup_writes_total"))
+    assert total == len(c._record.results) + sum(  # type: ignore[union-attr]
+        values(before, "nodeagent_cgroup_writes_total")
+    )
+
+
+def test_a_come_back_starts_its_counters_afresh() -> None:
+    c = TickCollector()
+    c.observe(record([state(A1, 1.0), state(B1, 1.0)], seq=1))
+    c.observe(record([state(A1, 1.0)], seq=2))
+    c.observe(record([state(A1, 1.0), state(B1, 1.0, settings={})], seq=3, written=False))
+    s = scrape(c)
+    by_outcome = {
+        x.labels["outcome"]: x.value
+        for x in s["nodeagent_workload_writes_total"]
+        if x.labels["cgroup"] == B1 and x.labels["attribute"] == "cpu.weight"
+    }
+    assert by_outcome == {"failed": 1}
+
+
+def test_ticks_failures_and_the_duration_histogram() -> None:
+    s = observed(
+        record([state(A1, 1.0)], duration=0.003),
+        None,
+        record([state(A1, 1.0)], duration=0.3),
+    )
+    assert value(s, "nodeagent_ticks_total", result="ok") == 2
+    assert value(s, "nodeagent_ticks_total", result="failed") == 1
+    buckets = {x.labels["le"]: x.value for x in s["nodeagent_tick_duration_seconds_bucket"]}
+    assert buckets["0.005"] == 1
+    assert buckets["0.25"] == 1
+    assert buckets["0.5"] == 2
+    assert buckets["+Inf"] == 2
+    assert value(s, "nodeagent_tick_duration_seconds_count") == 2
+    assert value(s, "nodeagent_tick_duration_seconds_sum") == pytest.approx(0.303)
+    assert value(s, "nodeagent_last_tick_timestamp_seconds") == NOW
+    assert value(s, "nodeagent_dry_run") == 0
+
+
+def test_before_the_first_tick_only_the_loop_is_shown() -> None:
+    s = observed(None)
+    assert value(s, "nodeagent_ticks_total", result="failed") == 1
+    assert value(s, "nodeagent_tick_duration_seconds_count") == 0
+    assert not any(name.startswith(("nodeagent_workload", "nodeagent_tenant")) for name in s)
+
+
+def test_skipped_cgroups_by_step() -> None:
+    broken = job("nodeagent.slice/a-broken")
+    s = observed(record([state(A1, 1.0)], skipped=[Skipped(broken, "sense", "cpu.stat: EACCES")]))
+    assert value(s, "nodeagent_skipped_cgroups", step="sense") == 1
+    assert value(s, "nodeagent_skipped_cgroups", step="plan") == 0
+    info = value(s, "nodeagent_workload_info", cgroup=broken.path, status="skipped", tenant="a")
+    assert info == 1
+    assert value(s, "nodeagent_managed_workloads") == 2
+    assert value(s, "nodeagent_policy_failures") == 0
+
+
+DUE = "nodeagent.slice/due"
+WITH_DEADLINE = POLICY.model_copy(
+    update={
+        "rules": (
+            Rule.model_validate(
+                {
+                    "name": "due",
+                    "match": {"path": DUE},
+                    "tenant": "a",
+                    "class": "training",
+                    "deadline": "2023-11-14T22:15:00+00:00",  # NOW + 100 s
+                    "work": 60,
+                }
+            ),
+            *POLICY.rules,
+        )
+    }
+)
+
+
+def test_deadline_jobs_and_misses() -> None:
+    running = state(DUE, 1.0, used_s=20.0)
+    s = observed(record([running, state(B1, 1.0)], policy=WITH_DEADLINE), misses=3)
+    job_ = {"cgroup": "nodeagent.slice/due", "rule": "due", "class": "training"}
+    assert value(s, "nodeagent_deadline_timestamp_seconds", **job_) == NOW + 100
+    assert value(s, "nodeagent_deadline_work_cpu_seconds", **job_) == 60
+    assert value(s, "nodeagent_deadline_remaining_cpu_seconds", **job_) == 40
+    assert value(s, "nodeagent_deadline_required_rate_cores", **job_) == pytest.approx(0.4)
+    given = value(s, "nodeagent_deadline_given_rate_cores", **job_)
+    assert given == pytest.approx(0.44)  # headroom 1.1
+    assert value(s, "nodeagent_deadline_parallelism_cores", **job_) == 8  # the node's CPUs
+    assert value(s, "nodeagent_deadline_slack_seconds", **job_) == pytest.approx(100 - 40 / 8)
+    finish = value(s, "nodeagent_deadline_predicted_finish_timestamp_seconds", **job_)
+    assert finish == pytest.approx(NOW + 40 / given)
+    statuses = {x.labels["status"]: x.value for x in s["nodeagent_deadline_status"]}
+    assert statuses == {
+        "on-track": 1,
+        "predicted-miss": 0,
+        "missed": 0,
+        "overrun": 0,
+        "done": 0,
+        "waiting": 0,
+    }
+    assert value(s, "nodeagent_deadline_misses_total") == 3
+
+
+def test_the_protection_controller() -> None:
+    """The inference pod stalls 40% of the time: batch is capped, and the controller says so."""
+    pods = [state(K8S, 0.5, stall=0.4), state(A1, 3.0), state(B1, 3.0)]
+    s = observed(record(pods))
+    assert value(s, "nodeagent_protection_state", state="throttling") == 1
+    assert value(s, "nodeagent_protection_state", state="idle") == 0
+    cap = value(s, "nodeagent_protection_cap_cores", **{"class": "batch"})
+    assert 0 < cap < 6
+    assert value(s, "nodeagent_workload_cpu_max_cores", cgroup=A1) == pytest.approx(cap / 2)
+    assert value(s, "nodeagent_protection_stalling_cgroups") == 1
+    assert value(s, "nodeagent_protection_frozen_cgroups") == 0
+
+
+GPU_NODE = """\
+gpus:
+  - index: 0
+    uuid: GPU-00000000-0000-4000-8000-000000000000
+    name: NVIDIA H100 80GB HBM3
+    memory: 80Gi
+    numa_node: 0
+    pci_bus_id: '00000000:1B:00.0'
+    power: {min: 200, max: 700, default: 700, draw: 350}
+    utilization: 60
+    temperature: 51
+processes:
+  - {pid: 4242, gpu: 0, memory: 2Gi, cgroup: nodeagent.slice/a-1/worker}
+  - {pid: 4243, gpu: 0, memory: 1Gi, cgroup: nodeagent.slice/a-1}
+  - {pid: 4244, gpu: 0, memory: 1Gi, cgroup: system.slice/other.service}
+"""
+
+
+def test_gpus_once_the_daemon_has_a_backend(tmp_path: Path) -> None:
+    """Driven by a simulated node (labelled as such in the series)."""
+    (tmp_path / "node.yaml").write_text(GPU_NODE)
+    c = TickCollector()
+    c.observe(record([state(A1, 1.0)]))
+    assert not any(name.startswith("nodeagent_gpu") for name in scrape(c))
+    c.watch_gpus(load_simulated(tmp_path / "node.yaml"))
+    s = scrape(c)
+    gpu = {"gpu": "0", "uuid": "GPU-00000000-0000-4000-8000-000000000000"}
+    assert value(s, "nodeagent_gpu_info", **gpu, simulated="true") == 1
+    assert value(s, "nodeagent_gpu_healthy", **gpu) == 1
+    assert value(s, "nodeagent_gpu_utilization_ratio", **gpu) == 0.6
+    assert value(s, "nodeagent_gpu_memory_total_bytes", **gpu) == 80 << 30
+    assert value(s, "nodeagent_gpu_memory_used_bytes", **gpu) == 4 << 30
+    assert value(s, "nodeagent_gpu_power_draw_watts", **gpu) == 350
+    assert value(s, "nodeagent_gpu_power_limit_watts", **gpu) == 700
+    assert value(s, "nodeagent_gpu_temperature_celsius", **gpu) == 51
+    mine = {"cgroup": A1, "device_uuid": gpu["uuid"]}
+    assert value(s, "nodeagent_workload_gpu_memory_bytes", **mine) == 3 << 30
+    assert value(s, "nodeagent_workload_gpu_processes", **mine) == 2
+    assert len(s["nodeagent_workload_gpu_processes"]) == 1, "unclaimed cgroups have none"
+
+
+class BrokenGpus:
+    simulated, source, reason = False, "NVML", ""
+
+    def inventory(self) -> tuple[()]:
+        raise OSError("NVML_ERROR_DRIVER_NOT_LOADED")
+
+
+def test_a_failing_gpu_backend_costs_only_the_gpu_series() -> None:
+    c = TickCollector()
+    c.observe(record([state(A1, 1.0)]))
+    c.watch_gpus(BrokenGpus())  # type: ignore[arg-type]
+    s = scrape(c)
+    assert not any(name.startswith("nodeagent_gpu") for name in s)
+    assert values(s, "nodeagent_workload_cpu_weight", cgroup=A1)
+
+
+def test_every_family_is_described_and_named_koordlet_style() -> None:
+    c = TickCollector()
+    assert [m.name for m in c.describe()] == [f.name.removesuffix("_total") for f in FAMILIES]
+    units = ("_cores", "_bytes", "_seconds", "_ratio", "_total", "_watts", "_celsius")
+    unitless = {
+        "nodeagent_dry_run",
+        "nodeagent_managed_workloads",
+        "nodeagent_skipped_cgroups",
+        "nodeagent_policy_failures",
+        "nodeagent_workload_info",
+        "nodeagent_workload_cpu_weight",
+        "nodeagent_workload_cpu_max_unlimited",
+        "nodeagent_workload_frozen",
+        "nodeagent_tenant_workloads",
+        "nodeagent_deadline_status",
+        "nodeagent_protection_state",
+        "nodeagent_protection_stalling_cgroups",
+        "nodeagent_protection_frozen_cgroups",
+        "nodeagent_gpu_info",
+        "nodeagent_gpu_healthy",
+        "nodeagent_workload_gpu_processes",
+    }
+    for f in FAMILIES:
+        assert f.name.startswith("nodeagent_")
+        assert f.name.endswith(units) or f.name in unitless, f.name
+        assert (f.kind == "counter") == f.name.endswith("_total"), f.name
+
+
+def full_scrape() -> CollectorRegistry:
+    """Every kind of series at once: a deadline job, a stalling inference pod that has
+    batch throttled, GPUs (a simulated node)."""
+    c = TickCollector(lambda: 1)
+    stalling = state(K8S, 0.5, stall=0.4)
+    due = state(DUE, 1.0, used_s=20.0)
+    c.observe(record([stalling, due, state(A1, 3.0), state(B1, 3.0)], policy=WITH_DEADLINE))
+    c.watch_gpus(load_simulated(REPO / "config" / "gpus" / "dgx-h100-nvswitch.yaml"))
+    registry = CollectorRegistry()
+    registry.register(c)
+    return registry
+
+
+def test_a_full_scrape_is_valid_exposition() -> None:
+    """Through both parsers: the Prometheus text format and OpenMetrics."""
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om
+
+    registry = full_scrape()
+    text = {f.name for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    names = {f.name for f in om(openmetrics(registry).decode())}
+    assert names == text
+    for family in ("deadline_status", "protection_state", "gpu_info", "ticks"):
+        assert f"nodeagent_{family}" in names
+
+
+def test_promtool_accepts_a_full_scrape() -> None:
+    """promtool's lint (names, types, units, help); the kernel test checks a real daemon's
+    scrape the same way."""
+    promtool = Path(sys.executable).with_name("promtool")
+    if not promtool.exists():
+        pytest.skip(f"no {promtool}: ./scripts/test installs it")
+    check = subprocess.run(
+        [str(promtool), "check", "metrics"],
+        input=generate_latest(full_scrape()),
+        capture_output=True,
+        check=False,
+    )
+    assert (check.returncode, check.stdout, check.stderr) == (0, b"", b"")
+
+
+def test_a_missing_figure_adds_no_sample() -> None:
+    bare = WorkloadState(job(A1), CgroupSample(populated=True), None)
+    s = observed(record([bare], written=False))
+    assert value(s, "nodeagent_workload_info", cgroup=A1) == 1
+    for name in (
+        "nodeagent_workload_cpu_weight",
+        "nodeagent_workload_memory_usage_bytes",
+        "nodeagent_workload_cpu_psi_some_avg10_ratio",
+    ):
+        assert values(s, name, cgroup=A1) == [], name
+
+
+def test_an_exec_job_has_its_own_rule_label() -> None:
+    r = record([state(A1, 1.0)])
+    exec_job = Assignment("exec:train", "a", WorkloadClass.TRAINING)
+    cgroups = tuple(replace(cg, assignment=exec_job) for cg in r.plan.cgroups)
+    s = observed(replace(r, plan=replace(r.plan, cgroups=cgroups)))
+    assert value(s, "nodeagent_workload_cpu_weight", cgroup=A1, rule="exec:train") > 0
+
+
+def test_hostile_cgroup_names_are_escaped() -> None:
+    """A cgroup name may hold quotes, backslashes and newlines: they stay label values."""
+    odd = 'nodeagent.slice/a-"x"\\y\nz} 1'
+    s = observed(record([state(odd, 1.0)]))
+    assert value(s, "nodeagent_workload_cpu_usage_cores", cgroup=odd) == 1.0
+    assert value(s, "nodeagent_managed_workloads") == 1

@@ -1,0 +1,191 @@
+"""nodeagent.sdbus: the pure mapping to systemd properties, and failures without a usable bus.
+
+The calls over a real bus to a real systemd are in tests/kernel/test_systemd_dbus.py.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nodeagent.cgroupfs.unitprops import (
+    UINT64_MAX,
+    UnitPropertyError,
+    cpu_max_from_properties,
+    cpu_quota_properties,
+    systemd_value,
+    unit_properties,
+)
+from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, MemoryLimit
+from nodeagent.errors import NodeagentError
+from nodeagent.sdbus import NoBus, Systemd, SystemdBusError, is_unit_name
+
+DOCKER_SCOPE = "docker-" + "ab" * 32 + ".scope"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        DOCKER_SCOPE,
+        "cri-containerd-" + "0" * 64 + ".scope",
+        "kubepods-burstable-pod3d6a1c4e_5b1f_4a8e_9a0e_8f2f2c1d0b7a.slice",
+        "nodeagent.service",
+        "system.slice",
+        "user@1000.service",
+    ],
+)
+def test_unit_names(name: str) -> None:
+    assert is_unit_name(name)
+
+
+@pytest.mark.parametrize("name", ["agent", "multi-user.target", "x.scope/y", ".scope", "a b.scope"])
+def test_not_unit_names(name: str) -> None:
+    assert not is_unit_name(name)
+
+
+def test_an_exact_quota_maps_to_its_per_second_quota() -> None:
+    props = cpu_quota_properties(CpuMax(50_000, 100_000))
+    assert props == {"CPUQuotaPerSecUSec": 500_000, "CPUQuotaPeriodUSec": 100_000}
+    assert cpu_max_from_properties(500_000, 100_000) == CpuMax(50_000, 100_000)
+
+
+def test_a_fractional_percent_is_rounded_up_to_10_ms_per_second_like_runc() -> None:
+    # 12.345 % of a CPU: systemd 252 would keep only "CPUQuota=12%" across daemon-reload
+    props = cpu_quota_properties(CpuMax(12_345, 100_000))
+    assert props["CPUQuotaPerSecUSec"] == 130_000
+    assert systemd_value(Attribute.CPU_MAX, CpuMax(12_345, 100_000)) == CpuMax(13_000, 100_000)
+
+
+def test_no_quota_is_infinity_and_systemd_writes_the_default_period() -> None:
+    assert cpu_quota_properties(CpuMax(None, 50_000))["CPUQuotaPerSecUSec"] == UINT64_MAX
+    assert cpu_max_from_properties(UINT64_MAX, 50_000) == CpuMax(None, 100_000)
+
+
+def test_systemd_lengthens_a_period_too_short_for_a_1_ms_quota() -> None:
+    # 1 % with a 20 ms period would be a 200 µs quota: systemd stretches the period to 100 ms
+    assert cpu_max_from_properties(10_000, 20_000) == CpuMax(1_000, 100_000)
+    assert cpu_max_from_properties(10_000, UINT64_MAX) == CpuMax(1_000, 100_000)
+
+
+def test_a_zero_quota_is_refused() -> None:
+    with pytest.raises(UnitPropertyError, match="CPUQuotaPerSecUSec=0"):
+        cpu_max_from_properties(0, 100_000)
+
+
+# quotas up to the kernel's limit, less the round-up (at most 10 ms per second of a 1 s period)
+limits = st.builds(
+    CpuMax,
+    st.one_of(st.none(), st.integers(1_000, 2**44 - 1 - 10_000)),
+    st.integers(1_000, 1_000_000),
+)
+
+
+@given(limits)
+def test_what_systemd_writes_is_never_tighter_and_maps_to_itself(limit: CpuMax) -> None:
+    written = systemd_value(Attribute.CPU_MAX, limit)
+    if limit.quota_us is None:
+        assert written.quota_us is None
+    else:
+        assert written.cores is not None and limit.cores is not None
+        assert written.cores >= limit.cores
+        assert written.period_us == limit.period_us
+        assert cpu_quota_properties(written)["CPUQuotaPerSecUSec"] % 10_000 == 0
+    # the loop writes `written`, reads it back next tick, and must find nothing to change
+    assert systemd_value(Attribute.CPU_MAX, written) == written
+
+
+def test_weights_and_memory_map_one_to_one() -> None:
+    assert unit_properties(Attribute.CPU_WEIGHT, CpuWeight(500)) == {"CPUWeight": 500}
+    assert unit_properties(Attribute.MEMORY_MAX, MemoryLimit(1 << 30)) == {"MemoryMax": 1 << 30}
+    assert unit_properties(Attribute.MEMORY_HIGH, MemoryLimit(None)) == {"MemoryHigh": UINT64_MAX}
+    assert unit_properties(Attribute.MEMORY_LOW, MemoryLimit(4096)) == {"MemoryLow": 4096}
+    assert systemd_value(Attribute.MEMORY_MAX, MemoryLimit(8192)) == MemoryLimit(8192)
+
+
+def test_a_value_of_the_wrong_kind_has_no_property() -> None:
+    with pytest.raises(UnitPropertyError, match=r"no systemd property for cpu\.weight"):
+        unit_properties(Attribute.CPU_WEIGHT, MemoryLimit(4096))
+
+
+def one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
+    message = str(exc.value)
+    assert "\n" not in message
+    assert isinstance(exc.value, NodeagentError)
+    return message
+
+
+def test_no_bus_and_no_private_socket_is_one_line_naming_both(tmp_path: Path) -> None:
+    systemd = Systemd(f"unix:path={tmp_path}/bus", str(tmp_path / "private"))
+    with pytest.raises(NoBus) as exc:
+        systemd.set_unit_properties(DOCKER_SCOPE, {"CPUWeight": 500})
+    assert one_line(exc) == (
+        f"no D-Bus: cannot set CPUWeight=500 on {DOCKER_SCOPE}: "
+        f"the system bus {tmp_path}/bus: No such file or directory; "
+        f"systemd's private socket {tmp_path}/private: No such file or directory"
+    )
+
+
+@pytest.fixture
+def silent_socket(tmp_path: Path) -> Iterator[str]:
+    """A socket that accepts connections and never answers: a hung bus."""
+    path = str(tmp_path / "silent")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen()
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.05)
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept)
+    thread.start()
+    try:
+        yield path
+    finally:
+        stop.set()
+        thread.join()
+        for conn in accepted:
+            conn.close()
+        server.close()
+
+
+def test_a_bus_that_never_answers_times_out(silent_socket: str) -> None:
+    systemd = Systemd(f"unix:path={silent_socket}", silent_socket, timeout=0.2)
+    with pytest.raises(NoBus) as exc:
+        systemd.unit_property(DOCKER_SCOPE, "CPUWeight")
+    assert one_line(exc) == (
+        f"no D-Bus: cannot read CPUWeight of {DOCKER_SCOPE}: "
+        f"the system bus {silent_socket}: no answer in time; "
+        f"systemd's private socket {silent_socket}: no answer in time"
+    )
+
+
+@pytest.mark.parametrize(
+    ("props", "problem"),
+    [
+        ({"CPUShares": 1024}, "CPUShares is not a property nodeagent sets"),
+        ({"MemoryMax": -1}, "MemoryMax must be an integer in 0..2^64-1"),
+        ({"MemoryMax": 2**64}, "MemoryMax must be an integer in 0..2^64-1"),
+        ({"CPUWeight": True}, "CPUWeight must be an integer in 0..2^64-1"),
+    ],
+)
+def test_bad_properties_are_refused_before_any_call(
+    tmp_path: Path, props: dict[str, int], problem: str
+) -> None:
+    systemd = Systemd(f"unix:path={tmp_path}/bus", str(tmp_path / "private"))
+    with pytest.raises(SystemdBusError) as exc:
+        systemd.set_unit_properties(DOCKER_SCOPE, props)
+    assert one_line(exc).endswith(f"on {DOCKER_SCOPE}: {problem}")
+    assert not isinstance(exc.value, NoBus)
