@@ -205,6 +205,7 @@ class Figures:
         if self._out is not None:
             self._out.mkdir(parents=True, exist_ok=True)
             (self._out / f"{name}.txt").write_text("")
+            (self._out / f"{name}.progress").write_text("")
 
     def say(self, line: str = "") -> None:
         print(line, file=self._table, flush=True)
@@ -213,8 +214,13 @@ class Figures:
                 f.write(line + "\n")
 
     def progress(self, line: str) -> None:
-        """A line for whoever watches a long run; not a figure."""
+        """A line for whoever watches a long run, not a figure: on stderr, and with --out in
+        DIR/NAME.progress (the VM's output reaches the host only when it exits)."""
+        line = f"{time.strftime('%H:%M:%S')} {line}"
         print(line, file=sys.stderr, flush=True)
+        if self._out is not None:
+            with open(self._out / f"{self.name}.progress", "a") as f:
+                f.write(line + "\n")
 
     def done(self) -> None:
         text = json.dumps(self.figures, sort_keys=True)

@@ -186,6 +186,7 @@ def churn(bench: Figures, agent: Agent, seconds: float, rate: float, seed: int) 
         remover.add(w.path, w.proc)
     remover.drain()
     run.elapsed = time.monotonic() - start
+    bench.progress(f"churn over: {run.made} cgroups made; reading the daemon's log")
     report(bench, agent, run)
 
 
@@ -324,8 +325,10 @@ def main() -> None:
         agent.start()
         try:
             agent.wait_for(lambda e: e.get("event") == "tick")
+            bench.progress(f"the daemon ticks ({time.time() - agent.started_at:.0f} s to start)")
             churn(bench, agent, args.minutes * 60, args.rate, args.seed)
         finally:
+            bench.progress("stopping the daemon")
             status = agent.stop()
             bench.figures["exit_status"] = status
             with contextlib.suppress(OSError):

@@ -259,7 +259,7 @@ def after_kill(agent: Agent, kind: str, at: float, state_file: Path, layout: Lay
     return Kill(kind, at, agent.since_start(), len(temps), error, parents_tighter(layout))
 
 
-def converge(agent: Agent, runs: Runs, socket: str) -> None:
+def converge(agent: Agent, runs: Runs, socket: str) -> int | None:
     """Wait for the restarted daemon's first tick; check the files, and after each later
     tick while they differ."""
     for n in range(1, MAX_TICKS_TO_CONVERGE + 1):
@@ -273,8 +273,9 @@ def converge(agent: Agent, runs: Runs, socket: str) -> None:
         if not diff:
             runs.converge_s.append(time.time() - agent.started_at)
             runs.ticks_to_converge[n] += 1
-            return
+            return n
     runs.not_converged.append(f"after {MAX_TICKS_TO_CONVERGE} ticks: {'; '.join(diff[:3])}")
+    return None
 
 
 def wait_to_kill(
@@ -346,9 +347,13 @@ def run(bench: Figures, tmp: Path) -> None:
             runs.write_tail_s += write_tails(events)
             runs.kills.append(after_kill(agent, kind, at, state_file, layout))
             agent.start()
-            converge(agent, runs, socket)
-            if (i + 1) % 10 == 0:
-                bench.progress(f"  {i + 1} kills")
+            ticks = converge(agent, runs, socket)
+            kill = runs.kills[-1]
+            bench.progress(
+                f"kill {i + 1} ({kind}): landed {', '.join(sorted(kill.landed()))};"
+                f" {len(kill.tighter)} pods tighter; state {kill.state_error or 'loads'};"
+                f" the restart equals the plan after {ticks or 'no'} tick(s)"
+            )
         agent.stop()
     finally:
         if agent.exited() is None:
