@@ -68,12 +68,22 @@ class Bench:
             Path(self.args.out).mkdir(parents=True, exist_ok=True)
             self._saved = Path(self.args.out, f"{name}.txt")
             self._saved.write_text("")
+            Path(self.args.out, f"{name}.progress").write_text("")
 
     def say(self, line: str = "") -> None:
         """A line of the table; saved at once, so a crash keeps what was found."""
         print(line, file=self._table, flush=True)
         if self._saved is not None:
             with open(self._saved, "a") as f:
+                f.write(line + "\n")
+
+    def progress(self, line: str) -> None:
+        """A line for whoever watches a long run, not a figure: on stderr, and with --out in
+        OUT/NAME.progress (the VM's output reaches the host only when it exits)."""
+        line = f"{time.strftime('%H:%M:%S')} {line}"
+        print(line, file=sys.stderr, flush=True)
+        if self.args.out:
+            with open(Path(self.args.out, f"{self.name}.progress"), "a") as f:
                 f.write(line + "\n")
 
     def __enter__(self) -> Bench:
@@ -96,10 +106,17 @@ class Bench:
             print(text, flush=True)
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The nearest-rank q-quantile (0 <= q <= 1) of values."""
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The nearest-rank q-quantile (0 <= q <= 1) of values, None for no values."""
+    if not values:
+        return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def ms(seconds: float | None) -> str:
+    """A duration for the table: milliseconds, or - for none."""
+    return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"
 
 
 def populate(parent: Path, names: Sequence[str]) -> list[subprocess.Popen[bytes]]:

@@ -126,11 +126,22 @@ class CgroupDir:
 
     def subdirs(self) -> list[str]:
         """Child cgroups, skipping anything that is not a real directory (symlinks included)."""
+        return self.listing()[0]
+
+    def listing(self) -> tuple[list[str], list[str]]:
+        """(child cgroups, symlinks): the real directories, and the names of the symlinks,
+        which cgroupfs never holds (one was planted, through a mount) and nothing follows."""
+        dirs, links = [], []
         try:
             with os.scandir(self.fd) as it:
-                return [e.name for e in it if e.is_dir(follow_symlinks=False)]
+                for e in it:
+                    if e.is_symlink():
+                        links.append(e.name)
+                    elif e.is_dir(follow_symlinks=False):
+                        dirs.append(e.name)
         except OSError as e:
             raise self._translate(e, ".") from e
+        return dirs, links
 
     def _translate(self, e: OSError, name: str) -> Exception:
         if e.errno in _VANISHED:

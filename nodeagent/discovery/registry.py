@@ -29,7 +29,9 @@ class Registry:
         self.managed_root = managed_root
         self.workloads: dict[str, WorkloadIdentity] = {}
         self.problems: dict[str, str] = {}
-        """Directories the last scan could not read, with why (shown by `workloads`)."""
+        """What the last scan skipped (directories it could not read, symlinks), with why;
+        logged once each, shown by `workloads`."""
+        self._logged: dict[str, str] = {}
         self.new: list[str] = []
         """Workloads inotify reported since the daemon last took them (its fast path)."""
         self.resynced = False
@@ -47,6 +49,7 @@ class Registry:
         result = scan(self.tree, self.managed_root)
         self.workloads = result.workloads
         self.problems = result.problems
+        self._log_problems()
         for path in result.parents:
             self._watch(path)
         live = set(result.parents)
@@ -89,9 +92,18 @@ class Registry:
             self.workloads.update(result.workloads)
             self.new.extend(result.workloads)
             self.problems.update(result.problems)
+            self._log_problems()
             for parent in result.parents:
                 self._watch(parent)
         return len(self.workloads) != before
+
+    def _log_problems(self) -> None:
+        """A skipped directory hides whatever is below it from the policy: say so once,
+        and again should it come back after it was fixed."""
+        for path, why in self.problems.items():
+            if self._logged.get(path) != why:
+                log.warning("discovery.skipped", cgroup=path, reason=why)
+        self._logged = dict(self.problems)
 
     def _deleted(self, path: str) -> bool:
         gone = [p for p in self.workloads if p == path or p.startswith(path + "/")]

@@ -24,7 +24,7 @@ class ScanResult:
     parents: list[str] = field(default_factory=list)
     """Cgroups below which workloads may appear: the places to watch."""
     problems: dict[str, str] = field(default_factory=dict)
-    """Directories that could not be read (permissions, a symlink), with why; skipped."""
+    """Directories that could not be read (permissions) and symlinks met, with why; skipped."""
 
 
 def descends(identity: WorkloadIdentity | None) -> bool:
@@ -45,12 +45,14 @@ def scan(
         path, depth = stack.pop()
         try:
             with tree.open(path) as d:
-                children = d.subdirs()
+                children, links = d.listing()
         except CgroupVanished:
             continue
         except NodeagentError as e:  # one unreadable directory must not hide the rest
             result.problems[path] = one_line(e)
             continue
+        for name in links:
+            result.problems[join(path, name)] = "a symlink (cgroupfs has none): not followed"
         result.parents.append(path)
         for name in sorted(children, reverse=True):
             child = join(path, name)

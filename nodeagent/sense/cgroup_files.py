@@ -51,7 +51,15 @@ def _pressure(d: CgroupDir, name: str) -> parse.Psi | None:
         if e.errno == errno.EOPNOTSUPP:
             return None
         raise
-    return None if text is None else parse.psi(text)
+    return None if text is None else _parsed(d, name, text, parse.psi)
+
+
+def _parsed(d: CgroupDir, name: str, text: str, parser: Callable[[str], T]) -> T:
+    """The parsed file; what it holds that cannot be used is an error naming the file."""
+    try:
+        return parser(text)
+    except Exception as e:  # ValueError, KeyError, InvalidValue: whatever the content
+        raise CgroupReadError(f"cgroup {d.path or '/'}: {name}: {one_line(e)}", None) from e
 
 
 def _frozen(text: str) -> Frozen:
@@ -67,22 +75,22 @@ def read_sample(d: CgroupDir, page_size: int, *, threads: bool = False) -> Cgrou
 
     def get(name: str, parser: Callable[[str], T]) -> T | None:
         text = d.read_optional(name)
-        return None if text is None else parser(text)
+        return None if text is None else _parsed(d, name, text, parser)
 
     events = get("cgroup.events", parse.flat_keyed) or {}
     cpu = get("cpu.stat", parse.flat_keyed) or {}
     mem_stat = get("memory.stat", parse.flat_keyed) or {}
     settings: dict[Attribute, Value] = {}
-    weight = get(Attribute.CPU_WEIGHT, parse.single_int)
+    weight = get(Attribute.CPU_WEIGHT, lambda text: CpuWeight(parse.single_int(text)))
     if weight is not None:
-        settings[Attribute.CPU_WEIGHT] = CpuWeight(weight)
+        settings[Attribute.CPU_WEIGHT] = weight
     cpu_max = get(Attribute.CPU_MAX, parse.cpu_max)
     if cpu_max is not None:
         settings[Attribute.CPU_MAX] = cpu_max
     for attr in _MEMORY_LIMITS:
-        text = d.read_optional(attr)
-        if text is not None:
-            settings[attr] = MemoryLimit(parse.limit(text), page_size)
+        limit = get(attr, lambda text: MemoryLimit(parse.limit(text), page_size))
+        if limit is not None:
+            settings[attr] = limit
     frozen = get(Attribute.FREEZE, _frozen)
     if frozen is not None:
         settings[Attribute.FREEZE] = frozen

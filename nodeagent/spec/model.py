@@ -92,7 +92,10 @@ def _shares(value: object) -> object:
     split (one part in a million of the largest share).
     """
     number = _number(value)
-    if not isinstance(number, float | int) or not math.isfinite(number):
+    # an int is finite however long (isfinite would overflow converting it to a float)
+    if not isinstance(number, float | int) or (
+        isinstance(number, float) and not math.isfinite(number)
+    ):
         return number
     if not SHARES_MIN <= number <= SHARES_MAX:
         raise PydanticCustomError(
@@ -129,7 +132,7 @@ def _host_path(path: str) -> str:
     if "\0" in path:
         raise ValueError("must not contain a NUL byte")
     parts = path.split("/")
-    if parts[0] or any(p in ("", ".", "..") for p in parts[1:]):
+    if parts[0] or len(parts) < 2 or any(p in ("", ".", "..") for p in parts[1:]):
         raise ValueError(f"must be an absolute path without '.', '..' or empty parts, got {path!r}")
     if parts[1] in _KERNEL_TREES:
         raise ValueError(

@@ -18,6 +18,7 @@ import errno
 import itertools
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -139,6 +140,16 @@ def new_sandbox_path() -> Path:
         except FileExistsError:  # left over from an earlier run with the same pid
             continue
         return path
+
+
+@pytest.fixture
+def mounts() -> Iterator[list[Path]]:
+    """Mount points a test made (helpers.bind, helpers.mount_tmpfs); unmounted after it, last
+    first, before its sandbox is removed."""
+    made: list[Path] = []
+    yield made
+    for target in reversed(made):
+        subprocess.run(["umount", str(target)], check=False)
 
 
 @pytest.fixture

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -68,6 +70,33 @@ def agent(policy: PolicySpec) -> Agent:
     a = Agent(policy, CgroupTree(ROOT))
     a.prepare()
     return a
+
+
+def bind(source: str | Path, target: str | Path, mounts: list[Path]) -> None:
+    """Bind-mount `source` over `target`, noted in `mounts` (the fixture unmounts it)."""
+    subprocess.run(["mount", "--bind", str(source), str(target)], check=True)
+    mounts.append(Path(target))
+
+
+def mount_tmpfs(target: str | Path, mounts: list[Path]) -> None:
+    """A fresh tmpfs over `target`: a directory where cgroupfs's rules do not hold."""
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(target)], check=True)
+    mounts.append(Path(target))
+
+
+class Daemon:
+    """`nodeagent run --config POLICY` as an operator starts it, its output in `log`."""
+
+    def __init__(self, policy: Path, log: Path, *options: str) -> None:
+        self.log = log
+        with log.open("wb") as out:
+            argv = [sys.executable, "-m", "nodeagent", "run", "--config", str(policy), *options]
+            self.proc = subprocess.Popen(argv, stderr=out, stdout=out)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
 
 
 def wait_for(check: Callable[[], bool], timeout: float, step: float = 0.02) -> bool:

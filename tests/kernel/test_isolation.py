@@ -12,11 +12,10 @@ mount is the way to put a write-only file or garbage where the agent expects a n
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, agent, rel, sleeper, spec
+from helpers import ROOT, agent, bind, rel, sleeper, spec
 
 from nodeagent.act import Outcome
 from nodeagent.cgroupfs.values import Attribute
@@ -33,19 +32,6 @@ CAPPED = {
 @pytest.fixture
 def managed(cgroup_sandbox: Path) -> str:
     return rel(cgroup_sandbox) + "/managed"
-
-
-@pytest.fixture
-def mounts() -> Iterator[list[Path]]:
-    made: list[Path] = []
-    yield made
-    for target in reversed(made):
-        subprocess.run(["umount", str(target)], check=False)
-
-
-def bind(source: Path, target: Path, mounts: list[Path]) -> None:
-    subprocess.run(["mount", "--bind", str(source), str(target)], check=True)
-    mounts.append(target)
 
 
 def jobs(managed: str, *names: str) -> list[Path]:

@@ -8,7 +8,6 @@ promtool beside the venv's Python, from Debian's prometheus package).
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import busy, read, rel, wait_for
+from helpers import Daemon, busy, read, rel, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 PROMTOOL = Path(sys.executable).with_name("promtool")
@@ -74,19 +73,6 @@ def one(samples: Samples, name: str, **labels: str) -> float | None:
     found = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls]
     assert len(found) <= 1, f"{name} {labels}: {found}"
     return found[0] if found else None
-
-
-class Daemon:
-    def __init__(self, policy: Path, log: Path) -> None:
-        self.log = log
-        with log.open("wb") as out:
-            argv = [sys.executable, "-m", "nodeagent", "run", "--config", str(policy)]
-            self.proc = subprocess.Popen(argv, stderr=out, stdout=out)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=60)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import structlog
 
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree
 from nodeagent.discovery.registry import Registry
@@ -51,3 +52,22 @@ def test_forget_drops_a_workload_the_sensor_found_gone(root: Path) -> None:
     registry.resync()
     registry.forget("nodeagent.slice/job-1")
     assert "nodeagent.slice/job-1" not in registry.workloads
+
+
+def test_symlinks_met_are_reported_and_not_followed(
+    root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "job-9").mkdir()
+    (root / "nodeagent.slice" / "job-link").symlink_to(outside / "job-9")
+    registry = Registry(CgroupTree(str(root)), "nodeagent.slice", watch=False)
+    with structlog.testing.capture_logs() as logs:
+        registry.resync()
+        registry.resync()
+    assert "nodeagent.slice/job-link" not in registry.workloads
+    assert registry.problems == {
+        "nodeagent.slice/job-link": "a symlink (cgroupfs has none): not followed"
+    }
+    assert [(e["event"], e["cgroup"]) for e in logs] == [
+        ("discovery.skipped", "nodeagent.slice/job-link")
+    ], "logged once while it lasts"

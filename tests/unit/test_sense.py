@@ -48,7 +48,7 @@ def test_unparsable_files_skip_their_cgroup_only(tree: CgroupTree) -> None:
     assert [w.path for w in snap.workloads] == ["s/good"]
     reasons = {s.path: s.reason for s in snap.skipped}
     assert set(reasons) == {"s/bad", "s/worse"}
-    assert reasons["s/bad"].startswith("ValueError: invalid literal for int()")
+    assert reasons["s/bad"].startswith("cgroup s/bad: cpu.stat: ValueError: invalid literal for")
     assert (
         reasons["s/worse"] == "cgroup s/worse: memory.current is not ASCII text: b'\\xff\\xfe\\n'"
     )

@@ -720,6 +720,7 @@ def test_scanner_and_schema_errors_are_located_with_cr_line_breaks(newline: str)
         ("/var/lib//state.json", "must be an absolute path"),
         ("/var/lib/nodeagent/", "must be an absolute path"),
         ("/", "must be an absolute path"),
+        ("''", "must be an absolute path"),
         ('"/var/lib/a\\0b"', "must not contain a NUL byte"),
     ],
 )
