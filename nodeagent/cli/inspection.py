@@ -118,7 +118,7 @@ def allocations_cmd(socket: str, as_json: bool) -> None:
     """What the daemon set on each workload, the measured CPU (cores), and why.
 
     Values show OLD->NEW where the kernel still holds something else than the
-    plan: in a dry run, for cgroups owned by systemd (read-only for now), or
+    plan: in a dry run, for cgroups that are read-only (see `workloads`), or
     when a write failed.
     """
     data = client.get(socket, "/v1/allocations")

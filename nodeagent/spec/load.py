@@ -615,3 +615,20 @@ def _check_semantics(spec: PolicySpec, where: _Locator, report: _Report) -> None
                     f"{limits.cpu_max} cores is more than the kernel's maximum quota of "
                     f"{QUOTA_MAX_US}us per period",
                 )
+        if (rule.deadline is None) != (rule.work is None):
+            have, lacks = ("deadline", "work") if rule.work is None else ("work", "deadline")
+            add(
+                ("rules", i, have),
+                f"{have} needs {lacks}: the deadline policy plans the CPU rate from both",
+            )
+    default = spec.jobs.default_tenant
+    if default is not None and default not in spec.tenants:
+        hint = suggest(default) or f"; tenants are {_listed(tenants)}"
+        add(("jobs", "default_tenant"), f"unknown tenant {default!r}{hint}")
+    for i, power in enumerate(spec.gpu.power):
+        if (power.start is None) != (power.end is None):
+            have = "from" if power.end is None else "to"
+            add(
+                ("gpu", "power", i, have),
+                f"a window needs both from and to (local times such as '22:00'), got only {have}",
+            )

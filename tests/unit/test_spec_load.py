@@ -197,6 +197,35 @@ def test_good_cpu_max(value: str, cores: object) -> None:
 # Checks after the schema
 
 
+def test_deadline_and_work_go_together() -> None:
+    text = HEAD + (
+        "rules:\n"
+        "  - {name: a, match: {}, tenant: prod, deadline: 2026-12-01T00:00:00Z}\n"
+        "  - {name: b, match: {}, tenant: prod, work: 60}\n"
+        "  - {name: c, match: {}, tenant: prod, deadline: 2026-12-01T00:00:00Z, work: 60}\n"
+    )
+    assert problems(text) == [
+        "p.yaml:6:50: rules[0].deadline: deadline needs work: the deadline policy plans the"
+        " CPU rate from both",
+        "p.yaml:7:46: rules[1].work: work needs deadline: the deadline policy plans the CPU"
+        " rate from both",
+    ]
+
+
+def test_the_default_job_tenant_must_be_a_tenant() -> None:
+    assert problems(HEAD + "jobs: {default_tenant: reserch}\n") == [
+        "p.yaml:5:24: jobs.default_tenant: unknown tenant 'reserch'; did you mean 'research'?"
+    ]
+
+
+def test_a_power_window_needs_both_ends() -> None:
+    text = HEAD + "gpu:\n  power:\n    - {class: batch, watts: 200, to: '06:00'}\n"
+    assert problems(text) == [
+        "p.yaml:7:38: gpu.power[0].to: a window needs both from and to (local times such as"
+        " '22:00'), got only to"
+    ]
+
+
 def test_unknown_tenant_with_and_without_suggestion() -> None:
     text = HEAD + (
         "rules:\n  - {name: a, match: {}, tenant: reserch}\n  - {name: b, match: {}, tenant: zzz}\n"
