@@ -15,12 +15,21 @@ placements as a fraction of the best possible for that size on an empty node, an
 lowest; the share of multi-GPU placements that span NUMA nodes; and the decision time.
 Then the decision time on an empty node at 8 and 16 GPUs. It never asserts: the goals
 (score fraction >= 0.95 everywhere, never more waits than first fit) are reported.
+
+With --clairvoyant BEAM, also what an allocator that knew every job's duration could reach
+on the same schedule (the start and end times of the replay with placement): each placement
+chosen knowing the whole future, by a search over who holds which GPU that keeps the BEAM
+best states after each event (0: all of them, exact). It reaches at least what placement
+did when exact, and is a lower bound of that optimum when beamed; nodes over 8 GPUs are
+skipped (too many states). It tells what an online allocator, which knows no durations,
+loses to the order of departures.
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import json
 import random
 import statistics
@@ -141,7 +150,9 @@ def enough_in_total(node: NodeGpus, state: State, request: GpuRequest) -> bool:
     return sum(free) / total >= request.count
 
 
-def replay(node: NodeGpus, jobs: list[Job], allocate: Allocator) -> dict[str, Any]:
+def replay(
+    node: NodeGpus, jobs: list[Job], allocate: Allocator, starts: dict[int, float] | None = None
+) -> dict[str, Any]:
     for k in range(1, len(node.devices) + 1):
         node.best_possible(k)  # cached for every allocator's explanations: not a decision cost
     state = State()
@@ -164,6 +175,8 @@ def replay(node: NodeGpus, jobs: list[Job], allocate: Allocator) -> dict[str, An
         nonlocal crossing, multi
         state.take(job.request, result)
         running[job.id] = result
+        if starts is not None:
+            starts[job.id] = now
         heapq.heappush(events, (now + job.duration, 0, job.id))
         waits.append(now - job.arrival)
         if job.request.count >= 2 and job.request.mig_profile is None:
@@ -196,6 +209,66 @@ def replay(node: NodeGpus, jobs: list[Job], allocate: Allocator) -> dict[str, An
         "decide_ms_mean": 1000 * statistics.fmean(decide),
         "decide_ms_p99": 1000 * sorted(decide)[int(0.99 * (len(decide) - 1))],
     }
+
+
+def clairvoyant(
+    node: NodeGpus, jobs: list[Job], starts: dict[int, float], beam: int
+) -> float | None:
+    """The mean score fraction of multi-GPU jobs when every placement knows the future, on
+    the schedule `starts`: the best over every assignment of GPUs to jobs that fits it (an
+    exclusive job on GPUs nobody else holds, a shared job on one GPU with room), searched
+    event by event over the states (who holds each GPU), keeping the `beam` best (0: all).
+    None when the node has none, or when the beam dropped every state that fits."""
+    n = len(node.devices)
+    multi = [j for j in jobs if j.request.count >= 2 and j.request.mig_profile is None]
+    if not multi or n > 8 or any(d.mig_enabled for d in node.devices):
+        return None
+    cap = [d.memory_total or 0 for d in node.devices]
+    fraction = {
+        c: sum(node.weights[a][b] for a, b in itertools.combinations(c, 2))
+        / (node.best_possible(k) or 1)
+        for k in {j.request.count for j in multi}
+        for c in itertools.combinations(range(n), k)
+    }
+    events = sorted(
+        [(starts[j.id], 1, j.id) for j in jobs]
+        + [(starts[j.id] + j.duration, 0, j.id) for j in jobs]
+    )
+    Gpu = tuple[int, tuple[int, ...]]  # (exclusive holder or -1, shared holders)
+    states: dict[tuple[Gpu, ...], float] = {tuple((-1, ()) for _ in range(n)): 0.0}
+    for _, kind, jid in events:
+        request = jobs[jid].request
+        new: dict[tuple[Gpu, ...], float] = {}
+        for st, value in states.items():
+            if kind == 0:
+                out = [
+                    tuple((-1 if e == jid else e, tuple(x for x in sh if x != jid)) for e, sh in st)
+                ]
+                gains = [0.0]
+            elif request.shared:
+                need = request.memory or 0
+                out = [
+                    (*st[:g], (-1, (*sh, jid)), *st[g + 1 :])
+                    for g, (e, sh) in enumerate(st)
+                    if e == -1 and sum(jobs[x].request.memory or 0 for x in sh) + need <= cap[g]
+                ]
+                gains = [0.0] * len(out)
+            else:
+                free = [g for g, gpu in enumerate(st) if gpu == (-1, ())]
+                sets = list(itertools.combinations(free, request.count))
+                out = [
+                    tuple((jid, ()) if g in c else gpu for g, gpu in enumerate(st)) for c in sets
+                ]
+                gains = [fraction.get(c, 0.0) for c in sets]
+            for state, gain in zip(out, gains, strict=True):
+                if new.get(state, -1.0) < value + gain:
+                    new[state] = value + gain
+        if not new:
+            return None
+        if beam and len(new) > beam:
+            new = dict(sorted(new.items(), key=lambda kv: -kv[1])[:beam])
+        states = new
+    return max(states.values()) / len(multi)
 
 
 def empty_node_times(node: NodeGpus) -> dict[str, dict[int, float]]:
@@ -233,15 +306,30 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=400, help="jobs per node (default 400)")
     parser.add_argument("--load", type=float, default=LOAD, help=f"offered load (default {LOAD})")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument(
+        "--clairvoyant",
+        type=int,
+        metavar="BEAM",
+        help="also the score fraction with every duration known, on placement's schedule "
+        "(nodes of up to 8 GPUs; keeps the BEAM best states, 0: exact)",
+    )
     args = parser.parse_args()
     nodes = shipped()
     results: dict[str, Any] = {}
     for name, node in nodes:
         jobs = trace(node, args.jobs, args.seed, args.load)
+        starts: dict[int, float] = {}
         results[name] = {
             "gpus": len(node.devices),
-            **{a: replay(node, jobs, allocate) for a, allocate in ALLOCATORS.items()},
+            **{
+                a: replay(node, jobs, allocate, starts if a == "placement" else None)
+                for a, allocate in ALLOCATORS.items()
+            },
         }
+        if args.clairvoyant is not None:
+            results[name]["clairvoyant_score_fraction"] = clairvoyant(
+                node, jobs, starts, args.clairvoyant
+            )
     by_name = dict(nodes)
     timing = {
         str(len(by_name[name].devices)): {"node": name, **empty_node_times(by_name[name])}
@@ -272,6 +360,7 @@ def main() -> int:
         "seed": args.seed,
         "jobs_per_node": args.jobs,
         "load": args.load,
+        "clairvoyant_beam": args.clairvoyant,
         "nodes": results,
         "empty_node_decide_ms": timing,
         "goals": goals,
@@ -297,6 +386,11 @@ def main() -> int:
                 f"{fmt(x['cross_numa']):>6} "
                 f"{x['decide_ms_mean']:>9.2f}/{x['decide_ms_p99']:<8.2f}"
             )
+    if args.clairvoyant is not None:
+        beam = f"beam {args.clairvoyant}" if args.clairvoyant else "exact"
+        print(f"\nscore fraction with every duration known, on placement's schedule ({beam}):")
+        for name, r in results.items():
+            print(f"{name:<34} {fmt(r['clairvoyant_score_fraction'])}")
     print("\ndecision time on an empty node, ms (median):")
     print(
         f"{'GPUs':>4} {'node':<28} {'allocator':<12}"

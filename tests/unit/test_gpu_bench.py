@@ -55,3 +55,29 @@ def test_every_job_runs_once_and_gives_its_gpus_back(bench: ModuleType, name: st
     assert len([p for request, p in held if request.mig_profile]) == (
         60 if name == "h100-mig" else 0
     )
+
+
+@pytest.mark.parametrize("name", ["dgx1-v100-hybrid-cube-mesh", "4x-a100-two-nvlink-pairs"])
+def test_clairvoyant_bound_is_at_least_what_placement_reached(bench: ModuleType, name: str) -> None:
+    """Exact (no beam), the search over every assignment that fits placement's schedule
+    includes placement's own, so it can only reach as much or more; a beam keeps a
+    feasible assignment whose value cannot exceed the exact one."""
+    node = dict(bench.shipped())[name]
+    jobs = bench.trace(node, 40, 3, 0.9)
+    starts: dict[int, float] = {}
+    reached = bench.replay(node, jobs, bench.place, starts)["score_fraction_mean"]
+    assert sorted(starts) == [j.id for j in jobs]
+    exact = bench.clairvoyant(node, jobs, starts, 0)
+    beamed = bench.clairvoyant(node, jobs, starts, 50)
+    assert exact is not None and beamed is not None
+    assert reached - 1e-9 <= exact <= 1
+    assert beamed <= exact + 1e-9
+
+
+def test_clairvoyant_bound_skips_mig_and_large_nodes(bench: ModuleType) -> None:
+    nodes = dict(bench.shipped())
+    for name in ("h100-mig", "hgx2-16x-v100-nvswitch"):
+        jobs = bench.trace(nodes[name], 10, 1, 0.8)
+        starts: dict[int, float] = {}
+        bench.replay(nodes[name], jobs, bench.place, starts)
+        assert bench.clairvoyant(nodes[name], jobs, starts, 0) is None
