@@ -101,6 +101,7 @@ def _gpus(record: TickRecord) -> dict[str, list[int]]:
 
 def allocations(record: TickRecord) -> dict[str, Any]:
     states = {w.path: w for w in record.snapshot.workloads}
+    levels = {w.path for w in record.snapshot.levels}
     held = _gpus(record)
     rows = []
     for cg in record.plan.cgroups:
@@ -111,6 +112,7 @@ def allocations(record: TickRecord) -> dict[str, Any]:
         rows.append(
             {
                 **describe(cg.identity, cg.assignment, cg.write),
+                "level": cg.path in levels,  # a parent weighted for its tenants' shares
                 "status": status,
                 "problem": problem,
                 "values": _values(cg, w),
@@ -129,6 +131,7 @@ def allocations(record: TickRecord) -> dict[str, Any]:
         rows.append(
             {
                 **describe(s.identity, record.assignments.get(s.path), record.modes.get(s.path)),
+                "level": False,
                 "status": "skipped",
                 "problem": f"{s.step}: {s.reason}",
                 "values": {a: dict.fromkeys(_VALUE_KEYS) for a in SHOWN},

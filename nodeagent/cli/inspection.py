@@ -57,7 +57,9 @@ def allocations_table(data: Mapping[str, Any]) -> str:
             )
         )
     mode = " (dry run: nothing written)" if data["dry_run"] else ""
-    head = f"tick {data['tick']}{mode}: {len(rows)} workloads; OLD->NEW where the kernel differs"
+    levels = sum(1 for a in data["allocations"] if a.get("level"))
+    counted = f"{len(rows) - levels} workloads" + (f", {levels} parent levels" if levels else "")
+    head = f"tick {data['tick']}{mode}: {counted}; OLD->NEW where the kernel differs"
     notes = data.get("node_notes", [])
     tail = "".join("\n" + printable(f"{n['kind']}: {n['status']}: {n['message']}") for n in notes)
     jobs = [a for a in data["allocations"] if a.get("deadline")]
