@@ -145,7 +145,10 @@ def test_odd_names_are_managed_and_shown_escaped(daemon: str, workloads: str) ->
     assert proc.returncode == 0, proc.stderr
     assert_terminal_safe(proc.stdout)
     lines = proc.stdout.splitlines()
-    assert len(lines) == 2 + len(PLAIN + ODD)  # no name broke a row in two
+    shown = json.loads(nodeagent("allocations", "--socket", daemon, "--json").stdout)
+    rows, notes = len(shown["allocations"]), len(shown["node_notes"])  # levels are rows too
+    assert len(lines) == 2 + rows + notes, lines  # no name broke a row in two
+    assert sum(line.startswith(f"{workloads}/") for line in lines) == len(PLAIN + ODD)
     for shown in SHOWN_AS:
         assert any(line.startswith(f"{workloads}/{shown} ") for line in lines), lines
 
