@@ -85,7 +85,7 @@ class Registry:
         if identity is not None:
             self.workloads[path] = identity
             self.new.append(path)
-        if descends(identity):
+        if descends(identity, path, self.managed_root):
             # Watch first, then scan: a child made between the two is seen by one of them.
             self._watch(path)
             result = scan(self.tree, self.managed_root, start=path, into=ScanResult())

@@ -27,8 +27,10 @@ class ScanResult:
     """Directories that could not be read (permissions) and symlinks met, with why; skipped."""
 
 
-def descends(identity: WorkloadIdentity | None) -> bool:
-    return identity is None or identity.kind is Kind.POD
+def descends(identity: WorkloadIdentity | None, path: str, managed_root: str) -> bool:
+    """Whether workloads may sit below `path`: not below a workload, except a pod's
+    containers and the managed root below the agent's own service (Delegate=yes)."""
+    return identity is None or identity.kind is Kind.POD or managed_root.startswith(path + "/")
 
 
 def join(parent: str, name: str) -> str:
@@ -59,6 +61,6 @@ def scan(
             identity = classify(child, managed_root)
             if identity is not None:
                 result.workloads[child] = identity
-            if descends(identity) and depth < MAX_DEPTH:
+            if descends(identity, child, managed_root) and depth < MAX_DEPTH:
                 stack.append((child, depth + 1))
     return result
