@@ -381,6 +381,9 @@ def test_the_agent_runs_under_the_hardened_unit(service: Service) -> None:
     assert status["Seccomp"].strip() == "2"  # filter mode: SystemCallFilter=, MemoryDenyW^X
     caps = (1 << 0) | (1 << 1)  # CAP_CHOWN, CAP_DAC_OVERRIDE
     assert int(status["CapBnd"], 16) == caps
+    # LimitNOFILE=8192: a flood of API connections cannot starve the tick of descriptors
+    limits = s.proc(pid, "limits")
+    assert re.search(r"^Max open files\s+8192\s+8192\s", limits, re.M), limits
     # ProtectSystem=strict and ProtectHome=read-only, seen from the agent's mount namespace:
     # it may write only its cgroups, its run and state directories (and its private /tmp)
     probe = " ".join(f"[ -w {p} ] && echo {p}: rw || echo {p}: ro;" for p in MOUNTS)
