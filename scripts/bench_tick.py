@@ -32,6 +32,7 @@ from nodeagent import logs
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree
 from nodeagent.daemon import Agent
 from nodeagent.sense.cgroup_files import TICK_FILES
+from nodeagent.sense.sensor import raise_fd_limit
 from nodeagent.spec.model import PolicySpec
 
 ROOT = Path("/sys/fs/cgroup")
@@ -145,6 +146,7 @@ def bench_ticks(bench: Bench, state_dir: str) -> None:
     for n in SIZES:
         procs = populate(ROOT / MANAGED, names(n))
         try:
+            raise_fd_limit()  # as `nodeagent run` does
             agent = Agent(spec, CgroupTree(str(ROOT)))
             agent.prepare()
             agent.tick()  # applies everything
@@ -177,6 +179,7 @@ def bench_ticks(bench: Bench, state_dir: str) -> None:
                 }
             )
         finally:
+            agent.sensor.close()
             clear(ROOT / MANAGED, procs)
 
 

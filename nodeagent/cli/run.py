@@ -73,6 +73,7 @@ def run(
     from nodeagent.cgroupfs.detect import detect
     from nodeagent.cgroupfs.tree import CgroupTree
     from nodeagent.daemon import Agent, serve, serve_metrics
+    from nodeagent.sense.sensor import raise_fd_limit
 
     logs.configure(log_level)
     spec = load(config)
@@ -84,6 +85,7 @@ def run(
     host = detect(cgroup_root, proc_root)
     if not dry_run and os.geteuid() != 0:
         raise NodeagentError("nodeagent run writes cgroup files and needs root (or use --dry-run)")
+    raise_fd_limit()  # before the sensor sizes its cache of open directories
     agent = Agent(
         spec,
         CgroupTree(host.root),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -64,6 +65,7 @@ class Sensor:
         self._rates: dict[str, _Rates] = {}
         self._known: dict[str, CgroupSample] = {}
         self._dirs: dict[str, int] = {}
+        self._max_dirs = dir_budget()
         self._turn: deque[str] = deque()
         self._credit = 0.0
         self.fresh: frozenset[str] = frozenset()
@@ -84,7 +86,7 @@ class Sensor:
     def _dir(self, path: str) -> CgroupDir:
         fd = self._dirs.get(path)
         if fd is None:
-            if len(self._dirs) >= MAX_OPEN_DIRS:
+            if len(self._dirs) >= self._max_dirs:
                 raise _NoRoom
             fd = self._dirs[path] = self.tree.open_fd(path)
         return CgroupDir(path, fd)
@@ -222,6 +224,30 @@ class Sensor:
 
 
 MAX_OPEN_DIRS = 4096
+
+
+def dir_budget() -> int:
+    """How many workload directories the sensor keeps open: half the soft RLIMIT_NOFILE
+    (at most MAX_OPEN_DIRS), so that the API, writes and logs always have descriptors
+    left. The others are opened for each read."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_OPEN_DIRS
+    return max(0, min(MAX_OPEN_DIRS, soft // 2))
+
+
+def raise_fd_limit(want: int = 2 * MAX_OPEN_DIRS) -> int:
+    """Raise the soft RLIMIT_NOFILE towards `want`, within the hard limit, as systemd
+    advises programs that need many descriptors (its soft default is 1024; the unit sets
+    LimitNOFILE=8192). Returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        return target
+    return soft
+
+
 """Directory fds kept open across ticks; workloads past this are opened per read."""
 NO_NEEDS = Needs()
 

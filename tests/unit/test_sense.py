@@ -10,6 +10,7 @@ import pytest
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupReadError, CgroupTree
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
+from nodeagent.sense import sensor as sensor_module
 from nodeagent.sense.cgroup_files import Needs
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
@@ -32,7 +33,7 @@ def job(name: str) -> WorkloadIdentity:
 
 @pytest.fixture
 def tree(tmp_path: Path) -> CgroupTree:
-    for name in ("good", "bad", "worse"):
+    for name in ("good", "good2", "bad", "worse"):
         d = tmp_path / "s" / name
         d.mkdir(parents=True)
         for f, text in FILES.items():
@@ -148,3 +149,37 @@ def test_needs_add_what_a_policy_uses_every_tick(tree: CgroupTree) -> None:
     assert w.sample.memory_current == 4096
     assert w.sample.cpu_psi is not None
     assert w.sample.threads == 2
+
+
+@pytest.mark.parametrize(
+    ("soft", "budget"), [(1024, 512), (8192, 4096), (1 << 20, 4096), (3, 1), (1, 0)]
+)
+def test_the_directories_kept_open_leave_half_the_descriptors(
+    monkeypatch: pytest.MonkeyPatch, soft: int, budget: int
+) -> None:
+    monkeypatch.setattr(sensor_module.resource, "getrlimit", lambda _: (soft, 1 << 20))
+    assert sensor_module.dir_budget() == budget
+
+
+def test_beyond_its_budget_a_workload_is_opened_for_each_read(
+    tree: CgroupTree, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sensor_module.resource, "getrlimit", lambda _: (2, 2))  # budget 1
+    sensor = Sensor(tree, NodeSensor())
+    snap = sensor.snapshot([job("good"), job("good2")], 1.0, 1.0)
+    assert [w.identity.name for w in snap.workloads] == ["good", "good2"]
+    assert len(sensor._dirs) == 1
+
+
+@pytest.mark.parametrize(
+    ("soft", "hard", "now"),
+    [(1024, 524288, 8192), (1024, 4096, 4096), (65536, 524288, 65536)],
+)
+def test_the_daemon_raises_its_soft_descriptor_limit_within_the_hard_one(
+    monkeypatch: pytest.MonkeyPatch, soft: int, hard: int, now: int
+) -> None:
+    set_to: list[tuple[int, int]] = []
+    monkeypatch.setattr(sensor_module.resource, "getrlimit", lambda _: (soft, hard))
+    monkeypatch.setattr(sensor_module.resource, "setrlimit", lambda _, v: set_to.append(v))
+    assert sensor_module.raise_fd_limit() == now
+    assert set_to == ([] if now == soft else [(now, hard)])
