@@ -45,9 +45,9 @@ from nodeagent.policy.protection import stall
 from nodeagent.policy.weights import ancestors
 from nodeagent.report import TickRecord, allocations, explain, find, identities
 from nodeagent.sdbus import Systemd
-from nodeagent.sense.cgroup_files import Needs
+from nodeagent.sense.cgroup_files import NO_NEEDS, Needs
 from nodeagent.sense.node import NodeSensor
-from nodeagent.sense.sensor import NO_NEEDS, Sensor
+from nodeagent.sense.sensor import Sensor
 from nodeagent.snapshot import NodeSnapshot
 from nodeagent.spec.load import PolicyError, load_policy
 from nodeagent.spec.model import AgentSettings, PolicySpec

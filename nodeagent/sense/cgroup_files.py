@@ -126,21 +126,60 @@ class Needs:
     """cgroup.threads: a deadline job's parallelism."""
 
 
-def read_lean(d: CgroupDir, known: CgroupSample, needs: Needs) -> CgroupSample:
+def read_lean(
+    d: CgroupDir, known: CgroupSample, needs: Needs, last: LeanRead | None = None
+) -> LeanRead:
     """The usage counters and what `needs` asks for, fresh; everything else as `known`
     (the last full read, updated with what the agent wrote since). Whether it holds
-    processes is unknown unless asked for: its CPU rate says whether it is busy."""
-    cpu = parse.flat_keyed(d.read("cpu.stat"))
+    processes is unknown unless asked for: its CPU rate says whether it is busy.
+
+    `last`: this workload's previous lean read. When cpu.stat reads the same text over the
+    same `known` and nothing else is asked for (an idle workload), its sample is the same:
+    it is returned again, unparsed."""
+    text = d.read("cpu.stat")
+    if needs is NO_NEEDS or needs == NO_NEEDS:
+        if last is not None and last.text == text and last.known is known:
+            return last
+        cpu = parse.flat_keyed(text)
+        return LeanRead(text, known, _lean(cpu, known, needs))
+    cpu = parse.flat_keyed(text)
     populated = memory = psi = threads = None
     if needs.events:
         populated = bool(parse.flat_keyed(d.read("cgroup.events"))["populated"])
     if needs.memory:
-        text = d.read_optional("memory.current")
-        memory = None if text is None else parse.single_int(text)
+        memory_text = d.read_optional("memory.current")
+        memory = None if memory_text is None else parse.single_int(memory_text)
     if needs.pressure:
         psi = _pressure(d, "cpu.pressure")
     if needs.threads:
         threads = len(d.read("cgroup.threads").split())
+    sample = _lean(cpu, known, needs, populated=populated, memory=memory, psi=psi, threads=threads)
+    return LeanRead(text, None, sample)  # fresh beyond cpu.stat: never reused
+
+
+@dataclass(frozen=True, slots=True)
+class LeanRead:
+    """A lean read: the cpu.stat text it parsed, the full read it stands on (None when it
+    read more than cpu.stat: then it is not reused), and its sample."""
+
+    text: str
+    known: CgroupSample | None
+    sample: CgroupSample
+
+
+NO_NEEDS = Needs()
+
+
+def _lean(
+    cpu: dict[str, int],
+    known: CgroupSample,
+    needs: Needs,
+    *,
+    populated: bool | None = None,
+    memory: int | None = None,
+    psi: parse.Psi | None = None,
+    threads: int | None = None,
+) -> CgroupSample:
     k = known
     return CgroupSample(  # one constructor call: dataclasses.replace costs as much as a read
         populated=populated,

@@ -7,13 +7,14 @@ import resource
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from nodeagent.cgroupfs import parse
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree, CgroupVanished
 from nodeagent.cgroupfs.values import Attribute, CpuWeight, Value
 from nodeagent.errors import one_line
 from nodeagent.identity import WorkloadIdentity
-from nodeagent.sense.cgroup_files import Needs, read_lean, read_sample
+from nodeagent.sense.cgroup_files import NO_NEEDS, LeanRead, Needs, read_lean, read_sample
 from nodeagent.sense.node import NodeSensor
 from nodeagent.snapshot import CgroupSample, NodeSnapshot, Skipped, WorkloadState
 
@@ -64,7 +65,11 @@ class Sensor:
         self._baseline: dict[str, _Counters] = {}
         self._rates: dict[str, _Rates] = {}
         self._known: dict[str, CgroupSample] = {}
-        self._dirs: dict[str, int] = {}
+        self._dirs: dict[str, CgroupDir] = {}
+        self._lean: dict[str, LeanRead] = {}
+        """Each workload's last lean read: an idle one's next is the same sample again."""
+        self._states: dict[str, WorkloadState] = {}
+        """Last snapshot's workloads: one that reads the same again is the same object."""
         self._max_dirs = dir_budget()
         self._turn: deque[str] = deque()
         self._credit = 0.0
@@ -79,23 +84,24 @@ class Sensor:
             self._known[path] = replace(known, settings={**known.settings, attribute: value})
 
     def close(self) -> None:
-        for fd in self._dirs.values():
-            os.close(fd)
+        for d in self._dirs.values():
+            os.close(d.fd)
         self._dirs.clear()
 
     def _dir(self, path: str) -> CgroupDir:
-        fd = self._dirs.get(path)
-        if fd is None:
+        d = self._dirs.get(path)
+        if d is None:
             if len(self._dirs) >= self._max_dirs:
                 raise _NoRoom
-            fd = self._dirs[path] = self.tree.open_fd(path)
-        return CgroupDir(path, fd)
+            d = self._dirs[path] = CgroupDir(path, self.tree.open_fd(path))
+        return d
 
     def _drop(self, path: str) -> None:
-        fd = self._dirs.pop(path, None)
-        if fd is not None:
-            os.close(fd)
+        d = self._dirs.pop(path, None)
+        if d is not None:
+            os.close(d.fd)
         self._known.pop(path, None)
+        self._lean.pop(path, None)
 
     def _due(self, paths: list[str], elapsed: float | None, full: bool) -> set[str]:
         """The workloads to read in full this tick: new ones, and the next in turn."""
@@ -139,6 +145,7 @@ class Sensor:
         baseline: dict[str, _Counters] = {}
         rates: dict[str, _Rates] = {}
         read: set[str] = set()
+        last_states, new_states = self._states, {}
         for identity in identities:
             path = identity.path
             try:
@@ -164,19 +171,12 @@ class Sensor:
                         rates[path] = self._rates[path]
                 elif prev is not None and now.at > prev.at:
                     rates[path] = _rates(prev, now)
-            r = rates.get(path)
-            states.append(
-                WorkloadState(
-                    identity,
-                    sample,
-                    None if r is None else r.cpu,
-                    None if r is None else r.throttled,
-                    None if r is None else r.stall,
-                )
-            )
+            state = _state(last_states.get(path), identity, sample, rates.get(path))
+            states.append(state)
+            new_states[path] = state
         for gone in [p for p in self._dirs if p not in read]:
             self._drop(gone)  # no longer sensed: a workload that went, or one no rule claims
-        self._baseline, self._rates = baseline, rates
+        self._baseline, self._rates, self._states = baseline, rates, new_states
         self._last_mono = monotonic
         self._seq += 1
         parents = self._levels(levels, skipped)
@@ -198,11 +198,13 @@ class Sensor:
         except _NoRoom:  # more workloads than fds kept: open this one for this read only
             with self.tree.open(path) as d:
                 return read_sample(d, page_size, threads=needs.threads)
-        if full or path not in self._known:
+        known = self._known.get(path)
+        if full or known is None:
             sample = read_sample(d, page_size, threads=needs.threads)
             self._known[path] = sample
             return sample
-        return read_lean(d, self._known[path], needs)
+        lean = self._lean[path] = read_lean(d, known, needs, self._lean.get(path))
+        return lean.sample
 
     def _levels(
         self, levels: Iterable[WorkloadIdentity], skipped: list[Skipped]
@@ -249,15 +251,13 @@ def raise_fd_limit(want: int = 2 * MAX_OPEN_DIRS) -> int:
 
 
 """Directory fds kept open across ticks; workloads past this are opened per read."""
-NO_NEEDS = Needs()
 
 
 class _NoRoom(Exception):
     pass
 
 
-@dataclass(frozen=True, slots=True)
-class _Rates:
+class _Rates(NamedTuple):
     cpu: float
     throttled: float
     stall: float | None
@@ -274,6 +274,23 @@ def _rates(prev: _Counters, now: _Counters) -> _Rates:
         (now.throttled - prev.throttled) / periods if periods > 0 else 0.0,
         stall,
     )
+
+
+def _state(
+    last: WorkloadState | None, identity: WorkloadIdentity, sample: CgroupSample, r: _Rates | None
+) -> WorkloadState:
+    """The workload's state; the last one again when nothing in it changed."""
+    cpu, throttled, stall = (None, None, None) if r is None else r
+    if (
+        last is None
+        or last.sample is not sample
+        or last.identity is not identity
+        or last.cpu_rate != cpu
+        or last.throttled_fraction != throttled
+        or last.cpu_stall != stall
+    ):
+        return WorkloadState(identity, sample, cpu, throttled, stall)
+    return last
 
 
 def _counters(sample: CgroupSample, at: float) -> _Counters | None:
