@@ -6,7 +6,7 @@ import os
 import resource
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import NamedTuple
 
 from nodeagent.cgroupfs import parse
@@ -19,8 +19,7 @@ from nodeagent.sense.node import NodeSensor
 from nodeagent.snapshot import CgroupSample, NodeSnapshot, Skipped, WorkloadState
 
 
-@dataclass(frozen=True, slots=True)
-class _Counters:
+class _Counters(NamedTuple):
     at: float
     usage_us: int
     periods: int
@@ -146,10 +145,12 @@ class Sensor:
         rates: dict[str, _Rates] = {}
         read: set[str] = set()
         last_states, new_states = self._states, {}
+        last_baseline, last_rates, min_window = self._baseline, self._rates, self.min_window
+        page_size = node.page_size
         for identity in identities:
             path = identity.path
             try:
-                sample = self._read(path, path in due, needs.get(path, NO_NEEDS), node.page_size)
+                sample = self._read(path, path in due, needs.get(path, NO_NEEDS), page_size)
             except CgroupVanished:
                 vanished.append(path)
                 self._drop(path)
@@ -157,18 +158,18 @@ class Sensor:
             except Exception as e:  # unreadable, unparsable, unexpected: skip this one only
                 skipped.append(Skipped(identity, "sense", one_line(e)))
                 self._drop(path)
-                if path in self._baseline:  # measure from it when the cgroup recovers
-                    baseline[path] = self._baseline[path]
+                if path in last_baseline:  # measure from it when the cgroup recovers
+                    baseline[path] = last_baseline[path]
                 continue
             read.add(path)
             now = _counters(sample, monotonic)
-            prev = self._baseline.get(path)
+            prev = last_baseline.get(path)
             if now is not None:
                 baseline[path] = now
-                if prev is not None and now.at - prev.at < self.min_window:
+                if prev is not None and now.at - prev.at < min_window:
                     baseline[path] = prev  # too soon: keep measuring from the old baseline
-                    if path in self._rates:
-                        rates[path] = self._rates[path]
+                    if path in last_rates:
+                        rates[path] = last_rates[path]
                 elif prev is not None and now.at > prev.at:
                     rates[path] = _rates(prev, now)
             state = _state(last_states.get(path), identity, sample, rates.get(path))
@@ -264,6 +265,13 @@ class _Rates(NamedTuple):
 
 
 def _rates(prev: _Counters, now: _Counters) -> _Rates:
+    if (
+        now.usage_us == prev.usage_us
+        and now.periods == prev.periods
+        and now.throttled == prev.throttled
+        and now.stall_us == prev.stall_us
+    ):  # an idle workload: what the arithmetic below gives, without it
+        return _IDLE if now.stall_us is None else _IDLE_STALL
     seconds = now.at - prev.at
     periods = now.periods - prev.periods
     stall = None
@@ -274,6 +282,10 @@ def _rates(prev: _Counters, now: _Counters) -> _Rates:
         (now.throttled - prev.throttled) / periods if periods > 0 else 0.0,
         stall,
     )
+
+
+_IDLE = _Rates(0.0, 0.0, None)
+_IDLE_STALL = _Rates(0.0, 0.0, 0.0)
 
 
 def _state(
