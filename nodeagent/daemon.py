@@ -7,6 +7,7 @@ only makes a tick come sooner when a cgroup appears or goes.
 
 from __future__ import annotations
 
+import operator
 import os
 import select
 import signal
@@ -48,7 +49,7 @@ from nodeagent.sdbus import Systemd
 from nodeagent.sense.cgroup_files import NO_NEEDS, Needs
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
-from nodeagent.snapshot import NodeSnapshot
+from nodeagent.snapshot import NodeSnapshot, WorkloadState
 from nodeagent.spec.load import PolicyError, load_policy
 from nodeagent.spec.model import AgentSettings, PolicySpec
 
@@ -135,6 +136,13 @@ class Agent:
             list[WorkloadIdentity],
             dict[str, WriteMode],
         ] = ({}, [], [], {})
+        self._sensed_value: tuple[
+            PolicySpec | None,
+            tuple[WorkloadState, ...],
+            tuple[frozenset[str], frozenset[str], bool],
+        ] = (None, (), (frozenset(), frozenset(), False))
+        self._assigned: tuple[object, dict[str, Assignment]] = (None, {})
+        """The last plan's assignments, for as long as it is made again (same cgroups)."""
         self.stop = threading.Event()
         self.reload_requested = threading.Event()
 
@@ -306,10 +314,10 @@ class Agent:
         and anything that moves every tick (deadline jobs, a protected cgroup under pressure,
         the protection controller at work, a memory.max waiting for usage to fit)."""
         spec = self.spec
-        active = frozenset(w.path for w in snapshot.workloads if is_active(w, spec.fair_share))
+        paths, active, stalling = self._sensed(snapshot.workloads)
         gpus = snapshot.gpus
         key = (
-            frozenset(w.path for w in snapshot.workloads),
+            paths,
             active,
             frozenset(s.path for s in snapshot.skipped),
             frozenset(w.path for w in snapshot.levels),
@@ -322,11 +330,13 @@ class Agent:
         moving = (
             bool(self._held_back)  # memory.max waits for usage: try it again each tick
             or any(a.deadline is not None for a in assignments.values())
-            or self._pressure(snapshot)
+            or self._pressure(stalling)
         )
         if last is not None and key == self._plan_key and now < self._replan_at and not moving:
+            if self._assigned[0] is not last.plan.cgroups:  # kept by every plan made again
+                self._assigned = (last.plan.cgroups, last.plan.assignments())
             usage = history.advance(
-                self.usage, snapshot, last.plan.assignments(), spec.fair_share.half_life
+                self.usage, snapshot, self._assigned[1], spec.fair_share.half_life
             )
             again = replace(
                 last.plan, seq=snapshot.seq, wall_time=snapshot.wall_time, tenant_usage=usage
@@ -336,7 +346,30 @@ class Agent:
         plan = make_plan(snapshot, spec, self.usage, assignments=assignments, carried=self.carry)
         return plan, False
 
-    def _pressure(self, snapshot: NodeSnapshot) -> bool:
+    def _sensed(
+        self, workloads: tuple[WorkloadState, ...]
+    ) -> tuple[frozenset[str], frozenset[str], bool]:
+        """What the plan's key and `_pressure` take from the workloads: their paths, the
+        active ones, and whether one stalls; worked out again only when a workload's state
+        is a new object (the sensor keeps an unchanged one) or the policy changed."""
+        last_spec, last, value = self._sensed_value
+        if (
+            last_spec is self.spec
+            and len(last) == len(workloads)
+            and all(map(operator.is_, last, workloads))
+        ):
+            return value
+        spec = self.spec
+        threshold = spec.protection.cpu_pressure / 2
+        value = (
+            frozenset(w.path for w in workloads),
+            frozenset(w.path for w in workloads if is_active(w, spec.fair_share)),
+            any((stall(w) or 0.0) >= threshold for w in workloads if w.sample.cpu_psi is not None),
+        )
+        self._sensed_value = (spec, workloads, value)
+        return value
+
+    def _pressure(self, stalling: bool) -> bool:
         """The protection controller is at work, or a cgroup it watches stalls."""
         carried = self.carry.get("protection", {})
         if (
@@ -346,12 +379,7 @@ class Agent:
             or carried.get("thaw")
         ):
             return True
-        threshold = self.spec.protection.cpu_pressure / 2
-        return any(
-            (stall(w) or 0.0) >= threshold
-            for w in snapshot.workloads
-            if w.sample.cpu_psi is not None
-        )
+        return stalling
 
     def save_state(self) -> None:
         """Save the usage history. A failure is logged and retried at the next interval, not
