@@ -69,6 +69,10 @@ class Sensor:
         """Each workload's last lean read: an idle one's next is the same sample again."""
         self._states: dict[str, WorkloadState] = {}
         """Last snapshot's workloads: one that reads the same again is the same object."""
+        self._quiet: dict[str, tuple[int, float]] = {}
+        """Per workload: lean reads in a row that found it unchanged, and when it was
+        last read. A quiet one (nothing it needs read every tick) is read every
+        QUIET_EVERY seconds instead of every tick, until it moves."""
         self._max_dirs = dir_budget()
         self._turn: deque[str] = deque()
         self._credit = 0.0
@@ -101,6 +105,7 @@ class Sensor:
             os.close(d.fd)
         self._known.pop(path, None)
         self._lean.pop(path, None)
+        self._quiet.pop(path, None)
 
     def _due(self, paths: list[str], elapsed: float | None, full: bool) -> set[str]:
         """The workloads to read in full this tick: new ones, and the next in turn."""
@@ -149,6 +154,15 @@ class Sensor:
         page_size = node.page_size
         for identity in identities:
             path = identity.path
+            last = last_states.get(path)
+            if last is not None and self._is_quiet(path, monotonic, due, needs):
+                # its usage has not moved for a while: the last reading stands
+                read.add(path)
+                baseline.update((p, last_baseline[p]) for p in (path,) if p in last_baseline)
+                rates.update((p, last_rates[p]) for p in (path,) if p in last_rates)
+                states.append(last)
+                new_states[path] = last
+                continue
             try:
                 sample = self._read(path, path in due, needs.get(path, NO_NEEDS), page_size)
             except CgroupVanished:
@@ -162,16 +176,11 @@ class Sensor:
                     baseline[path] = last_baseline[path]
                 continue
             read.add(path)
-            now = _counters(sample, monotonic)
-            prev = last_baseline.get(path)
-            if now is not None:
-                baseline[path] = now
-                if prev is not None and now.at - prev.at < min_window:
-                    baseline[path] = prev  # too soon: keep measuring from the old baseline
-                    if path in last_rates:
-                        rates[path] = last_rates[path]
-                elif prev is not None and now.at > prev.at:
-                    rates[path] = _rates(prev, now)
+            self._note_read(path, last is not None and sample is last.sample and path not in due,
+                            monotonic)  # fmt: skip
+            _measure(path, _counters(sample, monotonic), min_window=min_window,
+                     baseline=baseline, rates=rates, last_baseline=last_baseline,
+                     last_rates=last_rates)  # fmt: skip
             state = _state(last_states.get(path), identity, sample, rates.get(path))
             states.append(state)
             new_states[path] = state
@@ -191,6 +200,26 @@ class Sensor:
             tuple(skipped),
             tuple(vanished),
             parents,
+        )
+
+    def _note_read(self, path: str, same: bool, monotonic: float) -> None:
+        """Count the reads in a row that found `path` unchanged (a full read counts as
+        a change), and when it was read."""
+        calm = self._quiet.get(path)
+        self._quiet[path] = ((calm[0] + 1) if same and calm is not None else int(same), monotonic)
+
+    def _is_quiet(
+        self, path: str, monotonic: float, due: set[str], needs: Mapping[str, Needs]
+    ) -> bool:
+        """Read unchanged QUIET_READS times in a row and last read under QUIET_EVERY
+        seconds ago, not due for its full read, and nothing of it needed every tick."""
+        calm = self._quiet.get(path)
+        return (
+            calm is not None
+            and calm[0] >= QUIET_READS
+            and monotonic - calm[1] < QUIET_EVERY
+            and path not in due
+            and path not in needs
         )
 
     def _read(self, path: str, full: bool, needs: Needs, page_size: int) -> CgroupSample:
@@ -226,7 +255,36 @@ class Sensor:
         return tuple(out)
 
 
+def _measure(
+    path: str,
+    now: _Counters | None,
+    *,
+    min_window: float,
+    baseline: dict[str, _Counters],
+    rates: dict[str, _Rates],
+    last_baseline: Mapping[str, _Counters],
+    last_rates: Mapping[str, _Rates],
+) -> None:
+    """A workload's new baseline and rates from its counters now, into `baseline` and
+    `rates`: inside `min_window` of the last baseline, that one and its rates stand."""
+    if now is None:
+        return
+    prev = last_baseline.get(path)
+    baseline[path] = now
+    if prev is not None and now.at - prev.at < min_window:
+        baseline[path] = prev  # too soon: keep measuring from the old baseline
+        if path in last_rates:
+            rates[path] = last_rates[path]
+    elif prev is not None and now.at > prev.at:
+        rates[path] = _rates(prev, now)
+
+
 MAX_OPEN_DIRS = 4096
+"""Directory fds kept open across ticks at most; workloads past this are opened per read."""
+QUIET_READS = 3
+"""Reads in a row with the same cpu.stat after which a workload counts as quiet."""
+QUIET_EVERY = 5.0
+"""Seconds between reads of a quiet workload: one that wakes is seen within this."""
 
 
 def dir_budget() -> int:
@@ -249,9 +307,6 @@ def raise_fd_limit(want: int = 2 * MAX_OPEN_DIRS) -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         return target
     return soft
-
-
-"""Directory fds kept open across ticks; workloads past this are opened per read."""
 
 
 class _NoRoom(Exception):

@@ -183,3 +183,45 @@ def test_the_daemon_raises_its_soft_descriptor_limit_within_the_hard_one(
     monkeypatch.setattr(sensor_module.resource, "setrlimit", lambda _, v: set_to.append(v))
     assert sensor_module.raise_fd_limit() == now
     assert set_to == ([] if now == soft else [(now, hard)])
+
+
+def test_a_quiet_workload_is_read_every_few_seconds_until_it_moves(
+    tree: CgroupTree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its cpu.stat unchanged QUIET_READS times in a row, a workload is read again only
+    after QUIET_EVERY seconds; once its usage moves it is read every tick again. One
+    whose files a policy needs every tick is always read."""
+    opened: list[str] = []
+    real = CgroupDir.read
+
+    def counting(self: CgroupDir, name: str) -> str:
+        opened.append(f"{self.path}/{name}")
+        return real(self, name)
+
+    monkeypatch.setattr(CgroupDir, "read", counting)
+    sensor = Sensor(tree, NodeSensor(), verify_every=0)  # no rolling full reads here
+    jobs = [job("good"), job("good2")]
+    needs = {"s/good2": Needs(events=True)}
+
+    def tick(t: float) -> set[str]:
+        opened.clear()
+        snap = sensor.snapshot(jobs, t, t, needs=needs)
+        assert [w.identity.name for w in snap.workloads] == ["good", "good2"]
+        return {p for p in opened if p.endswith("cpu.stat")}
+
+    q, every = sensor_module.QUIET_READS, sensor_module.QUIET_EVERY
+    # a full read, a first lean read, then q lean reads that find the same
+    last_read = q + 1
+    reads = {t: tick(t) for t in range(last_read + 1)}
+    assert all("s/good/cpu.stat" in r for r in reads.values())
+    assert "s/good/cpu.stat" not in tick(last_read + 1), "quiet: not read this tick"
+    assert "s/good/cpu.stat" not in tick(last_read + every - 1)
+    assert "s/good2/cpu.stat" in tick(last_read + every - 0.5), "needed every tick: read"
+    assert "s/good/cpu.stat" in tick(last_read + every), f"read again {every:g} s later"
+
+    (tmp_path / "s" / "good" / "cpu.stat").write_text("usage_usec 900100\n")  # it woke
+    t = last_read + every + 1
+    assert "s/good/cpu.stat" not in tick(t), "still taken as quiet: seen within QUIET_EVERY"
+    woke = last_read + 2 * every
+    assert "s/good/cpu.stat" in tick(woke)
+    assert "s/good/cpu.stat" in tick(woke + 1), "moving: read every tick again"
