@@ -196,7 +196,8 @@ def bench_latency(bench: Bench, state_dir: str, background: int) -> None:
             stderr=subprocess.STDOUT,
         )
     try:
-        wait_for_log(log_path, '"cpu.weight"', agent)
+        # the first tick has applied everything once its notes are logged: the daemon is idle
+        wait_for_log(log_path, '"protection.idle"', agent)
         made: dict[str, float] = {}
         for i in range(LATENCY_SAMPLES):
             name = f"a-new-{i}"
