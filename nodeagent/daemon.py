@@ -241,11 +241,14 @@ class Agent:
         # an unchanged plan was applied already: only what was read afresh can differ, and
         # what failed to be written last time is tried again
         only = self.sensor.fresh | self._retry if same else None
-        results = (*self._fast_results, *self.executor.apply(plan, snapshot, only))
+        applied = self.executor.apply(plan, snapshot, only)
+        results = (*self._fast_results, *applied)  # the fast path's since the last tick too
         self._fast_results = []
         self._held_back = {r.path for r in results if r.outcome is Outcome.UNREACHABLE}
         self._retry = frozenset(r.path for r in results if r.outcome is Outcome.FAILED)
-        written = [r for r in results if r.outcome is Outcome.WRITTEN]
+        # what this plan wrote is known from now on (a newcomer the fast path wrote is read
+        # in full when first sensed, and may be gone from this plan)
+        written = [r for r in applied if r.outcome is Outcome.WRITTEN]
         if written:
             targets = {c.path: c.targets for c in plan.cgroups}
             for r in written:

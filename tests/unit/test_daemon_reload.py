@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import structlog
 
+from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.cgroupfs.values import Attribute
 from nodeagent.daemon import Agent
 from nodeagent.errors import NodeagentError
 from nodeagent.spec.load import load_policy
@@ -123,3 +125,17 @@ def test_a_reload_that_drops_a_tenant_drops_its_history(policy_file: Path, tmp_p
     agent.usage = {"research": 5.0, "gone": 7.0}
     agent.tick()
     assert set(agent.usage) == {"research"}
+
+
+def test_a_fast_path_write_to_a_cgroup_gone_by_the_tick_is_reported_not_fatal(
+    policy_file: Path, tmp_path: Path
+) -> None:
+    """The fast path's writes are reported with the next tick, whose plan may no longer
+    hold their cgroup (it went in between: routine under churn). That tick must not fail."""
+    agent = make_agent(policy_file, tmp_path)
+    gone = WriteResult("nodeagent.slice/w-0", Attribute.CPU_MAX, "max 100000",
+                       "50000 100000", "rule r: cpu_max 0.5 cores", Outcome.WRITTEN)  # fmt: skip
+    agent._fast_results = [gone]
+    record = agent.tick()
+    assert gone in record.results
+    assert agent.tick().results == ()  # reported once
