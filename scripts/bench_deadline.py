@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -225,7 +225,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as state:
             for scenario, jobs in scenarios.items():
                 results: dict[str, Any] = {
-                    "jobs": [j.__dict__ | {"workload_class": str(j.workload_class)} for j in jobs],
+                    "jobs": [asdict(j) | {"workload_class": str(j.workload_class)} for j in jobs],
                     "predicted": predicted(jobs, cpus),
                     "ways": {},
                 }
