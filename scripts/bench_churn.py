@@ -34,7 +34,7 @@ from pathlib import Path
 
 import yaml
 from benchdaemon import Agent, hold
-from benchkit import Bench, ms, percentile
+from benchkit import Bench, ms, ms_figure, percentile
 
 ROOT = Path("/sys/fs/cgroup")
 MANAGED = "nodeagent-churn.slice"
@@ -221,9 +221,9 @@ def report(bench: Bench, agent: Agent, run: Run) -> None:
         "lived_under_1s_with_limits": short_ok,
         "mkdir_to_limits_ms": {
             "n": len(latency),
-            "p50": _ms(percentile(latency, 0.5)),
-            "p99": _ms(percentile(latency, 0.99)),
-            "max": _ms(max(latency, default=None)),
+            "p50": ms_figure(percentile(latency, 0.5)),
+            "p99": ms_figure(percentile(latency, 0.99)),
+            "max": ms_figure(max(latency, default=None)),
         },
     }
     bench.say(
@@ -251,9 +251,9 @@ def report(bench: Bench, agent: Agent, run: Run) -> None:
         "ticks": len(ticks),
         "ticks_per_s": round(len(ticks) / elapsed, 2),
         "tick_ms": {
-            "p50": _ms(percentile(durations, 0.5)),
-            "p99": _ms(percentile(durations, 0.99)),
-            "max": _ms(max(durations, default=None)),
+            "p50": ms_figure(percentile(durations, 0.5)),
+            "p99": ms_figure(percentile(durations, 0.99)),
+            "max": ms_figure(max(durations, default=None)),
         },
         "failed_ticks": len(failed),
         "failed_ticks_vanished": len(vanished),
@@ -304,10 +304,6 @@ def report(bench: Bench, agent: Agent, run: Run) -> None:
         "log warnings/errors: "
         + (", ".join(f"{name} {n}" for name, n in noisy.most_common()) or "none")
     )
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1e3, 1)
 
 
 def main() -> None:

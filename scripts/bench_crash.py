@@ -44,7 +44,7 @@ from typing import Any
 
 import yaml
 from benchdaemon import Agent, Event, hold
-from benchkit import Bench, ms, percentile
+from benchkit import Bench, ms, ms_figure, percentile
 
 from nodeagent import state
 from nodeagent.api.client import get
@@ -396,12 +396,12 @@ def report(bench: Bench, runs: Runs) -> None:
             "max": _s(max(runs.up_s, default=None)),
         },
         first_tick_ms={
-            "p50": _ms(percentile(runs.first_tick_s, 0.5)),
-            "max": _ms(max(runs.first_tick_s, default=None)),
+            "p50": ms_figure(percentile(runs.first_tick_s, 0.5)),
+            "max": ms_figure(max(runs.first_tick_s, default=None)),
         },
         tick_ms={
-            "p50": _ms(percentile(runs.tick_s, 0.5)),
-            "max": _ms(max(runs.tick_s, default=None)),
+            "p50": ms_figure(percentile(runs.tick_s, 0.5)),
+            "max": ms_figure(max(runs.tick_s, default=None)),
         },
     )
     bench.say(
@@ -432,10 +432,6 @@ def report(bench: Bench, runs: Runs) -> None:
 
 def _s(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds, 3)
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1e3, 1)
 
 
 def main() -> None:

@@ -119,6 +119,11 @@ def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"
 
 
+def ms_figure(seconds: float | None) -> float | None:
+    """A duration for the JSON object: milliseconds to 0.1, or None for none."""
+    return None if seconds is None else round(seconds * 1e3, 1)
+
+
 def populate(parent: Path, names: Sequence[str]) -> list[subprocess.Popen[bytes]]:
     """A cgroup per name under parent, each with one sleeping process so that it is active."""
     parent.mkdir(exist_ok=True)

@@ -217,3 +217,20 @@ def systemd_host() -> Iterator[Any]:
         yield _systemd["host"]
     finally:
         _stop_systemd()
+
+
+@pytest.fixture
+def managed(cgroup_sandbox: Path) -> str:
+    """The managed root inside this test's sandbox, relative to the cgroup root; the agent
+    makes it."""
+    return str(cgroup_sandbox.relative_to(CGROUP_ROOT)) + "/managed"
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test started; killed and reaped after it."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        p.kill()
+        p.wait()

@@ -5,31 +5,15 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, agent, hog_memory, read, rel, sleeper, spec, wait_for
+from helpers import ROOT, agent, hog_memory, read, sleeper, spec, wait_for
 
 from nodeagent.act import Outcome
 from nodeagent.cgroupfs.values import Attribute
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for p in started:
-        p.kill()
-        p.wait()
-
-
-@pytest.fixture
-def managed(cgroup_sandbox: str) -> str:
-    """The managed root, made by the agent itself inside this test's sandbox."""
-    return rel(cgroup_sandbox) + "/managed"
 
 
 def _jobs(managed: str, *names: str) -> list[Path]:

@@ -43,11 +43,6 @@ def capped(managed: str) -> dict[str, object]:
     }
 
 
-@pytest.fixture
-def managed(cgroup_sandbox: Path) -> str:
-    return rel(cgroup_sandbox) + "/managed"
-
-
 def written(record: TickRecord) -> dict[str, set[str]]:
     """Per cgroup path, the attributes written this tick."""
     out: dict[str, set[str]] = {}

@@ -29,11 +29,6 @@ CAPPED = {
 }
 
 
-@pytest.fixture
-def managed(cgroup_sandbox: Path) -> str:
-    return rel(cgroup_sandbox) + "/managed"
-
-
 def jobs(managed: str, *names: str) -> list[Path]:
     paths = [Path(ROOT, managed, n) for n in names]
     for p in paths:

@@ -8,29 +8,13 @@ from __future__ import annotations
 import datetime as dt
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from helpers import ROOT, busy, read, rel, running, spec, usage_us, wait_for
 
 BATCH = {"name": "batch", "match": {"name": "b-*"}, "tenant": "t", "class": "batch"}
 INFER = {"name": "infer", "match": {"name": "i-*"}, "tenant": "t", "class": "inference"}
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for p in started:
-        p.kill()
-        p.wait()
-
-
-@pytest.fixture
-def managed(cgroup_sandbox: Path) -> str:
-    return rel(cgroup_sandbox) + "/managed"
 
 
 def cgroups(managed: str, *names: str) -> list[Path]:
