@@ -325,6 +325,9 @@ class SimulatedBackend:
     def poll_health(self) -> tuple[XidEvent, ...]:
         return ()
 
+    def health(self) -> dict[str, str]:
+        return {d.uuid: d.reason for d in self._devices if not d.healthy}
+
     def set_power_limit(self, uuid: str, milliwatts: int) -> PowerLimit:
         gpu = next((g for g in self._gpus if g.uuid == uuid), None)
         if gpu is None:
