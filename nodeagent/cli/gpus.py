@@ -183,7 +183,7 @@ def _gpus_table(data: dict[str, Any]) -> str:
 
 @gpus.command("reserve")
 @click.option("--name", required=True, metavar="NAME", help="Who the GPUs are for (a container).")
-@click.option("--count", "-k", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--count", "-k", type=click.IntRange(min=1, max=64), default=1, show_default=True)
 @click.option("--memory", metavar="SIZE", help="Free memory each GPU needs, such as 20Gi.")
 @click.option("--shared", is_flag=True, help="Share GPUs with other shared holders.")
 @click.option(
@@ -199,11 +199,20 @@ def _gpus_table(data: dict[str, Any]) -> str:
     type=click.Choice(["docker", "env", "json"]),
     default="docker",
     show_default=True,
-    help="docker: arguments for `docker run`; env: an env file; json: everything.",
+    help="docker: arguments for `docker run $(...)`; env: an env file; json: as --json.",
 )
 @socket_option
+@json_option
 def reserve_cmd(
-    *, name: str, count: int, memory: str | None, shared: bool, ttl: str, fmt: str, socket: str
+    *,
+    name: str,
+    count: int,
+    memory: str | None,
+    shared: bool,
+    ttl: str,
+    fmt: str,
+    socket: str,
+    as_json: bool,
 ) -> None:
     """Hold GPUs for a container that gets them at creation; print how to give them to it.
 
@@ -211,25 +220,27 @@ def reserve_cmd(
     the container shows on them, the hold follows that container's cgroup and goes back
     when the cgroup goes; if none shows within --ttl, it goes back then.
 
+    The docker form is made for an unquoted $(...), where the shell splits words but
+    removes no quotes: `--gpus "device=A,B"` reaches docker with the double quotes that
+    its CSV parser needs around a list (one GPU needs none). To type the list by hand,
+    quote it as docker's documentation does: --gpus '"device=A,B"'.
+
     \b
       docker run $(nodeagent gpus reserve --name web-1 --count 2) IMAGE
       nodeagent gpus reserve --name web-1 --format env > web-1.env
+      nodeagent gpus reserve --name web-1 --json
       nodeagent gpus release web-1
     """
     from nodeagent.api import client
-    from nodeagent.spec.units import parse_size
 
     body: dict[str, Any] = {"name": name, "count": count, "shared": shared, "ttl": ttl}
     if memory is not None:
-        try:
-            body["memory"] = parse_size(memory)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--memory") from None
+        body["memory"] = _size(memory)
     got = client.post(socket, "/v1/gpus/reservations", body)
     if not isinstance(got, dict) or not isinstance(got.get("uuids"), list):
         raise NodeagentError("the daemon gave a reservation answer of the wrong shape")
     visible = ",".join(got["uuids"])
-    if fmt == "json":
+    if as_json or fmt == "json":
         click.echo(json.dumps(got, indent=2))
     elif fmt == "env":
         click.echo(
@@ -237,7 +248,15 @@ def reserve_cmd(
             "CUDA_DEVICE_ORDER=PCI_BUS_ID"
         )
     else:
-        click.echo(f"--gpus '\"device={visible}\"'")
+        click.echo(docker_gpus(got["uuids"]))
+
+
+def docker_gpus(uuids: list[str]) -> str:
+    """`docker run` arguments for these GPUs that survive an unquoted $(...): the shell
+    splits them into words and removes no quotes, and docker parses --gpus as one CSV
+    record, so a list goes in double quotes (the comma would split it) and one GPU bare."""
+    device = f"device={','.join(uuids)}"
+    return f'--gpus "{device}"' if len(uuids) > 1 else f"--gpus {device}"
 
 
 @gpus.command("release")
