@@ -352,15 +352,13 @@ def place_cmd(
             cpu_numa_nodes=numa_nodes(numa),
         )
         question = Question(request, tuple(split(busy)))
-        data = _ask_daemon(socket, question) if simulate is None else None
+        data, note = (None, "--simulate: no daemon asked, holds not considered")
+        if simulate is None:
+            data, note = _ask_daemon(socket, question)
         if data is None:
             data = _place_here(question, simulate)
             data["holds_considered"] = False
-            data["note"] = (
-                "--simulate: no daemon asked, holds not considered"
-                if simulate is not None
-                else "no daemon: holds not considered"
-            )
+            data["note"] = note
     except BadQuestion as e:
         raise click.BadParameter(e.message, param_hint=f"--{e.what}") from None
     if as_json:
@@ -377,8 +375,10 @@ def _considered(data: dict[str, Any]) -> str:
     return f"\n({data['note']})" if "note" in data else ""
 
 
-def _ask_daemon(socket: str, question: Question) -> dict[str, Any] | None:
-    """The daemon's answer against its live holds; None when no daemon answers."""
+def _ask_daemon(socket: str, question: Question) -> tuple[dict[str, Any] | None, str]:
+    """The daemon's answer against its live holds; else None and why it gave none (no
+    daemon; a daemon without GPUs, or without this route, while this command may read
+    some itself, such as a NODEAGENT_GPU_SIM node)."""
     from nodeagent.api import client
     from nodeagent.api.client import ApiRefused
     from nodeagent.errors import DaemonUnreachable
@@ -387,17 +387,17 @@ def _ask_daemon(socket: str, question: Question) -> dict[str, Any] | None:
     try:
         data = client.get(socket, "/v1/gpus/place", question.query())
     except DaemonUnreachable:
-        return None
+        return None, "no daemon: holds not considered"
     except ApiRefused as e:
         what, _, message = str(e).partition(": ")
         if e.status == 400 and what in _QUESTION_PARTS:
             raise BadQuestion(what, message) from None
-        if e.status == 404 and "no GPUs" in str(e):
-            raise NodeagentError(f"no GPUs: {e}") from None
+        if e.status == 404:
+            return None, f"the daemon gave no placement ({e}): holds not considered"
         raise
     if not isinstance(data, dict) or not isinstance(data.get("placed"), bool):
         raise NodeagentError("the daemon gave a placement answer of the wrong shape")
-    return data
+    return data, ""
 
 
 _QUESTION_PARTS = frozenset({"count", "memory", "shared", "mig", "numa", "busy"})

@@ -26,6 +26,7 @@ from test_cli import REPO, assert_one_line_error, nodeagent
 from nodeagent.api import client
 from nodeagent.api.client import ApiRefused
 from nodeagent.api.server import ApiServer
+from nodeagent.gpu.backend import NoGpus
 from nodeagent.gpu.service import GpuService
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.spec.model import PolicySpec
@@ -275,7 +276,9 @@ def test_the_readme_recipe_runs(
     service, sock = daemon
     env, record = fake_docker
     readme = (REPO / "README.md").read_text()
-    recipes = set(re.findall(r"docker run \$\(nodeagent gpus reserve --name [^)`]*\) [A-Z]+", readme))
+    recipes = set(
+        re.findall(r"docker run \$\(nodeagent gpus reserve --name [^)`]*\) [A-Z]+", readme)
+    )
     assert recipes, "the README shows docker run $(nodeagent gpus reserve ...)"
     for recipe in sorted(recipes):
         argv = through_sh(recipe, env | {"NODEAGENT_SOCKET": sock}, record)
@@ -308,3 +311,18 @@ def test_reserve_json_and_env(daemon: tuple[GpuService, str]) -> None:
         f"NVIDIA_VISIBLE_DEVICES={UUIDS[1]}",
         "CUDA_DEVICE_ORDER=PCI_BUS_ID",
     ]
+
+
+def test_place_beside_a_daemon_without_gpus_reads_the_gpus_itself() -> None:
+    service = GpuService(NoGpus("NVML found no GPUs"), lambda: SPEC, lambda t: 0.0, lambda c: True)
+    service.sense(0.0)
+    where = Path(tempfile.mkdtemp(prefix="nodeagent-gpu-"))
+    with ApiServer(str(where / "api.sock"), service.routes()):
+        sock = str(where / "api.sock")
+        proc = nodeagent("gpus", "place", "--socket", sock, NODEAGENT_GPU_SIM=PAIRS)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines()[-1] == (
+            "(the daemon gave no placement (this node has no GPUs the agent can use "
+            "(NVML found no GPUs)): holds not considered)"
+        )
+    shutil.rmtree(where, ignore_errors=True)
