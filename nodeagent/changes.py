@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import structlog
 
 from nodeagent.act import Outcome, WriteResult
-from nodeagent.logs import audit_event
+from nodeagent.logs import audit_warning
 from nodeagent.policy.base import Note
 from nodeagent.policy.plan import Plan
 from nodeagent.snapshot import NodeSnapshot
@@ -65,7 +65,8 @@ class ProblemLog:
 
 
 AUDITED = frozenset({"gpu-violation"})
-"""Notes that are also audit events: they must be on record even with logging turned down."""
+"""Notes that are also audit events, at level warning: they must be on record even with
+logging turned down, and someone should look."""
 
 
 class NoteLog:
@@ -84,7 +85,7 @@ class NoteLog:
             seen.add(key)
             if self._last.get(key) != n.status:
                 event = f"{n.kind}.{n.status.split(maxsplit=1)[0]}"
-                emit = audit_event if n.kind in AUDITED else log.info
+                emit = audit_warning if n.kind in AUDITED else log.info
                 fields = {**n.fields, "cgroup": n.path, "status": n.status, "message": n.message}
                 emit(event, **fields)
                 self._last[key] = n.status

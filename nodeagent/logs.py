@@ -64,3 +64,8 @@ def audit_event(event: str, **fields: object) -> None:
     """Record an action on something other than a cgroup file (a GPU granted, released or
     power-capped, a GPU violation), in the same audit stream as the cgroup writes."""
     _audit.info(event, **fields)
+
+
+def audit_warning(event: str, **fields: object) -> None:
+    """An audit event that is also something to act on (a GPU violation): level warning."""
+    _audit.warning(event, **fields)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -15,7 +14,7 @@ from nodeagent.tables import size, table
 
 if TYPE_CHECKING:
     from nodeagent.gpu.backend import GpuBackend
-    from nodeagent.policy.placement import GpuRequest, Holdings, NodeGpus, Placement
+    from nodeagent.gpu.placing import Question
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -184,7 +183,7 @@ def _gpus_table(data: dict[str, Any]) -> str:
 
 @gpus.command("reserve")
 @click.option("--name", required=True, metavar="NAME", help="Who the GPUs are for (a container).")
-@click.option("--count", "-k", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--count", "-k", type=click.IntRange(min=1, max=64), default=1, show_default=True)
 @click.option("--memory", metavar="SIZE", help="Free memory each GPU needs, such as 20Gi.")
 @click.option("--shared", is_flag=True, help="Share GPUs with other shared holders.")
 @click.option(
@@ -200,11 +199,20 @@ def _gpus_table(data: dict[str, Any]) -> str:
     type=click.Choice(["docker", "env", "json"]),
     default="docker",
     show_default=True,
-    help="docker: arguments for `docker run`; env: an env file; json: everything.",
+    help="docker: arguments for `docker run $(...)`; env: an env file; json: as --json.",
 )
 @socket_option
+@json_option
 def reserve_cmd(
-    *, name: str, count: int, memory: str | None, shared: bool, ttl: str, fmt: str, socket: str
+    *,
+    name: str,
+    count: int,
+    memory: str | None,
+    shared: bool,
+    ttl: str,
+    fmt: str,
+    socket: str,
+    as_json: bool,
 ) -> None:
     """Hold GPUs for a container that gets them at creation; print how to give them to it.
 
@@ -212,25 +220,27 @@ def reserve_cmd(
     the container shows on them, the hold follows that container's cgroup and goes back
     when the cgroup goes; if none shows within --ttl, it goes back then.
 
+    The docker form is made for an unquoted $(...), where the shell splits words but
+    removes no quotes: `--gpus "device=A,B"` reaches docker with the double quotes that
+    its CSV parser needs around a list (one GPU needs none). To type the list by hand,
+    quote it as docker's documentation does: --gpus '"device=A,B"'.
+
     \b
       docker run $(nodeagent gpus reserve --name web-1 --count 2) IMAGE
       nodeagent gpus reserve --name web-1 --format env > web-1.env
+      nodeagent gpus reserve --name web-1 --json
       nodeagent gpus release web-1
     """
     from nodeagent.api import client
-    from nodeagent.spec.units import parse_size
 
     body: dict[str, Any] = {"name": name, "count": count, "shared": shared, "ttl": ttl}
     if memory is not None:
-        try:
-            body["memory"] = parse_size(memory)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--memory") from None
+        body["memory"] = _size(memory)
     got = client.post(socket, "/v1/gpus/reservations", body)
     if not isinstance(got, dict) or not isinstance(got.get("uuids"), list):
         raise NodeagentError("the daemon gave a reservation answer of the wrong shape")
     visible = ",".join(got["uuids"])
-    if fmt == "json":
+    if as_json or fmt == "json":
         click.echo(json.dumps(got, indent=2))
     elif fmt == "env":
         click.echo(
@@ -238,7 +248,15 @@ def reserve_cmd(
             "CUDA_DEVICE_ORDER=PCI_BUS_ID"
         )
     else:
-        click.echo(f"--gpus '\"device={visible}\"'")
+        click.echo(docker_gpus(got["uuids"]))
+
+
+def docker_gpus(uuids: list[str]) -> str:
+    """`docker run` arguments for these GPUs that survive an unquoted $(...): the shell
+    splits them into words and removes no quotes, and docker parses --gpus as one CSV
+    record, so a list goes in double quotes (the comma would split it) and one GPU bare."""
+    device = f"device={','.join(uuids)}"
+    return f'--gpus "{device}"' if len(uuids) > 1 else f"--gpus {device}"
 
 
 @gpus.command("release")
@@ -256,7 +274,7 @@ def release_cmd(name: str, socket: str) -> None:
 @click.option(
     "--count",
     "-k",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=64),
     default=1,
     show_default=True,
     help="How many GPUs (or MIG instances).",
@@ -286,6 +304,7 @@ def release_cmd(name: str, socket: str) -> None:
     help="NUMA nodes of the job's CPUs, such as 1 or 0,1: GPUs there score higher.",
 )
 @simulate_option
+@socket_option
 @json_option
 def place_cmd(
     *,
@@ -296,16 +315,24 @@ def place_cmd(
     mig_profile: str | None,
     numa: str,
     simulate: str | None,
+    socket: str,
     as_json: bool,
 ) -> None:
     """Which GPUs a job would get now, and why; reserves nothing.
+
+    With a daemon running (and no --simulate), the daemon answers, against what it holds
+    now (jobs, reservations, grants); without one, this command reads the GPUs itself and
+    says that holds were not considered. Either way a GPU on which compute processes run
+    outside any hold is busy: exclusive requests pass it over, and the why: line names it.
 
     Filter, then score: healthy GPUs with enough free memory that nobody holds, then
     the set whose pairs talk fastest (NVLink, then the PCIe path), on the NUMA nodes
     of the job's CPUs; among equal sets, the one that leaves the best sets for the
     next jobs. Prints the GPUs (indices and UUIDs), the score and its fraction of the
     best possible on an empty node, the pairs, and the reasoning. Exits 1 when
-    nothing fits now (the job would wait).
+    nothing fits now (the job would wait); a request this node could never satisfy
+    (more GPUs than it has, more memory than any GPU, a MIG profile it lacks) is a
+    usage error, exit 2, as is a GPU or NUMA node that is not there.
 
     \b
       nodeagent gpus place --count 2
@@ -313,47 +340,99 @@ def place_cmd(
       nodeagent gpus place --memory 10Gi --shared
       nodeagent gpus place --mig 1g.10gb --simulate config/gpus/h100-mig.yaml
     """
-    from nodeagent.policy.placement import GpuRequest, NodeGpus, Refusal, place
+    from nodeagent.gpu.placing import BadQuestion, Question, numa_nodes, split
+    from nodeagent.policy.placement import GpuRequest
+
+    try:
+        request = GpuRequest(
+            count=count,
+            memory=_size(memory),
+            shared=shared,
+            mig_profile=mig_profile,
+            cpu_numa_nodes=numa_nodes(numa),
+        )
+        question = Question(request, tuple(split(busy)))
+        data, note = (None, "--simulate: no daemon asked, holds not considered")
+        if simulate is None:
+            data, note = _ask_daemon(socket, question)
+        if data is None:
+            data = _place_here(question, simulate)
+            data["holds_considered"] = False
+            data["note"] = note
+    except BadQuestion as e:
+        raise click.BadParameter(e.message, param_hint=f"--{e.what}") from None
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+    elif not data["placed"]:
+        click.echo(f"nothing fits now: {data['reason']}" + _considered(data))
+    else:
+        click.echo(_placement_text(data) + _considered(data))
+    if not data["placed"]:
+        raise SystemExit(1)
+
+
+def _considered(data: dict[str, Any]) -> str:
+    return f"\n({data['note']})" if "note" in data else ""
+
+
+def _ask_daemon(socket: str, question: Question) -> tuple[dict[str, Any] | None, str]:
+    """The daemon's answer against its live holds; else None and why it gave none (no
+    daemon; a daemon without GPUs, or without this route, while this command may read
+    some itself, such as a NODEAGENT_GPU_SIM node)."""
+    from nodeagent.api import client
+    from nodeagent.api.client import ApiRefused
+    from nodeagent.errors import DaemonUnreachable
+    from nodeagent.gpu.placing import BadQuestion
+
+    try:
+        data = client.get(socket, "/v1/gpus/place", question.query())
+    except DaemonUnreachable:
+        return None, "no daemon: holds not considered"
+    except ApiRefused as e:
+        what, _, message = str(e).partition(": ")
+        if e.status == 400 and what in _QUESTION_PARTS:
+            raise BadQuestion(what, message) from None
+        if e.status == 404:
+            return None, f"the daemon gave no placement ({e}): holds not considered"
+        raise
+    if not isinstance(data, dict) or not isinstance(data.get("placed"), bool):
+        raise NodeagentError("the daemon gave a placement answer of the wrong shape")
+    return data, ""
+
+
+_QUESTION_PARTS = frozenset({"count", "memory", "shared", "mig", "numa", "busy"})
+
+
+def _place_here(question: Question, simulate: str | None) -> dict[str, Any]:
+    """The answer from this command's own reading of the GPUs: no holds but --busy."""
+    from nodeagent.gpu.model import GpuState
+    from nodeagent.gpu.placing import answer
+    from nodeagent.policy.placement import Holdings, node_gpus
 
     backend = _open(simulate)
     try:
         devices = backend.inventory()
         if not devices:
             raise NodeagentError(f"no GPUs: {backend.reason}")
-        node = NodeGpus(
+        state = GpuState(
             devices,
             backend.topology(),
-            {t.uuid: t.memory_used for t in backend.telemetry() if t.memory_used is not None},
+            backend.telemetry(),
+            backend.processes(),
+            (),
+            backend.source,
+            backend.simulated,
         )
-        source, simulated = backend.source, backend.simulated
     finally:
         backend.close()
-    request = GpuRequest(
-        count=count,
-        memory=_size(memory),
-        shared=shared,
-        mig_profile=mig_profile,
-        cpu_numa_nodes=_numa(numa),
+    return answer(
+        question,
+        node_gpus(state),
+        Holdings(),
+        source=state.source,
+        simulated=state.simulated,
+        holds_considered=False,
     )
-    result = place(request, node, _holdings(busy, node))
-    if isinstance(result, Refusal):
-        if as_json:
-            click.echo(
-                json.dumps(
-                    {
-                        "placed": False,
-                        "source": source,
-                        "simulated": simulated,
-                        "reason": result.reason,
-                    },
-                    indent=2,
-                )
-            )
-        else:
-            click.echo(f"nothing fits now: {result.reason}")
-        raise SystemExit(1)
-    data = _placement_json(result, node, request, source, simulated)
-    click.echo(json.dumps(data, indent=2) if as_json else _placement_text(data))
 
 
 def _size(text: str | None) -> int | None:
@@ -364,74 +443,7 @@ def _size(text: str | None) -> int | None:
     try:
         return parse_size(text)
     except ValueError as e:
-        raise NodeagentError(f"--memory: {e}") from None
-
-
-def _numa(text: str) -> frozenset[int]:
-    parts = [p for p in re.split(r"[,\s]+", text) if p]
-    if not all(p.isdigit() for p in parts):
-        raise NodeagentError(f"--numa: expected NUMA node numbers such as 0 or 0,1, got {text!r}")
-    return frozenset(int(p) for p in parts)
-
-
-def _holdings(busy: str, node: NodeGpus) -> Holdings:
-    """--busy as held UUIDs; an unknown index or UUID is an error naming it."""
-    from nodeagent.policy.placement import Holdings
-
-    by_index = {str(d.index): d.uuid for d in node.devices}
-    known = set(by_index.values()) | {m.uuid for d in node.devices for m in d.mig_devices}
-    held = set()
-    for token in (t for t in re.split(r"[,\s]+", busy) if t):
-        uuid = by_index.get(token, token)
-        if uuid not in known:
-            indices = f"0-{len(node.devices) - 1}" if len(node.devices) > 1 else "0"
-            raise NodeagentError(
-                f"--busy: no GPU or MIG device {token!r} on this node (indices {indices})"
-            )
-        held.add(uuid)
-    return Holdings(exclusive=frozenset(held))
-
-
-def _placement_json(
-    p: Placement, node: NodeGpus, request: GpuRequest, source: str, simulated: bool
-) -> dict[str, Any]:
-    by_index = {d.index: d for d in node.devices}
-    return {
-        "placed": True,
-        "reserved": False,
-        "source": source,
-        "simulated": simulated,
-        "request": {
-            "count": request.count,
-            "memory": request.memory,
-            "shared": request.shared,
-            "mig_profile": request.mig_profile,
-            "cpu_numa_nodes": sorted(request.cpu_numa_nodes),
-        },
-        "uuids": list(p.uuids),
-        "indices": list(p.indices),
-        "devices": [
-            {"index": i, "uuid": u, "numa_node": by_index[i].numa_node}
-            for i, u in zip(p.indices, p.uuids, strict=True)
-        ],
-        "score": p.score,
-        "pair_score": p.pair_score,
-        "numa_bonus": p.numa_bonus,
-        "best_possible": p.best_possible,
-        "fraction": round(p.fraction, 4),
-        "pairs": [
-            {
-                "gpus": [q.a, q.b],
-                "pcie": q.link.pcie.name,
-                "nvlinks": q.link.nvlinks,
-                "nvswitch": q.link.nvswitch,
-                "score": q.score,
-            }
-            for q in p.pairs
-        ],
-        "numa_nodes": list(p.numa_nodes),
-        "reason": p.reason,
-    }
+        raise click.BadParameter(str(e), param_hint="--memory") from None
 
 
 def _placement_text(d: dict[str, Any]) -> str:

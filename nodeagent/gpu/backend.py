@@ -46,6 +46,12 @@ class GpuBackend(Protocol):
         device unhealthy for the rest of the backend's life."""
         ...
 
+    def health(self) -> Mapping[str, str]:
+        """Why each unhealthy GPU or MIG device (by UUID) is unhealthy, as the backend's
+        calls so far found it (a GPU lost fails its next telemetry read). No driver call:
+        cheap enough to ask every tick."""
+        ...
+
     def set_power_limit(self, uuid: str, milliwatts: int) -> PowerLimit:
         """Set a GPU's power limit, clamped to the card's constraints, and read it back."""
         ...
@@ -76,6 +82,9 @@ class NoGpus:
 
     def poll_health(self) -> tuple[XidEvent, ...]:
         return ()
+
+    def health(self) -> Mapping[str, str]:
+        return {}
 
     def set_power_limit(self, uuid: str, milliwatts: int) -> PowerLimit:
         raise GpuError(f"cannot set a power limit on {uuid}: no GPUs ({self.reason})")

@@ -431,6 +431,15 @@ class NvmlBackend:
             out.append(XidEvent(device_uuid=mig or uuid, xid=xid, critical=critical))
         return tuple(out)
 
+    def health(self) -> dict[str, str]:
+        """`_unhealthy` by UUID: GPUs are keyed there by index, MIG devices by UUID."""
+        out = {}
+        for key, reason in self._unhealthy.items():
+            uuid = self._static[int(key)].uuid if key.isdigit() else key
+            if uuid:
+                out[uuid] = reason
+        return out
+
     def _event_device(self, uuid: str, by_uuid: dict[str, int], event: Any) -> str | None:
         """The health key an event belongs to: its MIG device when it names one, else its GPU."""
         if uuid not in by_uuid:

@@ -19,10 +19,13 @@ def _watts(mw: int | None) -> float | None:
 
 
 def read_report(backend: GpuBackend) -> dict[str, Any]:
-    """Inventory, telemetry, MIG devices and compute processes, per GPU, JSON-ready."""
-    devices = backend.inventory()
+    """Inventory, telemetry, MIG devices and compute processes, per GPU, JSON-ready.
+
+    The inventory is read last, so that a GPU whose telemetry just failed (lost) is shown
+    unhealthy in the same answer."""
     telemetry = {t.uuid: t for t in backend.telemetry()}
     processes = backend.processes()
+    devices = backend.inventory()
     return {
         "source": backend.source,
         "simulated": backend.simulated,

@@ -19,10 +19,18 @@ from nodeagent.errors import NodeagentError, one_line
 from nodeagent.gpu.backend import GpuBackend
 from nodeagent.gpu.ledger import GpuLedger, holdings
 from nodeagent.gpu.model import GpuState, Hold
+from nodeagent.gpu.placing import BadQuestion, answer, from_query
 from nodeagent.gpu.report import read_report
 from nodeagent.logs import audit_event
 from nodeagent.policy.gpu_checks import violations, within
-from nodeagent.policy.placement import GpuRequest, NodeGpus, Placement, place
+from nodeagent.policy.placement import (
+    GpuRequest,
+    NodeGpus,
+    Placement,
+    impossible,
+    node_gpus,
+    place,
+)
 from nodeagent.policy.plan import Plan
 from nodeagent.sense.gpus import GpuSensor
 from nodeagent.spec.model import PolicySpec, WorkloadClass
@@ -34,10 +42,14 @@ MAX_GPUS = 64
 
 
 def node_of(state: GpuState | None) -> NodeGpus | None:
-    if state is None:
-        return None
-    used = {t.uuid: t.memory_used for t in state.telemetry if t.memory_used is not None}
-    return NodeGpus(state.devices, state.topology, used)
+    return None if state is None else node_gpus(state)
+
+
+def refuse_impossible(want: GpuRequest, node: NodeGpus) -> None:
+    """A request this node could never satisfy is refused now, not left in the queue."""
+    never = impossible(want, node)
+    if never is not None:
+        raise ApiBadRequest(f"{never.reason}; the request can never be placed here")
 
 
 def environment(hold: Hold) -> dict[str, str]:
@@ -176,7 +188,24 @@ class GpuService:
             "/v1/gpus": {"GET": self._report},
             "/v1/gpus/requests": {"POST": self._ask, "GET": self._status, "DELETE": self._cancel},
             "/v1/gpus/reservations": {"POST": self._reserve, "DELETE": self._unreserve},
+            "/v1/gpus/place": {"GET": self._place},
         }
+
+    def _place(self, request: Request) -> object:
+        """`gpus place` against the live holds: read-only, nothing reserved."""
+        node = self._node()
+        held = holdings(self.ledger.holds())
+        try:
+            return answer(
+                from_query(request.query),
+                node,
+                held,
+                source=self.backend.source,
+                simulated=self.backend.simulated,
+                holds_considered=True,
+            )
+        except BadQuestion as e:
+            raise ApiBadRequest(str(e)) from None
 
     def _node(self) -> NodeGpus:
         node = node_of(self.state)
@@ -189,6 +218,7 @@ class GpuService:
         body = request.body
         spec = self._spec()
         want = _request(body)
+        refuse_impossible(want, self._node())
         owner = str(body.get("name", ""))
         if not owner:
             raise ApiBadRequest("name the job the GPUs are for")
@@ -239,6 +269,7 @@ class GpuService:
         except ValueError as e:
             raise ApiBadRequest(f"ttl: {e}") from None
         want = _request(body)
+        refuse_impossible(want, self._node())
         result = place(want, self._node(), holdings(self.ledger.holds()))
         if not isinstance(result, Placement):
             raise ApiConflict(f"no GPUs fit now: {result.reason}")

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Annotated, Literal
+from dataclasses import replace
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic_core import InitErrorDetails
 
 from nodeagent.gpu.backend import GpuError
 from nodeagent.gpu.model import (
@@ -72,9 +74,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+GPU_UUID = r"^GPU-[0-9A-Za-z-]+$"
+MIG_UUID = r"^MIG-[0-9A-Za-z-]+$"
+MIG_PROFILE = r"^[1-9]g\.\d+gb(\+me)?$"
+PCI_BUS_ID = r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$"
+
+
 class SimMig(_Strict):
-    uuid: str = Field(pattern=r"^MIG-[0-9A-Za-z-]+$")
-    profile: str = Field(pattern=r"^[1-9]g\.\d+gb(\+me)?$")
+    uuid: str = Field(pattern=MIG_UUID)
+    profile: str = Field(pattern=MIG_PROFILE)
     memory: Size | None = None
     """Default: the profile's figure, in GB."""
 
@@ -90,14 +98,12 @@ class SimPower(_Strict):
 
 class SimGpu(_Strict):
     index: int = Field(ge=0, lt=MAX_GPUS)
-    uuid: str = Field(pattern=r"^GPU-[0-9A-Za-z-]+$")
+    uuid: str = Field(pattern=GPU_UUID)
     name: str = Field(min_length=1)
     memory: Size
     numa_node: int = Field(ge=0, le=1024)
     cpus: Annotated[tuple[int, ...], BeforeValidator(_cpus)] = ()
-    pci_bus_id: str | None = Field(
-        None, pattern=r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$"
-    )
+    pci_bus_id: str | None = Field(None, pattern=PCI_BUS_ID)
     nvswitch: bool = False
     nvswitch_links: int = Field(18, ge=1, le=64)
     mig: tuple[SimMig, ...] = ()
@@ -136,17 +142,96 @@ def load_simulated(path: str | os.PathLike[str], proc_root: str = "/proc") -> Si
 
 
 def parse_node(text: str, filename: str) -> SimNode:
-    root, data = compose(text, filename, WHAT)
+    try:
+        root, data = compose(text, filename, WHAT)
+    except PolicyError as e:  # the policy loader's guards speak of "the policy"
+        raise PolicyError(replace(p, message=_node_words(p.message)) for p in e.problems) from None
     if not isinstance(data, dict):
         raise PolicyError([problem_at(filename, root, (), f"expected {WHAT}")])
     try:
         node = SimNode.model_validate(data)
     except ValidationError as e:
-        raise PolicyError(validation_problems(filename, root, e)) from None
+        raise PolicyError(validation_problems(filename, root, _in_our_words(e))) from None
     problems = [problem_at(filename, root, loc, message) for loc, message in _check(node)]
     if problems:
         raise PolicyError(sorted(problems, key=lambda p: (p.line, p.col)))
     return node
+
+
+def _node_words(message: str) -> str:
+    message = message.replace("a policy is far smaller", "a GPU node description is far smaller")
+    return message.replace("the policy", "the GPU node description")
+
+
+_PATTERNS = {
+    GPU_UUID: "a GPU UUID as nvidia-smi -L prints it (GPU-7e62aa0a-1df9-...)",
+    MIG_UUID: "a MIG device UUID as nvidia-smi -L prints it (MIG-...)",
+    MIG_PROFILE: "a MIG profile such as 1g.10gb or 3g.40gb",
+    PCI_BUS_ID: "a PCI bus ID such as '00000000:1B:00.0'",
+}
+_MODELS = {
+    "SimNode": "a mapping with gpus:, links: and processes:",
+    "SimGpu": "a GPU: a mapping with index, uuid, name, memory and numa_node",
+    "SimMig": "a MIG instance: a mapping with uuid and profile",
+    "SimPower": "power figures: a mapping with min, max and default (watts)",
+    "SimLink": "a link: a mapping with gpus: [A, B] and pcie",
+    "SimProcess": "a compute process: a mapping with pid and gpu",
+}
+_BOUNDS = {"ge": "at least", "gt": "more than", "le": "at most", "lt": "less than"}
+_TYPES = {
+    "tuple_type": "a list",
+    "list_type": "a list",
+    "int_type": "a whole number",
+    "int_parsing": "a whole number",
+    "int_from_float": "a whole number",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "finite_number": "a finite number",
+    "string_too_short": "a string that is not empty",
+}
+
+
+def _in_our_words(error: ValidationError) -> ValidationError:
+    """pydantic's errors with our wording for what this schema can get wrong; `missing`,
+    `extra_forbidden` and `string_type` keep theirs, which the locator words itself."""
+    out: list[InitErrorDetails] = []
+    for e in error.errors(include_url=False):
+        detail: InitErrorDetails = {"type": e["type"], "loc": e["loc"], "input": e["input"]}
+        words = _words(e["type"], e.get("ctx", {}), e["loc"], e["input"])
+        if words is not None:
+            detail = {"type": "value_error", "loc": e["loc"], "input": e["input"]}
+            detail["ctx"] = {"error": words}
+        elif "ctx" in e:
+            detail["ctx"] = e["ctx"]
+        out.append(detail)
+    return ValidationError.from_exception_data(error.title, out)
+
+
+def _words(kind: str, ctx: dict[str, Any], loc: tuple[str | int, ...], got: object) -> str | None:
+    if kind == "string_pattern_mismatch" and ctx.get("pattern") in _PATTERNS:
+        return f"must be {_PATTERNS[ctx['pattern']]}, got {_got(got)}"
+    if kind in ("model_type", "dict_type") and ctx.get("class_name", "SimNode") in _MODELS:
+        return f"must be {_MODELS[ctx.get('class_name', 'SimNode')]}"
+    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        bound = next(k for k in _BOUNDS if k in ctx)
+        return f"must be {_BOUNDS[bound]} {ctx[bound]}, got {_got(got)}"
+    if kind in ("too_short", "too_long") and loc[-1:] == ("gpus",):
+        return "a link joins two GPUs: gpus: [A, B]"
+    if kind in _TYPES:
+        return f"must be {_TYPES[kind]}, got {_got(got)}"
+    return None
+
+
+def _got(value: object) -> str:
+    """What was found, short: a scalar as YAML gave it, or what kind of thing it is."""
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list | tuple):
+        return "a list"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _check(node: SimNode) -> list[tuple[tuple[str | int, ...], str]]:
@@ -324,6 +409,9 @@ class SimulatedBackend:
 
     def poll_health(self) -> tuple[XidEvent, ...]:
         return ()
+
+    def health(self) -> dict[str, str]:
+        return {d.uuid: d.reason for d in self._devices if not d.healthy}
 
     def set_power_limit(self, uuid: str, milliwatts: int) -> PowerLimit:
         gpu = next((g for g in self._gpus if g.uuid == uuid), None)

@@ -2,10 +2,15 @@
 a placement (or the reason there is none) comes out.
 
 Filter, then score. The filter keeps healthy GPUs with enough free memory that nobody
-holds exclusively. The score of a set is the sum of its pairs' scores, with
-go-gpuallocator's best-effort weights (PCIe path from 10 across sockets to 50 under one
-switch, plus 100 per NVLink), plus a bonus for each GPU on the NUMA nodes of the job's
-CPUs. NVSwitch peers count as NVLink-connected, as the topology says they are.
+holds exclusively and, for a request of whole GPUs held alone, that no compute process
+outside every hold is using (busy: a container started without a reservation, a job of
+another scheduler). A request this node could never satisfy, whatever is held or running,
+is `impossible`, so that it is refused at once rather than left waiting.
+
+The score of a set is the sum of its pairs' scores, with go-gpuallocator's best-effort
+weights (PCIe path from 10 across sockets to 50 under one switch, plus 100 per NVLink),
+plus a bonus for each GPU on the NUMA nodes of the job's CPUs. NVSwitch peers count as
+NVLink-connected, as the topology says they are.
 
 The search is exact (every set, with a branch-and-bound cut) and leftover-aware: among
 the sets with the best score it takes the one that breaks the fewest NVLinks to GPUs that
@@ -21,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from nodeagent.gpu.model import Device, Link, PcieLevel, Topology
+from nodeagent.gpu.model import Device, GpuState, Link, PcieLevel, Topology
 
 PCIE_SCORE: Mapping[PcieLevel, int] = {
     PcieLevel.PIX: 50,
@@ -77,6 +82,8 @@ class NodeGpus:
     topology: Topology
     memory_used: Mapping[str, int] = field(default_factory=dict)
     """Bytes in use per GPU UUID, from telemetry."""
+    busy: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """PIDs of the compute processes no hold covers, per GPU or MIG device UUID."""
 
     @cached_property
     def _position(self) -> dict[int, int]:
@@ -109,6 +116,19 @@ class NodeGpus:
             pool = [p for p, d in enumerate(self.devices) if not d.mig_enabled]
             self._best[k] = _search(pool, k, self.weights, [0] * len(self.devices), False)[0]
         return self._best[k]
+
+
+def node_gpus(state: GpuState) -> NodeGpus:
+    """The node as one tick saw it: memory in use from telemetry, and busy wherever a
+    compute process runs on a GPU (or MIG device) that none of the tick's holds covers."""
+    used = {t.uuid: t.memory_used for t in state.telemetry if t.memory_used is not None}
+    parents = state.parents()
+    busy: dict[str, set[int]] = {}
+    for p in state.processes:
+        if not any(h.covers(p.device_uuid, parents) for h in state.holds):
+            busy.setdefault(p.device_uuid, set()).add(p.pid)
+    pids = {uuid: tuple(sorted(found)) for uuid, found in busy.items()}
+    return NodeGpus(state.devices, state.topology, used, pids)
 
 
 @dataclass(frozen=True)
@@ -159,7 +179,22 @@ def place(request: GpuRequest, node: NodeGpus, held: Holdings) -> Placement | Re
     bonus = numa_bonus(request, node)
     best, ties = _search(pool, request.count, node.weights, bonus, True)
     chosen, why = _break_ties(request, node, held, ties, whole_free(node, held))
-    return describe(request, node, chosen, f"score {best}, the best now{why}")
+    return describe(
+        request, node, chosen, f"score {best}, the best now{why}{_passed(request, node, held)}"
+    )
+
+
+def _passed(request: GpuRequest, node: NodeGpus, held: Holdings) -> str:
+    """The why of the busy GPUs the request was kept off, if any."""
+    busy = [d for d in node.devices if _excluded(request, node, held, d) == BUSY]
+    if not busy:
+        return ""
+    listed = ", ".join(f"GPU {d.index} (pid {_pids(node.busy[d.uuid])})" for d in busy)
+    return f"; passed over busy {listed}: compute processes outside any hold"
+
+
+def _pids(pids: Sequence[int]) -> str:
+    return ", ".join(map(str, pids[:3])) + (f" and {len(pids) - 3} more" if len(pids) > 3 else "")
 
 
 def eligible(
@@ -188,6 +223,9 @@ def eligible(
     )
 
 
+BUSY = "busy with compute processes outside any hold"
+
+
 def _excluded(request: GpuRequest, node: NodeGpus, held: Holdings, d: Device) -> str:
     """Why a whole GPU cannot take the request; empty when it can."""
     if not d.healthy:
@@ -198,6 +236,8 @@ def _excluded(request: GpuRequest, node: NodeGpus, held: Holdings, d: Device) ->
         return "held"
     if not request.shared and held.shared.get(d.uuid, 0) > 0:
         return "shared"
+    if not request.shared and d.uuid in node.busy:
+        return BUSY
     if request.memory is not None and free_memory(node, held, d) < request.memory:
         return f"with less than {_gib(request.memory)} free"
     return ""
@@ -285,8 +325,11 @@ def _break_ties(
     leftovers = _Leftovers(node, free)
 
     def rest(s: tuple[int, ...]) -> tuple[object, ...]:
+        # A size no longer possible scores -1, so that a set leaving more GPUs free (a
+        # shared job beside a busy GPU's process) is not taken for one leaving better ones.
+        left = dict(leftovers.after(s))
         return (
-            tuple(-score for _, score in leftovers.after(s)),
+            tuple(-left.get(k, -1) for k in LEFTOVER_SIZES),
             cut(s, node.pcie_affinity),
             slack(s) if request.shared else 0,
             _indices(node, s),
@@ -388,6 +431,7 @@ def _place_mig(request: GpuRequest, node: NodeGpus, held: Holdings) -> Placement
     use, so that whole MIG GPUs stay free for the next big instance."""
     in_use: dict[str, int] = {}
     open_: list[tuple[int, int, int, Device, str]] = []
+    busy = 0
     for d in node.devices:
         if not d.mig_enabled:
             continue
@@ -401,13 +445,17 @@ def _place_mig(request: GpuRequest, node: NodeGpus, held: Holdings) -> Placement
                 and d.uuid not in held.exclusive
                 and (request.memory is None or (m.memory_total or 0) >= request.memory)
             ):
-                open_.append((-in_use[d.uuid], d.index, m.index, d, m.uuid))
+                if m.uuid in node.busy:
+                    busy += 1
+                else:
+                    open_.append((-in_use[d.uuid], d.index, m.index, d, m.uuid))
     if len(open_) < request.count:
         profiles = sorted({m.profile for d in node.devices for m in d.mig_devices})
         have = f"; this node's MIG profiles: {', '.join(profiles)}" if profiles else ""
+        also = f" ({busy} {BUSY})" if busy else ""
         return Refusal(
             f"no {request.count} free MIG instance(s) of profile {request.mig_profile}: "
-            f"{len(open_)} free{have}"
+            f"{len(open_)} free{also}{have}"
         )
     picked = sorted(open_)[: request.count]
     return Placement(
@@ -423,6 +471,80 @@ def _place_mig(request: GpuRequest, node: NodeGpus, held: Holdings) -> Placement
         ),
         reason=f"MIG {request.mig_profile}: packed onto the GPU with the most instances in use",
     )
+
+
+@dataclass(frozen=True)
+class Impossible:
+    """A request this node can never satisfy, whatever is held or running."""
+
+    what: str
+    """What makes it so: 'count', 'memory', 'shared' or 'mig'."""
+    reason: str
+
+
+def impossible(request: GpuRequest, node: NodeGpus) -> Impossible | None:
+    """Why the request could never be placed here, even with nothing held or running (its
+    size, its memory, its MIG profile, or GPUs lost for good); None when it could be.
+    Unhealthy counts as lost: a lost GPU comes back only after a reset and a restart."""
+    if request.count < 1:
+        return Impossible("count", "a request needs at least one GPU")
+    if request.shared and request.memory is None:
+        return Impossible("shared", "a shared request needs a memory size, to pack it")
+    if request.mig_profile is not None:
+        return _impossible_mig(request, node)
+    n = len(node.devices)
+    have = f"this node has {n} GPU{'s' if n != 1 else ''}"
+    whole = [d for d in node.devices if not d.mig_enabled]
+    healthy = [d for d in whole if d.healthy]
+    if request.count > n:
+        return Impossible("count", have)
+    if request.count > len(whole):
+        return Impossible(
+            "count",
+            f"{have}, {n - len(whole)} in MIG mode (given out only as MIG instances)",
+        )
+    if request.count > len(healthy):
+        lost = "; ".join(
+            f"GPU {d.index}: {d.reason or 'unhealthy'}" for d in whole if not d.healthy
+        )
+        return Impossible("count", f"{have}, {len(whole) - len(healthy)} unhealthy ({lost})")
+    return _too_small(request, [d.memory_total for d in healthy], "GPU")
+
+
+def _impossible_mig(request: GpuRequest, node: NodeGpus) -> Impossible | None:
+    profile = request.mig_profile
+    instances = [
+        (d, m) for d in node.devices if d.mig_enabled for m in d.mig_devices if m.profile == profile
+    ]
+    if not instances:
+        profiles = sorted({m.profile for d in node.devices if d.mig_enabled for m in d.mig_devices})
+        has = f"its profiles: {', '.join(profiles)}" if profiles else "no GPU here is in MIG mode"
+        return Impossible("mig", f"this node has no MIG instances of profile {profile} ({has})")
+    healthy = [m for d, m in instances if d.healthy and m.healthy]
+    if request.count > len(healthy):
+        lost = len(instances) - len(healthy)
+        return Impossible(
+            "count",
+            f"this node has {len(instances)} MIG instance(s) of profile {profile}"
+            + (f", {lost} unhealthy" if lost else ""),
+        )
+    return _too_small(request, [m.memory_total for m in healthy], f"{profile} MIG instance")
+
+
+def _too_small(request: GpuRequest, sizes: Sequence[int | None], what: str) -> Impossible | None:
+    """Too few of the devices (by memory size) have the memory each one must have free."""
+    want = request.memory
+    if want is None:
+        return None
+    fits = sum(1 for size in sizes if (size or 0) >= want)
+    if fits >= request.count:
+        return None
+    largest = max((size or 0 for size in sizes), default=0)
+    if not fits:
+        return Impossible(
+            "memory", f"no {what} on this node has {_gib(want)}: the largest has {_gib(largest)}"
+        )
+    return Impossible("memory", f"only {fits} {what}(s) on this node have {_gib(want)}")
 
 
 def _gib(n: int) -> str:

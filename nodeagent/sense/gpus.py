@@ -1,12 +1,17 @@
 """Reads the node's GPUs once per tick through the one GPU backend.
 
 The inventory and topology are read at start and again whenever the driver reports an
-Xid, so a GPU lost or recovered shows in the next tick; telemetry and compute processes
-are read every tick. A backend that fails as a whole (the driver gone) gives no GPU
-state for that tick, said once in the log: CPU and memory management go on.
+Xid; telemetry and compute processes are read every tick, and then the backend's health
+(what those reads found: a lost GPU fails its telemetry), so a GPU lost without an Xid is
+unhealthy in the same tick's state and placement passes it over. A backend that fails as
+a whole (the driver gone) gives no GPU state for that tick, said once in the log: CPU and
+memory management go on.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
 
 import structlog
 
@@ -35,11 +40,13 @@ class GpuSensor:
                 self._read_inventory = False
             if not self._devices:
                 return None
+            telemetry = self.backend.telemetry()
+            processes = self.backend.processes()
             state = GpuState(
-                self._devices,
+                with_health(self._devices, self.backend.health()),
                 self._topology,
-                self.backend.telemetry(),
-                self.backend.processes(),
+                telemetry,
+                processes,
                 holds,
                 self.backend.source,
                 self.backend.simulated,
@@ -55,3 +62,27 @@ class GpuSensor:
             log.info("gpu.read_recovered")
             self._failing = None
         return state
+
+
+def with_health(devices: tuple[Device, ...], unhealthy: Mapping[str, str]) -> tuple[Device, ...]:
+    """The devices, each GPU and MIG device in `unhealthy` marked so with its reason."""
+    if not unhealthy:
+        return devices
+    out = []
+    for d in devices:
+        migs = tuple(
+            replace(m, healthy=False, reason=unhealthy[m.uuid])
+            if m.healthy and m.uuid in unhealthy
+            else m
+            for m in d.mig_devices
+        )
+        lost = d.healthy and d.uuid in unhealthy
+        out.append(
+            replace(
+                d,
+                mig_devices=migs,
+                healthy=d.healthy and not lost,
+                reason=unhealthy[d.uuid] if lost else d.reason,
+            )
+        )
+    return tuple(out)

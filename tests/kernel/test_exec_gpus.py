@@ -1,7 +1,10 @@
 """`nodeagent exec --gpus` on a real kernel, with a simulated GPU node (a labelled fake from
 config/gpus/; no GPU here): the real child process sees exactly its GPUs; the hold is
 kept across a restart and goes back when the job ends; a request that does not fit waits
-and says so."""
+and says so; a GPU that other processes use is never handed out.
+
+The shipped node lists made-up processes on GPUs 0 and 2, which make those GPUs busy; most
+tests run on a copy without them, so that all four GPUs are free."""
 
 from __future__ import annotations
 
@@ -17,22 +20,33 @@ from helpers import ROOT, rel, running, spec, wait_for
 
 from nodeagent.api import client
 from nodeagent.daemon import Agent
+from nodeagent.spec.model import PolicySpec
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = str(REPO / "config" / "gpus" / "4x-a100-two-nvlink-pairs.yaml")
 
 
-@pytest.fixture
-def daemon(cgroup_sandbox: Path, tmp_path: Path) -> Iterator[tuple[Agent, str]]:
-    policy = spec(
+def idle(tmp_path: Path) -> str:
+    """The shipped node without its processes section: every GPU free."""
+    path = tmp_path / "idle-node.yaml"
+    path.write_text(Path(NODE).read_text().split("\nprocesses:")[0] + "\n")
+    return str(path)
+
+
+def policy_for(cgroup_sandbox: Path, tmp_path: Path, node: str) -> PolicySpec:
+    return spec(
         rel(cgroup_sandbox) + "/managed",
         tmp_path,
         agent={"socket": str(tmp_path / "api.sock"), "interval": 0.5},
         tenants={"research": {"shares": 1}},
         jobs={"default_tenant": "research"},
-        gpu={"simulate": NODE},
+        gpu={"simulate": node},
     )
-    with running(policy) as a:
+
+
+@pytest.fixture
+def daemon(cgroup_sandbox: Path, tmp_path: Path) -> Iterator[tuple[Agent, str]]:
+    with running(policy_for(cgroup_sandbox, tmp_path, idle(tmp_path))) as a:
         yield a, str(tmp_path / "api.sock")
 
 
@@ -84,16 +98,30 @@ def test_a_request_that_does_not_fit_waits_and_says_so(daemon: tuple[Agent, str]
         holder.communicate(timeout=60)
 
 
+def test_a_gpu_other_processes_use_is_never_handed_out(
+    cgroup_sandbox: Path, tmp_path: Path
+) -> None:
+    """On the shipped node GPU 0 (pid 31337) and GPU 2 (pid 4711) are busy: one GPU is
+    GPU 1, and a request for all four is refused at once as one for five would be."""
+    with running(policy_for(cgroup_sandbox, tmp_path, NODE)) as a:
+        sock = str(tmp_path / "api.sock")
+        show = "echo $CUDA_VISIBLE_DEVICES"
+        p = exec_(sock, "--name", "one", "--gpus", "1", "--", "sh", "-c", show)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        devices = {d.uuid: d.index for d in a.gpus.backend.inventory()}
+        assert [devices[u] for u in out.strip().split(",")] == [1]
+        five = exec_(sock, "--name", "five", "--gpus", "5", "--", "true")
+        _, err = five.communicate(timeout=120)
+        assert five.returncode == 1
+        assert err.strip() == (
+            "nodeagent: error: this node has 4 GPUs; the request can never be placed here"
+        )
+
+
 def test_holds_survive_a_restart(cgroup_sandbox: Path, tmp_path: Path) -> None:
     managed = rel(cgroup_sandbox) + "/managed"
-    policy = spec(
-        managed,
-        tmp_path,
-        agent={"socket": str(tmp_path / "api.sock"), "interval": 0.5},
-        tenants={"research": {"shares": 1}},
-        jobs={"default_tenant": "research"},
-        gpu={"simulate": NODE},
-    )
+    policy = policy_for(cgroup_sandbox, tmp_path, idle(tmp_path))
     sock = str(tmp_path / "api.sock")
     with running(policy) as a:
         p = exec_(sock, "--name", "keep", "--gpus", "1", "--", "sleep", "300")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ GPUS = Path(__file__).resolve().parents[2] / "config" / "gpus"
 H100 = str(GPUS / "dgx-h100-nvswitch.yaml")
 PAIRS = str(GPUS / "4x-a100-two-nvlink-pairs.yaml")
 MIG = str(GPUS / "h100-mig.yaml")
+DGX1 = str(GPUS / "dgx1-v100-hybrid-cube-mesh.yaml")
 
 
 @pytest.fixture
@@ -116,12 +118,13 @@ def test_no_gpus_is_one_line(runner: CliRunner, monkeypatch: pytest.MonkeyPatch)
 
 
 def test_place_prints_the_set_the_score_and_why(runner: CliRunner) -> None:
-    out = run(runner, "gpus", "place", "--count", "2", "--busy", "2", "--simulate", PAIRS)
+    out = run(runner, "gpus", "place", "--count", "2", "--busy", "0", "--simulate", DGX1)
     lines = out.splitlines()
-    assert lines[0] == "would place on GPUs 0, 1 (simulated node; nothing reserved)"
-    assert "score 1220 (pairs 1220 + NUMA 0); 1.00 of the best 2-GPU set" in out
-    assert "  0-1  NV12 NODE  1220" in lines
-    assert lines[-1].startswith("why: score 1220")
+    assert lines[0] == "would place on GPUs 2, 3 (simulated node; nothing reserved)"
+    assert "score 250 (pairs 250 + NUMA 0); 1.00 of the best 2-GPU set" in out
+    assert "  2-3  NV2 PIX  250" in lines
+    assert lines[-2].startswith("why: score 250, the best now; 2 sets tie on score")
+    assert lines[-1] == "(--simulate: no daemon asked, holds not considered)"
 
 
 def test_place_as_json(runner: CliRunner) -> None:
@@ -166,41 +169,133 @@ def test_place_mig_and_shared(runner: CliRunner) -> None:
 
 def test_place_waits_with_exit_1(runner: CliRunner) -> None:
     out = run(runner, "gpus", "place", "-k", "8", "--busy", "0", "--simulate", H100, code=1)
-    assert out == "nothing fits now: no 8 GPUs free now: 7 of 8 eligible (1 held)\n"
-    data = as_json(runner, "gpus", "place", "--shared", "--simulate", PAIRS, code=1)
+    assert out == (
+        "nothing fits now: no 8 GPUs free now: 7 of 8 eligible (1 held)\n"
+        "(--simulate: no daemon asked, holds not considered)\n"
+    )
+    data = as_json(runner, "gpus", "place", "-k", "3", "--simulate", PAIRS, code=1)
     assert data == {
         "placed": False,
         "source": f"simulated from {PAIRS}",
         "simulated": True,
-        "reason": "a shared request needs a memory size, to pack it",
+        "holds_considered": False,
+        "note": "--simulate: no daemon asked, holds not considered",
+        "reason": "no 3 GPUs free now: 2 of 4 eligible "
+        "(2 busy with compute processes outside any hold)",
     }
 
 
+def assert_usage_error(proc: subprocess.CompletedProcess[str]) -> str:
+    """A usage error: exit 2, one line, no traceback."""
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    return proc.stderr.strip()
+
+
+def usage(option: str, message: str) -> str:
+    return (
+        f"nodeagent gpus place: error: Invalid value for {option}: {message} "
+        "(see 'nodeagent gpus place --help')"
+    )
+
+
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("node", "args", "message"),
     [
         (
+            H100,
             ["--busy", "0,9"],
-            "nodeagent: error: --busy: no GPU or MIG device '9' on this node (indices 0-7)",
+            usage("--busy", "no GPU or MIG device '9' on this node (indices 0-7)"),
         ),
         (
+            H100,
             ["--busy", "GPU-nope"],
-            "nodeagent: error: --busy: no GPU or MIG device 'GPU-nope' on this node (indices 0-7)",
+            usage("--busy", "no GPU or MIG device 'GPU-nope' on this node (indices 0-7)"),
         ),
         (
+            PAIRS,
+            ["--busy", "9"],
+            usage("--busy", "no GPU or MIG device '9' on this node (indices 0-3)"),
+        ),
+        (
+            H100,
             ["--memory", "lots"],
-            "nodeagent: error: --memory: expected a size such as 512Mi, 4Gi or a number of "
-            "bytes, got 'lots'",
+            usage(
+                "--memory", "expected a size such as 512Mi, 4Gi or a number of bytes, got 'lots'"
+            ),
         ),
         (
+            H100,
             ["--numa", "one"],
-            "nodeagent: error: --numa: expected NUMA node numbers such as 0 or 0,1, got 'one'",
+            usage("--numa", "expected NUMA node numbers such as 0 or 0,1, got 'one'"),
+        ),
+        (
+            PAIRS,
+            ["--numa", "5"],
+            usage("--numa", "no GPU is on NUMA node 5 (they are on NUMA nodes 0, 1)"),
+        ),
+        (
+            PAIRS,
+            ["--shared"],
+            usage("--shared", "a shared request needs the memory it uses (--memory)"),
         ),
     ],
 )
-def test_bad_arguments_are_one_line(args: list[str], message: str) -> None:
-    proc = nodeagent("gpus", "place", "--simulate", H100, *args)
-    assert assert_one_line_error(proc) == message
+def test_input_errors_are_usage_errors_not_capacity_answers(
+    node: str, args: list[str], message: str
+) -> None:
+    proc = nodeagent("gpus", "place", "--simulate", node, *args)
+    assert assert_usage_error(proc) == message
+
+
+@pytest.mark.parametrize(
+    ("node", "args", "message"),
+    [
+        (PAIRS, ["--count", "9"], usage("--count", "this node has 4 GPUs")),
+        (
+            PAIRS,
+            ["--memory", "100Gi"],
+            usage("--memory", "no GPU on this node has 100.0Gi: the largest has 80.0Gi"),
+        ),
+        (
+            MIG,
+            ["--mig", "7g.80gb"],
+            usage(
+                "--mig",
+                "this node has no MIG instances of profile 7g.80gb "
+                "(its profiles: 1g.10gb, 2g.20gb, 3g.40gb)",
+            ),
+        ),
+        (
+            MIG,
+            ["--mig", "3g.40gb", "-k", "2"],
+            usage("--count", "this node has 1 MIG instance(s) of profile 3g.40gb"),
+        ),
+        (
+            PAIRS,
+            ["--mig", "1g.10gb"],
+            usage(
+                "--mig",
+                "this node has no MIG instances of profile 1g.10gb (no GPU here is in MIG mode)",
+            ),
+        ),
+    ],
+)
+def test_a_request_the_node_could_never_satisfy_is_a_usage_error(
+    node: str, args: list[str], message: str
+) -> None:
+    proc = nodeagent("gpus", "place", "--simulate", node, *args)
+    assert assert_usage_error(proc) == message
+
+
+def test_place_passes_over_gpus_other_processes_use(runner: CliRunner) -> None:
+    """GPU 0 of the shipped pairs node is 97% busy with pid 31337, GPU 2 runs pid 4711."""
+    data = as_json(runner, "gpus", "place", "--count", "1", "--simulate", PAIRS)
+    assert data["indices"] == [1]
+    assert "passed over busy GPU 0 (pid 31337), GPU 2 (pid 4711)" in str(data["reason"])
+    out = run(runner, "gpus", "place", "--count", "2", "--simulate", PAIRS)
+    assert out.startswith("would place on GPUs 1, 3 ")
 
 
 def test_a_bad_simulation_file_is_located(tmp_path: Path) -> None:
@@ -208,8 +303,7 @@ def test_a_bad_simulation_file_is_located(tmp_path: Path) -> None:
     bad.write_text("gpus:\n  - {index: 0, uuid: GPU-a, name: T, memory: 1Gi, numa_node: x}\n")
     line = assert_one_line_error(nodeagent("gpus", "--simulate", str(bad)))
     assert line == (
-        f"nodeagent: error: {bad}:2:62: gpus[0].numa_node: "
-        "must be a valid integer, unable to parse string as an integer"
+        f"nodeagent: error: {bad}:2:62: gpus[0].numa_node: must be a whole number, got 'x'"
     )
     bad.write_text("gpus:\n  - {index: 0, uuid: GPU-a, name: T, memory: 1Gi, numa: 0}\n")
     proc = nodeagent("gpus", "place", "--simulate", str(bad))

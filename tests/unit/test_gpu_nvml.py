@@ -13,6 +13,9 @@ from fake_nvml import NVSWITCH_BUSES, FakeGpu, FakeMig, FakeNvml, dgx1_quad, dgx
 from nodeagent.gpu.backend import GpuError, NoGpus
 from nodeagent.gpu.model import PcieLevel
 from nodeagent.gpu.nvml import APPLICATION_XIDS, NvmlBackend, open_nvml
+from nodeagent.gpu.service import node_of
+from nodeagent.policy.placement import GpuRequest, Holdings, Placement, Refusal, place
+from nodeagent.sense.gpus import GpuSensor
 
 
 def backend(fake: FakeNvml, tmp_path: Path | None = None, **kw: str) -> NvmlBackend:
@@ -343,3 +346,35 @@ def test_close_frees_the_event_set_and_shuts_nvml_down_once() -> None:
     b.close()
     assert fake.initialised == 0
     assert fake.calls.count("nvmlEventSetFree") == 1
+
+
+def lost() -> dict[str, int]:
+    """Every call on a GPU that fell off the bus fails GPU_IS_LOST, as NVML's do."""
+    return {n: pynvml.NVML_ERROR_GPU_IS_LOST for n in dir(FakeNvml) if n.startswith("nvmlDevice")}
+
+
+def test_a_gpu_lost_without_an_xid_is_unhealthy_the_next_tick_and_never_placed() -> None:
+    fake = FakeNvml(dgx_h100())
+    sensor = GpuSensor(backend(fake))
+    first = sensor.read(())
+    assert first is not None and all(d.healthy for d in first.devices)
+    fake.gpus[3].errors = lost()  # no Xid arrives: the event set stays empty
+    before = len(fake.calls)
+    state = sensor.read(())
+    assert state is not None
+    health = [(d.index, d.healthy, d.reason) for d in state.devices if not d.healthy]
+    assert health == [(3, False, "DeviceGetUtilizationRates: GPU is lost")]
+    node = node_of(state)
+    assert node is not None
+    for k in range(1, 8):
+        result = place(GpuRequest(count=k), node, Holdings())
+        assert isinstance(result, Placement) and 3 not in result.indices, k
+    refused = place(GpuRequest(count=8), node, Holdings())
+    assert isinstance(refused, Refusal) and "1 unhealthy" in refused.reason
+    # cheap: the tick read telemetry and processes, not the inventory or the topology again
+    again = fake.calls[before:]
+    assert "nvmlDeviceGetTopologyCommonAncestor" not in again
+    assert "nvmlDeviceGetPciInfo" not in again
+    fake.gpus[3].errors = {}
+    later = sensor.read(())
+    assert later is not None and not later.devices[3].healthy, "lost until NVML is reopened"

@@ -11,7 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_policy_purity import unflagged
 
-from nodeagent.gpu.model import Device, Link, MigDevice, PcieLevel, Topology
+from nodeagent.gpu.model import (
+    Device,
+    GpuProcess,
+    GpuState,
+    Hold,
+    Link,
+    MigDevice,
+    PcieLevel,
+    Topology,
+)
+from nodeagent.gpu.service import node_of
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.policy.placement import (
     NUMA_SCORE,
@@ -20,6 +30,7 @@ from nodeagent.policy.placement import (
     NodeGpus,
     Placement,
     Refusal,
+    impossible,
     pair_score,
     place,
 )
@@ -300,3 +311,112 @@ def test_gpu_modules_that_do_io_are_banned_in_the_policy_package() -> None:
     assert unflagged(["from nodeagent.gpu.model import Device"]) == [
         "from nodeagent.gpu.model import Device"
     ]
+
+
+def with_processes(node: NodeGpus, *on: tuple[int, str], holds: tuple[Hold, ...] = ()) -> NodeGpus:
+    """The node as a tick sees it with compute processes (pid, device UUID) on it."""
+    processes = tuple(GpuProcess(pid, uuid, GIB, "system.slice/x.scope") for pid, uuid in on)
+    state = GpuState(node.devices, node.topology, (), processes, holds, "test", True)
+    return node_of(state) or node
+
+
+def test_exclusive_requests_pass_over_gpus_with_processes_outside_any_hold() -> None:
+    node = shipped("4x-a100-two-nvlink-pairs.yaml")
+    uuids = [d.uuid for d in node.devices]
+    seen = with_processes(node, (31337, uuids[0]), (4711, uuids[2]))
+    one = placed(place(GpuRequest(), seen, Holdings()))
+    assert one.indices == (1,)
+    assert one.reason.endswith(
+        "; passed over busy GPU 0 (pid 31337), GPU 2 (pid 4711): compute processes outside any hold"
+    )
+    assert placed(place(GpuRequest(count=2), seen, Holdings())).indices == (1, 3)
+    assert place(GpuRequest(count=3), seen, Holdings()) == Refusal(
+        "no 3 GPUs free now: 2 of 4 eligible (2 busy with compute processes outside any hold)"
+    )
+    # a shared request packs by memory beside what runs there
+    shared = GpuRequest(memory=10 * GIB, shared=True)
+    assert placed(place(shared, seen, Holdings())).indices == (0,)
+
+
+def test_processes_of_a_hold_make_its_gpus_held_not_busy() -> None:
+    node = shipped("4x-a100-two-nvlink-pairs.yaml")
+    uuids = [d.uuid for d in node.devices]
+    job = Hold("train", "job", (uuids[0],), (0,), cgroup="nodeagent.slice/train")
+    seen = with_processes(node, (31337, uuids[0]), holds=(job,))
+    assert seen.busy == {}
+    # once the hold is gone (the job ended) the GPU is free: nothing else runs there
+    result = placed(place(GpuRequest(count=2), seen, Holdings()))
+    assert result.indices == (0, 1)
+    # a hold's process on a GPU the hold does not have makes that GPU busy
+    stray = with_processes(node, (31337, uuids[1]), holds=(job,))
+    assert stray.busy == {uuids[1]: (31337,)}
+
+
+def test_a_busy_mig_instance_is_passed_over() -> None:
+    node = mig_node()
+    seen = with_processes(node, (7, "MIG-0-1"))
+    assert placed(place(GpuRequest(mig_profile="1g.10gb"), seen, Holdings())).uuids == ("MIG-0-2",)
+    full = Holdings(exclusive=frozenset({"MIG-0-2", "MIG-1-1", "MIG-1-2"}))
+    refusal = place(GpuRequest(mig_profile="1g.10gb"), seen, full)
+    assert isinstance(refusal, Refusal)
+    assert "0 free (1 busy with compute processes outside any hold)" in refusal.reason
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    nodes(),
+    st.integers(1, 9),
+    st.sampled_from([None, 16 * GIB, 80 * GIB, 81 * GIB]),
+    st.booleans(),
+)
+def test_impossible_exactly_when_an_idle_node_could_not_place_it(
+    node: NodeGpus, count: int, memory: int | None, shared: bool
+) -> None:
+    request = GpuRequest(count, memory, shared and memory is not None)
+    could = isinstance(place(request, node, Holdings()), Placement)
+    assert (impossible(request, node) is None) == could
+
+
+@pytest.mark.parametrize(
+    ("request_", "what", "reason"),
+    [
+        (GpuRequest(count=4), "count", "this node has 3 GPUs"),
+        (
+            GpuRequest(count=2),
+            "count",
+            "this node has 3 GPUs, 2 in MIG mode (given out only as MIG instances)",
+        ),
+        (
+            GpuRequest(memory=81 * GIB),
+            "memory",
+            "no GPU on this node has 81.0Gi: the largest has 80.0Gi",
+        ),
+        (
+            GpuRequest(mig_profile="7g.80gb"),
+            "mig",
+            "this node has no MIG instances of profile 7g.80gb (its profiles: 1g.10gb, 3g.40gb)",
+        ),
+        (
+            GpuRequest(count=5, mig_profile="1g.10gb"),
+            "count",
+            "this node has 4 MIG instance(s) of profile 1g.10gb",
+        ),
+        (
+            GpuRequest(count=2, mig_profile="3g.40gb", memory=41 * GIB),
+            "memory",
+            "no 3g.40gb MIG instance on this node has 41.0Gi: the largest has 40.0Gi",
+        ),
+        (GpuRequest(shared=True), "shared", "a shared request needs a memory size, to pack it"),
+    ],
+)
+def test_impossible_says_what_the_node_lacks(request_: GpuRequest, what: str, reason: str) -> None:
+    never = impossible(request_, mig_node())
+    assert never is not None and (never.what, never.reason) == (what, reason)
+    assert impossible(GpuRequest(count=4, mig_profile="1g.10gb"), mig_node()) is None
+
+
+def test_an_unhealthy_gpu_makes_a_request_for_every_gpu_impossible() -> None:
+    node = NodeGpus((device(0), device(1, healthy=False, reason="critical Xid 79")), Topology())
+    never = impossible(GpuRequest(count=2), node)
+    assert never is not None
+    assert never.reason == "this node has 2 GPUs, 1 unhealthy (GPU 1: critical Xid 79)"

@@ -95,3 +95,20 @@ def test_a_cap_below_the_card_is_clamped() -> None:
 def test_builders_still_build_snapshots_without_gpus() -> None:
     assert snapshot([workload(job("nodeagent.slice/x"))]).gpus is None
     assert spec({"a": 1}).gpu.power == ()
+
+
+def test_a_violation_is_one_warning_in_the_audit_stream_not_one_per_tick() -> None:
+    from structlog.testing import capture_logs
+
+    from nodeagent.changes import NoteLog
+
+    policy = PolicySpec.model_validate({"version": 1, "tenants": {"a": {"shares": 1}}})
+    snap = replace(snapshot([workload(JOB)]), gpus=state((GpuProcess(11, G1, None, JOB),), (HOLD,)))
+    notes = NoteLog()
+    with capture_logs() as logs:
+        for _ in range(3):  # three ticks see the same process on the same GPU
+            notes.update(make_plan(snap, policy, {}, [GpuChecks()]).notes)
+    found = [e for e in logs if e["event"].startswith("gpu-violation")]
+    assert [(e["event"], e["log_level"], e["pid"]) for e in found] == [
+        ("gpu-violation.wrong-gpu", "warning", 11)
+    ]

@@ -212,7 +212,10 @@ GPU0 = "  - {index: 0, uuid: GPU-a, name: T, memory: 16Gi, numa_node: 0}\n"
         ),
         (
             "gpus:\n  - {index: 0, uuid: a, name: T, memory: 1Gi, numa_node: 0}\n",
-            ["n.yaml:2:22: gpus[0].uuid: String should match pattern '^GPU-[0-9A-Za-z-]+$'"],
+            [
+                "n.yaml:2:22: gpus[0].uuid: must be a GPU UUID as nvidia-smi -L prints it "
+                "(GPU-7e62aa0a-1df9-...), got 'a'"
+            ],
         ),
         (
             "gpus:\n  - {index: 0, uuid: GPU-a, name: T, memory: 1Gi, numa_node: 0, cpus: 4-2}\n",
@@ -267,7 +270,10 @@ GPU0 = "  - {index: 0, uuid: GPU-a, name: T, memory: 16Gi, numa_node: 0}\n"
         (
             "gpus:\n  - {index: 0, uuid: GPU-a, name: T, memory: 16Gi, numa_node: 0,"
             " mig: [{uuid: GPU-x, profile: 1g.10gb}]}\n",
-            ["n.yaml:2:79: gpus[0].mig[0].uuid: String should match pattern '^MIG-[0-9A-Za-z-]+$'"],
+            [
+                "n.yaml:2:79: gpus[0].mig[0].uuid: must be a MIG device UUID as nvidia-smi -L "
+                "prints it (MIG-...), got 'GPU-x'"
+            ],
         ),
         (
             "gpus:\n  - {index: 0, uuid: GPU-a, name: T, memory: 16Gi, numa_node: 0,"
@@ -282,6 +288,60 @@ GPU0 = "  - {index: 0, uuid: GPU-a, name: T, memory: 16Gi, numa_node: 0}\n"
 )
 def test_problems_are_located(text: str, expected: list[str]) -> None:
     assert problems(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        (
+            "mig: [{uuid: MIG-x, profile: big}]",
+            "gpus[0].mig[0].profile: must be a MIG profile such as 1g.10gb or 3g.40gb, got 'big'",
+        ),
+        (
+            "pci_bus_id: '1B:00.0'",
+            "gpus[0].pci_bus_id: must be a PCI bus ID such as '00000000:1B:00.0', got '1B:00.0'",
+        ),
+        ("utilization: 140", "gpus[0].utilization: must be at most 100, got 140"),
+        ("nvswitch_links: 0", "gpus[0].nvswitch_links: must be at least 1, got 0"),
+        ("nvswitch: maybe", "gpus[0].nvswitch: must be true or false, got 'maybe'"),
+        ("unhealthy: ''", "gpus[0].unhealthy: must be a string that is not empty, got ''"),
+        (
+            "power: 300",
+            "gpus[0].power: must be power figures: a mapping with min, max and default (watts)",
+        ),
+    ],
+)
+def test_schema_problems_are_in_our_words(entry: str, expected: str) -> None:
+    text = "gpus:\n" + GPU0.replace("numa_node: 0}", f"numa_node: 0, {entry}}}")
+    (found,) = problems(text)
+    assert found.split(": ", 1)[1] == expected
+
+
+def test_link_and_list_problems_are_in_our_words() -> None:
+    two = "gpus:\n" + GPU0 + GPU0.replace("index: 0, uuid: GPU-a", "index: 1, uuid: GPU-b")
+    (found,) = problems(two + "links:\n  - {gpus: [0, 1, 1], pcie: PIX}\n")
+    assert found == "n.yaml:5:12: links[0].gpus: a link joins two GPUs: gpus: [A, B]"
+    (found,) = problems("gpus: 4\n")
+    assert found == "n.yaml:1:7: gpus: must be a list, got 4"
+    (found,) = problems("gpus:\n  - GPU-a\n")
+    assert found == (
+        "n.yaml:2:5: gpus[0]: must be a GPU: a mapping with index, uuid, name, memory and numa_node"
+    )
+
+
+def test_the_loader_guards_name_the_node_file_not_the_policy(tmp_path: Path) -> None:
+    """The policy loader's guards (alias bombs, nesting) are shared; their words are not."""
+    bomb = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"] + [
+        f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 7)
+    ]
+    for text in ("\n".join(bomb) + "\n", "x: " + "[" * 5000 + "]" * 5000 + "\n"):
+        path = tmp_path / "node.yaml"
+        path.write_text(text)
+        with pytest.raises(PolicyError) as info:
+            load_simulated(path)
+        (line,) = str(info.value).splitlines()
+        assert line.startswith(f"{path}:1:1: the GPU node description ")
+        assert "policy" not in line
 
 
 def test_yaml_problems_and_duplicate_keys_come_from_the_policy_loader() -> None:
@@ -334,3 +394,5 @@ def test_any_input_gives_a_node_or_located_problems(text: str) -> None:
     except PolicyError as e:
         assert e.problems
         assert all(str(p).startswith("n.yaml:") and "\n" not in p.message for p in e.problems)
+        for p in e.problems:  # our words, never pydantic's
+            assert not any(w in p.message for w in ("should", "Input", "instance of", "Sim")), p
