@@ -23,7 +23,6 @@ on this node before the runs) predicted against the finish measured.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import os
@@ -40,7 +39,7 @@ from typing import Any
 
 import psutil
 import yaml
-from benchkit import Bench
+from benchkit import Bench, wait_for_api
 
 from nodeagent.api import client
 from nodeagent.errors import NodeagentError
@@ -188,16 +187,7 @@ class Daemon:
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"the agent exited:\n{self.log.read_text()[-3000:]}")
-            with contextlib.suppress(NodeagentError):
-                status = client.get(self.sock, "/v1/status")
-                if isinstance(status, dict) and status.get("tick"):
-                    return
-            time.sleep(0.2)
-        raise SystemExit("the agent did not answer in time")
+        wait_for_api(self.sock, self.proc, self.log)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
