@@ -84,6 +84,18 @@ class NoBus(SystemdBusError):
     """Neither the system bus nor systemd's private socket could be reached."""
 
 
+class NotTheUnit(NodeagentError):
+    """systemd answered, and no unit has this cgroup as its own: writing through the unit it
+    names would change another cgroup (the unit's), so nothing is written for it."""
+
+    def __init__(self, cgroup: str, unit: str, unit_cgroup: str) -> None:
+        super().__init__(
+            f"cgroup {cgroup} is not a unit's own cgroup: systemd has it inside unit {unit}, "
+            f"whose cgroup is {unit_cgroup or 'none'}; nothing is written through systemd for it"
+        )
+        self.cgroup, self.unit, self.unit_cgroup = cgroup, unit, unit_cgroup
+
+
 # -- pure: what to ask systemd for, and what it will write ---------------------------------------
 
 
@@ -311,14 +323,27 @@ class Systemd:
     # -- operations --------------------------------------------------------------------------------
 
     def unit_for_cgroup(self, cgroup: str) -> str:
-        """The unit owning `cgroup` (systemd's path: ``/system.slice/docker-<id>.scope``)."""
+        """The unit whose own cgroup is `cgroup` (systemd's path:
+        ``/system.slice/docker-<id>.scope``), as systemd says, never read off the path.
+
+        GetUnitByControlGroup names the unit the cgroup is in; it is the cgroup's unit only
+        when that unit's ControlGroup is this very path. A cgroup below a unit (a user
+        manager's delegated tree, a container's own children) or one merely named like a
+        unit is :class:`NotTheUnit`: a write to the unit would land on another cgroup.
+        """
         path = "/" + cgroup.strip("/")
-        name = path.rsplit("/", 1)[-1]
-        if is_unit_name(name):
-            return name
         what = f"find the unit of cgroup {path}"
         unit_path = self._unit_path(what, "GetUnitByControlGroup", path)
-        return str(self._get(what, unit_path, _UNIT_INTERFACE, "Id"))
+        unit = str(self._get(what, unit_path, _UNIT_INTERFACE, "Id"))
+        kind = _UNIT_TYPES.get(unit.rsplit(".", 1)[-1])
+        own = (
+            ""
+            if kind is None
+            else self._get(what, unit_path, _SYSTEMD + "." + kind, "ControlGroup")
+        )
+        if own != path:
+            raise NotTheUnit(path, unit, str(own))
+        return unit
 
     def set_unit_properties(
         self, unit: str, properties: Mapping[str, int], *, runtime: bool = True

@@ -310,3 +310,30 @@ def test_a_malformed_hello_is_a_bus_that_cannot_be_used(
     assert f"the system bus {bus}: a malformed message (" in one_line(exc)
     manager.override = None
     assert systemd.unit_property(DOCKER_SCOPE, "CPUWeight") == 100
+
+
+def test_the_unit_of_a_cgroup_is_what_systemd_says_owns_exactly_that_cgroup(
+    stub: tuple[Manager, str], tmp_path: Path
+) -> None:
+    manager, bus = stub
+    manager.units["user@1000.service"] = "/user.slice/user-1000.slice/user@1000.service"
+    systemd = Systemd(f"unix:path={bus}", str(tmp_path / "private"), timeout=5)
+    assert systemd.unit_for_cgroup(f"system.slice/{DOCKER_SCOPE}") == DOCKER_SCOPE
+    assert manager.members()[0] == "GetUnitByControlGroup", "asked, not read off the path"
+    refused = {
+        # named like a system unit, in a user's delegated tree
+        f"user.slice/user-1000.slice/user@1000.service/app.slice/{DOCKER_SCOPE}": (
+            "user@1000.service", "/user.slice/user-1000.slice/user@1000.service"),
+        # below a unit: the unit's own business
+        f"system.slice/{DOCKER_SCOPE}/inner": (DOCKER_SCOPE, f"/system.slice/{DOCKER_SCOPE}"),
+        # a directory made by hand, named as a unit that does not own it
+        "system.slice/sshd.service": ("system.slice", "/system.slice"),
+    }  # fmt: skip
+    for path, (unit, its_cgroup) in refused.items():
+        with pytest.raises(NodeagentError) as exc:
+            systemd.unit_for_cgroup(path)
+        assert one_line(exc) == (
+            f"cgroup /{path} is not a unit's own cgroup: systemd has it inside unit {unit}, "
+            f"whose cgroup is {its_cgroup}; nothing is written through systemd for it"
+        )
+        assert not isinstance(exc.value, SystemdBusError), "systemd answered: not a bus fault"
