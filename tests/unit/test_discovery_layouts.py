@@ -44,11 +44,11 @@ def pod(owner: Owner, qos: QosTier, uid: str = UID) -> WorkloadIdentity:
     return WorkloadIdentity("", Kind.POD, Runtime.KUBELET, owner, f"pod-{uid}", None, uid, qos)
 
 
-def service(unit: str) -> WorkloadIdentity:
-    return WorkloadIdentity("", Kind.SERVICE, Runtime.SYSTEMD, Owner.SYSTEMD, unit)
+def service(unit: str, owner: Owner = Owner.SYSTEMD) -> WorkloadIdentity:
+    return WorkloadIdentity("", Kind.SERVICE, Runtime.SYSTEMD, owner, unit)
 
 
-SD, FS = Owner.SYSTEMD, Owner.CGROUPFS
+SD, FS, USER = Owner.SYSTEMD, Owner.CGROUPFS, Owner.USER_SYSTEMD
 G, B, BE = QosTier.GUARANTEED, QosTier.BURSTABLE, QosTier.BESTEFFORT
 
 WORKLOADS: list[tuple[str, WorkloadIdentity]] = [
@@ -62,14 +62,15 @@ WORKLOADS: list[tuple[str, WorkloadIdentity]] = [
         f"machine.slice/machine-libpod_pod_{PODID}.slice/libpod-{CID}.scope",
         container(Runtime.PODMAN, SD),
     ),
+    # rootless: the user's own manager owns it, not the system manager (issue 12 item 9)
     (
         f"user.slice/user-1000.slice/user@1000.service/user.slice/libpod-{CID}.scope",
-        container(Runtime.PODMAN, SD),
+        container(Runtime.PODMAN, USER),
     ),
     (
         "user.slice/user-1000.slice/user@1000.service/user.slice/"
         f"user-libpod_pod_{PODID}.slice/libpod-{CID}.scope",
-        container(Runtime.PODMAN, SD),
+        container(Runtime.PODMAN, USER),
     ),
     (f"libpod_parent/libpod-{CID}", container(Runtime.PODMAN, FS)),
     (f"libpod_parent/{PODID}/libpod-{CID}", container(Runtime.PODMAN, FS)),
@@ -119,7 +120,7 @@ WORKLOADS: list[tuple[str, WorkloadIdentity]] = [
     ),
     (
         "user.slice/user-1000.slice/user@1000.service/app.slice/dbus-broker.service",
-        service("dbus-broker.service"),
+        service("dbus-broker.service", USER),
     ),
     ("custom.service", service("custom.service")),
     (
