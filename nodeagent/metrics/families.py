@@ -2,7 +2,9 @@
 
 Names follow koordlet's: a `nodeagent_` prefix, the unit last (`_cores`, `_bytes`,
 `_seconds`, `_ratio` for 0..1), `_total` on counters. A workload's series carry
-WORKLOAD's labels; an unset label (a job has no container id) is the empty string.
+WORKLOAD's labels; an unset label (a job has no container id) is the empty string. Label
+values are shown as the CLI's tables show them, always valid UTF-8: a byte of a cgroup name
+that is not UTF-8 reads `\\xff`, a control character `\\n` or `\\x1b`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+
+from nodeagent.tables import printable
 
 WORKLOAD = ("cgroup", "tenant", "class", "rule", "container_id", "pod_uid")
 GPU = ("gpu", "uuid")
@@ -342,12 +346,15 @@ class Scrape:
         return self._made[name]
 
     def add(self, name: str, labels: Sequence[str], value: float | None) -> None:
-        """One sample; None (a figure not known this tick) adds nothing."""
+        """One sample; None (a figure not known this tick) adds nothing. Label values are
+        shown as the CLI's tables show them (`printable`); the value is made a float here,
+        so that a reading no float holds fails while its part is rendered, not in the
+        encoder, where it would fail the whole scrape."""
         if value is None:
             return
         family = self._family(name, labels)
         assert isinstance(family, GaugeMetricFamily | CounterMetricFamily)
-        family.add_metric(list(labels), value)
+        family.add_metric([printable(v) for v in labels], float(value))
 
     def histogram(
         self,
@@ -358,6 +365,11 @@ class Scrape:
         family = self._family(name, ())
         assert isinstance(family, HistogramMetricFamily)
         family.add_metric([], [(_le(b), c) for b, c in buckets], total)
+
+    def merge(self, part: Scrape) -> None:
+        """Add `part`'s samples (one part of the scrape, rendered on its own)."""
+        for name, family in part._made.items():
+            self._made.setdefault(name, BY_NAME[name].empty()).samples.extend(family.samples)
 
     def __iter__(self) -> Iterator[Metric]:
         return iter(self._made[f.name] for f in FAMILIES if f.name in self._made)

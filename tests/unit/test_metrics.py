@@ -15,6 +15,7 @@ from builders import CID2, POD_UID, job, k8s_container, snapshot
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+from structlog.testing import capture_logs
 
 from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.parse import Psi, PsiLine
@@ -29,6 +30,7 @@ from nodeagent.policy.plan import make_plan
 from nodeagent.report import TickRecord
 from nodeagent.snapshot import CgroupSample, Skipped, WorkloadState
 from nodeagent.spec.model import PolicySpec, Rule, WorkloadClass
+from nodeagent.tables import printable
 
 NOW = 1_700_000_000.0
 REPO = Path(__file__).resolve().parents[2]
@@ -513,8 +515,67 @@ def test_an_exec_job_has_its_own_rule_label() -> None:
 
 
 def test_hostile_cgroup_names_are_escaped() -> None:
-    """A cgroup name may hold quotes, backslashes and newlines: they stay label values."""
+    """A cgroup name may hold quotes, backslashes and newlines: they stay label values, the
+    newline written `\\n` as the CLI's tables write it."""
     odd = 'nodeagent.slice/a-"x"\\y\nz} 1'
     s = observed(record([state(odd, 1.0)]))
-    assert value(s, "nodeagent_workload_cpu_usage_cores", cgroup=odd) == 1.0
+    shown = 'nodeagent.slice/a-"x"\\y\\nz} 1'
+    assert value(s, "nodeagent_workload_cpu_usage_cores", cgroup=shown) == 1.0
     assert value(s, "nodeagent_managed_workloads") == 1
+
+
+def test_a_cgroup_name_that_is_not_utf8_is_shown_as_the_tables_show_it() -> None:
+    """os.scandir hands a name's non-UTF-8 bytes over as lone surrogates, which no encoder
+    takes: the scrape stays valid UTF-8 (both formats) and the bytes read as `\\xff`, as in
+    the CLI's tables, so a matcher copied from `nodeagent workloads` finds the series."""
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics
+
+    raw = "nodeagent.slice/a-\udcff\udcfe"
+    shown = printable(raw)
+    assert shown == "nodeagent.slice/a-\\xff\\xfe"
+    c = TickCollector()
+    c.observe(record([state(raw, 1.0), state(B1, 0.5)]))
+    registry = CollectorRegistry()
+    registry.register(c)
+    openmetrics(registry).decode("utf-8")  # strict: raised UnicodeEncodeError before
+    s = scrape(c)
+    assert value(s, "nodeagent_workload_cpu_usage_cores", cgroup=shown) == 1.0
+    assert value(s, "nodeagent_workload_cpu_usage_cores", cgroup=B1) == 0.5
+    assert value(s, "nodeagent_managed_workloads") == 2
+
+
+def test_one_workloads_bad_data_costs_only_its_own_series() -> None:
+    """A reading no float holds (a bogus 2**1100 bytes): that workload's series are left
+    out of the scrape, with one line in the log, and every other series is there."""
+    bogus = replace(state(A2, 1.0), sample=replace(state(A2, 1.0).sample, memory_current=1 << 1100))
+    c = TickCollector()
+    c.observe(record([state(A1, 1.0), bogus, state(B1, 0.5)]))
+    with capture_logs() as logs:
+        first = scrape(c)
+        again = scrape(c)
+    assert first == again
+    for name, samples in first.items():
+        assert not [x for x in samples if x.labels.get("cgroup") == A2], name
+    assert value(first, "nodeagent_workload_cpu_usage_cores", cgroup=A1) == 1.0
+    assert value(first, "nodeagent_workload_memory_usage_bytes", cgroup=B1) == 300 << 20
+    assert value(first, "nodeagent_tenant_workloads", tenant="a") == 2
+    assert value(first, "nodeagent_ticks_total", result="ok") == 1
+    failed = [e for e in logs if e["event"] == "metrics.render_failed"]
+    assert len(failed) == 1, "logged once, not at every scrape"
+    assert failed[0]["cgroup"] == A2
+    assert "OverflowError" in failed[0]["error"]
+
+
+def test_a_failing_part_of_the_scrape_costs_only_that_part() -> None:
+    def misses() -> int:
+        raise RuntimeError("the note log is broken")
+
+    c = TickCollector(misses)
+    c.observe(record([state(A1, 1.0)]))
+    with capture_logs() as logs:
+        s = scrape(c)
+    assert values(s, "nodeagent_ticks_total") == []
+    assert value(s, "nodeagent_workload_cpu_usage_cores", cgroup=A1) == 1.0
+    assert value(s, "nodeagent_tenant_workloads", tenant="a") == 1
+    (failed,) = [e for e in logs if e["event"] == "metrics.render_failed"]
+    assert (failed["series"], failed["error"]) == ("loop", "RuntimeError: the note log is broken")
