@@ -302,6 +302,13 @@ def _usage(out: Scrape, labels: tuple[str, ...], w: WorkloadState) -> None:
     out.add("nodeagent_workload_cpu_usage_seconds_total", labels, _seconds(s.cpu_usage_us))
     out.add("nodeagent_workload_cpu_throttled_ratio", labels, w.throttled_fraction)
     out.add("nodeagent_workload_cpu_throttled_seconds_total", labels, _seconds(s.cpu_throttled_us))
+    out.add("nodeagent_workload_cpu_periods_total", labels, s.cpu_nr_periods)
+    out.add("nodeagent_workload_cpu_throttled_periods_total", labels, s.cpu_nr_throttled)
+    for resource, pressure in (("cpu", s.cpu_psi), ("memory", s.memory_psi)):
+        if pressure is not None:
+            for kind, line in (("some", pressure.some), ("full", pressure.full)):
+                name = f"nodeagent_workload_{resource}_pressure_{kind}_seconds_total"
+                out.add(name, labels, None if line is None else _seconds(line.total_us))
     for psi, name in (
         (s.cpu_psi, "nodeagent_workload_cpu_psi_some_avg10_ratio"),
         (s.memory_psi, "nodeagent_workload_memory_psi_some_avg10_ratio"),

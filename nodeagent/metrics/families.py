@@ -24,6 +24,7 @@ from nodeagent.tables import printable
 
 WORKLOAD = ("cgroup", "tenant", "class", "rule", "container_id", "pod_uid")
 GPU = ("gpu", "uuid")
+"""A GPU's index and UUID, on every GPU series: the workloads' join the GPUs' on them."""
 
 Kind = Literal["gauge", "counter", "histogram"]
 
@@ -152,6 +153,30 @@ FAMILIES: tuple[Family, ...] = (
         "counter",
         "Time throttled by cpu.max since the cgroup was made (cpu.stat throttled_usec).",
         *W,
+    ),
+    _f(
+        "nodeagent_workload_cpu_periods_total",
+        "counter",
+        "CFS periods in which the workload could run, under a cpu.max (cpu.stat nr_periods).",
+        *W,
+    ),
+    _f(
+        "nodeagent_workload_cpu_throttled_periods_total",
+        "counter",
+        "CFS periods in which cpu.max throttled the workload (cpu.stat nr_throttled).",
+        *W,
+    ),
+    *(
+        _f(
+            f"nodeagent_workload_{resource}_pressure_{kind}_seconds_total",
+            "counter",
+            f"Time {who} waited for {what} ({resource}.pressure '{kind}' total=), as of"
+            " the workload's last full read (every agent.resync_interval at most; cpu"
+            " every tick for protected classes and floors).",
+            *W,
+        )
+        for resource, what in (("cpu", "a CPU"), ("memory", "memory"))
+        for kind, who in (("some", "some of the workload's tasks"), ("full", "all of them"))
     ),
     _f(
         "nodeagent_workload_cpu_psi_some_avg10_ratio",
@@ -316,16 +341,19 @@ FAMILIES: tuple[Family, ...] = (
     _f(
         "nodeagent_workload_gpu_memory_bytes",
         "gauge",
-        "GPU memory the workload's processes use on one GPU or MIG device.",
+        "GPU memory the workload's processes use on one GPU, or one MIG instance of it"
+        " (mig_uuid; empty outside MIG).",
         *W,
-        "device_uuid",
+        *GPU,
+        "mig_uuid",
     ),
     _f(
         "nodeagent_workload_gpu_processes",
         "gauge",
-        "The workload's compute processes on one GPU or MIG device.",
+        "The workload's compute processes on one GPU, or one MIG instance of it.",
         *W,
-        "device_uuid",
+        *GPU,
+        "mig_uuid",
     ),
 )
 BY_NAME = {f.name: f for f in FAMILIES}

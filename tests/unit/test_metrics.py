@@ -64,9 +64,9 @@ KERNEL: dict[Attribute, Value] = {
 }
 
 
-def psi(avg10: float) -> Psi:
-    line = PsiLine(avg10, 0.0, 0.0, 1234)
-    return Psi(line, line)
+def psi(avg10: float, some_us: int, full_us: int | None) -> Psi:
+    full = None if full_us is None else PsiLine(avg10 / 2, 0.0, 0.0, full_us)
+    return Psi(PsiLine(avg10, 0.0, 0.0, some_us), full)
 
 
 def state(
@@ -76,6 +76,7 @@ def state(
     used_s: float = 10.0,
     settings: Mapping[Attribute, Value] = KERNEL,
     stall: float | None = 0.02,
+    cpu_full_us: int | None = 1_000_000,
 ) -> WorkloadState:
     sample = CgroupSample(
         populated=True,
@@ -84,8 +85,8 @@ def state(
         cpu_nr_throttled=5,
         cpu_throttled_us=250_000,
         memory_current=300 << 20,
-        cpu_psi=psi(12.5),
-        memory_psi=psi(1.5),
+        cpu_psi=psi(12.5, 2_500_000, cpu_full_us),
+        memory_psi=psi(1.5, 300_000, 100_000),
         settings=dict(settings),
     )
     identity = job(who) if isinstance(who, str) else who
@@ -197,6 +198,12 @@ def test_each_workload_shows_what_was_applied_and_measured() -> None:
     assert value(s, "nodeagent_workload_cpu_psi_some_avg10_ratio", cgroup=A1) == 0.125
     assert value(s, "nodeagent_workload_memory_psi_some_avg10_ratio", cgroup=A1) == 0.015
     assert value(s, "nodeagent_workload_cpu_stall_ratio", cgroup=A1) == 0.02
+    assert value(s, "nodeagent_workload_cpu_periods_total", cgroup=A1) == 100
+    assert value(s, "nodeagent_workload_cpu_throttled_periods_total", cgroup=A1) == 5
+    assert value(s, "nodeagent_workload_cpu_pressure_some_seconds_total", cgroup=A1) == 2.5
+    assert value(s, "nodeagent_workload_cpu_pressure_full_seconds_total", cgroup=A1) == 1.0
+    assert value(s, "nodeagent_workload_memory_pressure_some_seconds_total", cgroup=A1) == 0.3
+    assert value(s, "nodeagent_workload_memory_pressure_full_seconds_total", cgroup=A1) == 0.1
     targets = {p: t.cores for p, t in r.plan.cpu_targets.items()}
     assert value(s, "nodeagent_workload_cpu_target_cores", cgroup=A1) == targets[A1]
     for sample in s["nodeagent_workload_cpu_weight"]:
@@ -403,7 +410,7 @@ def test_gpus_once_the_daemon_has_a_backend(tmp_path: Path) -> None:
     assert value(s, "nodeagent_gpu_power_draw_watts", **gpu) == 350
     assert value(s, "nodeagent_gpu_power_limit_watts", **gpu) == 700
     assert value(s, "nodeagent_gpu_temperature_celsius", **gpu) == 51
-    mine = {"cgroup": A1, "device_uuid": gpu["uuid"]}
+    mine = {"cgroup": A1, **gpu, "mig_uuid": ""}
     assert value(s, "nodeagent_workload_gpu_memory_bytes", **mine) == 3 << 30
     assert value(s, "nodeagent_workload_gpu_processes", **mine) == 2
     assert len(s["nodeagent_workload_gpu_processes"]) == 1, "unclaimed cgroups have none"
@@ -579,3 +586,61 @@ def test_a_failing_part_of_the_scrape_costs_only_that_part() -> None:
     assert value(s, "nodeagent_tenant_workloads", tenant="a") == 1
     (failed,) = [e for e in logs if e["event"] == "metrics.render_failed"]
     assert (failed["series"], failed["error"]) == ("loop", "RuntimeError: the note log is broken")
+
+
+COUNTERS = (
+    "nodeagent_workload_cpu_usage_seconds_total",
+    "nodeagent_workload_cpu_periods_total",
+    "nodeagent_workload_cpu_throttled_periods_total",
+    "nodeagent_workload_cpu_throttled_seconds_total",
+    "nodeagent_workload_cpu_pressure_some_seconds_total",
+    "nodeagent_workload_cpu_pressure_full_seconds_total",
+    "nodeagent_workload_memory_pressure_some_seconds_total",
+    "nodeagent_workload_memory_pressure_full_seconds_total",
+)
+
+
+def test_the_kernels_totals_are_counters_that_rate_can_use() -> None:
+    """Throttling and pressure as the kernel counts them (cpu.stat nr_periods, nr_throttled,
+    throttled_usec; the PSI files' total=), typed counter: the last tick's ratios alias
+    under a 15 s scrape, a rate() over the totals does not. A kernel without cpu.pressure's
+    'full' line (before 5.13) has no full series."""
+    c = TickCollector()
+    c.observe(record([state(A1, 1.0), state(B1, 1.0, cpu_full_us=None)]))
+    registry = CollectorRegistry()
+    registry.register(c)
+    types = {
+        s.name: f.type
+        for f in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in f.samples
+    }
+    for name in COUNTERS:
+        assert types[name] == "counter", name
+    s = scrape(c)
+    assert values(s, "nodeagent_workload_cpu_pressure_full_seconds_total", cgroup=B1) == []
+    assert value(s, "nodeagent_workload_cpu_pressure_some_seconds_total", cgroup=B1) == 2.5
+
+
+def test_gpu_and_workload_gpu_series_name_the_gpu_alike(tmp_path: Path) -> None:
+    """One label for a GPU's UUID (`uuid`, with its index `gpu`) on every GPU series, so a
+    workload's GPU memory joins the GPU's total `on (instance, uuid)`; a process in a MIG
+    instance counts for its GPU, the instance in `mig_uuid`."""
+    mig = "MIG-8cdb305f-dd2e-4609-ae36-aab0d1bc52d9"
+    node = (REPO / "config" / "gpus" / "h100-mig.yaml").read_text()
+    (tmp_path / "node.yaml").write_text(
+        node + "processes:\n"
+        f"  - {{pid: 4242, gpu: {mig}, memory: 2Gi, cgroup: {A1}}}\n"
+        f"  - {{pid: 4243, gpu: 0, memory: 1Gi, cgroup: {A1}}}\n"
+    )
+    c = TickCollector()
+    c.observe(record([state(A1, 1.0)]))
+    c.watch_gpus(load_simulated(tmp_path / "node.yaml"))
+    s = scrape(c)
+    gpu = {"gpu": "0", "uuid": "GPU-66d22876-72fd-4202-aa96-fb1a14a0f9e7"}
+    assert value(s, "nodeagent_gpu_memory_total_bytes", **gpu) == 81559 << 20
+    assert value(s, "nodeagent_workload_gpu_memory_bytes", **gpu, mig_uuid=mig) == 2 << 30
+    assert value(s, "nodeagent_workload_gpu_memory_bytes", **gpu, mig_uuid="") == 1 << 30
+    assert value(s, "nodeagent_workload_gpu_processes", **gpu, cgroup=A1, mig_uuid=mig) == 1
+    for name, samples in s.items():
+        if "gpu" in name:
+            assert all("device_uuid" not in x.labels for x in samples), name
