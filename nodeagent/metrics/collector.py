@@ -13,6 +13,7 @@ copied under one lock, and the record itself is frozen.
 from __future__ import annotations
 
 import math
+import platform
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -24,6 +25,7 @@ import structlog
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from nodeagent import __version__
 from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, MemoryLimit, Value
 from nodeagent.errors import one_line
@@ -78,11 +80,28 @@ class _Seen:
     workload_writes: Mapping[str, Counts]
 
 
-class TickCollector(Collector):
-    """`deadline_misses` is read at each scrape: the loop counts misses (changes.NoteLog)."""
+Reload = tuple[bool, float]
+"""The last reload's outcome: whether it applied the file, and the unix time the policy in
+force was loaded."""
+BUILD = (__version__, platform.python_version())
+VIOLATIONS = ("unassigned", "wrong-gpu")
 
-    def __init__(self, deadline_misses: Callable[[], int] = lambda: 0) -> None:
+
+class TickCollector(Collector):
+    """What the daemon knows beyond the ticks is read at each scrape, through callables:
+    `deadline_misses` (the loop counts them, changes.NoteLog), `reload` (the last reload's
+    outcome) and `interval` (agent.interval, which a reload may change)."""
+
+    def __init__(
+        self,
+        deadline_misses: Callable[[], int] = lambda: 0,
+        *,
+        reload: Callable[[], Reload] | None = None,
+        interval: Callable[[], float] | None = None,
+    ) -> None:
         self._deadline_misses = deadline_misses
+        self._reload = reload
+        self._interval = interval
         self._lock = threading.Lock()
         self._record: TickRecord | None = None
         self._ticks: Counter[str] = Counter({"ok": 0, "failed": 0})
@@ -134,6 +153,7 @@ class TickCollector(Collector):
                 {p: dict(c) for p, c in self._workload_writes.items()},
             )
         out, failed = Scrape(), dict[str, str]()
+        _isolated(out, failed, "series:agent", self._agent)
         _isolated(
             out, failed, "series:loop", lambda part: _loop(part, seen, self._deadline_misses())
         )
@@ -143,11 +163,21 @@ class TickCollector(Collector):
             workloads = _workloads(out, failed, record, seen.workload_writes)
             _isolated(out, failed, "series:tenants", lambda part: _tenants(part, record))
             _isolated(out, failed, "series:protection", lambda part: _protection(part, record))
+            _isolated(out, failed, "series:violations", lambda part: _violations(part, record))
         gpus = self._gpus
         if gpus is not None:
             _isolated(out, failed, "series:gpus", lambda part: gpus.render(part, workloads))
         self._report(failed)
         return iter(out)
+
+    def _agent(self, out: Scrape) -> None:
+        out.add("nodeagent_build_info", BUILD, 1)
+        if self._reload is not None:
+            applied, loaded_at = self._reload()
+            out.add("nodeagent_config_last_reload_successful", (), int(applied))
+            out.add("nodeagent_config_last_reload_success_timestamp_seconds", (), loaded_at)
+        if self._interval is not None:
+            out.add("nodeagent_tick_interval_seconds", (), self._interval())
 
     def _report(self, failed: Mapping[str, str]) -> None:
         """Log a part that fails when it starts failing or its error changes: once, not
@@ -389,3 +419,13 @@ def _protection(out: Scrape, record: TickRecord) -> None:
     ):
         value = note.fields.get(key)
         out.add(name, (), len(value) if isinstance(value, Mapping | list | tuple) else None)
+
+
+def _violations(out: Scrape, record: TickRecord) -> None:
+    """On a node with GPUs: the gpu-checks policy's notes, one per process, by kind."""
+    if record.snapshot.gpus is None:
+        return
+    found = Counter(dict.fromkeys(VIOLATIONS, 0))
+    found.update(n.status for n in record.plan.notes if n.kind == "gpu-violation")
+    for kind, n in sorted(found.items()):
+        out.add("nodeagent_gpu_violating_processes", (kind,), n)

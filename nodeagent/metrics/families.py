@@ -56,6 +56,26 @@ def _f(name: str, kind: Kind, help: str, *labels: str) -> Family:
 
 W = WORKLOAD
 FAMILIES: tuple[Family, ...] = (
+    # the agent
+    _f(
+        "nodeagent_build_info",
+        "gauge",
+        "1, with the agent's version and the Python that runs it.",
+        "version",
+        "python",
+    ),
+    _f(
+        "nodeagent_config_last_reload_successful",
+        "gauge",
+        "1 when the last reload of the policy file (SIGHUP) applied it, 0 when the agent"
+        " kept its last good policy; 1 before any reload (the start-up load applied).",
+    ),
+    _f(
+        "nodeagent_config_last_reload_success_timestamp_seconds",
+        "gauge",
+        "Unix time the policy in force was loaded (at start or by a reload).",
+    ),
+    _f("nodeagent_tick_interval_seconds", "gauge", "agent.interval: the time between ticks."),
     # the loop
     _f("nodeagent_tick_duration_seconds", "histogram", "Time one tick took: sense, plan, act."),
     _f(
@@ -338,6 +358,13 @@ FAMILIES: tuple[Family, ...] = (
     _f("nodeagent_gpu_power_draw_watts", "gauge", "Power drawn.", *GPU),
     _f("nodeagent_gpu_power_limit_watts", "gauge", "Power limit in force.", *GPU),
     _f("nodeagent_gpu_temperature_celsius", "gauge", "GPU temperature.", *GPU),
+    _f(
+        "nodeagent_gpu_violating_processes",
+        "gauge",
+        "Compute processes on GPUs their cgroup does not hold, this tick (gpu.violation):"
+        " unassigned (it holds none) or wrong-gpu (it holds others).",
+        "kind",
+    ),
     _f(
         "nodeagent_workload_gpu_memory_bytes",
         "gauge",

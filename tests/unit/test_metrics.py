@@ -4,8 +4,12 @@ prometheus-client parser, as Prometheus would read a scrape."""
 from __future__ import annotations
 
 import math
+import platform
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -17,9 +21,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from structlog.testing import capture_logs
 
+from nodeagent import __version__
 from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.parse import Psi, PsiLine
+from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, MemoryLimit, Value
+from nodeagent.daemon import Agent, serve_metrics
+from nodeagent.gpu.model import GpuState
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.metrics.collector import TickCollector
@@ -28,7 +36,9 @@ from nodeagent.policy.base import Assignment
 from nodeagent.policy.classify import assign
 from nodeagent.policy.plan import make_plan
 from nodeagent.report import TickRecord
+from nodeagent.sense.gpus import GpuSensor
 from nodeagent.snapshot import CgroupSample, Skipped, WorkloadState
+from nodeagent.spec.load import load_policy
 from nodeagent.spec.model import PolicySpec, Rule, WorkloadClass
 from nodeagent.tables import printable
 
@@ -101,10 +111,11 @@ def record(
     policy: PolicySpec = POLICY,
     seq: int = 7,
     duration: float = 0.012,
+    gpus: GpuState | None = None,
 ) -> TickRecord:
     """A tick whose plan is made by the real policies; every planned change is written
     (or, with written=False, failed)."""
-    snap = replace(snapshot(states, seq=seq, wall_time=NOW), skipped=tuple(skipped))
+    snap = replace(snapshot(states, seq=seq, wall_time=NOW), skipped=tuple(skipped), gpus=gpus)
     plan = make_plan(snap, policy, {"a": 30.0})
     current = {w.path: w.sample.settings for w in snap.workloads}
     results = tuple(
@@ -416,6 +427,17 @@ def test_gpus_once_the_daemon_has_a_backend(tmp_path: Path) -> None:
     assert len(s["nodeagent_workload_gpu_processes"]) == 1, "unclaimed cgroups have none"
 
 
+def test_gpu_violations_by_kind(tmp_path: Path) -> None:
+    """No GPU is held: every compute process on the node is one (the gpu-checks policy's
+    notes), counted whether or not a rule claims its cgroup."""
+    (tmp_path / "node.yaml").write_text(GPU_NODE)
+    gpus = GpuSensor(load_simulated(tmp_path / "node.yaml")).read(())
+    s = observed(record([state(A1, 1.0)], gpus=gpus))
+    assert value(s, "nodeagent_gpu_violating_processes", kind="unassigned") == 3
+    assert value(s, "nodeagent_gpu_violating_processes", kind="wrong-gpu") == 0
+    assert values(observed(record([state(A1, 1.0)])), "nodeagent_gpu_violating_processes") == []
+
+
 class BrokenGpus:
     simulated, source, reason = False, "NVML", ""
 
@@ -437,6 +459,8 @@ def test_every_family_is_described_and_named_koordlet_style() -> None:
     assert [m.name for m in c.describe()] == [f.name.removesuffix("_total") for f in FAMILIES]
     units = ("_cores", "_bytes", "_seconds", "_ratio", "_total", "_watts", "_celsius")
     unitless = {
+        "nodeagent_build_info",
+        "nodeagent_config_last_reload_successful",
         "nodeagent_dry_run",
         "nodeagent_managed_workloads",
         "nodeagent_skipped_cgroups",
@@ -453,6 +477,7 @@ def test_every_family_is_described_and_named_koordlet_style() -> None:
         "nodeagent_gpu_info",
         "nodeagent_gpu_healthy",
         "nodeagent_workload_gpu_processes",
+        "nodeagent_gpu_violating_processes",
     }
     for f in FAMILIES:
         assert f.name.startswith("nodeagent_")
@@ -644,3 +669,72 @@ def test_gpu_and_workload_gpu_series_name_the_gpu_alike(tmp_path: Path) -> None:
     for name, samples in s.items():
         if "gpu" in name:
             assert all("device_uuid" not in x.labels for x in samples), name
+
+
+def test_build_info() -> None:
+    s = observed(None)
+    info = {"version": __version__, "python": platform.python_version()}
+    assert value(s, "nodeagent_build_info", **info) == 1
+
+
+RELOADED = """\
+version: 1
+agent:
+  interval: {interval}
+  state_file: {tmp}/state.json
+  metrics: {{listen: "127.0.0.1:{port}"}}
+tenants:
+  research: {{shares: 2}}
+"""
+
+
+def test_the_daemons_reload_result_and_interval(tmp_path: Path) -> None:
+    """Through the daemon: the start-up load counts as a success; a bad file fails the
+    reload (the agent keeps its last good policy) until a good one is loaded."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(RELOADED.format(interval="2s", tmp=tmp_path, port=port))
+    (tmp_path / "cgroup").mkdir()
+    before = time.time()
+    agent = Agent(
+        load_policy(policy), CgroupTree(str(tmp_path / "cgroup")), config_path=str(policy)
+    )
+    server = serve_metrics(agent)
+    assert server is not None
+    try:
+
+        def get() -> Samples:
+            url = f"http://127.0.0.1:{server.port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as r:  # loopback only
+                text = r.read().decode()
+            out: Samples = {}
+            for family in text_string_to_metric_families(text):
+                for x in family.samples:
+                    out.setdefault(x.name, []).append(x)
+            return out
+
+        ok, at = (
+            "nodeagent_config_last_reload_successful",
+            ("nodeagent_config_last_reload_success_timestamp_seconds"),
+        )
+        s = get()
+        assert value(s, ok) == 1
+        started = value(s, at)
+        assert before <= started <= time.time()
+        assert value(s, "nodeagent_tick_interval_seconds") == 2
+
+        policy.write_text("version: 1\ntenants:\n  research: {shares: -2}\n")
+        agent.reload()
+        s = get()
+        assert (value(s, ok), value(s, at)) == (0, started)
+
+        policy.write_text(RELOADED.format(interval="5s", tmp=tmp_path, port=port))
+        agent.reload()
+        s = get()
+        assert value(s, ok) == 1
+        assert value(s, at) >= started
+        assert value(s, "nodeagent_tick_interval_seconds") == 5
+    finally:
+        server.close()
