@@ -107,7 +107,10 @@ class TickCollector(Collector):
         self._ticks: Counter[str] = Counter({"ok": 0, "failed": 0})
         self._durations = [0] * len(TICK_BUCKETS)
         self._duration_sum = 0.0
-        self._writes: Counter[tuple[str, str]] = Counter()
+        self._writes: Counter[tuple[str, str]] = Counter(
+            {(str(a), str(Outcome.FAILED)): 0 for a in Attribute}
+        )
+        """From 0 for every attribute's failures: increase() misses a counter's first step."""
         self._workload_writes: dict[str, Counter[tuple[str, str]]] = {}
         self._gpus: GpuMetrics | None = None
         self._failed: dict[str, str] = {}

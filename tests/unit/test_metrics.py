@@ -738,3 +738,12 @@ def test_the_daemons_reload_result_and_interval(tmp_path: Path) -> None:
         assert value(s, "nodeagent_tick_interval_seconds") == 5
     finally:
         server.close()
+
+
+def test_failed_writes_count_from_zero() -> None:
+    """Every attribute's failed count is there at 0 before the first failure: increase()
+    cannot see a counter's first step (the series would appear at 1), so an alert on
+    failed writes would miss it."""
+    s = observed(None)
+    failed = {x.labels["attribute"]: x.value for x in s["nodeagent_cgroup_writes_total"]}
+    assert failed == dict.fromkeys(map(str, Attribute), 0)
