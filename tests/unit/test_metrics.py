@@ -10,131 +10,44 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from builders import CID2, POD_UID, job, k8s_container, snapshot
+from builders import CID2, POD_UID, job
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from structlog.testing import capture_logs
+from ticks import (
+    A1,
+    A2,
+    B1,
+    DUE,
+    GPU_NODE,
+    K8S,
+    NOW,
+    POLICY,
+    REPO,
+    WITH_DEADLINE,
+    record,
+    state,
+)
 
 from nodeagent import __version__
-from nodeagent.act import Outcome, WriteResult
-from nodeagent.cgroupfs.parse import Psi, PsiLine
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, MemoryLimit, Value
+from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.daemon import Agent, serve_metrics
-from nodeagent.gpu.model import GpuState
 from nodeagent.gpu.simulated import load_simulated
-from nodeagent.identity import WorkloadIdentity
 from nodeagent.metrics.collector import TickCollector
 from nodeagent.metrics.families import FAMILIES, WORKLOAD
 from nodeagent.policy.base import Assignment
-from nodeagent.policy.classify import assign
-from nodeagent.policy.plan import make_plan
 from nodeagent.report import TickRecord
 from nodeagent.sense.gpus import GpuSensor
 from nodeagent.snapshot import CgroupSample, Skipped, WorkloadState
 from nodeagent.spec.load import load_policy
-from nodeagent.spec.model import PolicySpec, Rule, WorkloadClass
+from nodeagent.spec.model import PolicySpec, WorkloadClass
 from nodeagent.tables import printable
-
-NOW = 1_700_000_000.0
-REPO = Path(__file__).resolve().parents[2]
-A1, A2, B1 = "nodeagent.slice/a-1", "nodeagent.slice/a-2", "nodeagent.slice/b-1"
-K8S = k8s_container(CID2)
-POLICY = PolicySpec.model_validate(
-    {
-        "version": 1,
-        "tenants": {"a": {"shares": 2}, "b": {"shares": 1}},
-        "rules": [
-            {"name": "a-jobs", "match": {"path": "nodeagent.slice/a-*"}, "tenant": "a"},
-            {"name": "b-jobs", "match": {"path": "nodeagent.slice/b-*"}, "tenant": "b"},
-            {
-                "name": "pods",
-                "match": {"runtime": "containerd"},
-                "tenant": "b",
-                "class": "inference",
-                "limits": {"cpu_max": 1.5, "memory_max": "1Gi"},
-            },
-        ],
-    }
-)
-KERNEL: dict[Attribute, Value] = {
-    Attribute.CPU_WEIGHT: CpuWeight(100),
-    Attribute.CPU_MAX: CpuMax(None),
-    Attribute.MEMORY_MAX: MemoryLimit(None),
-    Attribute.MEMORY_HIGH: MemoryLimit(None),
-    Attribute.MEMORY_LOW: MemoryLimit(0),
-    Attribute.MEMORY_MIN: MemoryLimit(0),
-    Attribute.FREEZE: Frozen(False),
-}
-
-
-def psi(avg10: float, some_us: int, full_us: int | None) -> Psi:
-    full = None if full_us is None else PsiLine(avg10 / 2, 0.0, 0.0, full_us)
-    return Psi(PsiLine(avg10, 0.0, 0.0, some_us), full)
-
-
-def state(
-    who: WorkloadIdentity | str,
-    rate: float | None,
-    *,
-    used_s: float = 10.0,
-    settings: Mapping[Attribute, Value] = KERNEL,
-    stall: float | None = 0.02,
-    cpu_full_us: int | None = 1_000_000,
-) -> WorkloadState:
-    sample = CgroupSample(
-        populated=True,
-        cpu_usage_us=int(used_s * 1e6),
-        cpu_nr_periods=100,
-        cpu_nr_throttled=5,
-        cpu_throttled_us=250_000,
-        memory_current=300 << 20,
-        cpu_psi=psi(12.5, 2_500_000, cpu_full_us),
-        memory_psi=psi(1.5, 300_000, 100_000),
-        settings=dict(settings),
-    )
-    identity = job(who) if isinstance(who, str) else who
-    return WorkloadState(identity, sample, rate, 0.05 if rate else None, stall)
-
-
-def record(
-    states: Sequence[WorkloadState],
-    *,
-    written: bool = True,
-    skipped: Sequence[Skipped] = (),
-    policy: PolicySpec = POLICY,
-    seq: int = 7,
-    duration: float = 0.012,
-    gpus: GpuState | None = None,
-) -> TickRecord:
-    """A tick whose plan is made by the real policies; every planned change is written
-    (or, with written=False, failed)."""
-    snap = replace(snapshot(states, seq=seq, wall_time=NOW), skipped=tuple(skipped), gpus=gpus)
-    plan = make_plan(snap, policy, {"a": 30.0})
-    current = {w.path: w.sample.settings for w in snap.workloads}
-    results = tuple(
-        WriteResult(
-            cg.path,
-            attribute,
-            None,
-            target.render(),
-            target.reason,
-            Outcome.WRITTEN if written else Outcome.FAILED,
-            "" if written else "EINVAL",
-        )
-        for cg in plan.cgroups
-        for attribute, target in cg.targets.items()
-        if current[cg.path].get(attribute) != target.value
-    )
-    assignments = assign([w.identity for w in states] + [x.identity for x in skipped], policy)
-    return TickRecord(snap, plan, results, duration, False, assignments)
-
 
 Samples = dict[str, list[Sample]]
 
@@ -327,26 +240,6 @@ def test_skipped_cgroups_by_step() -> None:
     assert value(s, "nodeagent_policy_failures") == 0
 
 
-DUE = "nodeagent.slice/due"
-WITH_DEADLINE = POLICY.model_copy(
-    update={
-        "rules": (
-            Rule.model_validate(
-                {
-                    "name": "due",
-                    "match": {"path": DUE},
-                    "tenant": "a",
-                    "class": "training",
-                    "deadline": "2023-11-14T22:15:00+00:00",  # NOW + 100 s
-                    "work": 60,
-                }
-            ),
-            *POLICY.rules,
-        )
-    }
-)
-
-
 def test_deadline_jobs_and_misses() -> None:
     running = state(DUE, 1.0, used_s=20.0)
     s = observed(record([running, state(B1, 1.0)], policy=WITH_DEADLINE), misses=3)
@@ -384,24 +277,6 @@ def test_the_protection_controller() -> None:
     assert value(s, "nodeagent_workload_cpu_max_cores", cgroup=A1) == pytest.approx(cap / 2)
     assert value(s, "nodeagent_protection_stalling_cgroups") == 1
     assert value(s, "nodeagent_protection_frozen_cgroups") == 0
-
-
-GPU_NODE = """\
-gpus:
-  - index: 0
-    uuid: GPU-00000000-0000-4000-8000-000000000000
-    name: NVIDIA H100 80GB HBM3
-    memory: 80Gi
-    numa_node: 0
-    pci_bus_id: '00000000:1B:00.0'
-    power: {min: 200, max: 700, default: 700, draw: 350}
-    utilization: 60
-    temperature: 51
-processes:
-  - {pid: 4242, gpu: 0, memory: 2Gi, cgroup: nodeagent.slice/a-1/worker}
-  - {pid: 4243, gpu: 0, memory: 1Gi, cgroup: nodeagent.slice/a-1}
-  - {pid: 4244, gpu: 0, memory: 1Gi, cgroup: system.slice/other.service}
-"""
 
 
 def test_gpus_once_the_daemon_has_a_backend(tmp_path: Path) -> None:
