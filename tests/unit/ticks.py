@@ -3,7 +3,7 @@ TickRecords whose plans the real policies make."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, Memo
 from nodeagent.gpu.model import GpuState
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.policy.classify import assign
-from nodeagent.policy.plan import make_plan
+from nodeagent.policy.plan import Target, make_plan
 from nodeagent.report import TickRecord
 from nodeagent.snapshot import CgroupSample, Skipped, WorkloadState
 from nodeagent.spec.model import PolicySpec, Rule
@@ -85,6 +85,7 @@ def record(
     states: Sequence[WorkloadState],
     *,
     written: bool = True,
+    failing: Collection[Attribute] = (),
     skipped: Sequence[Skipped] = (),
     policy: PolicySpec = POLICY,
     seq: int = 7,
@@ -92,23 +93,20 @@ def record(
     gpus: GpuState | None = None,
     wall_time: float = NOW,
 ) -> TickRecord:
-    """A tick whose plan is made by the real policies; every planned change is written
-    (or, with written=False, failed)."""
-    snap = replace(
-        snapshot(states, seq=seq, wall_time=wall_time), skipped=tuple(skipped), gpus=gpus
-    )
+    """A tick whose plan is made by the real policies; every planned change is written,
+    except those to `failing` attributes (with written=False, every one fails)."""
+    snap = snapshot(states, seq=seq, wall_time=wall_time)
+    snap = replace(snap, skipped=tuple(skipped), gpus=gpus)
     plan = make_plan(snap, policy, {"a": 30.0})
     current = {w.path: w.sample.settings for w in snap.workloads}
+
+    def result(path: str, attribute: Attribute, target: Target) -> WriteResult:
+        ok = written and attribute not in failing
+        outcome, detail = (Outcome.WRITTEN, "") if ok else (Outcome.FAILED, "EINVAL")
+        return WriteResult(path, attribute, None, target.render(), target.reason, outcome, detail)
+
     results = tuple(
-        WriteResult(
-            cg.path,
-            attribute,
-            None,
-            target.render(),
-            target.reason,
-            Outcome.WRITTEN if written else Outcome.FAILED,
-            "" if written else "EINVAL",
-        )
+        result(cg.path, attribute, target)
         for cg in plan.cgroups
         for attribute, target in cg.targets.items()
         if current[cg.path].get(attribute) != target.value
@@ -118,23 +116,16 @@ def record(
 
 
 DUE = "nodeagent.slice/due"
-WITH_DEADLINE = POLICY.model_copy(
-    update={
-        "rules": (
-            Rule.model_validate(
-                {
-                    "name": "due",
-                    "match": {"path": DUE},
-                    "tenant": "a",
-                    "class": "training",
-                    "deadline": "2023-11-14T22:15:00+00:00",  # NOW + 100 s
-                    "work": 60,
-                }
-            ),
-            *POLICY.rules,
-        )
-    }
-)
+
+
+def with_deadline(deadline: str, work: float) -> PolicySpec:
+    """POLICY with a training job at DUE, due at `deadline` (ISO 8601) after `work` CPU-s."""
+    due = {"name": "due", "match": {"path": DUE}, "tenant": "a", "class": "training"}
+    rule = Rule.model_validate({**due, "deadline": deadline, "work": work})
+    return POLICY.model_copy(update={"rules": (rule, *POLICY.rules)})
+
+
+WITH_DEADLINE = with_deadline("2023-11-14T22:15:00+00:00", 60)  # NOW + 100 s
 
 
 GPU_NODE = """\
