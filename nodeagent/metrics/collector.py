@@ -7,7 +7,9 @@ across ticks (ticks, writes, the tick-time histogram) is kept here, per tick, by
 `observe`; a workload's counters are dropped in the tick it is gone.
 
 `observe` runs on the loop's thread, `collect` on the HTTP server's: the shared state is
-copied under one lock, and the record itself is frozen.
+copied under one lock, and the record itself is frozen. Each workload, and each group of
+the node's series, is rendered on its own: one that fails is left out of that scrape
+(logged once), never the whole scrape.
 """
 
 from __future__ import annotations

@@ -196,7 +196,10 @@ FAMILIES: tuple[Family, ...] = (
             *W,
         )
         for resource, what in (("cpu", "a CPU"), ("memory", "memory"))
-        for kind, who in (("some", "some of the workload's tasks"), ("full", "all of them"))
+        for kind, who in (
+            ("some", "some of the workload's tasks"),
+            ("full", "all of its non-idle tasks at once"),
+        )
     ),
     _f(
         "nodeagent_workload_cpu_psi_some_avg10_ratio",
