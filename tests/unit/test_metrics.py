@@ -38,6 +38,7 @@ from nodeagent import __version__
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.daemon import Agent, serve_metrics
+from nodeagent.gpu.model import GpuProcess
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.metrics.collector import TickCollector
 from nodeagent.metrics.families import FAMILIES, WORKLOAD
@@ -362,12 +363,18 @@ def test_every_family_is_described_and_named_koordlet_style() -> None:
 
 def full_scrape() -> CollectorRegistry:
     """Every kind of series at once: a deadline job, a stalling inference pod that has
-    batch throttled, GPUs (a simulated node)."""
-    c = TickCollector(lambda: 1)
+    batch throttled, GPUs (a simulated node) with a process no hold covers, the reload
+    result and the interval."""
+    c = TickCollector(lambda: 1, reload=lambda: (False, NOW), interval=lambda: 1.0)
     stalling = state(K8S, 0.5, stall=0.4)
     due = state(DUE, 1.0, used_s=20.0)
-    c.observe(record([stalling, due, state(A1, 3.0), state(B1, 3.0)], policy=WITH_DEADLINE))
-    c.watch_gpus(load_simulated(REPO / "config" / "gpus" / "dgx-h100-nvswitch.yaml"))
+    backend = load_simulated(REPO / "config" / "gpus" / "dgx-h100-nvswitch.yaml")
+    gpus = GpuSensor(backend).read(())
+    assert gpus is not None
+    gpus = replace(gpus, processes=(GpuProcess(4242, gpus.devices[0].uuid, 1 << 30, A1),))
+    workloads = [stalling, due, state(A1, 3.0), state(B1, 3.0)]
+    c.observe(record(workloads, policy=WITH_DEADLINE, gpus=gpus))
+    c.watch_gpus(backend)
     registry = CollectorRegistry()
     registry.register(c)
     return registry
@@ -382,7 +389,15 @@ def test_a_full_scrape_is_valid_exposition() -> None:
     text = {f.name for f in text_string_to_metric_families(generate_latest(registry).decode())}
     names = {f.name for f in om(openmetrics(registry).decode())}
     assert names == text
-    for family in ("deadline_status", "protection_state", "gpu_info", "ticks"):
+    for family in (
+        "deadline_status",
+        "protection_state",
+        "gpu_info",
+        "ticks",
+        "build_info",
+        "config_last_reload_successful",
+        "gpu_violating_processes",
+    ):
         assert f"nodeagent_{family}" in names
 
 
