@@ -145,6 +145,9 @@ class Agent:
         """The last plan's assignments, for as long as it is made again (same cgroups)."""
         self.stop = threading.Event()
         self.reload_requested = threading.Event()
+        self.last_reload = (True, time.time())
+        """Whether the last reload applied the file, and when the policy in force was loaded
+        (for the metrics; the start-up load counts as a reload that applied)."""
 
     def _with_overrides(self, spec: PolicySpec) -> PolicySpec:
         """Command-line settings win over the file's, at start and on every reload."""
@@ -401,6 +404,7 @@ class Agent:
         """Re-read the policy file; on any problem keep running on the last good policy."""
         if self.config_path is None:
             return
+        self.last_reload = (False, self.last_reload[1])  # failed, unless it gets to the end
         try:
             spec = self._with_overrides(load_policy(self.config_path))
         except PolicyError as e:
@@ -425,6 +429,7 @@ class Agent:
         self.sensor.verify_every = spec.agent.resync_interval
         self._read_all, self._replan_at = True, 0.0
         log.info("policy.reloaded", file=self.config_path, rules=len(spec.rules))
+        self.last_reload = (True, time.time())
 
     # --- the API's view -------------------------------------------------------------------
 
@@ -635,7 +640,11 @@ def serve_metrics(agent: Agent) -> MetricsServer | None:
     from nodeagent.metrics.collector import TickCollector  # noqa: PLC0415
     from nodeagent.metrics.server import MetricsServer  # noqa: PLC0415
 
-    collector = TickCollector(lambda: agent.notes.deadline_misses)
+    collector = TickCollector(
+        lambda: agent.notes.deadline_misses,
+        reload=lambda: agent.last_reload,
+        interval=lambda: agent.spec.agent.interval,
+    )
     if agent.gpus.backend.inventory():
         collector.watch_gpus(agent.gpus.backend)
     server = MetricsServer.start(listen, collector)
