@@ -14,6 +14,8 @@ how far pressure is over the threshold, and a slow additive release):
   of itself per tick, never below the class's `floor_cpu`; it is split evenly over the
   class's active cgroups as cpu.max, never below a cgroup's own floor, and a tighter
   static cap stays;
+- a class's first cap starts from what its cgroups used last tick (on their first tick,
+  before a rate is known, from what each may use: its cpu.max, or the node's CPUs);
 - when every victim class has sat at its floor for `freeze_after` ticks and the pressure
   persists, the busiest cgroup of the lowest-priority freezable victim class is frozen
   (cgroup.freeze: stopped, never killed), one per `freeze_after` ticks;
@@ -136,6 +138,15 @@ class _Node:
                 out[w.path] = s
         return out
 
+    def using(self, w: WorkloadState) -> float:
+        """The cores a cgroup uses, where a first cap starts: its rate; before one is
+        known (its first tick), what it may use: its cpu.max, or the node's CPUs."""
+        if w.cpu_rate is not None:
+            return w.cpu_rate
+        now = w.sample.settings.get(Attribute.CPU_MAX)
+        limit = now.cores if isinstance(now, CpuMax) else None
+        return self.capacity if limit is None else min(limit, self.capacity)
+
     def members(self, cls: WorkloadClass, exclude: Sequence[str] = ()) -> list[WorkloadState]:
         return [
             w
@@ -212,8 +223,8 @@ class Protection:
         severity = min(1.0, max(0.25, worst / s.cpu_pressure - 1))
         victims = self._victims(node, state, stalling)
         for cls, members in victims.items():
-            used = sum(w.cpu_rate or 0.0 for w in members)
-            cap = state.caps.get(str(cls), max(used, node.floor(cls)))
+            start = min(node.capacity, sum(node.using(w) for w in members))
+            cap = state.caps.get(str(cls), max(start, node.floor(cls)))
             state.caps[str(cls)] = max(node.floor(cls), cap * (1 - s.step * severity))
         pinned = bool(victims) and all(state.caps[str(c)] <= node.floor(c) + 1e-9 for c in victims)
         state.pinned = state.pinned + 1 if pinned else 0

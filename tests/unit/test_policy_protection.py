@@ -36,11 +36,12 @@ def tick(
     stall: float,
     carried: Mapping[str, Mapping[str, object]],
     kernel: Mapping[str, Mapping[Attribute, object]] | None = None,
+    used: float | None = 1.6,
 ) -> Plan:
     """One tick on 4 CPUs: the inference cgroup stalls `stall` of the time, batch and
-    training each use 1.6 cores."""
+    training each use `used` cores (None: not known yet, as on the first tick)."""
     states = []
-    for path, rate, s in ((INFER, 0.5, stall), (BATCH, 1.6, 0.0), (TRAIN, 1.6, 0.0)):
+    for path, rate, s in ((INFER, 0.5, stall), (BATCH, used, 0.0), (TRAIN, used, 0.0)):
         settings = dict((kernel or {}).get(path, {}))
         sample = CgroupSample(populated=True, cpu_usage_us=1, settings=settings)  # type: ignore[arg-type]
         states.append(WorkloadState(job(path), sample, rate, 0.0, s))
@@ -147,3 +148,28 @@ def test_turning_protection_off_gives_everything_back() -> None:
         cg = next(c for c in plan.cgroups if c.path == path)
         assert cg.targets[Attribute.CPU_MAX].value == CpuMax(None)
     assert next(n for n in plan.notes if n.kind == "protection").status == "idle"
+
+
+def reason(plan: Plan, path: str, attribute: Attribute) -> str | None:
+    t = next(c for c in plan.cgroups if c.path == path).targets.get(attribute)
+    return None if t is None else t.reason
+
+
+@pytest.mark.parametrize(
+    ("kernel", "start"),
+    [
+        ({}, 4.0),  # no limit: the node's 4 CPUs
+        ({Attribute.CPU_MAX: CpuMax(100_000)}, 1.0),  # its current limit, 1 core
+    ],
+)
+def test_the_first_throttle_starts_from_what_the_class_may_use_when_usage_is_unknown(
+    kernel: Mapping[Attribute, object], start: float
+) -> None:
+    """Issue 13.15: on the first tick no usage is known, and the first cap went straight
+    to the floor (0.2 here). It shrinks by one step (50% here) from the current limit, or
+    from the node's CPUs when there is none, as it does from known usage."""
+    plan = tick(0.4, {}, {BATCH: kernel, TRAIN: kernel}, used=None)
+    assert cap(plan, BATCH) == pytest.approx(start * 0.5)
+    assert cap(plan, TRAIN) == pytest.approx(start * 0.5)
+    plan = tick(0.4, plan.carry, used=None)
+    assert cap(plan, BATCH) == pytest.approx(max(0.2, start * 0.25)), "then a step a tick"
