@@ -18,7 +18,8 @@ how far pressure is over the threshold, and a slow additive release):
   before a rate is known, from what each may use: its cpu.max, or the node's CPUs);
 - when every victim class has sat at its floor for `freeze_after` ticks and the pressure
   persists, the busiest cgroup of the lowest-priority freezable victim class is frozen
-  (cgroup.freeze: stopped, never killed), one per `freeze_after` ticks;
+  (cgroup.freeze: stopped, never killed), one per `freeze_after` ticks; it keeps the cap
+  it had while frozen, so it is thawed under it;
 - after `calm_ticks` ticks below half the threshold, frozen cgroups are thawed first,
   last frozen first, one per tick; then caps grow by `release_step` of the usable CPUs
   per tick until they no longer bind, and are lifted (cpu.max back to the static cap or
@@ -256,6 +257,14 @@ class Protection:
         period = node.settings.period_us
         out: list[Output] = []
         capped: list[str] = []
+        for path in state.frozen:  # it keeps the cap it had: thawed, it starts under it
+            if path not in state.capped or path not in node.states:
+                continue
+            capped.append(path)
+            now = node.states[path].sample.settings.get(Attribute.CPU_MAX)
+            if isinstance(now, CpuMax) and now.cores is not None:
+                why = "cap kept while frozen, so that it is thawed under it"
+                out.append(Decision(path, Attribute.CPU_MAX, now, self.name, why))
         for name, cap in sorted(state.caps.items()):
             cls = WorkloadClass(name)
             members = node.members(cls, state.frozen)

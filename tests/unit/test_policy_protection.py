@@ -173,3 +173,20 @@ def test_the_first_throttle_starts_from_what_the_class_may_use_when_usage_is_unk
     assert cap(plan, TRAIN) == pytest.approx(start * 0.5)
     plan = tick(0.4, plan.carry, used=None)
     assert cap(plan, BATCH) == pytest.approx(max(0.2, start * 0.25)), "then a step a tick"
+
+
+def test_a_frozen_cgroup_keeps_its_cap_and_no_reason_says_the_pressure_is_gone() -> None:
+    """Issue 13.16: the tick that froze batch also lifted its cap "because pressure is
+    gone". A frozen cgroup keeps the cap it had, so it is thawed under it."""
+    carried: Mapping[str, Mapping[str, object]] = {}
+    at_floor = {BATCH: {Attribute.CPU_MAX: CpuMax(20_000)}}
+    for _ in range(3):
+        carried = tick(0.4, carried, at_floor).carry
+    plan = tick(0.4, carried, at_floor)  # freeze_after reached
+    assert frozen(plan, BATCH) is True
+    assert cap(plan, BATCH) == pytest.approx(0.2), "kept while frozen"
+    why = reason(plan, BATCH, Attribute.CPU_MAX) or ""
+    assert "pressure is gone" not in why and "frozen" in why, why
+    kernel = {BATCH: {Attribute.CPU_MAX: CpuMax(20_000), Attribute.FREEZE: Frozen(True)}}
+    plan = tick(0.4, plan.carry, kernel)
+    assert cap(plan, BATCH) == pytest.approx(0.2), "and on every tick it stays frozen"
