@@ -186,7 +186,8 @@ def test_plain_directories_in_a_users_subtree_are_neither_walked_nor_watched(
     registry = Registry(tree, "nodeagent.slice", watch=True)
     registry.resync()
     assert set(registry.workloads) == {"system.slice/cron.service", ROOTLESS}
-    assert kernel_watches(registry) <= 10, "a watch in every plain directory"
+    watches = kernel_watches(registry)
+    assert watches <= 10, f"{watches} watches: one in every plain directory"
     assert tree.opened <= 10
 
 
