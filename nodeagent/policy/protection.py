@@ -12,8 +12,8 @@ how far pressure is over the threshold, and a slow additive release):
 
 - under pressure, each victim class's CPU cap (cores, in all) shrinks by up to `step`
   of itself per tick, never below the class's `floor_cpu`; it is split evenly over the
-  class's active cgroups as cpu.max, never below a cgroup's own floor, and a tighter
-  static cap stays;
+  class's active cgroups as cpu.max (the innermost claims, as in the tenant split), never
+  below a cgroup's own floor, and a tighter static cap stays;
 - a class's first cap starts from what its cgroups used last tick (on their first tick,
   before a rate is known, from what each may use: its cpu.max, or the node's CPUs);
 - when every victim class has sat at its floor for `freeze_after` ticks and the pressure
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax, Frozen
 from nodeagent.policy.base import Carry, Decision, Floor, Note, Output, PolicyInput
+from nodeagent.policy.classify import outer_claims
 from nodeagent.policy.cpu import usable
 from nodeagent.policy.fairshare import is_active
 from nodeagent.snapshot import WorkloadState
@@ -108,6 +109,8 @@ class _Node:
         self.settings = given.spec.protection
         self.floors: dict[str, Floor] = given.floors()
         self.classes = {p: a.workload_class for p, a in given.assignments.items()}
+        self.outer = outer_claims(given.assignments)
+        """Claimed cgroups with claims below them: capped and frozen through those."""
         self.states = {w.path: w for w in given.snapshot.workloads}
         self.capacity = usable(given)
 
@@ -154,6 +157,7 @@ class _Node:
             for w in self.given.snapshot.workloads
             if self.classes.get(w.path) is cls
             and w.path not in exclude
+            and w.path not in self.outer
             and is_active(w, self.spec.fair_share)
         ]
 

@@ -190,3 +190,36 @@ def test_a_frozen_cgroup_keeps_its_cap_and_no_reason_says_the_pressure_is_gone()
     kernel = {BATCH: {Attribute.CPU_MAX: CpuMax(20_000), Attribute.FREEZE: Frozen(True)}}
     plan = tick(0.4, plan.carry, kernel)
     assert cap(plan, BATCH) == pytest.approx(0.2), "and on every tick it stays frozen"
+
+
+def test_a_pod_claimed_with_its_containers_is_capped_through_them() -> None:
+    """Issue 13.12's nesting, in the protection controller: a class cap split over a pod
+    and its two containers capped the pod at a third of it, and counted its usage twice."""
+    from builders import CID, CID2, POD_UID, k8s_container
+
+    from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
+
+    pod = WorkloadIdentity(
+        f"kubepods/burstable/pod{POD_UID}",
+        Kind.POD,
+        Runtime.KUBELET,
+        Owner.CGROUPFS,
+        "pod",
+        None,
+        POD_UID,
+        QosTier.BURSTABLE,
+    )
+    ctrs = [k8s_container(CID), k8s_container(CID2)]
+    assigned = {INFER: ASSIGNED[INFER]} | {
+        w.path: Assignment("be", "a", WorkloadClass.BATCH) for w in (pod, *ctrs)
+    }
+    sample = CgroupSample(populated=True, cpu_usage_us=1)
+    states = [WorkloadState(job(INFER), sample, 0.5, 0.0, 0.4)]
+    states += [
+        WorkloadState(w, sample, r, 0.0, 0.0) for w, r in ((pod, 2.0), *((c, 1.0) for c in ctrs))
+    ]
+    snap = snapshot(states)
+    snap = replace(snap, node=replace(snap.node, cpu_count=4))
+    plan = make_plan(snap, POLICY, {}, [Protection()], assignments=assigned, carried={})
+    assert cap(plan, pod.path) is None
+    assert [cap(plan, c.path) for c in ctrs] == pytest.approx([0.5, 0.5]), "2 cores, a step down"
