@@ -189,7 +189,7 @@ def workloads(cgroup_root: str, config: str | None, as_json: bool) -> None:
     from nodeagent.discovery.registry import Registry
     from nodeagent.ownership import write_mode
     from nodeagent.policy.base import describe
-    from nodeagent.policy.classify import assign
+    from nodeagent.policy.classify import assign, nested_warnings
     from nodeagent.sense.cgroup_files import probe
     from nodeagent.spec.model import AgentSettings
 
@@ -203,6 +203,8 @@ def workloads(cgroup_root: str, config: str | None, as_json: bool) -> None:
     registry.resync()
     found = sorted(registry.identities(), key=lambda i: i.path)
     assigned = assign(found, spec) if spec else {}
+    for warning in nested_warnings(assigned):
+        click.echo(f"warning: {warning}", err=True)
     page = os.sysconf("SC_PAGE_SIZE")
     rows: list[dict[str, Any]] = []
     for i in found:

@@ -26,7 +26,7 @@ def validate(file: str) -> None:
     from nodeagent.spec.load import PolicyError, load_policy
 
     try:
-        spec = load_policy(file)
+        spec = load_policy(file, warn=lambda w: click.echo(str(w), err=True))
     except PolicyError as e:
         click.echo(str(e), err=True)
         sys.exit(1)

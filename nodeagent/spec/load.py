@@ -10,7 +10,7 @@ import difflib
 import os
 import re
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import yaml
@@ -23,6 +23,7 @@ from nodeagent.cgroupfs.values import QUOTA_MAX_US, QUOTA_MIN_US
 from nodeagent.errors import NodeagentError, UnsafePath
 from nodeagent.regular_file import UnusableFile, read_regular_file
 from nodeagent.spec.model import MAX, PolicySpec
+from nodeagent.spec.nesting import nesting_warnings
 
 MAX_BYTES = 1 << 20  # a real policy is a few kilobytes; this also stops a read of /dev/zero
 MIN_MEMORY = 1 << 20  # a smaller memory limit is a unit mistake (512 meant as 512Mi), not a policy
@@ -83,9 +84,13 @@ class PolicyError(NodeagentError):
         super().__init__("\n".join(lines))
 
 
-def load_policy(path: str | os.PathLike[str]) -> PolicySpec:
+Warn = Callable[[Problem], None]
+"""Told of what a valid policy may not mean (a message starting 'warning: ')."""
+
+
+def load_policy(path: str | os.PathLike[str], warn: Warn | None = None) -> PolicySpec:
     """Read and parse the policy file at `path`."""
-    return parse_policy(read_text(path, "a policy"), os.fspath(path))
+    return parse_policy(read_text(path, "a policy"), os.fspath(path), warn)
 
 
 def read_text(path: str | os.PathLike[str], what: str) -> str:
@@ -112,7 +117,7 @@ def read_text(path: str | os.PathLike[str], what: str) -> str:
         raise fail(f"not a text file: invalid UTF-8 at byte {e.start}") from None
 
 
-def parse_policy(text: str, filename: str) -> PolicySpec:
+def parse_policy(text: str, filename: str, warn: Warn | None = None) -> PolicySpec:
     """Parse policy YAML held in memory; `filename` is only used in messages."""
     report = _Report(filename)
     where, data = _compose_and_construct(text, report)
@@ -137,7 +142,22 @@ def parse_policy(text: str, filename: str) -> PolicySpec:
     _check_semantics(spec, where, report)
     if report.problems:
         raise PolicyError(report.sorted())
+    if warn is not None:
+        for problem in _nesting_warnings(spec, where, filename):
+            warn(problem)
     return spec
+
+
+def _nesting_warnings(spec: PolicySpec, where: _Locator, filename: str) -> list[Problem]:
+    """Rules that can claim a cgroup and one below it (see spec.nesting), at their match."""
+    out = []
+    for i, message in nesting_warnings(spec):
+        mark = where.mark(("rules", i, "match"))
+        where_ = _dotted(("rules", i, "match"))
+        out.append(
+            Problem(filename, mark.line + 1, mark.column + 1, f"warning: {where_}: {message}")
+        )
+    return out
 
 
 class _Report:
