@@ -8,6 +8,7 @@ filesystem).
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 
@@ -15,9 +16,26 @@ from nodeagent.cli import capacity, exec, gpus, inspection, run
 from nodeagent.errors import NodeagentError
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Context(click.Context):
+    """A usage error raised while this command's arguments are parsed names this command:
+    click's parser raises some (an option missing its value) without a context, and the
+    hint then lost the command path (`nodeagent: ... (see 'nodeagent --help')`)."""
+
+    def __exit__(self, *exc: Any) -> None:
+        error = exc[1]
+        if isinstance(error, click.UsageError) and error.ctx is None:
+            error.ctx = self
+        super().__exit__(*exc)
+
+
+@click.group(
+    context_settings={"help_option_names": ["-h", "--help"]},
+    invoke_without_command=True,
+    no_args_is_help=False,
+)
 @click.version_option(package_name="nodeagent")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """Set cgroup v2 CPU and memory controls for this host's workloads from a policy file.
 
     \b
@@ -33,6 +51,8 @@ def main() -> None:
       nodeagent gpus                            this node's GPUs, their health and users
       nodeagent capacity --arrival-rate L ...   replicas for a mean wait (M/M/c, Erlang C)
     """
+    if ctx.invoked_subcommand is None:  # bare `nodeagent`: the help, as kubectl does
+        click.echo(ctx.get_help())
 
 
 for _command in (
@@ -46,6 +66,15 @@ for _command in (
     gpus.gpus,
 ):
     main.add_command(_command)
+
+
+def _with_context_class(command: click.Command) -> None:
+    command.context_class = _Context
+    for sub in getattr(command, "commands", {}).values():
+        _with_context_class(sub)
+
+
+_with_context_class(main)
 
 
 def entrypoint() -> None:

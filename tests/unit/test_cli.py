@@ -83,6 +83,34 @@ def test_help(runner: CliRunner, command: list[str], mentions: list[str]) -> Non
             assert word in result.output
 
 
+def test_bare_nodeagent_prints_the_help_and_succeeds() -> None:
+    """Issue 13, item 14: it was rc 2 with the whole help crushed into one error line."""
+    proc = nodeagent()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    assert proc.stdout.startswith("Usage: nodeagent [OPTIONS]")
+    assert proc.stdout.count("\n") > 20
+    assert "\nCommands:\n" in proc.stdout
+    assert "  validate " in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "where"),
+    [
+        (["capacity", "--arrival-rate"], "nodeagent capacity"),
+        (["gpus", "place", "--count"], "nodeagent gpus place"),
+    ],
+)
+def test_an_option_missing_its_value_names_the_command(args: list[str], where: str) -> None:
+    """Issue 13, item 14: the hint said `nodeagent --help`, losing the command path."""
+    proc = nodeagent(*args)
+    assert proc.returncode == 2
+    flag = args[-1]
+    assert proc.stderr == (
+        f"{where}: error: Option '{flag}' requires an argument. (see '{where} --help')\n"
+    )
+
+
 # --- validate -----------------------------------------------------------------------------
 
 
