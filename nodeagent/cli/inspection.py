@@ -179,12 +179,49 @@ def explain_text(data: Mapping[str, Any]) -> str:
     return "\n".join(printable(line) for line in lines)
 
 
+def check_cgroup_root(root: str, proc_root: str) -> None:
+    """Refuse, as `run` does and with its line, a root that is not a usable cgroup v2
+    hierarchy (a v1 or hybrid host, a v2 mount without cpu and memory): read as it is, it
+    would list nothing and look like a host without workloads. A plain directory that is no
+    mount and lies in none of cgroup's (a copy or a fixture of a tree) is read as it is."""
+    from nodeagent.cgroupfs.detect import detect, parse_mountinfo
+    from nodeagent.errors import CgroupUnavailable
+
+    try:
+        detect(root, proc_root)
+    except CgroupUnavailable:
+        real = os.path.realpath(root)
+        try:
+            with open(os.path.join(proc_root, "self/mountinfo"), encoding="ascii") as f:
+                mounts = parse_mountinfo(f.read())
+        except OSError:
+            mounts = []  # the detection's own line says that mountinfo is unreadable
+        if not mounts or any(
+            real == m.point
+            or (m.fstype in ("cgroup", "cgroup2") and real.startswith(m.point.rstrip("/") + "/"))
+            for m in mounts
+        ):
+            raise
+
+
 @click.command()
 @click.option("--cgroup-root", default="/sys/fs/cgroup", show_default=True, metavar="DIR")
+@click.option(
+    "--proc-root",
+    default="/proc",
+    show_default=True,
+    metavar="DIR",
+    help="Where self/mountinfo tells which cgroup hierarchies are mounted.",
+)
 @click.option("--config", "-c", "config", metavar="FILE", help="Also show each workload's rule.")
 @json_option
-def workloads(cgroup_root: str, config: str | None, as_json: bool) -> None:
-    """List the workload cgroups discovery finds, reading the tree directly (no daemon)."""
+def workloads(cgroup_root: str, proc_root: str, config: str | None, as_json: bool) -> None:
+    """List the workload cgroups discovery finds, reading the tree directly (no daemon).
+
+    Exits 1 with one line naming what is missing where the root is not a cgroup v2
+    hierarchy with the cpu and memory controllers (a v1 or hybrid host), as `run` does.
+    A plain directory that is not a mount (a copy or fixture of a tree) is read as it is.
+    """
     from nodeagent.cgroupfs.tree import CgroupTree
     from nodeagent.discovery.registry import Registry
     from nodeagent.ownership import write_mode
@@ -198,6 +235,7 @@ def workloads(cgroup_root: str, config: str | None, as_json: bool) -> None:
     managed_root = agent_settings.managed_root
     if not os.path.isdir(cgroup_root):
         raise NodeagentError(f"cgroup root {cgroup_root} is not a directory")
+    check_cgroup_root(cgroup_root, proc_root)
     tree = CgroupTree(cgroup_root)
     registry = Registry(tree, managed_root, watch=False)
     registry.resync()

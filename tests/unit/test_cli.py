@@ -544,3 +544,58 @@ def test_an_answer_of_the_wrong_shape_is_a_one_line_error(
         " expects ("
     )
     assert message.endswith("); is the daemon the same version as this CLI?")
+
+
+# --- workloads on a host without a usable cgroup v2 hierarchy (issue 13, item 13) -----------
+
+
+def hybrid_host(tmp_path: Path, v2_controllers: str = "") -> tuple[Path, Path]:
+    """A cgroup root laid out as a hybrid host mounts it, and a proc root whose mountinfo says
+    so: tmpfs at the root, cpu and memory bound to v1 below it, an empty v2 at unified."""
+    root = tmp_path / "sys-fs-cgroup"
+    for sub in ("cpu", "memory", "unified", "systemd/system.slice/cron.service"):
+        (root / sub).mkdir(parents=True)
+    (root / "unified" / "cgroup.controllers").write_text(v2_controllers + "\n")
+    (root / "systemd" / "system.slice" / "cron.service" / "cgroup.procs").write_text("1\n")
+    base = os.path.realpath(root)
+    proc_root = tmp_path / "proc"
+    (proc_root / "self").mkdir(parents=True)
+    (proc_root / "self" / "mountinfo").write_text(
+        "22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+        f"31 22 0:28 / {base} rw,relatime - tmpfs tmpfs rw,mode=755\n"
+        f"32 31 0:29 / {base}/cpu rw,relatime - cgroup cgroup rw,cpu\n"
+        f"35 31 0:32 / {base}/memory rw,relatime - cgroup cgroup rw,memory\n"
+        f"40 31 0:37 / {base}/systemd rw,relatime - cgroup cgroup rw,name=systemd\n"
+        f"41 31 0:38 / {base}/unified rw,relatime - cgroup2 cgroup2 rw\n"
+    )
+    return root, proc_root
+
+
+@pytest.mark.parametrize("where", ["", "systemd", "unified"])
+def test_workloads_on_a_hybrid_host_says_what_run_says(tmp_path: Path, where: str) -> None:
+    """It printed an empty table and exited 0; `run` names what is missing: now both do."""
+    root, proc_root = hybrid_host(tmp_path)
+    at = ("--cgroup-root", str(root / where), "--proc-root", str(proc_root))
+    run = assert_one_line_error(nodeagent("run", "--config", str(EXAMPLE), "--dry-run", *at))
+    assert "cgroup v2" in run
+    proc = nodeagent("workloads", *at)
+    assert assert_one_line_error(proc) == run
+    assert proc.stdout == ""
+
+
+def test_workloads_on_a_v2_mount_without_the_memory_controller(tmp_path: Path) -> None:
+    root, proc_root = hybrid_host(tmp_path, v2_controllers="cpu io")
+    unified = os.path.realpath(root / "unified")
+    proc = nodeagent("workloads", "--cgroup-root", unified, "--proc-root", str(proc_root))
+    assert assert_one_line_error(proc) == (
+        f"nodeagent: error: cgroup v2 at {unified} lacks the controllers nodeagent needs:"
+        f" memory (bound to cgroup v1 at {os.path.realpath(root)}/memory)"
+    )
+
+
+def test_workloads_reads_a_plain_directory_as_it_is(cgroup_root: Path, tmp_path: Path) -> None:
+    """A copy or fixture of a tree (no mount, in no cgroup mount) is listed, not refused."""
+    _, proc_root = hybrid_host(tmp_path)
+    proc = nodeagent("workloads", "--cgroup-root", str(cgroup_root), "--proc-root", str(proc_root))
+    assert proc.returncode == 0, proc.stderr
+    assert DOCKER[:30] in proc.stdout
