@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from nodeagent.cli import capacity, exec, gpus, inspection, run
+from nodeagent.cli import capacity, exec, gpus, inspection, run, validate
 from nodeagent.errors import NodeagentError
 
 
@@ -56,7 +56,7 @@ def main(ctx: click.Context) -> None:
 
 
 for _command in (
-    run.validate,
+    validate.validate,
     run.run,
     inspection.workloads,
     inspection.allocations_cmd,

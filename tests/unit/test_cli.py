@@ -139,6 +139,66 @@ def test_validate_a_missing_file(runner: CliRunner, tmp_path: Path) -> None:
     assert result.stderr.startswith(f"{tmp_path / 'nope.yaml'}:1:1: cannot read")
 
 
+ONE_TENANT = "version: 1\ntenants:\n  research: {shares: 2}\n"
+
+
+def test_validate_counts_in_words_and_warns_on_a_policy_without_rules(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """Issue 13, item 18: `ok (1 tenants, 0 rules)`, and no word about the missing rules."""
+    path = tmp_path / "p.yaml"
+    path.write_text(ONE_TENANT)
+    result = runner.invoke(main, ["validate", str(path)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"{path}: ok (1 tenant, 0 rules; 1 warning)\n"
+    assert result.stderr.startswith(f"{path}:1:1: warning: the policy has no rules")
+    path.write_text(ONE_TENANT + "rules: [{name: a, match: {}, tenant: research}]\n")
+    result = runner.invoke(main, ["validate", str(path)])
+    assert (result.exit_code, result.stdout, result.stderr) == (
+        0,
+        f"{path}: ok (1 tenant, 1 rule)\n",
+        "",
+    )
+
+
+def test_validate_strict_fails_on_warnings(runner: CliRunner, tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        ONE_TENANT + "rules:\n  - {name: all, match: {}, tenant: research}\n"
+        "  - {name: jobs, match: {kind: job}, tenant: research}\n"
+    )
+    result = runner.invoke(main, ["validate", "--strict", str(path)])
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert result.stderr == (
+        f"{path}:6:25: warning: rules[1]: rule 'jobs' never applies: rule 'all' (line 5)"
+        " comes first and matches every cgroup (the first match wins)\n"
+    )
+    assert runner.invoke(main, ["validate", str(path)]).exit_code == 0
+
+
+def test_validate_reports_every_problem_in_one_round(runner: CliRunner, tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "version: 1\ntenants:\n  research: {shares: many}\nrules:\n"
+        "  - {name: a, match: {kind: jobb}, tenant: reserch, limits: {cpu_max: 0.001}}\n"
+        "  - {name: a, match: {}, tenant: research}\n"
+        "  - {name: b, match: {kind: job}, tenant: research}\n"
+    )
+    result = runner.invoke(main, ["validate", str(path)])
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert [line.split(": ", 2)[1] for line in lines] == [
+        "tenants.research.shares",
+        "rules[0].match.kind",
+        "rules[0].tenant",
+        "rules[0].limits.cpu_max",
+        "rules[1].name",
+        "warning",
+    ]
+    assert "unknown tenant 'reserch'; did you mean 'research'?" in lines[2]
+
+
 # --- workloads on a fixture tree ------------------------------------------------------------
 
 
