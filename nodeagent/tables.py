@@ -56,6 +56,26 @@ def change(current: str | None, target: str | None) -> str:
     return f"{current or '?'}->{target}"
 
 
+def setting(attribute: str, current: str | None, target: str | None, written: bool = True) -> str:
+    """One cgroup setting as allocations and explain show it: memory in sizes (4Gi), and
+    OLD->NEW where the kernel still holds another value than the plan's. For a cgroup the
+    agent does not write (read-only), NEW would read as "will be written": the value the
+    kernel keeps comes first, the plan's beside it, '100 (plan: 133)'."""
+    if attribute.startswith("memory."):
+        current, target = size(current), size(target)
+    if not written and target is not None and current != target:
+        return f"{current or '?'} (plan: {target})"
+    return change(current, target)
+
+
+def yes_no(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "no"
+
+
+def percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction * 100:.1f}%"
+
+
 def cores(rate: float | None) -> str:
     return "-" if rate is None else f"{rate:.2f}"
 

@@ -13,7 +13,7 @@ import click
 from nodeagent.api import client
 from nodeagent.cli.common import json_option, load, socket_option
 from nodeagent.errors import NodeagentError
-from nodeagent.tables import SHOWN, change, cores, printable, size, table
+from nodeagent.tables import SHOWN, cores, percent, printable, setting, size, table, yes_no
 
 
 @contextlib.contextmanager
@@ -36,19 +36,20 @@ def _mode(row: Mapping[str, Any]) -> str:
     )
 
 
+def _setting(row: Mapping[str, Any], attribute: str) -> str:
+    v = row["values"][attribute]
+    return setting(attribute, v["current"], v["target"], row.get("write") != "read-only")
+
+
 def allocations_table(data: Mapping[str, Any]) -> str:
     rows = []
     for a in data["allocations"]:
-        v = a["values"]
         rows.append(
             (
                 a["cgroup"] + _mode(a),
                 a["tenant"],
                 a["class"],
-                change(v["cpu.weight"]["current"], v["cpu.weight"]["target"]),
-                change(v["cpu.max"]["current"], v["cpu.max"]["target"]),
-                change(size(v["memory.max"]["current"]), size(v["memory.max"]["target"])),
-                change(size(v["memory.high"]["current"]), size(v["memory.high"]["target"])),
+                *(_setting(a, str(attribute)) for attribute in SHOWN),
                 ",".join(map(str, a.get("gpus") or [])) or None,
                 cores(a["cpu_rate"]),
                 a["reason"]
@@ -151,12 +152,50 @@ def explain(cgroup: str, socket: str, as_json: bool) -> None:
     click.echo(text)
 
 
+def _claim(data: Mapping[str, Any]) -> str:
+    """Which rule claims the cgroup, or, for a parent level, what it holds and why it is
+    weighted at all."""
+    if data.get("rule") is not None:
+        return f"rule {data['rule']}  tenant {data['tenant']}  class {data['class']}"
+    below = data.get("below") or {}
+    if data.get("level"):
+        tenants = ", ".join(below.get("tenants", [])) or "none"
+        held = below.get("workloads", 0)
+        return (
+            f"parent level of {held} claimed workload{'' if held == 1 else 's'}"
+            f" (tenants: {tenants}); no rule claims it: only its cpu.weight is planned,"
+            " so that tenant shares hold across parents (fair_share.hierarchy)"
+        )
+    return "no rule claims it"
+
+
+def _sensed(key: str, value: object) -> str:
+    """A figure the sensors read, in its unit: sizes, cores, shares, yes or no."""
+    if isinstance(value, bool):
+        return yes_no(value)
+    if isinstance(value, Mapping):
+        return " ".join(f"{k}={v}" for k, v in value.items())
+    if key.startswith("memory_") and not key.endswith("avg10") and isinstance(value, int | str):
+        shown = size(str(value)) or "-"
+        return f"{shown} B" if shown.isdigit() else shown
+    if isinstance(value, float):
+        if key == "cpu_rate":
+            return f"{cores(value)} cores"
+        if key.endswith("avg10"):
+            return f"{value:.2f}% (avg10)"
+        if key.endswith(("_fraction", "_stall")):
+            return percent(value)
+        return f"{value:g}"
+    return str(value)
+
+
 def explain_text(data: Mapping[str, Any]) -> str:
+    written = data.get("write") != "read-only"
     lines = [
         f"{data['cgroup']}  ({data['kind']}, {data['runtime']}, owner {data['owner']}"
         + ("" if data.get("write") in (None, "direct") else f", {data['write']}")
         + ")",
-        f"  rule {data['rule']}  tenant {data['tenant']}  class {data['class']}",
+        f"  {_claim(data)}",
         f"  cpu now: {cores(data['cpu_rate'])} cores   (tick {data['tick']}"
         + (", dry run" if data["dry_run"] else "")
         + ")",
@@ -166,16 +205,17 @@ def explain_text(data: Mapping[str, Any]) -> str:
         v = data["values"][attr]
         if v["target"] is not None or v["current"] is not None:
             why = f"  [{v['policy']}] {v['reason']}" if v["policy"] else ""
-            lines.append(f"  {attr:<12} {change(v['current'], v['target'])}{why}")
-    if data["sensed"]:
+            shown = setting(attr, v["current"], v["target"], written)
+            lines.append(f"  {attr:<12} {shown}{why}")
+    sensed = [(k, v) for k, v in data["sensed"].items() if v not in (None, {})]
+    if sensed:
         lines.append("sensed this tick:")
-        lines.extend(f"  {k:<28} {v}" for k, v in data["sensed"].items() if v not in (None, {}))
+        lines.extend(f"  {k:<28} {_sensed(k, v)}" for k, v in sensed)
     lines.append("trace:")
-    lines.extend(f"  {t}" for t in data["trace"])
+    lines.extend(f"  {t}" for t in data["trace"] or [data.get("reason") or "nothing planned"])
     for w in data["writes"]:
-        lines.append(
-            f"last tick: {w['attribute']} {w['old']}->{w['new']}: {w['outcome']} {w['detail']}"
-        )
+        shown = setting(w["attribute"], w["old"], w["new"])
+        lines.append(f"last tick: {w['attribute']} {shown}: {w['outcome']} {w['detail']}")
     return "\n".join(printable(line) for line in lines)
 
 
