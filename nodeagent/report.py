@@ -13,7 +13,7 @@ from nodeagent.ownership import WriteMode
 from nodeagent.policy.base import Assignment, Note, describe
 from nodeagent.policy.plan import CgroupPlan, Plan
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
-from nodeagent.tables import SHOWN
+from nodeagent.tables import SHOWN, short_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,16 +256,22 @@ def identities(record: TickRecord) -> list[WorkloadIdentity]:
 def find(
     candidates: Sequence[WorkloadIdentity], query: str, cgroup_root: str
 ) -> list[WorkloadIdentity]:
-    """Workloads a user's argument names: a path (relative or absolute), a name or an id prefix."""
+    """Workloads a user's argument names: a path (relative or absolute, also with the short
+    ids the tables show), a name or an id prefix."""
     q = query.strip()
     if q.startswith(cgroup_root.rstrip("/") + "/"):
         q = q[len(cgroup_root.rstrip("/")) + 1 :]
     q = q.strip("/")
-    exact = [i for i in candidates if i.path == q]
+    exact = [i for i in candidates if i.path == q] or [
+        i for i in candidates if short_ids(i.path) == q
+    ]
     if exact:
         return exact
     return [
         i
         for i in candidates
-        if i.name == q or (i.container_id or "").startswith(q) or i.path.endswith("/" + q)
+        if i.name == q
+        or (i.container_id or "").startswith(q)
+        or i.path.endswith("/" + q)
+        or short_ids(i.path).endswith("/" + q)
     ]

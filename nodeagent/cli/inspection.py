@@ -11,9 +11,21 @@ from typing import Any, cast
 import click
 
 from nodeagent.api import client
-from nodeagent.cli.common import json_option, load, socket_option
+from nodeagent.cli.common import json_option, load, socket_option, wide_option
+from nodeagent.cli.output import counted, terminal_width
 from nodeagent.errors import NodeagentError
-from nodeagent.tables import SHOWN, cores, percent, printable, setting, size, table, yes_no
+from nodeagent.tables import (
+    SHOWN,
+    Keep,
+    cores,
+    percent,
+    printable,
+    setting,
+    short_ids,
+    size,
+    table,
+    yes_no,
+)
 
 
 @contextlib.contextmanager
@@ -41,45 +53,47 @@ def _setting(row: Mapping[str, Any], attribute: str) -> str:
     return setting(attribute, v["current"], v["target"], row.get("write") != "read-only")
 
 
-def allocations_table(data: Mapping[str, Any]) -> str:
+def allocations_table(
+    data: Mapping[str, Any], *, width: int | None = None, wide: bool = True
+) -> str:
+    """The allocations as a table; not `wide`: short ids, and the GPUS column only where a
+    workload holds GPUs; `width`: reasons, then paths, cut to fit."""
+    allocated = data["allocations"]
+    gpus = wide or any(a.get("gpus") for a in allocated)
     rows = []
-    for a in data["allocations"]:
-        rows.append(
-            (
-                a["cgroup"] + _mode(a),
-                a["tenant"],
-                a["class"],
-                *(_setting(a, str(attribute)) for attribute in SHOWN),
-                ",".join(map(str, a.get("gpus") or [])) or None,
-                cores(a["cpu_rate"]),
-                a["reason"]
-                if a.get("status", "ok") == "ok"
-                else f"{a['status'].upper()}: {a['problem']}",
-            )
-        )
+    for a in allocated:
+        row = [
+            (a["cgroup"] if wide else short_ids(a["cgroup"])) + _mode(a),
+            a["tenant"],
+            a["class"],
+            *(_setting(a, str(attribute)) for attribute in SHOWN),
+            ",".join(map(str, a.get("gpus") or [])) or None,
+            cores(a["cpu_rate"]),
+            a["reason"]
+            if a.get("status", "ok") == "ok"
+            else f"{a['status'].upper()}: {a['problem']}",
+        ]
+        rows.append(row if gpus else row[:7] + row[8:])
     mode = " (dry run: nothing written)" if data["dry_run"] else ""
-    levels = sum(1 for a in data["allocations"] if a.get("level"))
-    counted = f"{len(rows) - levels} workloads" + (f", {levels} parent levels" if levels else "")
-    head = f"tick {data['tick']}{mode}: {counted}; OLD->NEW where the kernel differs"
+    levels = sum(1 for a in allocated if a.get("level"))
+    found = counted(len(rows) - levels, "workload") + (
+        f", {counted(levels, 'parent level')}" if levels else ""
+    )
+    head = f"tick {data['tick']}{mode}: {found}; OLD->NEW where the kernel differs"
     notes = data.get("node_notes", [])
     tail = "".join("\n" + printable(f"{n['kind']}: {n['status']}: {n['message']}") for n in notes)
-    jobs = [a for a in data["allocations"] if a.get("deadline")]
+    jobs = [a for a in allocated if a.get("deadline")]
     if jobs:
         tail += "\n\ndeadline jobs (misses so far: " + str(data.get("deadline_misses", "?")) + ")\n"
-        tail += deadlines_table(jobs, data["time"])
-    headers = (
-        "CGROUP",
-        "TENANT",
-        "CLASS",
-        "CPU.WEIGHT",
-        "CPU.MAX",
-        "MEM.MAX",
-        "MEM.HIGH",
-        "GPUS",
-        "CPU",
-        "REASON",
-    )
-    return printable(head) + "\n" + table(headers, rows) + tail
+        tail += deadlines_table(jobs, data["time"], width=width, wide=wide)
+    headers = [
+        "CGROUP", "TENANT", "CLASS", "CPU.WEIGHT", "CPU.MAX", "MEM.MAX", "MEM.HIGH", "GPUS",
+        "CPU", "REASON",
+    ]  # fmt: skip
+    if not gpus:
+        headers.remove("GPUS")
+    cut: list[tuple[int, Keep]] = [(len(headers) - 1, "head"), (0, "tail")]
+    return printable(head) + "\n" + table(headers, rows, width=width, cut=cut) + tail
 
 
 def _seconds(value: float | None) -> str | None:
@@ -92,7 +106,9 @@ def _when(at: float | None, now: float) -> str | None:
     return f"in {at - now:.0f}s" if at >= now else f"{now - at:.0f}s ago"
 
 
-def deadlines_table(rows: list[dict[str, Any]], now: float) -> str:
+def deadlines_table(
+    rows: list[dict[str, Any]], now: float, *, width: int | None = None, wide: bool = True
+) -> str:
     """Each deadline job's status, time to its deadline, remaining work (CPU-s), the rate it
     needs and is given (cores), its slack and its predicted finish, relative to now."""
     headers = ("CGROUP", "STATUS", "DEADLINE", "REMAINING", "NEED", "GIVEN", "SLACK", "FINISH")
@@ -101,7 +117,7 @@ def deadlines_table(rows: list[dict[str, Any]], now: float) -> str:
         d = a["deadline"]
         body.append(
             (
-                a["cgroup"],
+                a["cgroup"] if wide else short_ids(a["cgroup"]),
                 d["status"],
                 _when(d["deadline"], now),
                 f"{d['remaining']:.1f}",
@@ -111,13 +127,14 @@ def deadlines_table(rows: list[dict[str, Any]], now: float) -> str:
                 _when(d.get("predicted_finish"), now),
             )
         )
-    return table(headers, body)
+    return table(headers, body, width=width, cut=[(0, "tail")])
 
 
 @click.command("allocations")
 @socket_option
 @json_option
-def allocations_cmd(socket: str, as_json: bool) -> None:
+@wide_option
+def allocations_cmd(socket: str, as_json: bool, wide: bool) -> None:
     """What the daemon set on each workload, the measured CPU (cores), and why.
 
     Values show OLD->NEW where the kernel still holds something else than the
@@ -129,7 +146,8 @@ def allocations_cmd(socket: str, as_json: bool) -> None:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
         return
     with daemon_answer("/v1/allocations"):
-        text = allocations_table(cast(Mapping[str, Any], data))
+        width = None if wide else terminal_width()
+        text = allocations_table(cast(Mapping[str, Any], data), width=width, wide=wide)
     click.echo(text)
 
 
@@ -255,7 +273,10 @@ def check_cgroup_root(root: str, proc_root: str) -> None:
 )
 @click.option("--config", "-c", "config", metavar="FILE", help="Also show each workload's rule.")
 @json_option
-def workloads(cgroup_root: str, proc_root: str, config: str | None, as_json: bool) -> None:
+@wide_option
+def workloads(
+    cgroup_root: str, proc_root: str, config: str | None, as_json: bool, wide: bool
+) -> None:
     """List the workload cgroups discovery finds, reading the tree directly (no daemon).
 
     Exits 1 with one line naming what is missing where the root is not a cgroup v2
@@ -297,35 +318,28 @@ def workloads(cgroup_root: str, proc_root: str, config: str | None, as_json: boo
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    headers = (
-        "CGROUP",
-        "KIND",
-        "RUNTIME",
-        "OWNER",
-        "ID",
-        "POD",
-        "QOS",
-        "TENANT",
-        "CLASS",
-        "STATUS",
-    )
-    click.echo(
-        table(
-            headers,
-            [
-                (
-                    r["cgroup"],
-                    r.get("kind"),
-                    r.get("runtime"),
-                    None if "owner" not in r else f"{r['owner']}" + _mode(r),
-                    (r.get("container_id") or "")[:12] or None,
-                    r.get("pod_uid"),
-                    r.get("qos"),
-                    r.get("tenant"),
-                    r.get("class"),
-                    r["status"] if r["problem"] is None else f"{r['status']}: {r['problem']}",
-                )
-                for r in rows
-            ],
+    click.echo(workloads_table(rows, width=None if wide else terminal_width(), wide=wide))
+
+
+def workloads_table(
+    rows: list[dict[str, Any]], *, width: int | None = None, wide: bool = False
+) -> str:
+    """What discovery found; `wide` adds the id, pod UID and QoS columns and keeps ids whole
+    (else they are short, in the path too); `width`: statuses, paths and owners cut to fit."""
+    extra = ("ID", "POD", "QOS") if wide else ()
+    headers = ("CGROUP", "KIND", "RUNTIME", "OWNER", *extra, "TENANT", "CLASS", "STATUS")
+    body = [
+        (
+            r["cgroup"] if wide else short_ids(r["cgroup"]),
+            r.get("kind"),
+            r.get("runtime"),
+            None if "owner" not in r else f"{r['owner']}" + _mode(r),
+            *((r.get("container_id"), r.get("pod_uid"), r.get("qos")) if wide else ()),
+            r.get("tenant"),
+            r.get("class"),
+            r["status"] if r["problem"] is None else f"{r['status']}: {r['problem']}",
         )
-    )
+        for r in rows
+    ]
+    cut: list[tuple[int, Keep]] = [(len(headers) - 1, "head"), (0, "tail"), (3, "head")]
+    return table(headers, body, width=width, cut=cut)

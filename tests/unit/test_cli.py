@@ -42,7 +42,9 @@ def nodeagent(*args: str | bytes, **env: str) -> subprocess.CompletedProcess[str
         if script.exists()
         else [sys.executable, "-c", "from nodeagent.cli import entrypoint; entrypoint()"]
     )
-    environ = {k: v for k, v in os.environ.items() if k != "NODEAGENT_SOCKET"} | env
+    environ = {
+        k: v for k, v in os.environ.items() if k not in ("NODEAGENT_SOCKET", "COLUMNS")
+    } | env
     return subprocess.run(
         [*command, *args], capture_output=True, text=True, cwd=REPO, env=environ, check=False
     )
@@ -57,7 +59,8 @@ def assert_one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
 
 
 @pytest.fixture
-def runner() -> CliRunner:
+def runner(monkeypatch: pytest.MonkeyPatch) -> CliRunner:
+    monkeypatch.delenv("COLUMNS", raising=False)  # tables are cut to it
     return CliRunner()
 
 
@@ -309,14 +312,60 @@ def test_workloads_table(runner: CliRunner, cgroup_root: Path, tmp_path: Path) -
     )
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
+    assert lines[0].split() == ["CGROUP", "KIND", "RUNTIME", "OWNER", "TENANT", "CLASS", "STATUS"]
+    docker_line = next(line for line in lines if line.startswith(SHORT_DOCKER + " "))
+    assert "systemd (via systemd)" in docker_line
+    assert docker_line.split()[-3:] == ["research", "batch", "ok"]
+    assert len(lines) == 7
+
+
+SHORT_DOCKER = f"system.slice/docker-{CID[:12]}.scope"
+SHORT_POD_CONTAINER = f"kubepods/burstable/pod{POD_UID[:8]}/{CID2[:12]}"
+
+
+def test_workloads_fits_the_terminal_with_short_ids(cgroup_root: Path, tmp_path: Path) -> None:
+    """Issue 13, item 24: the table was about 230 columns whatever COLUMNS said."""
+    config = tmp_path / "policy.yaml"
+    config.write_text(POLICY)
+    args = ("workloads", "--cgroup-root", str(cgroup_root), "--config", str(config))
+    proc = nodeagent(*args, COLUMNS="80")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert max(map(len, lines)) <= 80, proc.stdout
+    assert CID[12:] not in proc.stdout and POD_UID[8:] not in proc.stdout
+    cell = next(line for line in lines if line.split()[2] == "docker").split()[0]
+    assert cell.startswith("\u2026") and SHORT_DOCKER.endswith(cell[1:])  # its tail kept
+    # without COLUMNS on a pipe: whole cells, ids still short, as docker ps
+    proc = nodeagent(*args)
+    lines = proc.stdout.splitlines()
+    assert {line.split()[0] for line in lines} >= {SHORT_DOCKER, SHORT_POD_CONTAINER}
+
+
+@pytest.mark.parametrize("flag", ["--wide", "--no-trunc"])
+def test_workloads_wide_shows_every_column_in_full(
+    runner: CliRunner, cgroup_root: Path, flag: str
+) -> None:
+    result = runner.invoke(
+        main, ["workloads", "--cgroup-root", str(cgroup_root), flag], env={"COLUMNS": "80"}
+    )
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
     assert lines[0].split() == [
         "CGROUP", "KIND", "RUNTIME", "OWNER", "ID", "POD", "QOS", "TENANT", "CLASS", "STATUS",
     ]  # fmt: skip
-    docker_line = next(line for line in lines if line.startswith(DOCKER))
-    assert "systemd (via systemd)" in docker_line
-    assert docker_line.split()[6] == CID[:12]  # the short id in the ID column
-    assert docker_line.split()[-1] == "ok"
-    assert len(lines) == 7
+    row = next(line for line in lines if line.startswith(POD_CONTAINER + " ")).split()
+    assert row[4:7] == [CID2, POD_UID, "burstable"]
+
+
+def test_shell_completion_is_there_as_documented() -> None:
+    """The README's `eval "$(_NODEAGENT_COMPLETE=bash_source nodeagent)"`."""
+    proc = nodeagent(_NODEAGENT_COMPLETE="bash_source")
+    assert proc.returncode == 0, proc.stderr
+    assert "_nodeagent_completion()" in proc.stdout
+    proc = nodeagent(
+        _NODEAGENT_COMPLETE="bash_complete", COMP_WORDS="nodeagent workloads --wi", COMP_CWORD="2"
+    )
+    assert proc.stdout.split() == ["plain,--wide"]
 
 
 def test_workloads_shows_a_claimed_cgroup_the_sensor_would_skip(
@@ -659,3 +708,35 @@ def test_workloads_reads_a_plain_directory_as_it_is(cgroup_root: Path, tmp_path:
     proc = nodeagent("workloads", "--cgroup-root", str(cgroup_root), "--proc-root", str(proc_root))
     assert proc.returncode == 0, proc.stderr
     assert DOCKER[:30] in proc.stdout
+
+
+def test_allocations_fits_the_terminal(fake_daemon: Any) -> None:
+    """Issue 13, item 24, for allocations: full ids, and reasons of a hundred characters."""
+    rows = [
+        {**allocation(p), "reason": "cpu weight for a target of 1.33 cores; " * 3}
+        for p in (DOCKER, POD_CONTAINER, JOB)
+    ]
+    answer = {"tick": 7, "dry_run": False, "allocations": rows}
+    sock = fake_daemon({"/v1/allocations": {"GET": lambda _: answer}})
+    proc = nodeagent("allocations", "--socket", sock, COLUMNS="100")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert max(map(len, lines)) <= 100, proc.stdout
+    assert lines[1].split() == [
+        "CGROUP",
+        "TENANT",
+        "CLASS",
+        "CPU.WEIGHT",
+        "CPU.MAX",
+        "MEM.MAX",
+        "MEM.HIGH",
+        "CPU",
+        "REASON",
+    ]  # fmt: skip  (no GPUS column: no workload holds one)
+    assert CID[12:] not in proc.stdout
+    assert lines[-1].startswith(JOB + " ")
+    assert lines[-1].endswith("\u2026")  # the reason, cut
+    proc = nodeagent("allocations", "--socket", sock, "--wide", COLUMNS="100")
+    assert "GPUS" in proc.stdout.splitlines()[1].split()
+    assert any(line.startswith(DOCKER + " ") for line in proc.stdout.splitlines())
+    assert proc.stdout.count("cpu weight for a target of 1.33 cores;") == 9

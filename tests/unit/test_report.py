@@ -73,6 +73,11 @@ def found(query: str, root: str = ROOT) -> list[str]:
         # the last components of a path
         (f"docker-{CID}.scope", [docker(CID).path]),
         ("research/job-1", ["nodeagent.slice/research/job-1"]),
+        # the path with short ids, as the tables show it (issue 13, item 24)
+        (f"system.slice/docker-{CID[:12]}.scope", [docker(CID).path]),
+        (f"docker-{CID[:12]}.scope", [docker(CID).path]),
+        (f"kubepods/burstable/pod{POD_UID[:8]}/{CID2[:12]}", [k8s_container(CID2).path]),
+        (f"pod{POD_UID[:8]}/{CID2[:12]}", [k8s_container(CID2).path]),
         # a bare name shared by two workloads
         ("job-1", ["nodeagent.slice/job-1", "nodeagent.slice/research/job-1"]),
         # nothing
@@ -159,6 +164,40 @@ def test_table_aligns_columns_and_shows_none_as_dash() -> None:
 
 def test_table_without_rows_is_the_header() -> None:
     assert tables.table(("A", "B"), []) == "A  B"
+
+
+def test_a_table_cuts_the_columns_it_may_to_fit_a_width() -> None:
+    rows = [("a/long/path/to/the/leaf-1", "x", "a reason that is long"), ("b", "y", None)]
+    cut: list[tuple[int, tables.Keep]] = [(2, "head"), (0, "tail")]
+    assert tables.table(("CGROUP", "K", "REASON"), rows, width=36, cut=cut).splitlines() == [
+        "CGROUP               K  REASON",
+        "\u2026path/to/the/leaf-1  x  a reason th\u2026",
+        "b                    y  -",
+    ]
+    # never narrower than MIN_CUT or the header: a table that cannot fit stays wider
+    narrow = tables.table(("CGROUP", "K", "REASON"), rows, width=10, cut=cut).splitlines()
+    assert narrow[1] == "\u2026/the/leaf-1  x  a reason th\u2026"
+    # without a width, or with room, nothing is cut
+    whole = tables.table(("CGROUP", "K", "REASON"), rows)
+    assert tables.table(("CGROUP", "K", "REASON"), rows, width=200, cut=cut) == whole
+    assert "a reason that is long" in whole
+
+
+@pytest.mark.parametrize(
+    ("path", "shown"),
+    [
+        (docker(CID).path, f"system.slice/docker-{CID[:12]}.scope"),
+        (k8s_container(CID2).path, f"kubepods/burstable/pod{POD_UID[:8]}/{CID2[:12]}"),
+        (
+            f"kubepods.slice/kubepods-pod{POD_UID.replace('-', '_')}.slice/crio-{CID}.scope",
+            f"kubepods.slice/kubepods-pod{POD_UID[:8]}.slice/crio-{CID[:12]}.scope",
+        ),
+        ("nodeagent.slice/job-deadbeef", "nodeagent.slice/job-deadbeef"),
+        ("x/" + "a" * 65, "x/" + "a" * 65),  # not an id: 65 hex digits
+    ],
+)
+def test_short_ids(path: str, shown: str) -> None:
+    assert tables.short_ids(path) == shown
 
 
 def test_an_unset_memory_target_shows_the_kernels_value_alone() -> None:
