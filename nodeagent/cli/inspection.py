@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
@@ -12,7 +11,14 @@ import click
 
 from nodeagent.api import client
 from nodeagent.cli.common import json_option, load, socket_option, wide_option
-from nodeagent.cli.output import counted, terminal_width
+from nodeagent.cli.output import (
+    counted,
+    document,
+    echo_json,
+    item_list,
+    renamed,
+    terminal_width,
+)
 from nodeagent.errors import NodeagentError
 from nodeagent.tables import (
     SHOWN,
@@ -39,6 +45,70 @@ def daemon_answer(path: str) -> Iterator[None]:
             f"the daemon's answer to {path} is not what this nodeagent expects"
             f" ({type(exc).__name__}: {exc}); is the daemon the same version as this CLI?"
         ) from None
+
+
+# The --json documents (see cli/output.py): the daemon's answers with units in their keys.
+_ROW_UNITS = {"cpu_rate": "cpu_rate_cores", "memory_current": "memory_current_bytes"}
+_DEADLINE_UNITS = {
+    "deadline": "deadline_timestamp_seconds",
+    "work": "work_cpu_seconds",
+    "remaining": "remaining_cpu_seconds",
+    "required_rate": "required_rate_cores",
+    "rate": "rate_cores",
+    "measured_rate": "measured_rate_cores",
+    "slack": "slack_seconds",
+    "predicted_finish": "predicted_finish_timestamp_seconds",
+}
+_NOTE_UNITS = {
+    "deadline": _DEADLINE_UNITS,
+    "protection": {"caps": "caps_cores", "stalling": "stalling_fraction"},
+    "hierarchy": {"planned": "planned_fraction", "expected": "expected_fraction"},
+}
+_SENSED_UNITS = {
+    "cpu_rate": "cpu_rate_cores",
+    "cpu_pressure_some_avg10": "cpu_pressure_some_avg10_percent",
+    "memory_current": "memory_current_bytes",
+    "memory_anon": "memory_anon_bytes",
+    "memory_file": "memory_file_bytes",
+    "memory_low": "memory.low",  # the cgroup file's text, as in values
+    "memory_min": "memory.min",
+    "cpu_stall": "cpu_stall_fraction",
+    "memory_pressure_some_avg10": "memory_pressure_some_avg10_percent",
+}
+
+
+def _note_document(note: Mapping[str, Any]) -> dict[str, Any]:
+    return renamed(note, _NOTE_UNITS.get(note.get("kind", ""), {}))
+
+
+def _workload_document(row: Mapping[str, Any]) -> dict[str, Any]:
+    """One allocation or explanation: units in its keys, its deadline's and notes' too."""
+    out = renamed(row, _ROW_UNITS)
+    if out.get("deadline") is not None:
+        out["deadline"] = renamed(out["deadline"], _DEADLINE_UNITS)
+    if "notes" in out:
+        out["notes"] = [_note_document(n) for n in out["notes"]]
+    if "sensed" in out:
+        out["sensed"] = renamed(out["sensed"], _SENSED_UNITS)
+    return out
+
+
+def allocations_document(data: Mapping[str, Any]) -> dict[str, Any]:
+    """`allocations --json`: kind Allocations, the tick's figures, `allocations` (one per
+    workload and parent level) and `node_notes`."""
+    body = renamed(
+        data,
+        {"time": "timestamp_seconds", "tenant_usage": "tenant_usage_cpu_seconds"},
+    )
+    body["allocations"] = [_workload_document(a) for a in data["allocations"]]
+    body["node_notes"] = [_note_document(n) for n in data.get("node_notes", [])]
+    return document("Allocations", body)
+
+
+def explanation_document(data: Mapping[str, Any]) -> dict[str, Any]:
+    """`explain --json`: kind Explanation; under `explanation`, one workload's values,
+    trace and sensed figures (under a key of its own: a workload has a kind too)."""
+    return document("Explanation", {"explanation": _workload_document(data)})
 
 
 def _mode(row: Mapping[str, Any]) -> str:
@@ -143,7 +213,9 @@ def allocations_cmd(socket: str, as_json: bool, wide: bool) -> None:
     """
     data = client.get(socket, "/v1/allocations")
     if as_json:
-        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        with daemon_answer("/v1/allocations"):
+            doc = allocations_document(cast(Mapping[str, Any], data))
+        echo_json(doc)
         return
     with daemon_answer("/v1/allocations"):
         width = None if wide else terminal_width()
@@ -163,7 +235,9 @@ def explain(cgroup: str, socket: str, as_json: bool) -> None:
     """
     data = client.get(socket, "/v1/explain", {"cgroup": cgroup})
     if as_json:
-        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        with daemon_answer("/v1/explain"):
+            doc = explanation_document(cast(Mapping[str, Any], data))
+        echo_json(doc)
         return
     with daemon_answer("/v1/explain"):
         text = explain_text(cast(Mapping[str, Any], data))
@@ -316,7 +390,7 @@ def workloads(
         for path, why in sorted(registry.problems.items())
     ]
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        echo_json(item_list("WorkloadList", rows))
         return
     click.echo(workloads_table(rows, width=None if wide else terminal_width(), wide=wide))
 

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from nodeagent.cli.output import counted
+from nodeagent.cli.common import json_option
+from nodeagent.cli.output import counted, document, echo_json
+
+if TYPE_CHECKING:
+    from nodeagent.spec.load import Problem
 
 
 @click.command()
 @click.argument("file", type=click.Path(dir_okay=True))
 @click.option("--strict", is_flag=True, help="Fail (exit 1) on warnings too.")
-def validate(file: str, strict: bool) -> None:
+@json_option
+def validate(file: str, strict: bool, as_json: bool) -> None:
     """Check a policy FILE; print FILE:LINE:COL: message for every problem.
 
     Every problem is found in one round: a field with a type error does not hide
@@ -22,22 +29,52 @@ def validate(file: str, strict: bool) -> None:
     one matches everything it matches.
 
     Exits 0 when the file is valid (warnings or not, unless --strict), 1 otherwise.
+    With --json, the same as one JSON object (kind PolicyCheck) on stdout.
     """
     from nodeagent.spec.load import PolicyError, check_policy
 
+    spec = None
     try:
         checked = check_policy(file)
     except PolicyError as e:
-        problems = sorted((*e.problems, *e.warnings), key=lambda p: (p.line, p.col))
+        problems, omitted = sorted((*e.problems, *e.warnings), key=_where), e.omitted
+    else:
+        spec, problems, omitted = checked.spec, list(checked.warnings), 0
+    failed = spec is None or (strict and bool(problems))
+    if as_json:
+        echo_json(_check_document(file, spec is not None and not failed, spec, problems, omitted))
+    else:
         lines = [str(p) for p in problems]
-        if e.omitted:
-            lines.append(f"{file}: ... and {e.omitted} more problems")
-        click.echo("\n".join(lines), err=True)
+        if omitted:
+            lines.append(f"{file}: ... and {omitted} more problems")
+        if lines:
+            click.echo("\n".join(lines), err=True)
+        if spec is not None and not failed:
+            found = f"{counted(len(spec.tenants), 'tenant')}, {counted(len(spec.rules), 'rule')}"
+            warned = f"; {counted(len(problems), 'warning')}" if problems else ""
+            click.echo(f"{file}: ok ({found}{warned})")
+    if failed:
         sys.exit(1)
-    for warning in checked.warnings:
-        click.echo(str(warning), err=True)
-    if strict and checked.warnings:
-        sys.exit(1)
-    spec, warned = checked.spec, len(checked.warnings)
-    found = f"{counted(len(spec.tenants), 'tenant')}, {counted(len(spec.rules), 'rule')}"
-    click.echo(f"{file}: ok ({found}" + (f"; {counted(warned, 'warning')})" if warned else ")"))
+
+
+def _where(p: Problem) -> tuple[int, int]:
+    return p.line, p.col
+
+
+def _check_document(
+    file: str, valid: bool, spec: Any, problems: Sequence[Problem], omitted: int
+) -> dict[str, Any]:
+    return document(
+        "PolicyCheck",
+        {
+            "file": file,
+            "valid": valid,
+            "tenants": None if spec is None else len(spec.tenants),
+            "rules": None if spec is None else len(spec.rules),
+            "problems": [
+                {"line": p.line, "column": p.col, "severity": p.severity, "message": p.message}
+                for p in problems
+            ],
+            "omitted_problems": omitted,
+        },
+    )

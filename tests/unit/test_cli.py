@@ -247,7 +247,7 @@ rules:
 def test_workloads_json(runner: CliRunner, cgroup_root: Path) -> None:
     result = runner.invoke(main, ["workloads", "--cgroup-root", str(cgroup_root), "--json"])
     assert result.exit_code == 0, result.output
-    rows = {r["cgroup"]: r for r in json.loads(result.stdout)}
+    rows = {r["cgroup"]: r for r in json.loads(result.stdout)["items"]}
     assert sorted(rows) == sorted([DOCKER, POD, POD_CONTAINER, JOB, RESEARCH_JOB, CRON])
     fields = ("kind", "runtime", "owner", "write", "container_id", "pod_uid", "qos")
     expected = {
@@ -280,7 +280,7 @@ def test_workloads_json_with_a_config_shows_tenants(
         main, ["workloads", "--cgroup-root", str(cgroup_root), "--config", str(config), "--json"]
     )
     assert result.exit_code == 0, result.output
-    rows = {r["cgroup"]: r for r in json.loads(result.stdout)}
+    rows = {r["cgroup"]: r for r in json.loads(result.stdout)["items"]}
     assigned = {path: (r["rule"], r["tenant"], r["class"]) for path, r in rows.items()}
     assert assigned == {
         DOCKER: ("docker", "research", "batch"),
@@ -298,7 +298,7 @@ def test_workloads_with_the_shipped_example(runner: CliRunner, cgroup_root: Path
         ["workloads", "--cgroup-root", str(cgroup_root), "--config", str(EXAMPLE), "--json"],
     )
     assert result.exit_code == 0, result.output
-    tenants = {r["cgroup"]: r["tenant"] for r in json.loads(result.stdout)}
+    tenants = {r["cgroup"]: r["tenant"] for r in json.loads(result.stdout)["items"]}
     assert tenants[DOCKER] == "research"
     assert tenants[RESEARCH_JOB] == "research"
     assert tenants[JOB] is None
@@ -378,7 +378,7 @@ def test_workloads_shows_a_claimed_cgroup_the_sensor_would_skip(
         main, ["workloads", "--cgroup-root", str(cgroup_root), "--config", str(config), "--json"]
     )
     assert result.exit_code == 0, result.output
-    rows = {r["cgroup"]: r for r in json.loads(result.stdout)}
+    rows = {r["cgroup"]: r for r in json.loads(result.stdout)["items"]}
     assert rows[RESEARCH_JOB]["status"] == "unreadable"
     assert "ValueError" in rows[RESEARCH_JOB]["problem"]
     assert rows[DOCKER]["status"] == "ok"
@@ -523,7 +523,9 @@ def test_workloads_json_keeps_odd_names_exact(odd_root: Path) -> None:
     proc = nodeagent("workloads", "--cgroup-root", str(odd_root), "--json", **STRICT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.isascii()
-    assert sorted(r["cgroup"] for r in json.loads(proc.stdout)) == sorted(odd(n) for n in ODD)
+    assert sorted(r["cgroup"] for r in json.loads(proc.stdout)["items"]) == sorted(
+        odd(n) for n in ODD
+    )
 
 
 def allocation(cgroup: str) -> dict[str, Any]:
@@ -624,7 +626,7 @@ def test_explain_finds_and_shows_an_odd_name(fake_daemon: Any, name: bytes, show
     assert lines[0].startswith(f"nodeagent.slice/{shown}  (job, ")
     assert f"  nodeagent.slice/{shown}: rule jobs" in lines
     proc = nodeagent("explain", b"nodeagent.slice/" + name, "--socket", sock, "--json", **STRICT)
-    assert json.loads(proc.stdout)["cgroup"] == odd(name)
+    assert json.loads(proc.stdout)["explanation"]["cgroup"] == odd(name)
 
 
 WRONG_SHAPES: list[object] = [
@@ -740,3 +742,122 @@ def test_allocations_fits_the_terminal(fake_daemon: Any) -> None:
     assert "GPUS" in proc.stdout.splitlines()[1].split()
     assert any(line.startswith(DOCKER + " ") for line in proc.stdout.splitlines())
     assert proc.stdout.count("cpu weight for a target of 1.33 cores;") == 9
+
+
+# --- one versioned --json shape, units in key names (issue 13, item 23) ----------------------
+
+UNITS = ("_bytes", "_cores", "_seconds", "_fraction", "_percent", "_watts", "_erlangs",
+         "_per_second", "_requests")  # fmt: skip
+COUNTS = {"tick", "servers", "pid", "threads", "workloads", "line", "column", "tenants",
+          "rules", "parallelism", "omitted_problems"}  # fmt: skip
+"""Numbers without a unit: counts and ids."""
+BY_NAME = {"memory_events", "values"}
+"""Mappings keyed by names (event names, cgroup files), not by figures."""
+
+
+def figures_without_units(doc: object, key: str = "") -> list[str]:
+    """Every number in `doc` whose key does not say its unit (and is no count)."""
+    if isinstance(doc, dict):
+        if key in BY_NAME:
+            return []
+        if key.endswith(UNITS):  # a mapping by tenant or cgroup of figures in that unit
+            return []
+        return [k for item, v in doc.items() for k in figures_without_units(v, item)]
+    if isinstance(doc, list):
+        return [k for v in doc for k in figures_without_units(v, key)]
+    if isinstance(doc, int | float) and not isinstance(doc, bool):
+        return [] if key in COUNTS or key.endswith(UNITS) else [key]
+    return []
+
+
+@pytest.fixture
+def planned_daemon(fake_daemon: Any) -> str:
+    """A daemon stand-in that serves what report.py makes of a real plan (test_report)."""
+    from test_report import ticked
+
+    from nodeagent import report
+
+    record = ticked(deadline=True)
+    job_b = next(i for i in report.identities(record) if i.path == "nodeagent.slice/job-b")
+    allocations = report.allocations(record)
+    explained = report.explain(record, job_b)
+    return str(
+        fake_daemon(
+            {
+                "/v1/allocations": {"GET": lambda _: allocations},
+                "/v1/explain": {"GET": lambda _: explained},
+            }
+        )
+    )
+
+
+def read_commands(planned_daemon: str, cgroup_root: Path) -> dict[str, list[str]]:
+    return {
+        "WorkloadList": ["workloads", "--cgroup-root", str(cgroup_root), "-c", str(EXAMPLE)],
+        "Allocations": ["allocations", "--socket", planned_daemon],
+        "Explanation": ["explain", "job-b", "--socket", planned_daemon],
+        "PolicyCheck": ["validate", str(EXAMPLE)],
+        "CapacityPlan": [
+            "capacity",
+            "--arrival-rate",
+            "3",
+            "--service-rate",
+            "1",
+            "--servers",
+            "4",
+        ],
+    }
+
+
+def json_of(args: list[str]) -> Any:
+    """What the command prints with --json (a process of its own: the daemon stand-in in
+    this one logs to stdout)."""
+    proc = nodeagent(*args, "--json")
+    assert proc.returncode == 0, (args, proc.stderr)
+    return json.loads(proc.stdout)
+
+
+def test_every_read_command_prints_one_versioned_object(
+    planned_daemon: str, cgroup_root: Path
+) -> None:
+    """workloads --json was a bare array while the others were objects, none versioned."""
+    for kind, args in read_commands(planned_daemon, cgroup_root).items():
+        doc = json_of(args)
+        assert isinstance(doc, dict), args
+        assert list(doc)[:2] == ["apiVersion", "kind"], args
+        assert (doc["apiVersion"], doc["kind"]) == ("nodeagent/v1", kind)
+    items = json_of(read_commands("", cgroup_root)["WorkloadList"])["items"]
+    assert {i["cgroup"] for i in items} >= {DOCKER, POD_CONTAINER}
+
+
+def test_every_figure_in_the_json_says_its_unit(planned_daemon: str, cgroup_root: Path) -> None:
+    """`power_limit_w` beside a bare `memory_total`; here: `cpu_rate`, `memory_current`,
+    `time`, `tenant_usage`, a deadline's `remaining`, `rate`, `slack`, capacity's `_s`."""
+    for args in read_commands(planned_daemon, cgroup_root).values():
+        assert figures_without_units(json_of(args)) == [], args
+    doc = json_of(["allocations", "--socket", planned_daemon])
+    job = next(a for a in doc["allocations"] if a["cgroup"] == "nodeagent.slice/job-b")
+    assert job["cpu_rate_cores"] == 1.0
+    assert set(job["deadline"]) >= {
+        "deadline_timestamp_seconds",
+        "remaining_cpu_seconds",
+        "required_rate_cores",
+        "slack_seconds",
+    }
+    assert doc["timestamp_seconds"] == 1_700_000_000.0
+    assert set(doc["tenant_usage_cpu_seconds"]) <= {"a", "b"}
+
+
+def test_the_json_helper_keeps_a_documents_kind_its_own() -> None:
+    """For every command's --json (gpus too): the envelope's kind cannot be overwritten
+    by a workload's `kind`, which is how explain --json first lost its own."""
+    from nodeagent.cli.output import document, item_list
+
+    assert item_list("GpuList", [{"index": 0}], node="n1") == {
+        "apiVersion": "nodeagent/v1",
+        "kind": "GpuList",
+        "node": "n1",
+        "items": [{"index": 0}],
+    }
+    with pytest.raises(ValueError, match="own apiVersion or kind"):
+        document("Explanation", {"kind": "job"})

@@ -214,9 +214,10 @@ def level(path: str, runtime: Runtime, owner: Owner, weight: int = 100) -> Workl
     return WorkloadState(identity, sample)
 
 
-def ticked(busy: bool = True) -> TickRecord:
+def ticked(busy: bool = True, deadline: bool = False) -> TickRecord:
     """One planned tick: a pod's container (tenant a, memory_max 4Gi) under the kubelet's
-    read-only levels, and a job (tenant b) under nodeagent.slice; levels sensed too."""
+    read-only levels, and a job (tenant b) under nodeagent.slice, with a deadline if asked;
+    levels sensed too."""
     container = WorkloadState(
         k8s_container(),
         CgroupSample(
@@ -232,8 +233,12 @@ def ticked(busy: bool = True) -> TickRecord:
         ),
         cpu_rate=1.0 if busy else 0.0,
     )
+    job_b = replace(
+        workload("nodeagent.slice/job-b", 1.0 if busy else 0.0),
+        sample=CgroupSample(populated=True, cpu_usage_us=600_000_000),  # 10 CPU-min done
+    )
     snap = replace(
-        snapshot([container, workload("nodeagent.slice/job-b", 1.0 if busy else 0.0)]),
+        snapshot([container, job_b]),
         levels=(
             level("kubepods", Runtime.KUBELET, Owner.CGROUPFS),
             level("kubepods/burstable", Runtime.KUBELET, Owner.CGROUPFS),
@@ -246,7 +251,8 @@ def ticked(busy: bool = True) -> TickRecord:
         [
             {"name": "pod", "match": {"kind": "container"}, "tenant": "a",
              "limits": {"memory_max": "4Gi"}},
-            {"name": "jobs", "match": {"path": "nodeagent.slice/*"}, "tenant": "b"},
+            {"name": "jobs", "match": {"path": "nodeagent.slice/*"}, "tenant": "b",
+             **({"deadline": "2030-01-01T00:00:00Z", "work": "1h"} if deadline else {})},
         ],
     )  # fmt: skip
     plan = make_plan(snap, policy, {})
