@@ -7,6 +7,7 @@ filesystem).
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -80,7 +81,8 @@ _with_context_class(main)
 def entrypoint() -> None:
     """Console script: one-line errors for everything an operator can get wrong."""
     try:
-        main(standalone_mode=False)
+        # NO_COLOR (no-color.org): click strips any style from what the commands print
+        main(standalone_mode=False, color=False if os.environ.get("NO_COLOR") else None)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)

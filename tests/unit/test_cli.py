@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -861,3 +862,31 @@ def test_the_json_helper_keeps_a_documents_kind_its_own() -> None:
     }
     with pytest.raises(ValueError, match="own apiVersion or kind"):
         document("Explanation", {"kind": "job"})
+
+
+# --- NO_COLOR (issue 13, item 19, the CLI's part) ---------------------------------------------
+
+
+@pytest.mark.parametrize(("no_color", "color"), [("1", False), ("", None), (None, None)])
+def test_no_color_turns_off_every_style_the_commands_print(
+    monkeypatch: pytest.MonkeyPatch, no_color: str | None, color: bool | None
+) -> None:
+    """Nothing the CLI prints is styled today; any click style a command adds (gpus, say)
+    is stripped under NO_COLOR (set and not empty, as no-color.org says), even on a
+    terminal. The console log renderer is nodeagent/logs.py's to fix."""
+    from nodeagent.cli import entrypoint
+
+    seen: list[bool | None] = []
+
+    @click.command("colour-probe")
+    def probe() -> None:
+        seen.append(click.get_current_context().color)
+
+    monkeypatch.setitem(main.commands, "colour-probe", probe)
+    monkeypatch.setattr(sys, "argv", ["nodeagent", "colour-probe"])
+    if no_color is None:
+        monkeypatch.delenv("NO_COLOR", raising=False)
+    else:
+        monkeypatch.setenv("NO_COLOR", no_color)
+    entrypoint()
+    assert seen == [color]
