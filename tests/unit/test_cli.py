@@ -420,17 +420,24 @@ def test_run_with_a_bad_policy(tmp_path: Path) -> None:
     assert f"{bad}:4:13: " in message
 
 
+def fake_proc(tmp_path: Path, *mounts: str) -> Path:
+    """A proc root whose self/mountinfo lists / (ext4) and `mounts`."""
+    proc_root = tmp_path / "proc"
+    (proc_root / "self").mkdir(parents=True)
+    (proc_root / "self" / "mountinfo").write_text(
+        "".join(
+            f"{m}\n" for m in ("22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw", *mounts)
+        )
+    )
+    return proc_root
+
+
 def test_run_refuses_a_root_that_is_not_cgroup2_and_writes_nothing(tmp_path: Path) -> None:
     root = tmp_path / "not-cgroup"
     root.mkdir()
     (root / "cgroup.controllers").write_text("cpu memory\n")  # looks the part, is not a mount
     base = os.path.realpath(tmp_path)
-    proc_root = tmp_path / "proc"
-    (proc_root / "self").mkdir(parents=True)
-    (proc_root / "self" / "mountinfo").write_text(
-        "22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
-        f"41 22 0:38 / {base}/unified rw,relatime - cgroup2 cgroup2 rw\n"
-    )
+    proc_root = fake_proc(tmp_path, f"41 22 0:38 / {base}/unified rw,relatime - cgroup2 cgroup2 rw")
     before = sorted(os.walk(root))
     state_file = tmp_path / "state" / "state.json"
     socket = tmp_path / "api.sock"
@@ -670,15 +677,13 @@ def hybrid_host(tmp_path: Path, v2_controllers: str = "") -> tuple[Path, Path]:
     (root / "unified" / "cgroup.controllers").write_text(v2_controllers + "\n")
     (root / "systemd" / "system.slice" / "cron.service" / "cgroup.procs").write_text("1\n")
     base = os.path.realpath(root)
-    proc_root = tmp_path / "proc"
-    (proc_root / "self").mkdir(parents=True)
-    (proc_root / "self" / "mountinfo").write_text(
-        "22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
-        f"31 22 0:28 / {base} rw,relatime - tmpfs tmpfs rw,mode=755\n"
-        f"32 31 0:29 / {base}/cpu rw,relatime - cgroup cgroup rw,cpu\n"
-        f"35 31 0:32 / {base}/memory rw,relatime - cgroup cgroup rw,memory\n"
-        f"40 31 0:37 / {base}/systemd rw,relatime - cgroup cgroup rw,name=systemd\n"
-        f"41 31 0:38 / {base}/unified rw,relatime - cgroup2 cgroup2 rw\n"
+    proc_root = fake_proc(
+        tmp_path,
+        f"31 22 0:28 / {base} rw,relatime - tmpfs tmpfs rw,mode=755",
+        f"32 31 0:29 / {base}/cpu rw,relatime - cgroup cgroup rw,cpu",
+        f"35 31 0:32 / {base}/memory rw,relatime - cgroup cgroup rw,memory",
+        f"40 31 0:37 / {base}/systemd rw,relatime - cgroup cgroup rw,name=systemd",
+        f"41 31 0:38 / {base}/unified rw,relatime - cgroup2 cgroup2 rw",
     )
     return root, proc_root
 
