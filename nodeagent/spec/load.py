@@ -22,7 +22,7 @@ from nodeagent.cgroupfs.tree import split_path
 from nodeagent.cgroupfs.values import QUOTA_MAX_US, QUOTA_MIN_US
 from nodeagent.errors import NodeagentError, UnsafePath
 from nodeagent.regular_file import UnusableFile, read_regular_file
-from nodeagent.spec.model import MAX, PolicySpec
+from nodeagent.spec.model import ANY, MAX, PolicySpec
 
 MAX_BYTES = 1 << 20  # a real policy is a few kilobytes; this also stops a read of /dev/zero
 MIN_MEMORY = 1 << 20  # a smaller memory limit is a unit mistake (512 meant as 512Mi), not a policy
@@ -625,6 +625,13 @@ def _check_semantics(spec: PolicySpec, where: _Locator, report: _Report) -> None
     if default is not None and default not in spec.tenants:
         hint = suggest(default) or f"; tenants are {_listed(tenants)}"
         add(("jobs", "default_tenant"), f"unknown tenant {default!r}{hint}")
+    for i, entry in enumerate(spec.jobs.access):
+        if not entry.users and not entry.groups:
+            add(("jobs", "access", i), "an entry needs users or groups: whom it lets in")
+        for j, tenant in enumerate(entry.tenants):
+            if tenant != ANY and tenant not in spec.tenants:
+                hint = suggest(tenant) or f"; tenants are {_listed(tenants)} (or '*')"
+                add(("jobs", "access", i, "tenants", j), f"unknown tenant {tenant!r}{hint}")
     for i, power in enumerate(spec.gpu.power):
         if (power.start is None) != (power.end is None):
             have = "from" if power.end is None else "to"

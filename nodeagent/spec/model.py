@@ -381,11 +381,34 @@ class DeadlineSettings(_Strict):
     """Required rates are multiplied by this, for the scheduler's and the measurement's noise."""
 
 
+ANY: Literal["*"] = "*"
+UID_MAX = 2**32 - 2  # (uid_t)-1 means "no id"
+_Id = Annotated[StrictInt, Field(ge=0, le=UID_MAX)]
+_Class = Annotated[WorkloadClass, BeforeValidator(_not_bytes)]
+
+
+class AccessEntry(_Strict):
+    """Users and groups, and the tenants and classes they may use together."""
+
+    users: tuple[StrictStr | _Id, ...] = ()
+    """User names or numeric uids."""
+    groups: tuple[StrictStr | _Id, ...] = ()
+    """Group names or numeric gids: a caller in any of them (primary or supplementary)."""
+    tenants: tuple[StrictStr, ...] = Field(min_length=1)
+    """Tenant names, or '*' for every tenant."""
+    classes: tuple[Literal["*"] | _Class, ...] = Field(min_length=1)
+    """Classes, or '*' for every class."""
+
+
 class JobSettings(_Strict):
-    """Defaults for `nodeagent exec`."""
+    """Defaults and limits for `nodeagent exec` and the GPU requests, and who may use what."""
 
     default_tenant: StrictStr | None = None
-    default_class: Annotated[WorkloadClass, BeforeValidator(_not_bytes)] = WorkloadClass.BATCH
+    default_class: _Class = WorkloadClass.BATCH
+    access: tuple[AccessEntry, ...] = ()
+    """Who may use which tenants and classes besides the defaults; root may use all."""
+    max_per_user: StrictInt = Field(64, ge=1, le=100_000)
+    """Jobs one uid (other than root) may run at once."""
 
 
 _CLOCK = re.compile(r"([01]\d|2[0-3]):([0-5]\d)")
@@ -434,6 +457,8 @@ class GpuSettings(_Strict):
     power: tuple[PowerCap, ...] = ()
     claim_timeout: Duration = Field(30.0, gt=0, le=3600)
     """How long GPUs granted to a request wait for its job to start before they go back."""
+    max_waiting_per_user: StrictInt = Field(16, ge=1, le=10_000)
+    """GPU requests one uid (other than root) may have waiting at once."""
 
 
 class PolicySpec(_Strict):
