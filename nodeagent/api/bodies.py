@@ -59,7 +59,7 @@ def name_problem(name: str) -> str | None:
     ):
         shown = repr(name) if len(name) <= 80 else repr(name[:80]) + f"... ({len(name)} chars)"
         return (
-            f"name {shown} is not a safe cgroup name: use 1 to 63 letters, digits and"
+            f"{shown} is not a safe cgroup name: use 1 to 63 letters, digits and"
             " '_.@+-', starting with a letter or digit, not ending in a systemd unit suffix"
             " and not named like a cgroup interface file (cpu.*, io.*, memory.*, ...)"
         )
@@ -70,7 +70,7 @@ def check_name(name: str) -> str:
     """The name, or ApiBadRequest with the one-line reason it cannot name a cgroup."""
     problem = name_problem(name)
     if problem is not None:
-        raise ApiBadRequest(f"job {problem}")
+        raise ApiBadRequest(f"job name {problem}")
     return name
 
 
@@ -94,7 +94,8 @@ def _cgroup_path(value: str) -> str:
 def _matching(pattern: re.Pattern[str], what: str) -> Any:
     def check(value: str) -> str:
         if not pattern.fullmatch(value):
-            raise ValueError(f"must be {what}")
+            shown = repr(value) if len(value) <= 40 else repr(value[:40]) + "..."
+            raise ValueError(f"must be {what}, got {shown}")
         return value
 
     return AfterValidator(check)
@@ -178,8 +179,8 @@ def problem(error: ValidationError) -> str:
         if isinstance(bound, float) and bound.is_integer():
             bound = int(bound)
         message = f"{words} {bound}"
-    elif kind == "value_error":
-        message = str(ctx.get("error", first["msg"]))
+    elif kind == "value_error":  # our validators' own words, which say what they got
+        return " ".join(f"{field}: {ctx.get('error', first['msg'])}".split())
     else:
         message = first["msg"].replace("Input should be", "must be")
     shown = repr(first.get("input"))
