@@ -13,7 +13,7 @@ import datetime as dt
 import re
 from typing import Annotated, Any, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from nodeagent.api.server import ApiBadRequest
 from nodeagent.cgroupfs.tree import split_path
@@ -128,13 +128,21 @@ class Body(BaseModel):
     )
 
 
+def _class(value: object) -> object:
+    if isinstance(value, str) and value not in set(WorkloadClass):
+        names = ", ".join(c.value for c in WorkloadClass)
+        shown = repr(value) if len(value) <= 40 else repr(value[:40]) + "..."
+        raise ValueError(f"unknown class {shown} (classes: {names})")
+    return value
+
+
 class Classed(Body):
     """A body that names a tenant and a class (both default from the policy)."""
 
     tenant: Text | None = None
-    workload_class: Annotated[WorkloadClass, Field(strict=False)] | None = Field(
-        None, alias="class"
-    )
+    workload_class: (
+        Annotated[WorkloadClass, Field(strict=False), BeforeValidator(_class)] | None
+    ) = Field(None, alias="class")
 
 
 M = TypeVar("M", bound=BaseModel)

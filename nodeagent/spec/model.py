@@ -383,20 +383,47 @@ class DeadlineSettings(_Strict):
 
 ANY: Literal["*"] = "*"
 UID_MAX = 2**32 - 2  # (uid_t)-1 means "no id"
-_Id = Annotated[StrictInt, Field(ge=0, le=UID_MAX)]
 _Class = Annotated[WorkloadClass, BeforeValidator(_not_bytes)]
+
+
+def _name_or_id(value: object) -> object:
+    """A user or group: a name, or a numeric id (one error, not one per kind)."""
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= UID_MAX:
+        return value
+    raise ValueError(f"must be a name or a numeric id from 0 to {UID_MAX}, got {value!r}")
+
+
+_NameOrId = Annotated[StrictStr | StrictInt, BeforeValidator(_name_or_id)]
+
+
+def _listing(value: tuple[str, ...]) -> tuple[str, ...]:
+    # checked after the items, so that a bad item is not also reported as an empty list
+    if not value:
+        raise ValueError("must list at least one name, or '*'")
+    return value
+
+
+def _class_or_any(value: str) -> str:
+    if value != ANY and value not in set(WorkloadClass):
+        names = ", ".join(c.value for c in WorkloadClass)
+        raise ValueError(f"must be a class ({names}) or '*', got {value!r}")
+    return value
 
 
 class AccessEntry(_Strict):
     """Users and groups, and the tenants and classes they may use together."""
 
-    users: tuple[StrictStr | _Id, ...] = ()
+    users: tuple[_NameOrId, ...] = ()
     """User names or numeric uids."""
-    groups: tuple[StrictStr | _Id, ...] = ()
+    groups: tuple[_NameOrId, ...] = ()
     """Group names or numeric gids: a caller in any of them (primary or supplementary)."""
-    tenants: tuple[StrictStr, ...] = Field(min_length=1)
+    tenants: Annotated[tuple[StrictStr, ...], AfterValidator(_listing)]
     """Tenant names, or '*' for every tenant."""
-    classes: tuple[Literal["*"] | _Class, ...] = Field(min_length=1)
+    classes: Annotated[
+        tuple[Annotated[StrictStr, AfterValidator(_class_or_any)], ...], AfterValidator(_listing)
+    ]
     """Classes, or '*' for every class."""
 
 
