@@ -26,27 +26,32 @@ jobs:
 """,
     "p.yaml",
 )
-I, T, B = WorkloadClass.INFERENCE, WorkloadClass.TRAINING, WorkloadClass.BATCH
+INF, T, B = WorkloadClass.INFERENCE, WorkloadClass.TRAINING, WorkloadClass.BATCH
 
 
-def who(uid: int, user: str | None = None, gids: set[int] = frozenset(), groups: set[str] = frozenset()) -> Caller:  # type: ignore[assignment]  # fmt: skip
-    return Caller(uid, user, frozenset(gids), frozenset(groups))
+def who(
+    uid: int,
+    user: str | None = None,
+    gids: frozenset[int] = frozenset(),
+    groups: frozenset[str] = frozenset(),
+) -> Caller:
+    return Caller(uid, user, gids, groups)
 
 
 @pytest.mark.parametrize(
     ("caller", "tenant", "cls", "allowed"),
     [
-        (who(0), "prod", I, True),  # root: everything
+        (who(0), "prod", INF, True),  # root: everything
         (who(1000, "bob"), "research", B, True),  # the defaults: everyone
-        (who(1000, "bob"), "research", I, False),
+        (who(1000, "bob"), "research", INF, False),
         (who(1000, "bob"), "prod", B, False),
-        (who(1001, "alice"), "prod", I, True),  # by user name
+        (who(1001, "alice"), "prod", INF, True),  # by user name
         (who(1002), "prod", T, True),  # by uid
         (who(1001, "alice"), "prod", B, False),  # the pair is granted, not each alone
-        (who(1001, "alice"), "research", I, False),
-        (who(1003, gids={4242}), "prod", I, True),  # by gid
-        (who(1003, groups={"gpu-admins"}), "research", I, True),  # by group name
-        (who(1003, groups={"gpu-users"}), "research", I, False),
+        (who(1001, "alice"), "research", INF, False),
+        (who(1003, gids=frozenset({4242})), "prod", INF, True),  # by gid
+        (who(1003, groups=frozenset({"gpu-admins"})), "research", INF, True),  # by group name
+        (who(1003, groups=frozenset({"gpu-users"})), "research", INF, False),
     ],
 )
 def test_who_may_use_what(caller: Caller, tenant: str, cls: WorkloadClass, allowed: bool) -> None:
