@@ -67,7 +67,7 @@ def test_without_entries_non_root_gets_the_defaults_only() -> None:
             "version": 1,
             "tenants": {"a": {"shares": 1}, "b": {"shares": 1}},
             "jobs": {"default_tenant": "a"},
-        }  # fmt: skip
+        }
     )
     assert refusal(bare, who(1000), "a", B) is None
     assert refusal(bare, who(1000), "b", B) is not None
