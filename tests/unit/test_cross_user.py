@@ -151,11 +151,12 @@ def test_a_reservation_binds_only_to_its_named_container(tmp_path: Path) -> None
     from daemon_api import GPUS
 
     d = daemon(tmp_path, gpus=GPUS + STRANGER)
+    mkdirs(d.root, "user.slice/user-1001.slice/session-3.scope")  # the stranger's session
     got = reserve(d, ROOT, "web", 2, container=CID[:12])
-    assert got["container"] == CID[:12]
     d.agent.tick()
     (hold,) = d.agent.gpus.ledger.holds()
     assert hold.cgroup is None, "not captured by the first process on its GPUs"
+    assert got["container"] == CID[:12]
     violations = [v for g in d.call(ROOT, "GET", "/v1/gpus")["gpus"] for v in g["violations"]]
     assert [(v["pid"], v["kind"]) for v in violations] == [(7001, "unassigned")]
     # another user's delegated subtree holds a cgroup named like the container: not bound
