@@ -6,7 +6,9 @@ four GPUs, then --requests more (one GPU each, from one uid per 16 requests, so 
 per-uid cap refuses them) are asked for and wait. Then --seconds of steady state: each
 second every waiting requester asks for its status once (as `exec` does) and the loop
 ticks once. Then the holder's grant is cancelled and one tick serves the queue. It prints
-the CPU seconds (time.process_time) of each phase.
+the CPU seconds (time.process_time) of each phase. (The holder's grant lapses after
+gpu.claim_timeout, 30 s: where the asks take longer than that, the steady state serves
+the freed GPUs too.)
 
 It runs against whatever nodeagent is importable, so the same script measures an older
 tree (PYTHONPATH=/path/to/old/tree): the routes' shape is the same.
@@ -21,6 +23,7 @@ from typing import Any
 
 from benchkit import Bench
 
+from nodeagent import logs
 from nodeagent.api.peer import Peer
 from nodeagent.api.server import Request
 from nodeagent.gpu import ledger
@@ -50,6 +53,7 @@ def call(routes: Any, method: str, path: str, uid: int, **given: Any) -> Any:
 
 def main() -> None:
     with Bench("gpu-queue", __doc__, options) as bench:
+        logs.configure("warning")  # each grant and lapse is an audit line: not the figures
         n, seconds = bench.args.requests, bench.args.seconds
         spec = PolicySpec.model_validate(
             {"version": 1, "tenants": {"a": {"shares": 1}}, "jobs": {"default_tenant": "a"}}
