@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import os
 import re
@@ -263,9 +264,8 @@ def exec_cmd(
     cpu_seconds = _value("--work", parse_duration, work)
     size = _value("--memory", parse_size, memory)
     if when is not None and when <= now:
-        raise click.BadParameter(
-            f"{deadline} is {now - when:.0f} s in the past", param_hint="--deadline"
-        )
+        passed = dt.datetime.fromtimestamp(when, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        raise click.BadParameter(f"{deadline} ({passed}) has passed", param_hint="--deadline")
     if cpu_seconds is not None and cpu_seconds <= 0:
         raise click.BadParameter("the work must be positive", param_hint="--work")
     if (when is None) != (cpu_seconds is None):

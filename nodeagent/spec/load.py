@@ -26,7 +26,7 @@ from nodeagent.cgroupfs.values import QUOTA_MAX_US, QUOTA_MIN_US
 from nodeagent.errors import NodeagentError, UnsafePath
 from nodeagent.regular_file import UnusableFile, read_regular_file
 from nodeagent.spec.glob import glob_matches
-from nodeagent.spec.model import MAX, Limits, Match, PolicySpec
+from nodeagent.spec.model import ANY, MAX, Limits, Match, PolicySpec
 from nodeagent.spec.nesting import nesting_warnings
 
 MAX_BYTES = 1 << 20  # a real policy is a few kilobytes; this also stops a read of /dev/zero
@@ -743,6 +743,15 @@ def _check_semantics(spec: PolicySpec, where: _Locator, report: _Report) -> None
         if default is not None and default not in spec.tenants:
             hint = suggest(default) or f"; tenants are {_listed(tenants)}"
             add(("jobs", "default_tenant"), f"unknown tenant {default!r}{hint}")
+    for i, entry in enumerate(_items(spec.jobs.access)):
+        with _SKIP_BROKEN:
+            if not entry.users and not entry.groups:
+                add(("jobs", "access", i), "an entry needs users or groups: whom it lets in")
+        for j, tenant in enumerate(_items(entry.tenants)):
+            with _SKIP_BROKEN:
+                if tenant != ANY and tenant not in spec.tenants:
+                    hint = suggest(tenant) or f"; tenants are {_listed(tenants)} (or '*')"
+                    add(("jobs", "access", i, "tenants", j), f"unknown tenant {tenant!r}{hint}")
     for i, power in enumerate(_items(spec.gpu.power)):
         with _SKIP_BROKEN:
             if (power.start is None) != (power.end is None):
