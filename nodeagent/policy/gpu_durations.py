@@ -13,10 +13,13 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 
+from nodeagent.spec.model import GpuSettings
+
 HISTORY = 20
 """Holds per class whose durations are kept for its estimate."""
-PATIENCE = 1.0
-"""Default share of a waiting job's expected duration it may wait for a better set."""
+PATIENCE = GpuSettings().patience
+"""gpu.patience's default: the share of a waiting job's expected duration it may wait for a
+better set."""
 
 
 def declared_duration(
