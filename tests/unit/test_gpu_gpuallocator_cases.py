@@ -20,8 +20,9 @@ from __future__ import annotations
 from itertools import combinations
 
 import pytest
+from test_gpu_placement import device, shipped
 
-from nodeagent.gpu.model import Device, Link, PcieLevel, Topology
+from nodeagent.gpu.model import Link, PcieLevel, Topology
 from nodeagent.policy.placement import GpuRequest, Holdings, NodeGpus, Placement, Refusal, place
 from nodeagent.policy.placement_baselines import best_effort
 
@@ -83,20 +84,7 @@ class GoNode:
             level, points = P2P[kind] if kind else (PcieLevel.SYS, 0)
             links[pair] = Link(level, nvlinks.get(pair, 0))
             self.weight[pair] = points + 100 * nvlinks.get(pair, 0)
-        devices = tuple(
-            Device(
-                index=i,
-                uuid=f"GPU-{i}",
-                name="test GPU",
-                pci_bus_id=f"GPU-{i}",
-                minor=i,
-                memory_total=None,
-                numa_node=None,
-                cpus=(),
-                mig_enabled=False,
-            )
-            for i in range(n)
-        )
+        devices = tuple(device(i) for i in range(n))
         self.node = NodeGpus(devices, Topology(links))
 
     def score(self, gpus: tuple[int, ...]) -> int:
@@ -191,8 +179,6 @@ def test_the_shipped_dgx1_with_gpus_1_to_7_free_keeps_the_better_pairs() -> None
     (fewest NVLinks cut), leaving pairs worth 660 ({1,2}, {4,7}, {5,6}); go-gpuallocator
     takes GPU 1 and leaves 690 ({2,3}, {4,7}, {5,6}); GPU 4 leaves 710 ({2,3}, {6,7},
     {1,5})."""
-    from test_gpu_placement import shipped
-
     node = shipped("dgx1-v100-hybrid-cube-mesh.yaml")
     held = Holdings(frozenset({node.devices[0].uuid}))
 
