@@ -199,6 +199,7 @@ class Agent:
             return {}
         self.jobs.load(saved.jobs, self.spec.agent.managed_root)
         self.gpus.ledger.load(saved.gpus, self._kept_hold, time.monotonic(), time.time())
+        self.gpus.ledger.load_history(saved.gpu_history)
         self.carry = {k: dict(v) for k, v in saved.carry.items()}
         elapsed = time.time() - saved.saved_at
         return decay(saved.tenant_usage, elapsed, self.spec.fair_share.half_life)
@@ -410,8 +411,14 @@ class Agent:
         self._saved_at = now
         try:
             wall = time.time()
+            ledger = self.gpus.ledger
             saved = state.SavedState(
-                wall, self.usage, self.jobs.dump(), self.carry, self.gpus.ledger.dump(now, wall)
+                wall,
+                self.usage,
+                self.jobs.dump(),
+                self.carry,
+                ledger.dump(now, wall),
+                ledger.history(),
             )
             state.save(self.spec.agent.state_file, saved)
         except Exception as e:  # saving must never take the loop, or an API call, down
