@@ -305,7 +305,9 @@ class Agent:
         self, assignments: Mapping[str, Assignment], managed: list[WorkloadIdentity]
     ) -> dict[str, Needs]:
         """What each workload's lean read adds to its usage, for the policies in use:
-        memory.current only while a memory.max waits for usage to fit."""
+        memory.current only while a memory.max waits for usage to fit; cgroup.events for
+        exec's jobs and every deadline job (a deadline job that starts or ends is seen at
+        once, not at its next full read)."""
         key = (id(assignments), frozenset(self._held_back))
         if key == self._needs_key:
             return self._needs_value
@@ -315,7 +317,7 @@ class Agent:
             a = assignments[i.path]
             cls = classes[a.workload_class]
             need = Needs(
-                events=a.rule.startswith("exec:"),
+                events=a.rule.startswith("exec:") or a.deadline is not None,
                 memory=i.path in self._held_back,
                 pressure=cls.protect or cls.reserved_cpu is not None or a.deadline is not None,
                 threads=a.deadline is not None,
