@@ -34,6 +34,7 @@ from nodeagent.gpu.service import GpuService, environment
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.jobs import Jobs
 from nodeagent.logs import audit_write
+from nodeagent.originals import Originals
 from nodeagent.ownership import WriteMode, parent_identity, write_mode
 from nodeagent.policy import history
 from nodeagent.policy.base import Assignment
@@ -110,6 +111,8 @@ class Agent:
         )
         self.carry: dict[str, Mapping[str, object]] = {}
         """The policies' state for their next tick (the protection controller's)."""
+        self.originals = Originals()
+        """What the agent changed and the values before, for `nodeagent release`."""
         self.usage: dict[str, float] = self._restore()
         self.last: TickRecord | None = None
         self.problems = ProblemLog()
@@ -202,6 +205,8 @@ class Agent:
             saved.gpus, lambda h: h.owner in running if h.kind == "job" else h.kind == "reservation"
         )
         self.carry = {k: dict(v) for k, v in saved.carry.items()}
+        self.originals = Originals.load(saved.originals)
+        self.originals.forget([p for p, _, _ in self.originals.items() if not self._exists(p)])
         elapsed = time.time() - saved.saved_at
         return decay(saved.tenant_usage, elapsed, self.spec.fair_share.half_life)
 
@@ -394,7 +399,12 @@ class Agent:
         interval."""
         self._saved_at = time.monotonic()
         saved = state.SavedState(
-            time.time(), self.usage, self.jobs.dump(), self.carry, self.gpus.ledger.dump()
+            time.time(),
+            self.usage,
+            self.jobs.dump(),
+            self.carry,
+            self.gpus.ledger.dump(),
+            self.originals.dump(),
         )
         try:
             state.save(self.spec.agent.state_file, saved)
@@ -520,6 +530,7 @@ class Agent:
                 _guarded("observer.failed", observe, record)
             ok = record is not None
             if record is not None:
+                self._record_originals(record)
                 last_ok = time.monotonic()
                 log.debug("tick", seq=record.snapshot.seq, seconds=round(record.duration, 4))
                 sdnotify.status(
@@ -561,6 +572,22 @@ class Agent:
         if not self.dry_run:
             self.save_state()
         return ok
+
+    def _record_originals(self, record: TickRecord) -> None:
+        """Note this tick's writes (the fast path's since the last tick too) with what they
+        replaced; a first change of an attribute is saved at once, as tuned records an old
+        value before it sets the new one, so that release finds it even after a crash."""
+        modes = {c.path: c.write for c in record.plan.cgroups}
+        root = self.spec.agent.managed_root
+        for r in record.results:
+            if r.outcome is Outcome.WRITTEN:
+                via = modes.get(r.path) or write_mode(
+                    parent_identity(r.path, root), self.spec.agent
+                )
+                self.originals.note(r.path, r.attribute, r.old, r.new, via)
+        self.originals.forget(record.snapshot.vanished)
+        if self.originals.added and not self.dry_run:
+            self.save_state()
 
     def _wait_for_cgroup_events(self, timeout: float) -> bool:
         """Sleep until timeout, a wake-up (a signal, a stop from another thread), or until

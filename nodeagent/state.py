@@ -1,7 +1,8 @@
 """The state file: what must survive a restart, written atomically.
 
-The decayed usage history, the jobs `nodeagent exec` started, and the policies' carried
-state (the protection controller's caps and frozen cgroups) live here; current limits are
+The decayed usage history, the jobs `nodeagent exec` started, the policies' carried
+state (the protection controller's caps and frozen cgroups), the GPU holds, and the values
+the agent changed with what they were before (for `nodeagent release`) live here; current limits are
 re-read from the kernel on the first tick, so the file can never contradict the kernel. Writes
 go to a temp file that is fsynced and renamed over the old one, and the
 directory is fsynced, so a crash leaves either the old file or the new one.
@@ -41,6 +42,8 @@ class SavedState:
     """Each policy's state for its next tick."""
     gpus: Sequence[Mapping[str, Any]] = ()
     """GPU holds of jobs and reservations (nodeagent.gpu.model.Hold)."""
+    originals: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """What the agent changed, and the value before (nodeagent.originals), for release."""
 
 
 def _usable_usage(value: float) -> bool:
@@ -63,6 +66,7 @@ def save(path: str, state: SavedState) -> None:
             "jobs": list(state.jobs),
             "carry": dict(state.carry),
             "gpus": list(state.gpus),
+            "originals": dict(state.originals),
         },
         sort_keys=True,
         allow_nan=False,
@@ -152,6 +156,9 @@ def load(path: str, tenants: Collection[str] | None = None) -> SavedState | None
         gpus = data.get("gpus", [])
         if not isinstance(gpus, list) or not all(isinstance(g, dict) for g in gpus):
             raise ValueError("gpus must be a list of objects")
-        return SavedState(saved_at, usage, tuple(jobs), carry, tuple(gpus))
+        originals = data.get("originals", {})  # absent in files written before release
+        if not isinstance(originals, dict):
+            raise ValueError("originals must be an object")
+        return SavedState(saved_at, usage, tuple(jobs), carry, tuple(gpus), originals)
     except (KeyError, ValueError) as e:
         raise NodeagentError(f"state file {path} is malformed: {e}") from e

@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from nodeagent.cli import capacity, exec, gpus, inspection, run
+from nodeagent.cli import capacity, exec, gpus, inspection, release, run, units
 from nodeagent.errors import NodeagentError
 
 
@@ -44,6 +44,8 @@ for _command in (
     exec.exec_cmd,
     capacity.capacity,
     gpus.gpus,
+    release.release,
+    units.unit,
 ):
     main.add_command(_command)
 
