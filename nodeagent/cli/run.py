@@ -23,16 +23,19 @@ def validate(file: str) -> None:
 
     Exits 0 when the file is valid, 1 otherwise.
     """
+    from nodeagent.logs import stderr_is_the_journal
     from nodeagent.spec.load import PolicyError, load_policy
 
+    # as ExecStartPre=/ExecReload=, each problem is filed at priority err (journalctl -p err)
+    mark = "<3>" if stderr_is_the_journal() else ""
     try:
         spec = load_policy(file)
     except PolicyError as e:
-        click.echo(str(e), err=True)
+        click.echo("\n".join(mark + line for line in str(e).splitlines()), err=True)
         sys.exit(1)
     refused = metrics_refused(spec.agent.metrics.listen)
     if refused is not None:
-        click.echo(f"{file}: {refused}", err=True)
+        click.echo(f"{mark}{file}: {refused}", err=True)
         sys.exit(1)
     click.echo(f"{file}: ok ({len(spec.tenants)} tenants, {len(spec.rules)} rules)")
 

@@ -132,3 +132,20 @@ def test_validate_says_when_this_sandbox_refuses_the_metrics_address_family(
     assert metrics_refused("127.0.0.1:9464") is None
     assert metrics_refused(None) is None
     assert metrics_refused("/run/nodeagent/metrics.sock") is None  # not ours to judge
+
+
+def test_validate_files_its_problems_at_priority_err_when_stderr_is_the_journal(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As ExecStartPre=/ExecReload=, each FILE:LINE:COL line starts <3>, so that
+    `journalctl -p err -u nodeagent` shows why a start or a reload failed (issue 13, item 5)."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\ntenants:\n  t: {shares: -1}\n  u: {shares: 0}\n")
+    st = os.fstat(2)
+    monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+    with pytest.raises(SystemExit) as exit_:
+        main(["validate", str(policy)], standalone_mode=False)
+    assert exit_.value.code == 1
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 2
+    assert all(line.startswith(f"<3>{policy}:") for line in lines), lines
