@@ -36,6 +36,7 @@ from nodeagent.gpu.service import GpuService, environment
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.jobs import Jobs
 from nodeagent.logs import audit_write
+from nodeagent.originals import Originals
 from nodeagent.ownership import WriteMode, parent_identity, write_mode
 from nodeagent.policy import history
 from nodeagent.policy.base import Assignment
@@ -54,6 +55,7 @@ from nodeagent.sense.sensor import Sensor
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
 from nodeagent.spec.load import PolicyError, load_policy
 from nodeagent.spec.model import AgentSettings, PolicySpec
+from nodeagent.wakeup import Flag, Wakeup
 
 if TYPE_CHECKING:
     from nodeagent.metrics.server import MetricsServer
@@ -110,6 +112,8 @@ class Agent:
         self.jobs = Jobs(tree, audit_write, proc_root, on_end=self.gpus.release_job)
         self.carry: dict[str, Mapping[str, object]] = {}
         """The policies' state for their next tick (the protection controller's)."""
+        self.originals = Originals()
+        """What the agent changed and the values before, for `nodeagent release`."""
         self.usage: dict[str, float] = self._restore()
         self.last: TickRecord | None = None
         self.problems = ProblemLog()
@@ -145,8 +149,11 @@ class Agent:
         ] = (None, (), (frozenset(), frozenset(), False))
         self._assigned: tuple[object, dict[str, Assignment]] = (None, {})
         """The last plan's assignments, for as long as it is made again (same cgroups)."""
-        self.stop = threading.Event()
-        self.reload_requested = threading.Event()
+        self.wakeup = Wakeup()
+        """What the loop's wait wakes for: a signal, another thread's stop, besides inotify."""
+        self.stop = Flag(self.wakeup)
+        self.reload_requested = Flag(self.wakeup)
+        self._stop_signal: int | None = None
         self.last_reload = (True, time.time())
         """Whether the last reload applied the file, and when the policy in force was loaded
         (for the metrics; the start-up load counts as a reload that applied)."""
@@ -201,6 +208,8 @@ class Agent:
         self.gpus.ledger.load(saved.gpus, self._kept_hold, time.monotonic(), time.time())
         self.gpus.ledger.load_history(saved.gpu_history)
         self.carry = {k: dict(v) for k, v in saved.carry.items()}
+        self.originals = Originals.load(saved.originals)
+        self.originals.forget([p for p, _, _ in self.originals.items() if not self._exists(p)])
         elapsed = time.time() - saved.saved_at
         return decay(saved.tenant_usage, elapsed, self.spec.fair_share.half_life)
 
@@ -421,6 +430,7 @@ class Agent:
                 self.carry,
                 ledger.dump(now, wall),
                 ledger.history(),
+                self.originals.dump(),
             )
             state.save(self.spec.agent.state_file, saved)
         except Exception as e:  # saving must never take the loop, or an API call, down
@@ -533,9 +543,12 @@ class Agent:
         once: bool = False,
         on_tick: Callable[[TickRecord], None] | None = None,
     ) -> bool:
-        """Tick until self.stop is set. Errors are logged and the loop goes on; the watchdog
-        is fed only while ticks succeed, so systemd restarts an agent that keeps failing.
-        Returns whether the last tick succeeded (for --once, the exit status)."""
+        """Tick until self.stop is set. Errors are logged and the loop goes on. Under a
+        systemd watchdog the wait between ticks wakes to ping it every half WatchdogSec,
+        for as long as the loop is healthy (`healthy`), whatever `agent.interval` is; so
+        systemd restarts an agent that hangs or whose ticks keep failing, never one that is
+        merely waiting for its next tick. Returns whether the last tick succeeded (for
+        --once, the exit status)."""
         watchdog_sec = sdnotify.watchdog_interval()
         next_resync = time.monotonic() + self.spec.agent.resync_interval
         last_ok: float | None = None
@@ -547,6 +560,7 @@ class Agent:
                 _guarded("observer.failed", observe, record)
             ok = record is not None
             if record is not None:
+                self._record_originals(record)
                 last_ok = time.monotonic()
                 log.debug("tick", seq=record.snapshot.seq, seconds=round(record.duration, 4))
                 sdnotify.status(
@@ -561,7 +575,10 @@ class Agent:
             deadline = time.monotonic() + self.spec.agent.interval
             while not self.stop.is_set():
                 now = time.monotonic()
-                if watchdog_sec and last_ok and now - last_ok < watchdog_sec and now >= next_ping:
+                alive = watchdog_sec is not None and healthy(
+                    last_ok, now, self.spec.agent.interval, watchdog_sec
+                )
+                if alive and watchdog_sec and now >= next_ping:
                     sdnotify.watchdog()
                     next_ping = now + watchdog_sec / 2
                 if self.reload_requested.is_set():
@@ -570,26 +587,50 @@ class Agent:
                 if now >= next_resync:
                     _guarded("resync.failed", self.registry.resync)
                     next_resync = now + self.spec.agent.resync_interval
-                left = deadline - time.monotonic()
-                if left <= 0 or _guarded(
-                    "watch.failed", self._wait_for_cgroup_events, min(left, 1.0)
-                ):
+                now = time.monotonic()
+                left = deadline - now
+                if left <= 0:
                     break
+                wake = min(left, next_resync - now)
+                if alive:  # unhealthy, it lets the pings lapse: systemd acts after WatchdogSec
+                    wake = min(wake, next_ping - now)
+                if _guarded("watch.failed", self._wait_for_cgroup_events, max(wake, 0.0)):
+                    break
+        if self._stop_signal is not None:
+            log.info("stopping", signal=signal.Signals(self._stop_signal).name)
         sdnotify.stopping()
         if not self.dry_run:
             self.save_state()
         return ok
 
+    def _record_originals(self, record: TickRecord) -> None:
+        """Note this tick's writes (the fast path's since the last tick too) with what they
+        replaced; a first change of an attribute is saved at once, as tuned records an old
+        value before it sets the new one, so that release finds it even after a crash."""
+        modes = {c.path: c.write for c in record.plan.cgroups}
+        root = self.spec.agent.managed_root
+        for r in record.results:
+            if r.outcome is Outcome.WRITTEN:
+                via = modes.get(r.path) or write_mode(
+                    parent_identity(r.path, root), self.spec.agent
+                )
+                self.originals.note(r.path, r.attribute, r.old, r.new, via)
+        self.originals.forget(record.snapshot.vanished)
+        if self.originals.added and not self.dry_run:
+            self.save_state()
+
     def _wait_for_cgroup_events(self, timeout: float) -> bool:
-        """Sleep until timeout or until cgroups appear or go. New workloads get their plan
-        at once through the fast path; True only when events were lost (a resync), so
-        that a full tick follows now."""
-        fd = self.registry.fileno()
-        if fd is None:
-            time.sleep(timeout)
-            return False
-        readable, _, _ = select.select([fd], [], [], timeout)
-        if not readable:
+        """Sleep until timeout, a wake-up (a signal, a stop from another thread), or until
+        cgroups appear or go. New workloads get their plan at once through the fast path;
+        True only when events were lost (a resync), so that a full tick follows now."""
+        fds = [self.wakeup.fileno()]
+        inotify = self.registry.fileno()
+        if inotify is not None:
+            fds.append(inotify)
+        readable, _, _ = select.select(fds, [], [], timeout)
+        if self.wakeup.fileno() in readable:
+            self.wakeup.drain()  # the caller looks at the flags before it waits again
+        if inotify is None or inotify not in readable:
             return False
         self.registry.poll()
         new, self.registry.new = self.registry.new, []
@@ -619,15 +660,17 @@ class Agent:
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT stop the loop, SIGHUP reloads the policy. Call this before prepare(),
-        so that an early `systemctl reload` does not kill the agent."""
+        so that an early `systemctl reload` does not kill the agent. The handlers only set a
+        flag, which the loop's wait wakes for (nodeagent.wakeup says why nothing more)."""
 
         def on_stop(signum: int, _: FrameType | None) -> None:
-            log.info("stopping", signal=signal.Signals(signum).name)
+            self._stop_signal = signum
             self.stop.set()
 
         def on_hup(_signum: int, _frame: FrameType | None) -> None:
             self.reload_requested.set()
 
+        self.wakeup.on_signals()
         signal.signal(signal.SIGTERM, on_stop)
         signal.signal(signal.SIGINT, on_stop)
         signal.signal(signal.SIGHUP, on_hup)
@@ -647,6 +690,16 @@ def _local_seconds(wall: float) -> float:
     """Seconds since local midnight, for the policies' daily windows."""
     t = time.localtime(wall)
     return t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec + wall % 1
+
+
+HEALTHY_TICKS = 3
+"""The loop is healthy while its last good tick is at most this many intervals old (or one
+WatchdogSec, when that is longer): a tick or two may fail, a loop that keeps failing is not."""
+
+
+def healthy(last_ok: float | None, now: float, interval: float, watchdog_sec: float) -> bool:
+    """Whether the loop may tell systemd's watchdog it is alive."""
+    return last_ok is not None and now - last_ok < max(HEALTHY_TICKS * interval, watchdog_sec)
 
 
 def _guarded(event: str, fn: Callable[..., T], *args: object) -> T | None:

@@ -1,7 +1,8 @@
 """The state file: what must survive a restart, written atomically.
 
-The decayed usage history, the jobs `nodeagent exec` started, and the policies' carried
-state (the protection controller's caps and frozen cgroups) live here; current limits are
+The decayed usage history, the jobs `nodeagent exec` started, the policies' carried
+state (the protection controller's caps and frozen cgroups), the GPU holds, and the values
+the agent changed with what they were before (for `nodeagent release`) live here; current limits are
 re-read from the kernel on the first tick, so the file can never contradict the kernel. Writes
 go to a temp file that is fsynced and renamed over the old one, and the
 directory is fsynced, so a crash leaves either the old file or the new one.
@@ -44,6 +45,8 @@ class SavedState:
     one when restored."""
     gpu_history: Mapping[str, Any] = field(default_factory=dict)
     """Per class, how long its last jobs held their GPUs; checked when restored."""
+    originals: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """What the agent changed, and the value before (nodeagent.originals), for release."""
 
 
 def _usable_usage(value: float) -> bool:
@@ -67,6 +70,7 @@ def save(path: str, state: SavedState) -> None:
             "carry": dict(state.carry),
             "gpus": list(state.gpus),
             "gpu_history": dict(state.gpu_history),
+            "originals": dict(state.originals),
         },
         sort_keys=True,
         allow_nan=False,
@@ -160,6 +164,9 @@ def load(path: str, tenants: Collection[str] | None = None) -> SavedState | None
         history = data.get("gpu_history", {})  # absent in files written before it
         if not isinstance(history, dict):
             raise ValueError("gpu_history must be an object")
-        return SavedState(saved_at, usage, tuple(jobs), carry, tuple(gpus), history)
+        originals = data.get("originals", {})  # absent in files written before release
+        if not isinstance(originals, dict):
+            raise ValueError("originals must be an object")
+        return SavedState(saved_at, usage, tuple(jobs), carry, tuple(gpus), history, originals)
     except (KeyError, ValueError) as e:
         raise NodeagentError(f"state file {path} is malformed: {e}") from e

@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from nodeagent.cli import capacity, exec, gpus, inspection, run, validate
+from nodeagent.cli import capacity, exec, gpus, inspection, release, run, units, validate
 from nodeagent.errors import NodeagentError
 
 
@@ -65,6 +65,8 @@ for _command in (
     exec.exec_cmd,
     capacity.capacity,
     gpus.gpus,
+    release.release,
+    units.unit,
 ):
     main.add_command(_command)
 

@@ -16,6 +16,42 @@ if TYPE_CHECKING:
     from nodeagent.report import TickRecord
 
 
+def metrics_refused(listen: str | None) -> str | None:
+    """Why this process cannot serve metrics at `listen`, found by trying what listening
+    needs first: a socket of its address family. Under the shipped unit
+    (RestrictAddressFamilies=AF_UNIX) an AF_INET socket is refused, and the daemon would
+    exit at start into a Restart= loop; `validate`, its ExecStartPre=, says so instead.
+    None when it can (or `listen` is not a TCP address this knows)."""
+    import errno
+    import socket
+
+    from nodeagent.spec.listen import parse_listen
+
+    if listen is None:
+        return None
+    try:
+        host, _ = parse_listen(listen)
+    except ValueError:
+        return None  # another kind of address: its server checks it
+    family, name = (socket.AF_INET6, "AF_INET6") if ":" in host else (socket.AF_INET, "AF_INET")
+    try:
+        socket.socket(family, socket.SOCK_STREAM).close()
+    except OSError as e:
+        if e.errno not in (errno.EAFNOSUPPORT, errno.EPERM, errno.EACCES):
+            return None
+        unit = (
+            "install systemd/nodeagent.service.d/metrics.conf"
+            " (nodeagent unit --install --metrics), then restart nodeagent"
+            if os.environ.get("INVOCATION_ID")
+            else "allow it, or set agent.metrics.listen: null"
+        )
+        return (
+            f"agent.metrics.listen {listen}: this process may not open {name} sockets"
+            f" ({e.strerror}; a systemd unit's RestrictAddressFamilies= does that): {unit}"
+        )
+    return None
+
+
 @click.command()
 @click.option("--config", "-c", "config", required=True, metavar="FILE", help="Policy YAML.")
 @click.option("--cgroup-root", default="/sys/fs/cgroup", show_default=True, metavar="DIR")
@@ -66,9 +102,14 @@ def run(
         if v is not None
     }
     host = detect(cgroup_root, proc_root)
+    if os.environ.get("INVOCATION_ID") and not dry_run:
+        _warn_if_workloads_die_with_the_unit(spec.agent.managed_root, proc_root)
     if not dry_run and os.geteuid() != 0:
         raise NodeagentError("nodeagent run writes cgroup files and needs root (or use --dry-run)")
     raise_fd_limit()  # before the sensor sizes its cache of open directories
+    refused = None if once else metrics_refused(spec.agent.metrics.listen)
+    if refused is not None:
+        raise NodeagentError(refused)
     agent = Agent(
         spec,
         CgroupTree(host.root),
@@ -90,6 +131,24 @@ def run(
             metrics.close()
     if once and not ok:
         raise NodeagentError("the tick failed (see tick.failed in the log above)")
+
+
+def _warn_if_workloads_die_with_the_unit(managed_root: str, proc_root: str) -> None:
+    """Under systemd, a managed root inside the agent's own unit ends every job with each
+    restart of the agent: say where it belongs."""
+    import structlog
+
+    from nodeagent.cgroupfs.subtree import own_cgroup
+
+    own = own_cgroup(proc_root)
+    if own and managed_root.startswith(own + "/"):
+        structlog.get_logger("nodeagent").warning(
+            "managed_root.inside_the_agents_unit",
+            managed_root=managed_root,
+            unit_cgroup=own,
+            action="its workloads end whenever the agent restarts; use"
+            " system.slice/nodeagent-workloads.service/workloads (README, systemd service)",
+        )
 
 
 def _plan_printer() -> Callable[[TickRecord], None]:

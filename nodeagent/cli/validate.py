@@ -31,6 +31,8 @@ def validate(file: str, strict: bool, as_json: bool) -> None:
     Exits 0 when the file is valid (warnings or not, unless --strict), 1 otherwise.
     With --json, the same as one JSON object (kind PolicyCheck) on stdout.
     """
+    from nodeagent.cli.run import metrics_refused
+    from nodeagent.logs import stderr_is_the_journal
     from nodeagent.spec.load import PolicyError, check_policy
 
     spec = None
@@ -40,13 +42,24 @@ def validate(file: str, strict: bool, as_json: bool) -> None:
         problems, omitted = sorted((*e.problems, *e.warnings), key=_where), e.omitted
     else:
         spec, problems, omitted = checked.spec, list(checked.warnings), 0
-    failed = spec is None or (strict and bool(problems))
+    refused = None if spec is None else metrics_refused(spec.agent.metrics.listen)
+    failed = spec is None or refused is not None or (strict and bool(problems))
     if as_json:
-        echo_json(_check_document(file, spec is not None and not failed, spec, problems, omitted))
+        doc = _check_document(file, not failed, spec, problems, omitted)
+        if refused is not None:  # not at a line: the file is valid, this process cannot serve it
+            doc["problems"].append(
+                {"line": None, "column": None, "severity": "error", "message": refused}
+            )
+        echo_json(doc)
     else:
-        lines = [str(p) for p in problems]
+        # as ExecStartPre=/ExecReload=, each problem is filed at its journald priority
+        # (err, or warning), so `journalctl -p err -u nodeagent` shows it
+        journal = stderr_is_the_journal()
+        lines = [("<3>" if p.severity == "error" else "<4>") * journal + str(p) for p in problems]
         if omitted:
             lines.append(f"{file}: ... and {omitted} more problems")
+        if refused is not None:
+            lines.append("<3>" * journal + f"{file}: {refused}")
         if lines:
             click.echo("\n".join(lines), err=True)
         if spec is not None and not failed:

@@ -13,7 +13,9 @@ runtime boots systemd in a container (``container=other``):
   cannot start here (issue 8: it stayed ``initializing``), and the host's ``/etc`` enablements
   (gettys, timers, postgresql, ...) would start too.
 - **/run and /tmp** are its own tmpfs: the system bus socket and ``/run/systemd/private`` exist
-  only in its mount namespace. From the VM they are reachable through ``/proc/<pid>/root/...``
+  only in its mount namespace. A checkout under the VM's /tmp (a fresh clone) stays visible at
+  its own path there (it is moved into the new /tmp), and units with ``PrivateTmp=yes`` get it
+  through :func:`checkout_binding`. From the VM they are reachable through ``/proc/<pid>/root/...``
   (:attr:`SystemdHost.system_bus_address`), but systemd refuses private-socket clients outside its
   PID namespace (their peer PID reads as 0): code that must use the private socket runs inside,
   through :meth:`SystemdHost.run` / :meth:`SystemdHost.python` (``nsenter -p -m -C``).
@@ -105,11 +107,26 @@ mount -t tmpfs -o mode=0755 tmpfs /etc/systemd/system
 mount -t tmpfs -o mode=0755 tmpfs /run
 mkdir -p /run/systemd/journald.conf.d
 cp "$ctl/journald.conf" /run/systemd/journald.conf.d/nodeagent-harness.conf
-mount -t tmpfs -o mode=1777 tmpfs /tmp  # hides $ctl, which is in the VM's /tmp
+# its own /tmp hides $ctl, which is in the VM's /tmp, and would hide a checkout there ($2) with
+# its venv: that one is moved into the new /tmp at the same path
+case $2 in /tmp/?*) keep=/run/nodeagent-harness-checkout ;; *) keep= ;; esac
+[ -z "$keep" ] || { mkdir "$keep" && mount --bind "$2" "$keep"; }
+mount -t tmpfs -o mode=1777 tmpfs /tmp
+[ -z "$keep" ] || { mkdir -p "$2" && mount --move "$keep" "$2" && rmdir "$keep"; }
 exec env -i container=other PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 \
   /lib/systemd/systemd --system --unit=multi-user.target --show-status=false \
   --log-target=journal-or-kmsg --log-level=info
 """
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+"""This checkout, its .venv included: the same path inside as outside, wherever it is."""
+
+
+def checkout_binding() -> str:
+    """Lines for a test drop-in of a unit with PrivateTmp=yes, which gets a /tmp of its own:
+    a checkout under /tmp (a fresh clone, CI) is bound into it read-only at its path."""
+    return f"BindReadOnlyPaths={CHECKOUT}\n" if CHECKOUT.is_relative_to("/tmp") else ""
+
 
 BOOT_TIMEOUT_S = float(os.environ.get("NODEAGENT_SYSTEMD_BOOT_TIMEOUT", "240"))
 STOP_TIMEOUT_S = 60.0
@@ -306,10 +323,10 @@ def boot(boot_units: Mapping[str, str] | None = None) -> SystemdHost:
             (units / f"{target}.wants" / name).symlink_to(f"../{name}")
     (ctl / "journald.conf").write_text(JOURNALD_CONF)
     unshare = "unshare --pid --fork --mount --cgroup --kill-child --"
-    enter = f'echo $$ > "$0" && exec {unshare} bash -c "$1" stage2 "$2"'
+    enter = f'echo $$ > "$0" && exec {unshare} bash -c "$1" stage2 "$2" "$3"'
     with open(ctl / "launcher.log", "wb") as log:
         launcher = subprocess.Popen(
-            ["sh", "-c", enter, str(cgroup / "cgroup.procs"), STAGE2, str(ctl)],
+            ["sh", "-c", enter, str(cgroup / "cgroup.procs"), STAGE2, str(ctl), str(CHECKOUT)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,

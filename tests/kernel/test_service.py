@@ -1,13 +1,16 @@
-"""systemd/nodeagent.service's life cycle under a real systemd (issue 8, section 3).
+"""systemd/nodeagent.service's life cycle under a real systemd (issue 8, section 3; issue 13).
 
-The shipped unit is installed in the test systemd as an operator installs it, with one drop-in
-that lowers WatchdogSec so that the watchdog test is quick (and raises TimeoutStartSec for the
-emulated VM). The operator's paths (/opt/nodeagent
-with its .venv, /etc/nodeagent, /var/lib/nodeagent) are mounts in systemd's own mount namespace
-(this checkout, and two tmpfs), so the tests never touch those paths of the machine they run on.
+The shipped units are installed in the test systemd as `nodeagent unit --install` installs them
+(ExecStart= at this checkout's venv), with one drop-in that raises TimeoutStartSec for the
+emulated VM (and, for a checkout under /tmp, binds it into the unit's private /tmp). The
+operator's paths /etc/nodeagent and /var/lib/nodeagent are tmpfs mounts in systemd's own mount
+namespace, so the tests never touch those paths of the machine they run on. The shipped
+WatchdogSec=30s stays, so that a slow tick on a busy host cannot trip it; the watchdog tests
+lower it in a drop-in of their own.
 
-The tests share one installed unit and run in file order; each starts the agent if it is not
-running. A failing test prints the agent's journal and `systemctl status`.
+The tests share the installed units and run in file order; each starts the agent if it is not
+running. Waits are keyed to progress (ticks seen, units active, processes gone) with generous
+ceilings. A failing test prints the agent's journal and `systemctl status`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,25 +32,28 @@ from typing import Any, TypeVar
 import pytest
 from conftest import remove_cgroup_tree
 from helpers import read
-from systemd_host import SystemdHost
+from systemd_host import SystemdHost, checkout_binding
 
 from nodeagent import state
 from nodeagent.api import client
+from nodeagent.cli.units import FILES, OPTIONAL, installed_executable, render
 
-CHECKOUT = Path(__file__).resolve().parents[2]
-UNIT = CHECKOUT / "systemd" / "nodeagent.service"
 SERVICE = "nodeagent.service"
+WORKLOADS = "nodeagent-workloads.service"
 UNIT_DIR = "/etc/systemd/system"
 POLICY = "/etc/nodeagent/policy.yaml"
 STATE = "/var/lib/nodeagent/state.json"
 SOCKET = "/run/nodeagent/nodeagent.sock"
-CGROUP = "system.slice/nodeagent.service"  # systemd's name for the service's cgroup
-MANAGED = f"{CGROUP}/workloads"
-WATCHDOG_S = 5  # the shipped 30 s, lowered for the test; ticks here take well under 1 s
+CGROUP = "system.slice/nodeagent.service"  # systemd's name for the agent's cgroup
+MANAGED = f"system.slice/{WORKLOADS}/workloads"  # the README's managed root
+EXE = installed_executable()  # this checkout's .venv/bin/nodeagent: what the units run
 WAIT_S = 300.0  # under TCG on a busy host, validate and the agent's start took 40 s and 90 s
-# The watchdog lowered so that its test is quick; the start timeout raised (from 90 s) for the
-# emulated VM, where starting Python and importing the agent can take a minute.
-TEST_DROPIN = f"[Service]\nWatchdogSec={WATCHDOG_S}s\nTimeoutStartSec={WAIT_S:.0f}s\n"
+WATCHDOG_S = 10  # the watchdog tests' WatchdogSec: ticks take well under 1 s, even here
+METRICS_PORT = 19464
+# The start timeout raised (from 90 s) for the emulated VM, where starting Python and importing
+# the agent can take a minute (it bounds ExecReload= and ExecStopPost= too).
+TEST_DROPIN = f"[Service]\nTimeoutStartSec={WAIT_S:.0f}s\nTimeoutStopSec={WAIT_S:.0f}s\n"
+WATCHDOG_DROPIN = f"[Service]\nWatchdogSec={WATCHDOG_S}s\n"
 T = TypeVar("T")
 
 # What the agent may write under the unit's sandbox (the rest of / is read-only for it).
@@ -58,38 +65,40 @@ MOUNTS = {
     "/etc/nodeagent": "ro",
     "/usr": "ro",
     "/var/lib": "ro",
-    "/opt/nodeagent": "ro",
+    str(Path(EXE).parents[2]): "ro",  # this checkout, where the units' nodeagent is
     "/home": "ro",
 }
-# The operator's paths, inside systemd's mount namespace only ($1: this checkout). A directory
-# that does not exist yet is made as a mount point (and listed, so teardown removes it).
+# The operator's paths, inside systemd's mount namespace only. A directory that does not exist
+# yet is made as a mount point (and listed, so teardown removes it).
 MOUNT = r"""
 set -eu
-for d in /opt/nodeagent /etc/nodeagent /var/lib/nodeagent; do
+for d in /etc/nodeagent /var/lib/nodeagent; do
   [ -d "$d" ] || { mkdir "$d"; echo "$d"; }
 done
-mount --bind "$1" /opt/nodeagent
 mount -t tmpfs -o mode=0755 tmpfs /etc/nodeagent
 mount -t tmpfs -o mode=0755 tmpfs /var/lib/nodeagent
 """
-UNMOUNT = 'umount /opt/nodeagent /etc/nodeagent /var/lib/nodeagent; [ $# -eq 0 ] || rmdir "$@"'
-# A busy loop in a new cgroup of the managed subtree ($1, relative to the cgroup root), started
-# inside systemd's PID namespace so that systemd sees it (and kills it when the service stops).
+UNMOUNT = 'umount /etc/nodeagent /var/lib/nodeagent; [ $# -eq 0 ] || rmdir "$@"'
+# $2 busy loops in a new cgroup of the managed subtree ($1, relative to the cgroup root), started
+# inside systemd's PID namespace so that systemd sees them.
 SPAWN_BUSY = r"""
 cg=/sys/fs/cgroup/$1
 mkdir "$cg" &&
-sh -c 'echo $$ > "$0/cgroup.procs" && exec sh -c "while :; do :; done"' "$cg" \
-  </dev/null >/dev/null 2>&1 &
+for i in $(seq "${2:-1}"); do
+  sh -c 'echo $$ > "$0/cgroup.procs" && exec sh -c "while :; do :; done"' "$cg" \
+    </dev/null >/dev/null 2>&1 &
+done
 """
 
 
-def policy(cpu_max: str) -> str:
-    """The operator's policy: a managed subtree below the service, a cap for each workload."""
+def policy(cpu_max: str, agent: str = "") -> str:
+    """The operator's policy: the managed subtree in nodeagent-workloads.service, a cap for
+    each workload; `agent`: more lines of its agent section."""
     return f"""\
 version: 1
 agent:
   managed_root: {MANAGED}
-tenants:
+{agent}tenants:
   research:
     shares: 1
 rules:
@@ -105,6 +114,7 @@ rules:
 GOOD = policy("0.2")  # cpu.max 20000 100000
 BETTER = policy("0.3")  # cpu.max 30000 100000
 BAD = policy("lots")  # line 13: not a number of cores
+BAD_LINE = 13
 
 
 class Service:
@@ -122,6 +132,9 @@ class Service:
         args = [f"--property={p}" for p in properties]
         out = self.systemctl("show", *args, SERVICE).stdout
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def show_unit(self, unit: str, prop: str) -> str:
+        return self.systemctl("show", f"--property={prop}", "--value", unit).stdout.strip()
 
     def active_state(self) -> str:
         return self.show("ActiveState")["ActiveState"]
@@ -148,6 +161,20 @@ class Service:
         assert self.active_state() == "active"
         return took
 
+    def restart(self, old: int) -> int:
+        """`systemctl restart`; the new agent's MainPID, once it is active (READY=1)."""
+        done = self.host.run("systemctl", "restart", SERVICE, check=False, timeout=WAIT_S)
+        assert done.returncode == 0, f"systemctl restart {SERVICE}: {done.stderr.strip()}"
+        return self.wait_for_a_new_agent(old)
+
+    def wait_for_a_new_agent(self, old: int) -> int:
+        def new() -> int:
+            now = self.show("ActiveState", "MainPID")
+            pid = int(now["MainPID"])
+            return pid if now["ActiveState"] == "active" and pid not in (0, old) else 0
+
+        return wait("a new agent, active", new, timeout=2 * WAIT_S)
+
     def start_seconds(self) -> str:
         """How long the last start took, by systemd's clock: from leaving `inactive` (the
         ExecStartPre= validate included) to `active` (READY=1)."""
@@ -155,10 +182,10 @@ class Service:
         times = self.show(began, ready)
         return f"{(int(times[ready]) - int(times[began])) / 1e6:.1f}"
 
-    def ensure_running(self) -> int:
-        """The agent's MainPID, after starting it (with the GOOD policy) if it is not active."""
+    def ensure_running(self, text: str = GOOD) -> int:
+        """The agent's MainPID, after starting it (with policy `text`) if it is not active."""
         if self.active_state() != "active":
-            self.write_policy(GOOD)  # a test that failed may have left another one
+            self.write_policy(text)  # a test that failed may have left another one
             self.systemctl("reset-failed", SERVICE, check=False)
             self.start()
         return self.main_pid()
@@ -220,6 +247,28 @@ class Service:
         assert isinstance(answer, dict)
         return answer
 
+    def jobs(self) -> list[dict[str, Any]]:
+        """The jobs the running agent knows (GET /v1/jobs)."""
+        answer = client.get(str(self.host.path(SOCKET)), "/v1/jobs", timeout=60)
+        assert isinstance(answer, dict)
+        return list(answer["jobs"])
+
+    @staticmethod
+    def alive(pid: int) -> bool:
+        """Whether process `pid` (as the VM numbers it: cgroup.procs read from here) is there
+        and not a zombie."""
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
+
+    @staticmethod
+    def inner_pid(pid: int) -> int:
+        """The number systemd's PID namespace (and so the agent) gives the VM's process `pid`."""
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        return int(next(line for line in status if line.startswith("NSpid:")).split()[-1])
+
     def status_tick(self) -> int | None:
         """The tick number of the agent's last STATUS= line ("tick N: ..."), if any."""
         found = re.match(r"tick (\d+):", self.show("StatusText")["StatusText"])
@@ -250,20 +299,25 @@ class Service:
                     cli.communicate()
 
     @contextlib.contextmanager
-    def busy_workload(self, name: str) -> Iterator[Path]:
-        """A cgroup MANAGED/NAME with one busy process; its VM path. Removed after."""
+    def busy_workload(self, name: str, loops: int = 1, listed: bool = True) -> Iterator[Path]:
+        """A cgroup MANAGED/NAME with `loops` busy processes; its VM path. It outlives the
+        agent (nodeagent-workloads.service holds it); removed after. With `listed`, once the
+        agent lists it among its workloads."""
         cgroup = self.host.outer(f"/{MANAGED}/{name}")
-        self.host.run("sh", "-c", SPAWN_BUSY, "spawn", f"{MANAGED}/{name}")
+        self.host.run("sh", "-c", SPAWN_BUSY, "spawn", f"{MANAGED}/{name}", str(loops))
         try:
-            wait(f"a process in {cgroup}", lambda: read(cgroup, "cgroup.procs").split())
             wait(
-                f"the agent to list {MANAGED}/{name} among its workloads",
-                lambda: _rows(self.allocations(), {name}),
-                timeout=60,
+                f"{loops} processes in {cgroup}",
+                lambda: len(read(cgroup, "cgroup.procs").split()) >= loops,
             )
+            if listed:
+                wait(
+                    f"the agent to list {MANAGED}/{name} among its workloads",
+                    lambda: _rows(self.allocations(), {name}),
+                )
             yield cgroup
         finally:
-            if cgroup.exists():  # systemd removed it if the service stopped since
+            if cgroup.exists():
                 remove_cgroup_tree(cgroup)
 
 
@@ -282,27 +336,44 @@ def cpu_max(cgroup: Path) -> str:
 
 
 def exec_start() -> str:
-    """The shipped unit's ExecStart command line."""
-    lines = UNIT.read_text().splitlines()
+    """The installed unit's ExecStart command line."""
+    lines = render(SERVICE, EXE).splitlines()
     return next(line.split("=", 1)[1] for line in lines if line.startswith("ExecStart="))
+
+
+def install_units(host: SystemdHost, metrics: bool = False) -> None:
+    """The units as `nodeagent unit --install [--metrics]` writes them (this checkout's
+    nodeagent in ExecStart=); without `metrics`, the metrics drop-in is removed."""
+    for relative in FILES:
+        target = host.path(f"{UNIT_DIR}/{relative}")
+        if relative in OPTIONAL and not metrics:
+            target.unlink(missing_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(render(relative, EXE))
+    host.systemctl("daemon-reload")
 
 
 @pytest.fixture(scope="module")
 def service(systemd_host: SystemdHost) -> Iterator[Service]:
-    """nodeagent.service installed (unit file, policy, a WatchdogSec drop-in), not started."""
+    """The units installed (with the policy and a test drop-in), not started."""
     host = systemd_host
-    made = host.run("sh", "-c", MOUNT, "mount", str(CHECKOUT)).stdout.split()
+    made = host.run("sh", "-c", MOUNT, "mount").stdout.split()
     unit = Service(host)
     try:
-        shutil.copy(UNIT, host.path(f"{UNIT_DIR}/{SERVICE}"))
+        install_units(host)
         unit.write_policy(GOOD)
-        unit.dropin("50-test", TEST_DROPIN)
+        unit.dropin("50-test", TEST_DROPIN + checkout_binding())
         yield unit
     finally:
-        unit.systemctl("stop", SERVICE, check=False)
-        unit.systemctl("reset-failed", SERVICE, check=False)  # a failed unit degrades the host
-        host.path(f"{UNIT_DIR}/{SERVICE}").unlink(missing_ok=True)
+        for name in (SERVICE, WORKLOADS):
+            unit.systemctl("stop", name, check=False)
+            unit.systemctl("reset-failed", name, check=False)  # a failed unit degrades the host
+        for relative in FILES:
+            host.path(f"{UNIT_DIR}/{relative}").unlink(missing_ok=True)
         shutil.rmtree(host.path(f"{UNIT_DIR}/{SERVICE}.d"), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            host.path(f"{UNIT_DIR}/system.slice.d").rmdir()
         unit.systemctl("daemon-reload")
         host.run("sh", "-c", UNMOUNT, "unmount", *made)
 
@@ -329,8 +400,9 @@ def test_start_is_active_only_after_the_first_tick_and_never_with_a_bad_policy(
     refused = s.host.run("systemctl", "start", SERVICE, check=False, timeout=WAIT_S)
     assert refused.returncode != 0
     assert s.show("ExecMainStartTimestampMonotonic") == before  # no main process was started
-    assert any(re.search(rf"^{POLICY}:13:\d+: ", m) for m in s.tail(20).splitlines())
+    assert any(re.search(rf"^{POLICY}:{BAD_LINE}:\d+: ", m) for m in s.tail(20).splitlines())
     assert s.events(mark) == []  # not one line from `nodeagent run`
+    assert _errors(s, rf"^{POLICY}:{BAD_LINE}:\d+: ")  # filed at priority err
     s.systemctl("stop", SERVICE)  # Restart=on-failure would retry it every RestartSec
     s.systemctl("reset-failed", SERVICE, check=False)  # "not loaded" once collected
 
@@ -366,6 +438,12 @@ def test_start_is_active_only_after_the_first_tick_and_never_with_a_bad_policy(
     assert [m for m in notes[:ready] if "STATUS=tick 1:" in m], notes[: ready + 1]
 
 
+def _errors(s: Service, pattern: str) -> list[str]:
+    """The unit's journal lines at priority err or worse (`journalctl -p err`) matching."""
+    args = ("journalctl", "--no-pager", "-o", "cat", "-p", "err", "-u", SERVICE)
+    return [m for m in s.host.run(*args).stdout.splitlines() if re.search(pattern, m)]
+
+
 def _stopped(s: Service, pid: int) -> int:
     """pid if that process is stopped (state T), else 0."""
     stat = s.host.run("cat", f"/proc/{pid}/stat", check=False).stdout
@@ -390,13 +468,19 @@ def test_the_agent_runs_under_the_hardened_unit(service: Service) -> None:
     seen = s.host.run("nsenter", "-t", str(pid), "-m", "--", "sh", "-c", probe).stdout
     assert dict(line.split(": ") for line in seen.splitlines()) == MOUNTS
 
-    # Delegate=yes: it moved itself into <service>/agent and enabled cpu+memory below
-    assert s.proc(pid, "cgroup").strip() == f"0::/{CGROUP}/agent"
-    service_cgroup = s.host.outer(f"/{CGROUP}")
-    assert read(service_cgroup, "cgroup.procs") == ""  # no internal process
-    assert {"cpu", "memory"} <= set(
-        read(service_cgroup / "workloads", "cgroup.subtree_control").split()
-    )
+    # it stays alone in its unit's cgroup; the workloads' subtree is nodeagent-workloads.service's,
+    # whose one process waits in a leaf, with cpu+memory enabled below it by the agent
+    assert s.proc(pid, "cgroup").strip() == f"0::/{CGROUP}"
+    holder = s.host.outer(f"/system.slice/{WORKLOADS}")
+    assert read(holder, "cgroup.procs") == ""  # no internal process
+    assert len(read(holder / "holder", "cgroup.procs").split()) == 1
+    assert {"cpu", "memory"} <= set(read(holder / "workloads", "cgroup.subtree_control").split())
+    # 13.25: it protects itself under pressure (the OOM killer, reclaim, CPU)
+    assert s.proc(pid, "oom_score_adj").strip() == "-900"
+    agent_cgroup = s.host.outer(f"/{CGROUP}")
+    assert read(agent_cgroup, "memory.min") == str(64 << 20)
+    assert read(agent_cgroup.parent, "memory.min") == str(64 << 20)  # handed down by system.slice
+    assert read(agent_cgroup, "cpu.weight") == "500"
 
     mark = s.cursor()
     with s.busy_workload("train-0") as workload:
@@ -434,6 +518,7 @@ def test_the_agent_runs_under_the_hardened_unit(service: Service) -> None:
             assert cli.returncode == 128 + signal.SIGTERM, out
         # ... and the agent removes its cgroup
         wait("the agent to remove the finished job's cgroup", lambda: not job_cgroup.exists())
+        assert s.jobs() == []
 
     # its run and state directories, as the unit made them
     socket = s.host.path(SOCKET)
@@ -458,9 +543,13 @@ def _rows(allocations: dict[str, Any], names: set[str]) -> list[dict[str, Any]]:
     return rows if len(rows) == len(names) else []
 
 
-def test_reload_keeps_the_last_good_policy_on_a_bad_file_and_applies_a_good_one(
+def test_reload_fails_on_a_bad_file_keeps_the_last_good_policy_and_applies_a_good_one(
     service: Service, record_testsuite_property: Callable[[str, object], None]
 ) -> None:
+    """13.5: ExecReload= validates first, so `systemctl reload` tells the truth: a bad file fails
+    it (non-zero, the FILE:LINE:COL at priority err) and never reaches the agent; a good one is
+    applied. A SIGHUP that bypasses validate (kill -HUP) is refused by the agent itself, whose
+    policy.invalid `journalctl -p err` shows."""
     s = service
     s.write_policy(GOOD)
     pid = s.ensure_running()
@@ -469,10 +558,21 @@ def test_reload_keeps_the_last_good_policy_on_a_bad_file_and_applies_a_good_one(
 
         s.write_policy(BAD)
         mark = s.cursor()
-        s.systemctl("reload", SERVICE)
+        refused = s.host.run("systemctl", "reload", SERVICE, check=False, timeout=WAIT_S)
+        assert refused.returncode != 0, refused.stdout + refused.stderr
+        assert (s.active_state(), s.main_pid()) == ("active", pid)
+        problem = rf"^{POLICY}:{BAD_LINE}:\d+: "
+        assert [e for e in s.entries(mark) if re.search(problem, str(e.get("MESSAGE")))]
+        assert _errors(s, problem)
+        assert s.event(mark, "policy.invalid") is None  # the agent was never asked
+
+        mark = s.cursor()
+        s.systemctl("kill", "--kill-whom=main", "--signal=SIGHUP", SERVICE)
         invalid = wait("policy.invalid", lambda: s.event(mark, "policy.invalid"))
-        assert invalid["problem"].startswith(f"{POLICY}:13:")
+        assert invalid["problem"].startswith(f"{POLICY}:{BAD_LINE}:")
         assert invalid["action"] == "keeping the last good policy"
+        said = [e for e in s.entries(mark) if '"policy.invalid"' in str(e.get("MESSAGE"))]
+        assert [e["PRIORITY"] for e in said] == ["3"], said  # the agent's own <3> prefix
         # still the same agent, still applying the old values, to a workload new since too
         assert (s.active_state(), s.main_pid()) == ("active", pid)
         with s.busy_workload("train-late") as late:
@@ -482,7 +582,7 @@ def test_reload_keeps_the_last_good_policy_on_a_bad_file_and_applies_a_good_one(
         s.write_policy(BETTER)
         mark = s.cursor()
         t0 = time.monotonic()
-        s.systemctl("reload", SERVICE)
+        s.host.run("systemctl", "reload", SERVICE, timeout=WAIT_S)
         wait("the new policy's cpu.max", lambda: cpu_max(workload) == "30000 100000")
         took = time.monotonic() - t0
         record_testsuite_property("nodeagent.service reload to new value (s)", f"{took:.1f}")
@@ -491,45 +591,254 @@ def test_reload_keeps_the_last_good_policy_on_a_bad_file_and_applies_a_good_one(
 
         s.write_policy(GOOD)  # as the other tests expect it
         mark = s.cursor()
-        s.systemctl("reload", SERVICE)
+        s.host.run("systemctl", "reload", SERVICE, timeout=WAIT_S)
         wait("policy.reloaded", lambda: s.event(mark, "policy.reloaded"))
 
 
-def test_a_hung_agent_is_killed_by_the_watchdog_and_restarted(
+def test_a_restart_a_crash_and_a_watchdog_kill_leave_jobs_running_for_the_next_agent(
     service: Service, record_testsuite_property: Callable[[str, object], None]
 ) -> None:
+    """13.1: an `exec` job runs on through `systemctl restart`, a crash (SIGKILL of the main
+    process) and a watchdog kill (SIGSTOP: no more pings), each agent after adopts it (its
+    API lists it, from the state file), and the last one removes its cgroup when it ends."""
     s = service
-    old = s.ensure_running()
-    before = s.show("NRestarts", "WatchdogUSec")
-    assert before["WatchdogUSec"] == f"{WATCHDOG_S}s"
+    s.dropin("70-test-watchdog", WATCHDOG_DROPIN)
+    s.systemctl("stop", SERVICE)
+    pid = s.ensure_running()
+    assert s.show("WatchdogUSec")["WatchdogUSec"] == f"{WATCHDOG_S}s"
+    job_cgroup = s.host.outer(f"/{MANAGED}/survivor")
+    try:
+        with s.job("survivor", "--tenant", "research", "--cpus", "0.1") as cli:
+            [job_pid] = wait(
+                "the job's process in its cgroup",
+                lambda: read(job_cgroup, "cgroup.procs").split() if job_cgroup.is_dir() else None,
+            )
+            assert [j["name"] for j in s.jobs()] == ["survivor"]
+
+            def adopted(how: str, new: int) -> None:
+                assert s.alive(int(job_pid)), f"the job died with the agent ({how})"
+                assert read(job_cgroup, "cgroup.procs").split() == [job_pid], how
+                assert cli.poll() is None, f"`nodeagent exec` ended ({how})"
+                jobs = s.jobs()  # the new agent's, restored from the state file
+                expected = [("survivor", s.inner_pid(int(job_pid)))]
+                assert [(j["name"], j["pid"]) for j in jobs] == expected, how
+                rows = wait(f"the job among the allocations ({how})",
+                            lambda: _rows(s.allocations(), {"survivor"}))  # fmt: skip
+                assert rows[0]["rule"] == "exec:survivor"
+                assert cpu_max(job_cgroup) == "10000 100000"
+                assert s.main_pid() == new
+
+            t0 = time.monotonic()
+            pid = s.restart(pid)
+            record_testsuite_property(
+                "nodeagent.service restart to active (s)", f"{time.monotonic() - t0:.1f}"
+            )
+            adopted("systemctl restart", pid)
+
+            restarts = int(s.show("NRestarts")["NRestarts"])
+            s.systemctl("kill", "--kill-whom=main", "--signal=SIGKILL", SERVICE)  # a crash
+            pid = s.wait_for_a_new_agent(pid)
+            assert int(s.show("NRestarts")["NRestarts"]) == restarts + 1
+            adopted("SIGKILL of the agent", pid)
+
+            mark = s.cursor()
+            t0 = time.monotonic()
+            s.systemctl("kill", "--kill-whom=main", "--signal=SIGSTOP", SERVICE)  # hung
+            pid = s.wait_for_a_new_agent(pid)
+            record_testsuite_property(
+                "nodeagent.service hung to restarted and active (s)", f"{time.monotonic() - t0:.1f}"
+            )
+            said = s.manager_says(mark)
+            assert [m for m in said if "Watchdog timeout" in m], said
+            assert int(s.show("NRestarts")["NRestarts"]) == restarts + 2
+            adopted("watchdog kill", pid)
+            record_testsuite_property(
+                "nodeagent.service restart: start to active, validate included (s)",
+                s.start_seconds(),
+            )
+
+            mark = s.cursor()
+            os.kill(int(job_pid), signal.SIGTERM)  # the job ends: `exec` reports it ...
+            out, _ = cli.communicate(timeout=WAIT_S)
+            assert cli.returncode == 128 + signal.SIGTERM, out
+        # ... and the agent that adopted it removes its cgroup and its record
+        wait("the adopting agent to remove the job's cgroup", lambda: not job_cgroup.exists())
+        finished = wait("job.finished", lambda: s.event(mark, "job.finished"))
+        assert finished["job"] == "survivor"
+        assert s.jobs() == []
+        assert s.main_pid() == pid
+    finally:
+        s.dropin("70-test-watchdog", None)
+
+
+def test_an_interval_longer_than_the_watchdog_does_not_get_the_agent_killed(
+    service: Service,
+) -> None:
+    """13.2: agent.interval 25 s under WatchdogSec=10s: the loop pings between ticks, so the same
+    agent ticks on for two whole intervals (the loop used to ping only within WatchdogSec of
+    its last tick: systemd killed it some 15 s after each start)."""
+    s = service
+    s.dropin("70-test-watchdog", WATCHDOG_DROPIN)
+    try:
+        s.systemctl("stop", SERVICE)
+        pid = s.ensure_running(policy("0.2", agent="  interval: 25s\n"))
+        before = s.show("NRestarts")["NRestarts"]
+        mark = s.cursor()
+        first = wait("a tick", s.status_tick)
+        wait("two more ticks of the same agent",
+             lambda: (s.status_tick() or 0) >= first + 2 or s.main_pid() != pid,
+             timeout=4 * 25 + WAIT_S)  # fmt: skip
+        assert s.main_pid() == pid, s.manager_says(mark)
+        assert s.show("NRestarts")["NRestarts"] == before
+        assert not [m for m in s.manager_says(mark) if "Watchdog timeout" in m]
+    finally:
+        s.dropin("70-test-watchdog", None)
+        s.systemctl("stop", SERVICE)
+
+
+def test_metrics_need_the_drop_in_which_validate_names_and_with_it_the_endpoint_answers(
+    service: Service,
+) -> None:
+    """13.3: with agent.metrics.listen set, the shipped unit (no network) fails at once in
+    ExecStartPre=, in one line naming the drop-in, and no agent runs; with
+    nodeagent.service.d/metrics.conf installed the endpoint answers."""
+    s = service
+    s.systemctl("stop", SERVICE)
+    s.write_policy(policy("0.2", agent=f"  metrics:\n    listen: 127.0.0.1:{METRICS_PORT}\n"))
+    before = s.show("ExecMainStartTimestampMonotonic")
     mark = s.cursor()
-    t0 = time.monotonic()
-    s.systemctl("kill", "--kill-whom=main", "--signal=SIGSTOP", SERVICE)  # hung: no more pings
+    refused = s.host.run("systemctl", "start", SERVICE, check=False, timeout=WAIT_S)
+    try:
+        assert refused.returncode != 0
+        assert s.show("ExecMainStartTimestampMonotonic") == before  # the agent never ran
+        said = [str(e.get("MESSAGE")) for e in s.entries(mark)]
+        line = (
+            f"{POLICY}: agent.metrics.listen 127.0.0.1:{METRICS_PORT}:"
+            " this process may not open AF_INET sockets"
+        )
+        assert [m for m in said if m.startswith(line) and "metrics.conf" in m], said
+        assert _errors(s, re.escape(line))
+    finally:
+        s.systemctl("stop", SERVICE)
+        s.systemctl("reset-failed", SERVICE, check=False)
 
-    def restarted() -> int:
-        now = s.show("ActiveState", "MainPID", "NRestarts")
-        again = now["ActiveState"] == "active" and now["MainPID"] not in ("0", str(old))
-        return int(now["NRestarts"]) if again else 0
+    install_units(s.host, metrics=True)
+    try:
+        s.start()
+        url = f"http://127.0.0.1:{METRICS_PORT}/metrics"
 
-    restarts = wait("a restarted agent", restarted, timeout=WATCHDOG_S + WAIT_S)
-    record_testsuite_property(
-        "nodeagent.service hung to restarted and active (s)", f"{time.monotonic() - t0:.1f}"
+        def scrape() -> str:
+            try:
+                with urllib.request.urlopen(url, timeout=30) as answer:
+                    return str(answer.read().decode())
+            except OSError:
+                return ""
+
+        body = wait(
+            f"{url} to answer with a tick", lambda: "nodeagent_ticks_total" in (b := scrape()) and b
+        )
+        assert re.search(r'^nodeagent_ticks_total\{result="ok"\} [1-9]', body, re.M), body[:2000]
+    finally:
+        s.systemctl("stop", SERVICE)
+        install_units(s.host)
+        s.write_policy(GOOD)
+
+
+PROTECTION = f"""\
+version: 1
+agent:
+  managed_root: {MANAGED}
+fair_share:
+  active_threshold: 0
+tenants:
+  research:
+    shares: 1
+classes:
+  batch:
+    floor_cpu: 1.5
+protection:
+  step: 0.5
+  calm_ticks: 2
+  freeze_after: 2
+rules:
+  - name: inference
+    match:
+      path: {MANAGED}/infer-*
+    tenant: research
+    class: inference
+  - name: victim
+    match:
+      path: system.slice/docker-*.scope
+    tenant: research
+    class: batch
+    limits:
+      cpu_max: 1.8
+"""
+
+
+def test_a_stop_hands_back_what_protection_froze_and_capped_and_a_restart_does_not(
+    service: Service,
+) -> None:
+    """13.4: a container outside the agent's subtree (a docker scope systemd owns), capped by its
+    rule and frozen by the protection controller while inference stalls: `systemctl restart`
+    keeps it so for the next agent (ExecStopPost='s release sees the restart job); `systemctl
+    stop` hands both back through systemd (thawed, uncapped), its processes still running."""
+    s = service
+    s.systemctl("stop", SERVICE)
+    unit = f"docker-{os.urandom(32).hex()}.scope"
+    victim = s.host.outer(f"/system.slice/{unit}")
+    busy = (
+        "(while :; do :; done) </dev/null >/dev/null 2>&1 & sleep 3600 </dev/null >/dev/null 2>&1 &"
     )
-    assert restarts == int(before["NRestarts"]) + 1
-    record_testsuite_property(
-        "nodeagent.service restart: start to active, validate included (s)", s.start_seconds()
-    )
-    said = s.manager_says(mark)
-    assert [m for m in said if "Watchdog timeout" in m], said
-    assert s.host.run("test", "-e", f"/proc/{old}", check=False).returncode != 0  # gone
-    # the new agent ticks: its STATUS= line moves on (the old one's can no longer change)
-    new = s.main_pid()
-    seen = s.show("StatusText")["StatusText"]
-    wait("a tick of the new agent", lambda: s.show("StatusText")["StatusText"] not in ("", seen))
-    assert s.main_pid() == new
+    s.host.run("systemd-run", "--scope", f"--unit={unit}", "--slice=system.slice", "sh", "-c", busy)
+    try:
+        victims = read(victim, "cgroup.procs").split()
+        assert len(victims) == 2
+        s.ensure_running(PROTECTION)
+        with s.busy_workload("infer-1", loops=3):
+            wait("the protection controller to freeze the docker scope",
+                 lambda: read(victim, "cgroup.freeze") == "1")  # fmt: skip
+            capped = cpu_max(victim)
+            assert capped != "max 100000"
+            assert s.show_unit(unit, "FreezerState") == "frozen"  # through systemd: FreezeUnit
+
+            mark = s.cursor()
+            pid = s.restart(s.main_pid())
+            said = [str(e.get("MESSAGE")) for e in s.entries(mark)]
+            assert [
+                m
+                for m in said
+                if m.startswith(f"nodeagent release: {SERVICE}: a restart is queued")
+            ], said
+            assert not [m for m in said if m.startswith("released ")], said
+            assert read(victim, "cgroup.freeze") == "1"  # kept for the next agent ...
+            assert cpu_max(victim) != "max 100000"
+            wait("a tick of the new agent", lambda: (s.status_tick() or 0) >= 2)
+            assert read(victim, "cgroup.freeze") == "1"  # ... which keeps it frozen
+            assert s.main_pid() == pid
+
+            mark = s.cursor()
+            s.host.run("systemctl", "stop", SERVICE, timeout=WAIT_S)
+            said = [str(e.get("MESSAGE")) for e in s.entries(mark)]
+            assert read(victim, "cgroup.freeze") == "0", said
+            assert cpu_max(victim) == "max 100000", said
+            assert s.show_unit(unit, "FreezerState") == "running"
+            quota = s.show_unit(unit, "CPUQuotaPerSecUSec")
+            assert quota == "infinity", f"a daemon-reload would bring the cap back: {quota}"
+            released = [m for m in said if m.startswith("released ") and unit in m]
+            assert {m.split()[2] for m in released} >= {"cgroup.freeze", "cpu.max"}, said
+            assert all(s.alive(int(p)) for p in victims)  # thawed, never killed
+            saved = state.load(str(s.host.path(STATE)))
+            assert saved is not None and unit not in str(saved.originals)
+            assert "protection" not in saved.carry
+            s.host.run("systemctl", "daemon-reload")
+            assert cpu_max(victim) == "max 100000"  # systemd's own value is the original now
+    finally:
+        s.systemctl("stop", unit, check=False)
+        s.write_policy(GOOD)
 
 
-def test_stop_leaves_the_state_file_whole(
+def test_stop_leaves_the_state_file_whole_and_the_workloads_running(
     service: Service, record_testsuite_property: Callable[[str, object], None]
 ) -> None:
     s = service
@@ -542,11 +851,13 @@ def test_stop_leaves_the_state_file_whole(
         )
         mark = s.cursor()
         asked, t0 = time.time(), time.monotonic()
-        s.systemctl("stop", SERVICE)
+        s.host.run("systemctl", "stop", SERVICE, timeout=WAIT_S)
         took = time.monotonic() - t0
         record_testsuite_property("nodeagent.service systemctl stop (s)", f"{took:.1f}")
-        # systemd stops the whole delegated subtree with the agent (KillMode=control-group)
-        wait("the workload to go with the service", lambda: not workload.exists())
+        # the workload is not the agent's unit's: it runs on, and its cap is handed back
+        assert read(workload, "cgroup.procs").split()
+        assert cpu_max(workload) == "max 100000"
+        assert s.show_unit(WORKLOADS, "ActiveState") == "active"
     assert s.active_state() == "inactive"
     # it ended by itself on SIGTERM, in time: not killed after TimeoutStopSec
     stopping = s.event(mark, "stopping")

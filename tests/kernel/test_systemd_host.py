@@ -6,11 +6,12 @@ Keep these first among the systemd tests: when they fail, no other systemd resul
 from __future__ import annotations
 
 import secrets
+import sys
 from pathlib import Path
 
 import pytest
 from helpers import read
-from systemd_host import SystemdHost, SystemdHostError, boot
+from systemd_host import CHECKOUT, SystemdHost, SystemdHostError, boot, checkout_binding
 
 
 def docker_scope() -> str:
@@ -71,3 +72,26 @@ def test_a_broken_boot_fails_at_once_with_the_reason_and_the_journal() -> None:
     )
     assert rest[0] == "--- journal tail ---"
     assert any("nodeagent-broken.service" in line and "Failed" in line for line in rest)
+
+
+def test_the_checkout_and_its_venv_are_seen_inside_at_their_path(systemd_host: SystemdHost) -> None:
+    """Wherever the checkout is (a clone under /tmp included, issue 13.27: the harness's own
+    /tmp hid it), code run inside imports nodeagent from it, and a PrivateTmp=yes unit runs
+    its venv's Python."""
+    host = systemd_host
+    seen = host.python("import nodeagent, sys; print(nodeagent.__file__, sys.prefix)").split()
+    assert seen == [str(CHECKOUT / "nodeagent" / "__init__.py"), str(CHECKOUT / ".venv")]
+    unit = "nodeagent-harness-venv.service"
+    host.path(f"/etc/systemd/system/{unit}").write_text(
+        "[Service]\nType=oneshot\nPrivateTmp=yes\nProtectSystem=strict\n"
+        + checkout_binding()
+        + f"ExecStart={sys.executable} -c 'import nodeagent'\n"
+    )
+    host.systemctl("daemon-reload")
+    try:
+        done = host.run("systemctl", "start", unit, check=False, timeout=180)
+        log = host.run("journalctl", "--no-pager", "-o", "cat", "-u", unit).stdout
+        assert done.returncode == 0, log
+    finally:
+        host.path(f"/etc/systemd/system/{unit}").unlink()
+        host.systemctl("daemon-reload")

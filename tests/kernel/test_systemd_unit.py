@@ -1,8 +1,11 @@
-"""systemd/nodeagent.service as shipped, installed in a real systemd: its sandbox and its score.
+"""systemd/nodeagent.service as `nodeagent unit` renders it, in a real systemd: its sandbox, its
+score, and `systemd-analyze verify`.
 
 The sandbox must give the agent all it needs (cgroupfs, its run and state directories, D-Bus on
 the bus and on systemd's private socket, /proc) and refuse the rest: unit_probe.py tries both as
 the unit's ExecStart. `systemd-analyze security` must not score the unit worse than it does now.
+The rendered units, ExecStart= at this checkout's nodeagent, must verify clean (issue 13.6: the
+shipped file names /opt/nodeagent/.venv, which fails everywhere else).
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from pathlib import Path
 
 import pytest
 from helpers import read
-from systemd_host import SystemdHost
+from systemd_host import SystemdHost, checkout_binding
 
-UNIT = Path(__file__).resolve().parents[2] / "systemd" / "nodeagent.service"
+from nodeagent.cli.units import FILES, installed_executable, render
+
 PROBE = Path(__file__).resolve().with_name("unit_probe.py")
 # systemd-analyze security's overall exposure for the shipped unit (0 safest .. 10); lower it
 # when the unit gets tighter, never raise it.
@@ -37,18 +41,40 @@ NEEDED = (
 )
 
 
+INSTALLED = ("nodeagent.service", "nodeagent-workloads.service")
+
+
 @pytest.fixture
 def installed(systemd_host: SystemdHost) -> Iterator[SystemdHost]:
-    """nodeagent.service installed in /etc/systemd/system, as an operator does."""
+    """The units installed in /etc/systemd/system as `nodeagent unit --install` writes them."""
     host = systemd_host
-    shutil.copy(UNIT, host.path("/etc/systemd/system/nodeagent.service"))
+    for name in INSTALLED:
+        host.path(f"/etc/systemd/system/{name}").write_text(render(name, installed_executable()))
     host.systemctl("daemon-reload")
     try:
         yield host
     finally:
-        host.path("/etc/systemd/system/nodeagent.service").unlink()
+        for name in INSTALLED:
+            host.systemctl("stop", name, check=False)
+            host.systemctl("reset-failed", name, check=False)
+            host.path(f"/etc/systemd/system/{name}").unlink()
         shutil.rmtree(host.path("/etc/systemd/system/nodeagent.service.d"), ignore_errors=True)
         host.systemctl("daemon-reload")
+
+
+def test_the_rendered_units_verify_clean(systemd_host: SystemdHost) -> None:
+    """`systemd-analyze verify` on what `nodeagent unit --install --metrics` writes: no word."""
+    host = systemd_host
+    where = host.path("/run/nodeagent-verify")
+    try:
+        for relative in FILES:
+            (where / relative).parent.mkdir(parents=True, exist_ok=True)
+            (where / relative).write_text(render(relative, installed_executable()))
+        names = [f"/run/nodeagent-verify/{n}" for n in INSTALLED]
+        done = host.run("systemd-analyze", "verify", *names, check=False, timeout=180)
+        assert (done.returncode, done.stdout + done.stderr) == (0, "")
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def test_the_exposure_score_stays_at_or_below_the_shipped_one(
@@ -77,7 +103,7 @@ def test_the_sandbox_gives_the_agent_what_it_needs_and_refuses_the_rest(
     # the unit's sandbox as shipped; only what runs, and how it is waited for, are the probe's
     (dropin / "probe.conf").write_text(
         "[Service]\nType=oneshot\nRestart=no\nWatchdogSec=0\nExecStartPre=\nExecReload=\n"
-        f"ExecStart=\nExecStart={sys.executable} {PROBE}\n"
+        f"ExecStopPost=\nExecStart=\nExecStart={sys.executable} {PROBE}\n{checkout_binding()}"
         f"Environment=SCOPE=/sys/fs/cgroup/system.slice/{unit}\n"
     )
     host.systemctl("daemon-reload")

@@ -6,10 +6,12 @@ The agent is built over an empty fixture directory; reload touches no cgroup.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import structlog
 
+from nodeagent import state
 from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute
@@ -139,3 +141,36 @@ def test_a_fast_path_write_to_a_cgroup_gone_by_the_tick_is_reported_not_fatal(
     record = agent.tick()
     assert gone in record.results
     assert agent.tick().results == ()  # reported once
+
+
+def test_a_first_change_is_saved_with_its_original_at_once_and_restored(
+    policy_file: Path, tmp_path: Path
+) -> None:
+    """tuned's 'old value recorded': the tick that first changes an attribute saves the state
+    file with the value it replaced, for `nodeagent release` (issue 13, item 4); a restarted
+    agent keeps the record of the cgroups that still exist."""
+    cgroups = tmp_path / "cgroup"
+    (cgroups / "system.slice" / "x.scope").mkdir(parents=True)
+    agent = Agent(load_policy(policy_file), CgroupTree(str(cgroups)), config_path=str(policy_file))
+    wrote = [
+        WriteResult("system.slice/x.scope", Attribute.FREEZE, "0", "1", "freeze", Outcome.WRITTEN),
+        WriteResult("nodeagent.slice/gone", Attribute.CPU_MAX, "max 100000", "1000 100000", "cap",
+                    Outcome.WRITTEN),
+        WriteResult("system.slice/x.scope", Attribute.CPU_WEIGHT, "100", "9", "w", Outcome.FAILED),
+    ]  # fmt: skip
+    record = SimpleNamespace(
+        plan=SimpleNamespace(cgroups=[]), results=wrote, snapshot=SimpleNamespace(vanished=())
+    )
+    agent._record_originals(record)  # type: ignore[arg-type]
+    saved = state.load(str(tmp_path / "state.json"))
+    assert saved is not None
+    assert saved.originals == {
+        "nodeagent.slice/gone": {
+            "cpu.max": {"was": "max 100000", "set": "1000 100000", "via": "direct"}
+        },
+        "system.slice/x.scope": {"cgroup.freeze": {"was": "0", "set": "1", "via": "systemd"}},
+    }
+    again = Agent(load_policy(policy_file), CgroupTree(str(cgroups)), config_path=str(policy_file))
+    assert [(p, str(a)) for p, a, _ in again.originals.items()] == [
+        ("system.slice/x.scope", "cgroup.freeze")
+    ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -98,3 +99,73 @@ def test_console_renderer_when_asked(capsys: pytest.CaptureFixture[str]) -> None
 def test_unknown_level_is_refused(level: str) -> None:
     with pytest.raises(NodeagentError, match="unknown log level"):
         logs.configure(level=level)
+
+
+def test_the_console_shows_control_characters_escaped(capsys: pytest.CaptureFixture[str]) -> None:
+    """A cgroup named with an escape sequence (any byte but '/' may be in a path) must reach a
+    terminal as text (issue 12, item 23: `\\x1b]0;...\\x07` set the terminal's title)."""
+    logs.configure(json=False)
+    hostile = "/sys/fs/cgroup/a\x1b]0;owned\x07b\nfake line"
+    structlog.get_logger("nodeagent.test").warning(
+        "cgroup.vanished\x1b[2J", path=hostile, note="tab\there\x9b1m"
+    )
+    err = capsys.readouterr().err
+    assert not set(err) & {"\x1b", "\x07", "\t", "\x9b"}
+    assert err.count("\n") == 1  # one record, one line: no forged second line
+    assert "path='/sys/fs/cgroup/a␛]0;owned␇b␊fake line'" in err
+    assert "note=tab␉here\\x9b1m" in err
+    assert "cgroup.vanished␛[2J" in err
+
+
+def test_a_traceback_on_the_console_keeps_its_lines_but_not_escapes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    logs.configure(json=False)
+    try:
+        raise ValueError("no such cgroup x\x1b]0;t\x07y")
+    except ValueError:
+        structlog.get_logger("nodeagent.test").exception("tick.failed")
+    err = capsys.readouterr().err
+    assert "\x1b" not in err
+    assert "Traceback (most recent call last):\n" in err
+    assert "ValueError: no such cgroup x␛]0;t␇y" in err
+
+
+def _journal_is(monkeypatch: pytest.MonkeyPatch, fd: int) -> None:
+    st = os.fstat(fd)
+    monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+
+
+def test_lines_carry_their_syslog_priority_when_stderr_is_the_journal(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """journald files a line that starts `<3>` at priority err (sd-daemon(3)): then
+    `journalctl -p err -u nodeagent` shows policy.invalid (issue 13, item 5)."""
+    _journal_is(monkeypatch, 2)  # what systemd sets when StandardError=journal
+    logs.configure(level="debug", json=True)
+    log = structlog.get_logger("nodeagent.test")
+    log.debug("d")
+    log.info("i")
+    log.warning("w")
+    log.error("policy.invalid", problem="x")
+    log.critical("c")
+    logs.audit_write("a", "cpu.max", "max 100000", "50000 100000", "rule")
+    lines = capfd.readouterr().err.splitlines()
+    assert [line[:3] for line in lines] == ["<7>", "<6>", "<4>", "<3>", "<2>", "<6>"]
+    assert [json.loads(line[3:])["event"] for line in lines] == [
+        "d", "i", "w", "policy.invalid", "c", "cgroup.write"
+    ]  # fmt: skip
+
+
+def test_no_priority_prefix_when_stderr_is_not_that_stream(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child that inherited $JOURNAL_STREAM but writes elsewhere (a pipe, a file) stays
+    plain JSON."""
+    _journal_is(monkeypatch, 0)  # stdin's, not stderr's
+    logs.configure(json=True)
+    structlog.get_logger("nodeagent.test").error("e")
+    [line] = capfd.readouterr().err.splitlines()
+    assert line.startswith("{")
+    monkeypatch.setenv("JOURNAL_STREAM", "garbage")
+    assert logs.stderr_is_the_journal() is False

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from nodeagent import sdnotify
+from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.daemon import Agent, healthy
+from nodeagent.spec.load import load_policy
 
 
 @pytest.fixture
@@ -83,3 +90,102 @@ def test_watchdog_interval(
         else:
             monkeypatch.setenv(name, pids.get(value, value))
     assert sdnotify.watchdog_interval() == expected
+
+
+# --- the loop's pings (issue 13, item 2) ------------------------------------------------------
+
+POLICY = """\
+version: 1
+agent:
+  interval: {interval}
+  state_file: {state}
+tenants:
+  research: {{shares: 1}}
+"""
+
+
+def _loop_pings(
+    tmp_path: Path, receiver: socket.socket, monkeypatch: pytest.MonkeyPatch, **kw: Any
+) -> list[tuple[float, bytes]]:
+    """Run a dry-run Agent's loop (over an empty directory) for `seconds`, under a watchdog of
+    `watchdog` seconds; every datagram it sent, with the time it came."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY.format(interval=kw["interval"], state=tmp_path / "state.json"))
+    (tmp_path / "cgroup").mkdir()
+    monkeypatch.setenv("WATCHDOG_USEC", str(int(kw["watchdog"] * 1e6)))
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    agent = Agent(load_policy(policy), CgroupTree(str(tmp_path / "cgroup")), dry_run=True)
+    if "tick" in kw:
+        monkeypatch.setattr(agent, "tick", kw["tick"](agent.tick))
+    agent.prepare()
+    loop = threading.Thread(target=agent.run)
+    got: list[tuple[float, bytes]] = []
+    receiver.settimeout(0.1)
+    loop.start()
+    end = time.monotonic() + kw["seconds"]
+    try:
+        while time.monotonic() < end:
+            with contextlib.suppress(TimeoutError):
+                got.append((time.monotonic(), receiver.recv(4096)))
+    finally:
+        agent.stop.set()
+        loop.join(timeout=30)
+    assert not loop.is_alive(), "the loop did not stop"
+    return got
+
+
+def test_an_interval_longer_than_the_watchdog_does_not_starve_it(
+    tmp_path: Path, receiver: socket.socket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """interval 3 s, WatchdogSec 0.5 s: the pings come every quarter second or so between
+    ticks, never a gap of a whole WatchdogSec (the loop used to ping only within WatchdogSec
+    of its last tick, then wait out the interval)."""
+    got = _loop_pings(tmp_path, receiver, monkeypatch, interval=3, watchdog=0.5, seconds=4.5)
+    ready = next(t for t, m in got if m == b"READY=1")
+    pings = [t for t, m in got if m == b"WATCHDOG=1" and t >= ready]
+    gaps = [b - a for a, b in zip([ready, *pings], pings, strict=False)]
+    assert len(pings) >= 10, got
+    assert max(gaps) < 0.5, f"a gap of {max(gaps):.2f} s between pings: systemd kills on 0.5 s"
+
+
+def test_a_loop_whose_ticks_keep_failing_lets_the_watchdog_lapse(
+    tmp_path: Path, receiver: socket.socket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ticks fail from the second on: pings go on while the last good tick is younger than
+    max(3 intervals, WatchdogSec) = 0.6 s, then stop, so that systemd restarts it."""
+
+    def failing_after_one(tick: Callable[[], object]) -> Callable[[], object]:
+        calls = []
+
+        def tick_once() -> object:
+            calls.append(1)
+            if len(calls) > 1:
+                raise OSError("no /proc/stat")
+            return tick()
+
+        return tick_once
+
+    got = _loop_pings(
+        tmp_path, receiver, monkeypatch, interval=0.2, watchdog=0.4, seconds=3,
+        tick=failing_after_one,
+    )  # fmt: skip
+    ready = next(t for t, m in got if m == b"READY=1")
+    pings = [t - ready for t, m in got if m == b"WATCHDOG=1" and t >= ready]
+    assert pings, got
+    assert max(pings) < 0.6 + 0.1, f"pinged {max(pings):.2f} s after the last good tick"
+
+
+@pytest.mark.parametrize(
+    ("last_ok", "now", "interval", "watchdog", "expected"),
+    [
+        (None, 5.0, 1.0, 30.0, False),  # no good tick yet: READY=1 has not been sent either
+        (0.0, 29.9, 1.0, 30.0, True),  # WatchdogSec is the longer bound
+        (0.0, 30.0, 1.0, 30.0, False),
+        (0.0, 179.0, 60.0, 30.0, True),  # 3 intervals are
+        (0.0, 180.0, 60.0, 30.0, False),
+    ],
+)
+def test_healthy_is_a_good_tick_within_three_intervals_or_the_watchdog(
+    last_ok: float | None, now: float, interval: float, watchdog: float, expected: bool
+) -> None:
+    assert healthy(last_ok, now, interval, watchdog) is expected

@@ -1,0 +1,125 @@
+"""`nodeagent release`: hand back every freeze and cap the agent made (like `tuned-adm off`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from nodeagent.cli.common import json_option, load
+from nodeagent.errors import NodeagentError
+
+DEFAULT_CONFIG = "/etc/nodeagent/policy.yaml"
+
+
+@click.command()
+@click.argument("cgroups", nargs=-1, metavar="[CGROUP]...")
+@click.option("--all", "everything", is_flag=True, help="Every cgroup the agent changed.")
+@click.option(
+    "--config",
+    "-c",
+    "config",
+    default=DEFAULT_CONFIG,
+    show_default=True,
+    metavar="FILE",
+    help="The policy the agent ran with: its state file, managed root and systemd settings.",
+)
+@click.option("--cgroup-root", default="/sys/fs/cgroup", show_default=True, metavar="DIR")
+@click.option("--state-file", metavar="PATH", help="Default: agent.state_file in the policy.")
+@click.option(
+    "--on-stop",
+    "unit",
+    metavar="UNIT",
+    help="As UNIT's ExecStopPost=: release only when UNIT is stopped for good (not restarted,"
+    " not failed with Restart= to follow).",
+)
+@json_option
+def release(
+    *,
+    cgroups: tuple[str, ...],
+    everything: bool,
+    config: str,
+    cgroup_root: str,
+    state_file: str | None,
+    unit: str | None,
+    as_json: bool,
+) -> None:
+    """Hand back what the stopped agent changed: each value it wrote goes back to what the
+    attribute held before (a frozen cgroup is thawed, a cap lifted), where it still holds
+    what the agent set. Cgroups systemd owns are handed back through systemd. Workloads keep
+    running. The state file records what to hand back; it is updated after.
+
+    Refused while the daemon runs (it would apply its policy again at its next tick).
+    `systemctl stop nodeagent` and `systemctl disable --now nodeagent` run it by themselves,
+    `systemctl restart nodeagent` does not.
+
+    \b
+    Examples:
+      nodeagent release --all                 everything the agent changed
+      nodeagent release system.slice/docker-0123abcd.scope
+      nodeagent release --all --json
+    """
+    from nodeagent import logs, state
+    from nodeagent.api import client
+    from nodeagent.cgroupfs.tree import CgroupTree
+    from nodeagent.logs import audit_write
+    from nodeagent.release import pending_job, release, stopped_for_good, summary
+    from nodeagent.sdbus import Systemd
+
+    if everything == bool(cgroups):
+        raise click.UsageError("name the cgroups to release, or pass --all (not both)")
+    logs.configure("info")
+    if unit is not None:
+        go, why = stopped_for_good(pending_job(unit), os.environ.get("SERVICE_RESULT"))
+        if not go:
+            _say(as_json, f"nodeagent release: {unit}: {why}", {"skipped": why, "results": []})
+            return
+    spec = load(config)
+    path = state_file or spec.agent.state_file
+    if unit is None:  # as ExecStopPost= the agent is gone, but its socket file may be left
+        try:
+            status = client.get(spec.agent.socket, "/v1/status", timeout=2)
+        except NodeagentError:
+            pass
+        else:
+            pid = status.get("pid") if isinstance(status, dict) else "?"
+            raise NodeagentError(
+                f"nodeagent is running (pid {pid}, {spec.agent.socket}): it would apply its"
+                " policy again at its next tick; stop it first (systemctl stop nodeagent"
+                " releases by itself)"
+            )
+    saved = state.load(path)
+    if saved is None:
+        _say(as_json, f"nodeagent release: no state file {path}: nothing to hand back",
+             {"skipped": "no state file", "results": []})  # fmt: skip
+        return
+    with Systemd() as systemd:
+        results, after = release(
+            CgroupTree(cgroup_root),
+            saved,
+            managed_root=spec.agent.managed_root,
+            settings=spec.agent,
+            units=systemd,
+            audit=audit_write,
+            only=None if everything else list(cgroups),
+        )
+    state.save(path, after)
+    counts = summary(results)
+    if as_json:
+        body = {"skipped": None, "state_file": path, "results": [r.to_json() for r in results]}
+        click.echo(json.dumps(body, indent=2))
+    else:
+        for r in results:
+            change = f"{r.now} -> {r.to}" if r.outcome == "released" else (r.now or "")
+            line = f"{r.outcome:<9} {r.cgroup}  {r.attribute} {change}".rstrip()
+            click.echo(line + (f"  ({r.detail})" if r.detail else ""))
+        told = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
+        click.echo(f"nodeagent release: {told or 'nothing recorded to hand back'}; {path} updated")
+    if counts.get("failed"):
+        sys.exit(1)
+
+
+def _say(as_json: bool, line: str, body: dict[str, object]) -> None:
+    click.echo(json.dumps(body, indent=2) if as_json else line)

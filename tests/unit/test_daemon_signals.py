@@ -1,0 +1,171 @@
+"""Signals at a running loop (issue 12, items 11 and 12): a burst of SIGHUPs, and a SIGTERM that
+lands while the loop is inside the logger, must neither hang the daemon nor cost it its stop.
+
+Each test runs a real Agent loop (dry-run, over an empty directory standing in for the cgroup
+root) in a child process with the daemon's own signal handlers, as `nodeagent run` installs
+them, and signals it from here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+EXIT_WITHIN_S = 60.0  # generous: the machine is shared; a deadlocked child never exits at all
+
+CHILD = r"""
+import sys, structlog
+from nodeagent import logs
+from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.daemon import Agent
+from nodeagent.spec.load import load_policy
+
+policy, root, pad = sys.argv[1], sys.argv[2], int(sys.argv[3])
+logs.configure("info", json=True)
+log = structlog.get_logger("nodeagent.test")
+agent = Agent(load_policy(policy), CgroupTree(root), dry_run=True, config_path=policy)
+agent.install_signal_handlers()
+agent.prepare()
+
+def on_tick(record):
+    print("tick", record.snapshot.seq, flush=True)
+    if pad:
+        log.info("filler", pad="x" * pad)  # fills a stderr nobody reads: print blocks in the lock
+
+ok = agent.run(on_tick=on_tick)
+print("exited", flush=True)
+"""
+
+POLICY = """\
+version: 1
+agent:
+  interval: 0.05
+  state_file: {state}
+tenants:
+  research: {{shares: 1}}
+"""
+
+
+class Child:
+    """The loop in a child process; its stdout lines ("tick N") collected as they come."""
+
+    def __init__(self, tmp_path: Path, pad: int = 0) -> None:
+        policy = tmp_path / "policy.yaml"
+        policy.write_text(POLICY.format(state=tmp_path / "state.json"))
+        root = tmp_path / "cgroup"
+        root.mkdir()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(policy), str(root), str(pad)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self.stderr: list[str] = []
+        assert self.proc.stdout is not None
+        threading.Thread(
+            target=self._collect, args=(self.proc.stdout, self.lines), daemon=True
+        ).start()
+
+    @staticmethod
+    def _collect(stream: object, into: list[str]) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            into.append(line.strip())
+
+    def drain_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        threading.Thread(
+            target=self._collect, args=(self.proc.stderr, self.stderr), daemon=True
+        ).start()
+
+    def ticks(self) -> int:
+        return sum(1 for line in self.lines if line.startswith("tick "))
+
+    def wait_for_ticks(self, n: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.ticks() < n:
+            assert self.proc.poll() is None, f"the loop exited early: {self.lines[-3:]}"
+            assert time.monotonic() < deadline, (
+                f"no {n} ticks in {timeout:.0f} s: {self.lines[-3:]}"
+            )
+            time.sleep(0.02)
+
+    def stalled(self, quiet: float = 2.0, timeout: float = 120.0) -> None:
+        """Wait until no tick has come for `quiet` seconds (the loop is blocked)."""
+        deadline = time.monotonic() + timeout
+        seen, since = self.ticks(), time.monotonic()
+        while time.monotonic() - since < quiet:
+            assert time.monotonic() < deadline, "the loop never blocked on its full stderr"
+            time.sleep(0.05)
+            if self.ticks() != seen:
+                seen, since = self.ticks(), time.monotonic()
+
+    def exits_within(self, seconds: float) -> int:
+        try:
+            return self.proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            stack = Path(f"/proc/{self.proc.pid}/wchan")
+            where = stack.read_text() if stack.exists() else "?"
+            raise AssertionError(
+                f"the daemon did not exit {seconds:.0f} s after SIGTERM (blocked in {where};"
+                f" {self.ticks()} ticks, last lines {self.lines[-2:]})"
+            ) from None
+
+
+@pytest.fixture
+def child_factory(tmp_path: Path) -> Iterator[list[Child]]:
+    made: list[Child] = []
+    yield made
+    for c in made:
+        if c.proc.poll() is None:
+            c.proc.kill()
+            c.proc.wait()
+
+
+def test_a_burst_of_sighups_neither_hangs_the_loop_nor_costs_it_its_sigterm(
+    tmp_path: Path, child_factory: list[Child]
+) -> None:
+    """50 SIGHUPs at a time, 300 times, at a loop ticking every 50 ms: it keeps ticking, and
+    SIGTERM then stops it (a handler that takes a lock deadlocked here within 100-300 bursts)."""
+    child = Child(tmp_path)
+    child_factory.append(child)
+    child.wait_for_ticks(3)
+    for _ in range(300):
+        for _ in range(50):
+            os.kill(child.proc.pid, signal.SIGHUP)
+        time.sleep(0.002)
+    before = child.ticks()
+    child.wait_for_ticks(before + 3)  # still ticking after the bursts
+    child.drain_stderr()
+    os.kill(child.proc.pid, signal.SIGTERM)
+    assert child.exits_within(EXIT_WITHIN_S) == 0
+    assert child.lines[-1] == "exited"
+    assert any('"event": "policy.reloaded"' in line for line in child.stderr)
+    assert any('"event": "stopping"' in line and "SIGTERM" in line for line in child.stderr)
+
+
+def test_sigterm_while_the_loop_holds_the_loggers_lock_still_stops_it(
+    tmp_path: Path, child_factory: list[Child]
+) -> None:
+    """The loop blocks in print(), inside structlog's lock, on a stderr nobody reads; SIGTERM
+    comes then. Once stderr is read again it must stop (a handler that logs waited for that
+    same lock, in the same thread, for good)."""
+    child = Child(tmp_path, pad=8000)
+    child_factory.append(child)
+    child.wait_for_ticks(1)
+    child.stalled()  # blocked writing to the full pipe, the logger's lock held
+    os.kill(child.proc.pid, signal.SIGTERM)
+    time.sleep(0.5)  # the handler has run (inside the lock) by now
+    child.drain_stderr()
+    assert child.exits_within(EXIT_WITHIN_S) == 0
+    assert child.lines[-1] == "exited"
+    stopping = [line for line in child.stderr if '"event": "stopping"' in line]
+    assert len(stopping) == 1 and '"signal": "SIGTERM"' in stopping[0]

@@ -1,0 +1,300 @@
+"""`nodeagent release` and what it hands back from (issue 13, item 4), over a plain directory
+tree standing in for the cgroup root and a recording stand-in for systemd's D-Bus API; the
+real kernel and systemd run it in tests/kernel/test_service.py."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from nodeagent import state
+from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree
+from nodeagent.cgroupfs.values import Attribute
+from nodeagent.cli import main
+from nodeagent.originals import Originals
+from nodeagent.ownership import WriteMode
+from nodeagent.release import pending_job, release, stopped_for_good
+from nodeagent.sdbus import NoBus
+from nodeagent.spec.model import AgentSettings
+
+SCOPE = "system.slice/docker-0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef.scope"
+JOB = "nodeagent.slice/train"
+
+
+@pytest.fixture(autouse=True)
+def _files_replace_their_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel interface file takes the whole value written; a plain file standing in for
+    one must be truncated for that (the tree opens it O_WRONLY)."""
+    opened = CgroupDir._open_file
+
+    def open_file(self: CgroupDir, name: str, mode: int) -> int:
+        return opened(self, name, mode | os.O_TRUNC if mode & os.O_WRONLY else mode)
+
+    monkeypatch.setattr(CgroupDir, "_open_file", open_file)
+
+
+class Units:
+    """systemd's side, recorded."""
+
+    def __init__(self, down: bool = False) -> None:
+        self.calls: list[tuple[str, str, object]] = []
+        self.down = down
+
+    def unit_for_cgroup(self, cgroup: str) -> str:
+        if self.down:
+            raise NoBus("no D-Bus: test")
+        return cgroup.rsplit("/", 1)[-1]
+
+    def set_unit_properties(
+        self, unit: str, properties: Mapping[str, int], *, runtime: bool = True
+    ) -> None:
+        self.calls.append(("set", unit, dict(properties)))
+
+    def freeze_unit(self, unit: str, frozen: bool) -> None:
+        self.calls.append(("freeze", unit, frozen))
+
+
+def cgroup(root: Path, path: str, **files: str) -> Path:
+    d = root / path
+    d.mkdir(parents=True)
+    for name, text in files.items():
+        (d / name.replace("_", ".", 1)).write_text(text + "\n")
+    return d
+
+
+def originals(*writes: tuple[str, Attribute, str, str, WriteMode]) -> dict[str, Any]:
+    o = Originals()
+    for path, attribute, old, new, via in writes:
+        o.note(path, attribute, old, new, via)
+    return o.dump()
+
+
+def saved(**kw: Any) -> state.SavedState:
+    return state.SavedState(1.0, {}, **kw)
+
+
+def test_originals_keep_the_first_old_value_and_drop_one_written_back() -> None:
+    o = Originals()
+    o.note("a", Attribute.CPU_MAX, "max 100000", "50000 100000", WriteMode.DIRECT)
+    o.note("a", Attribute.CPU_MAX, "50000 100000", "20000 100000", WriteMode.DIRECT)
+    o.note("a", Attribute.FREEZE, "0", "1", WriteMode.DIRECT)
+    o.note("a", Attribute.FREEZE, "1", "0", WriteMode.DIRECT)  # thawed by the agent itself
+    o.note("b", Attribute.CPU_WEIGHT, None, "300", WriteMode.DIRECT)  # old unknown: nothing
+    o.note("c", Attribute.CPU_WEIGHT, "100", "300", WriteMode.READ_ONLY)
+    assert o.dump() == {
+        "a": {"cpu.max": {"was": "max 100000", "set": "20000 100000", "via": "direct"}}
+    }
+    again = Originals.load(o.dump())
+    assert again.items() == o.items()
+    o.forget(["a"])
+    assert len(o) == 0
+
+
+def test_a_malformed_original_is_dropped_alone(caplog: pytest.LogCaptureFixture) -> None:
+    raw = {
+        "a": {
+            "cpu.max": {"was": "max 100000", "set": "1000 100000", "via": "direct"},
+            "cpu.nonsense": {"was": "1", "set": "2", "via": "direct"},
+            "cpu.weight": {"was": "x" * 500, "set": "2", "via": "direct"},
+            "memory.max": {"was": "max", "set": "4096", "via": "read-only"},
+        },
+        "b": ["not", "an", "object"],
+    }
+    loaded = Originals.load(raw)
+    assert [(p, str(a)) for p, a, _ in loaded.items()] == [("a", "cpu.max")]
+
+
+def test_release_hands_back_freezes_and_caps_the_way_they_were_written(tmp_path: Path) -> None:
+    root = tmp_path / "cg"
+    scope = cgroup(root, SCOPE, cpu_max="150000 100000", cgroup_freeze="1", cpu_weight="300")
+    job = cgroup(root, JOB, cpu_max="10000 100000", cgroup_freeze="1")
+    record = originals(
+        (SCOPE, Attribute.CPU_MAX, "max 100000", "150000 100000", WriteMode.SYSTEMD),
+        (SCOPE, Attribute.FREEZE, "0", "1", WriteMode.SYSTEMD),
+        (SCOPE, Attribute.CPU_WEIGHT, "100", "250", WriteMode.SYSTEMD),  # changed since: 300
+        (JOB, Attribute.CPU_MAX, "50000 100000", "10000 100000", WriteMode.DIRECT),
+        (JOB, Attribute.FREEZE, "0", "1", WriteMode.DIRECT),
+        ("gone.slice/x", Attribute.CPU_MAX, "max 100000", "1000 100000", WriteMode.DIRECT),
+    )
+    carry = {"protection": {"frozen": [JOB], "caps": {"batch": 0.2}}, "other": {"k": 1}}
+    units, audit = Units(), []
+    results, after = release(
+        CgroupTree(str(root)),
+        saved(carry=carry, originals=record),
+        managed_root="nodeagent.slice",
+        settings=AgentSettings(),
+        units=units,
+        audit=lambda *a: audit.append(a),
+    )
+    outcomes = {(r.cgroup, r.attribute): r.outcome for r in results}
+    assert outcomes == {
+        (SCOPE, "cpu.max"): "released",
+        (SCOPE, "cgroup.freeze"): "released",
+        (SCOPE, "cpu.weight"): "left",
+        (JOB, "cpu.max"): "released",
+        (JOB, "cgroup.freeze"): "released",
+        ("gone.slice/x", "cpu.max"): "gone",
+    }
+    assert [r.attribute for r in results if r.cgroup == JOB] == [
+        "cpu.max",
+        "cgroup.freeze",
+    ]  # thaw last
+    assert (scope / "cpu.max").read_text() == "max 100000"
+    assert (scope / "cgroup.freeze").read_text() == "0"
+    assert (scope / "cpu.weight").read_text() == "300\n"  # someone else's now: left as it is
+    assert (job / "cpu.max").read_text() == "50000 100000"  # the job's own limit, not max
+    assert (job / "cgroup.freeze").read_text() == "0"
+    unit = SCOPE.rsplit("/", 1)[-1]
+    assert units.calls == [
+        ("set", unit, {"CPUQuotaPerSecUSec": 2**64 - 1, "CPUQuotaPeriodUSec": 100000}),
+        ("freeze", unit, False),
+    ]
+    assert [(a[1], a[2], a[3]) for a in audit] == [
+        ("cpu.max", "10000 100000", "50000 100000"),  # parents first, then by path
+        ("cpu.max", "150000 100000", "max 100000"),
+        ("cgroup.freeze", "1", "0"),  # thaws last
+        ("cgroup.freeze", "1", "0"),
+    ]
+    assert after.originals == {}  # everything handled: a later agent starts clean
+    assert after.carry == {"other": {"k": 1}}
+
+
+def test_without_dbus_the_file_is_written_and_the_reason_said(tmp_path: Path) -> None:
+    root = tmp_path / "cg"
+    scope = cgroup(root, SCOPE, cgroup_freeze="1")
+    record = originals((SCOPE, Attribute.FREEZE, "0", "1", WriteMode.SYSTEMD))
+    results, _ = release(
+        CgroupTree(str(root)), saved(originals=record), managed_root="nodeagent.slice",
+        settings=AgentSettings(), units=Units(down=True), audit=lambda *a: None,
+    )  # fmt: skip
+    [r] = results
+    assert r.outcome == "released" and "daemon-reload undoes" in r.detail
+    assert (scope / "cgroup.freeze").read_text() == "0"
+
+
+def test_a_carried_freeze_without_a_record_is_thawed_too(tmp_path: Path) -> None:
+    """A state file from before originals were recorded still names what it froze."""
+    root = tmp_path / "cg"
+    frozen = cgroup(root, "nodeagent.slice/b-1", cgroup_freeze="1")
+    results, after = release(
+        CgroupTree(str(root)), saved(carry={"protection": {"frozen": ["nodeagent.slice/b-1"]}}),
+        managed_root="nodeagent.slice", settings=AgentSettings(), units=Units(),
+        audit=lambda *a: None,
+    )  # fmt: skip
+    assert [(r.cgroup, r.attribute, r.outcome) for r in results] == [
+        ("nodeagent.slice/b-1", "cgroup.freeze", "released")
+    ]
+    assert (frozen / "cgroup.freeze").read_text() == "0"
+    assert after.carry == {}
+
+
+def test_only_the_named_cgroups(tmp_path: Path) -> None:
+    root = tmp_path / "cg"
+    a = cgroup(root, "nodeagent.slice/a", cpu_max="1000 100000")
+    b = cgroup(root, "nodeagent.slice/b", cpu_max="1000 100000")
+    record = originals(
+        *[(f"nodeagent.slice/{n}", Attribute.CPU_MAX, "max 100000", "1000 100000", WriteMode.DIRECT)
+          for n in "ab"]
+    )  # fmt: skip
+    _, after = release(
+        CgroupTree(str(root)), saved(originals=record), managed_root="nodeagent.slice",
+        settings=AgentSettings(), units=Units(), audit=lambda *a: None,
+        only=["nodeagent.slice/a"],
+    )  # fmt: skip
+    assert (a / "cpu.max").read_text() == "max 100000"
+    assert (b / "cpu.max").read_text() == "1000 100000\n"
+    assert list(after.originals) == ["nodeagent.slice/b"]
+
+
+@pytest.mark.parametrize(
+    ("job", "result", "expected"),
+    [
+        ("restart", "success", False),  # systemctl restart: the stop phase of a restart job
+        ("stop", "success", True),  # systemctl stop, disable --now
+        ("stop", "timeout", True),  # stopped for good, if killed after TimeoutStopSec
+        ("", "success", True),  # it exited by itself: Restart=on-failure does not restart it
+        ("", "signal", False),  # a crash: Restart= follows
+        ("", "watchdog", False),
+        ("start", "exit-code", False),  # ExecStartPre= failed: Restart= follows
+        (None, "success", False),  # systemd could not be asked
+    ],
+)
+def test_stopped_for_good(job: str | None, result: str, expected: bool) -> None:
+    assert stopped_for_good(job, result)[0] is expected
+
+
+def test_pending_job_reads_systemctl_list_jobs() -> None:
+    class Done:
+        def __init__(self, rc: int, out: str) -> None:
+            self.returncode, self.stdout = rc, out
+
+    def answer(rc: int, out: str) -> Any:
+        return lambda *a, **k: Done(rc, out)
+
+    assert (
+        pending_job("nodeagent.service", answer(0, "74 nodeagent.service restart running\n"))
+        == "restart"
+    )
+    assert pending_job("nodeagent.service", answer(0, "9 other.service stop waiting\n")) == ""
+    assert pending_job("nodeagent.service", answer(1, "")) is None
+
+
+def _state_file(tmp_path: Path, root: Path, **kw: Any) -> Path:
+    policy = tmp_path / "policy.yaml"
+    path = tmp_path / "state.json"
+    policy.write_text(
+        f"version: 1\nagent:\n  state_file: {path}\n  socket: {tmp_path / 'none.sock'}\n"
+        "tenants:\n  t: {shares: 1}\n"
+    )
+    state.save(str(path), saved(**kw))
+    return policy
+
+
+def test_the_command_releases_updates_the_state_file_and_says_so(tmp_path: Path) -> None:
+    root = tmp_path / "cg"
+    b = cgroup(root, "nodeagent.slice/b", cpu_max="1000 100000", cgroup_freeze="1")
+    record = originals(
+        ("nodeagent.slice/b", Attribute.CPU_MAX, "max 100000", "1000 100000", WriteMode.DIRECT),
+        ("nodeagent.slice/b", Attribute.FREEZE, "0", "1", WriteMode.DIRECT),
+    )
+    policy = _state_file(tmp_path, root, originals=record)
+    args = ["release", "--all", "--config", str(policy), "--cgroup-root", str(root)]
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 0, out.output
+    assert "released  nodeagent.slice/b  cgroup.freeze 1 -> 0" in out.output
+    assert out.output.splitlines()[-1].startswith("nodeagent release: 2 released;")
+    assert (b / "cgroup.freeze").read_text() == "0"
+    loaded = state.load(str(tmp_path / "state.json"))
+    assert loaded is not None and loaded.originals == {}
+    again = CliRunner().invoke(main, [*args, "--json"])
+    assert json.loads(again.output)["results"] == []
+
+
+def test_the_command_asks_for_cgroups_or_all(tmp_path: Path) -> None:
+    out = CliRunner().invoke(main, ["release"])
+    assert out.exit_code == 2 and "pass --all" in out.output
+
+
+def test_as_exec_stop_post_of_a_restart_it_releases_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "cg"
+    b = cgroup(root, "nodeagent.slice/b", cgroup_freeze="1")
+    record = originals(("nodeagent.slice/b", Attribute.FREEZE, "0", "1", WriteMode.DIRECT))
+    policy = _state_file(tmp_path, root, originals=record)
+    monkeypatch.setattr("nodeagent.release.pending_job", lambda unit: "restart")
+    monkeypatch.setenv("SERVICE_RESULT", "success")
+    args = ["release", "--all", "--config", str(policy), "--cgroup-root", str(root)]
+    out = CliRunner().invoke(main, [*args, "--on-stop", "nodeagent.service"])
+    assert out.exit_code == 0, out.output
+    assert out.output == (
+        "nodeagent release: nodeagent.service: a restart is queued:"
+        " the next agent keeps what this one set\n"
+    )
+    assert (b / "cgroup.freeze").read_text() == "1\n"
