@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from peers import as_user, held_as
 
 from nodeagent.api import client
 from nodeagent.api.peer import Peer, peer_allowed, read_peer
@@ -91,31 +92,6 @@ def make_stale_socket(path: Path) -> None:
     """A socket file nobody listens on, as a killed daemon leaves behind."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.bind(str(path))
-
-
-def as_user(uid: int, gid: int, groups: list[int], action: Callable[[], str]) -> str:
-    """Run `action` in a forked child with the given credentials; return what it reports."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never return into pytest
-        try:
-            os.close(read_end)
-            try:
-                os.setgroups(groups)
-                os.setgid(gid)
-                os.setuid(uid)
-                result = action()
-            except BaseException as exc:
-                result = f"{type(exc).__name__}: {exc}"
-            os.write(write_end, result.encode())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        output = pipe.read().decode()
-    _, wait_status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(wait_status) == 0
-    return output
 
 
 def child_raw_get(path: str) -> Callable[[], str]:
@@ -937,44 +913,6 @@ def wait_until(check: Callable[[], bool], timeout: float = 10) -> bool:
 
 
 # --- floods: who holds the connections (peer credentials at accept) ---------------------------
-
-
-@contextlib.contextmanager
-def held_as(uid: int, gid: int, path: str, count: int) -> Iterator[int]:
-    """A child with these credentials holds `count` connections to `path` open and sends
-    nothing on them; yields how many the kernel took. They close when the block ends."""
-    ready_r, ready_w = os.pipe()
-    stop_r, stop_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never return into pytest
-        try:
-            os.close(ready_r)
-            os.close(stop_w)
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            held = []
-            for _ in range(count):
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.setblocking(False)
-                try:
-                    sock.connect(path)
-                except BlockingIOError:  # the listen queue is full
-                    sock.close()
-                    break
-                held.append(sock)
-            os.write(ready_w, str(len(held)).encode())
-            os.read(stop_r, 1)  # until the parent closes its end
-        finally:
-            os._exit(0)
-    os.close(ready_w)
-    os.close(stop_r)
-    try:
-        yield int(os.read(ready_r, 16) or b"0")  # the child's count comes as one write
-    finally:
-        os.close(ready_r)
-        os.close(stop_w)
-        os.waitpid(pid, 0)
 
 
 def timed_get(path: str) -> float:
