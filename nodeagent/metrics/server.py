@@ -6,13 +6,18 @@ while ticks come, 503 once none has for `stale_window`), anything else 404. GET 
 Any local user can connect to a loopback port, so the endpoint is built to cost the daemon
 little whoever connects. One thread serves every connection without blocking (a selector),
 so a connection costs a descriptor and a buffer, never a thread. At most `max_connections`
-are open at once; when a new one would pass that, the oldest one still waiting for its
-request is closed to make room, so idle connections cannot lock a scraper out, and the
-descriptors the loop needs are never at stake. A request has `request_timeout` seconds to
-arrive whole, an answer `answer_timeout` seconds to leave. Over a Unix socket
-(`unix:PATH`, mode 0660 with `socket_group`) the peer's uid is read at accept, each uid has
-at most `per_uid_connections` (root and the daemon's own user: no cap of their own), and
-a peer outside root, the daemon's user and the group is refused whatever the file's mode.
+are open at once. A newcomer beyond that takes the place of the oldest connection that has
+gone `idle_grace` without sending its request (a scraper sends it at once); while there is
+none, newcomers wait in the kernel's listen queue, costing the daemon nothing. So idle
+connections delay a scrape by about (connections ahead / max_connections) x idle_grace,
+never lock it out, and never touch the descriptors the loop needs. A request has
+`request_timeout` seconds to arrive whole, an answer `answer_timeout` seconds to leave.
+
+Over a Unix socket (`unix:PATH`, mode 0660, group `socket_group`) the peer's credentials
+are read at accept: each uid other than root and the daemon's own holds at most
+`per_uid_connections` (making room among its own), so one user cannot delay another's
+scrape, and a peer outside root, the daemon's user and the group is answered 403 whatever
+the file's mode.
 
 A scrape is rendered from the latest tick at most once per `cache_seconds`, whoever asks,
 so a flood of requests costs sends, not renders. Each family is encoded on its own: a
@@ -72,6 +77,7 @@ class _Conn:
     sock: socket.socket
     uid: int | None
     """The peer's uid over a Unix socket, unless privileged; None over TCP."""
+    since: float
     until: float
     denied: bool = False
     """A peer outside root, the daemon's user and the socket's group: answered 403."""
@@ -104,6 +110,9 @@ class MetricsServer:
     """Seconds a client has to send its request line and headers."""
     answer_timeout = 10.0
     """Seconds a client has to take the whole answer."""
+    idle_grace = 0.5
+    """Seconds after which a connection still without its request may be closed to make
+    room for a newcomer (a scraper sends its request at once)."""
     cache_seconds = 1.0
     """A render is served again for this long."""
     max_request = 8192
@@ -140,7 +149,7 @@ class MetricsServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
         self._selector = selectors.DefaultSelector()
-        self._selector.register(listener, selectors.EVENT_READ)
+        self._listening = False
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._thread = threading.Thread(target=self._loop, name="nodeagent-metrics", daemon=True)
         self._thread.start()
@@ -217,11 +226,15 @@ class MetricsServer:
     def _step(self) -> None:
         now = time.monotonic()
         if self._paused_until and now >= self._paused_until:
-            self._selector.register(self._listener, selectors.EVENT_READ)
             self._paused_until = 0.0
-        wake = min((c.until for c in self._conns), default=now + 1.0)
+        full = len(self._conns) >= self.max_connections
+        self._listen_for_more(not self._paused_until and (not full or self._spare(now)))
+        wakes = [c.until for c in self._conns]
+        if full:  # the oldest idle one may be closed to make room once it is old enough
+            wakes += [c.since + self.idle_grace for c in self._conns if c.answer is None]
         if self._paused_until:
-            wake = min(wake, self._paused_until)
+            wakes.append(self._paused_until)
+        wake = min(wakes, default=now + 1.0)
         for key, events in self._selector.select(max(0.0, min(wake - now, 1.0))):
             if key.fileobj is self._wake_r:
                 with contextlib.suppress(OSError):
@@ -234,6 +247,14 @@ class MetricsServer:
         for conn in [c for c in self._conns if c.until <= now]:
             self._drop(conn)  # its request or its answer took too long
 
+    def _listen_for_more(self, listen: bool) -> None:
+        """Take new connections in or leave them in the kernel's listen queue."""
+        if listen and not self._listening:
+            self._selector.register(self._listener, selectors.EVENT_READ)
+        elif self._listening and not listen:
+            self._selector.unregister(self._listener)
+        self._listening = listen
+
     def _accept_some(self) -> None:
         try:
             self._accept()
@@ -241,7 +262,7 @@ class MetricsServer:
             if self._failures == 0:
                 log.error("metrics.accept_failed", error=str(exc), action="backing off")
             self._failures += 1
-            self._selector.unregister(self._listener)
+            self._listen_for_more(False)
             backoff = min(_BACKOFF_FIRST * 2 ** (self._failures - 1), _BACKOFF_MAX)
             self._paused_until = time.monotonic() + backoff
             return
@@ -265,6 +286,9 @@ class MetricsServer:
 
     def _accept(self) -> None:
         for _ in range(_ACCEPT_BATCH):
+            now = time.monotonic()
+            if len(self._conns) >= self.max_connections and not self._spare(now):
+                return  # the rest wait in the listen queue
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
@@ -280,34 +304,37 @@ class MetricsServer:
                     continue
                 uid = None if peer.uid in (0, self._own_uid) else peer.uid
                 denied = not peer_allowed(peer, self._own_uid, self._group_gid)
-            self._admit(_Conn(sock, uid, time.monotonic() + self.request_timeout, denied))
+            self._admit(_Conn(sock, uid, now, now + self.request_timeout, denied), now)
 
-    def _admit(self, conn: _Conn) -> None:
-        """Make room for `conn` by closing the oldest connection still waiting for its request:
-        its uid's own when that uid is at its cap, else the one of whoever holds the most."""
-        mine = [c for c in self._conns if c.uid == conn.uid]
-        cap = self.max_connections if conn.uid is None else self.per_uid_connections
-        victims = None
-        if len(mine) >= cap:
-            victims = mine
-        elif len(self._conns) >= self.max_connections:
-            victims = self._largest_holder()
-        if victims is not None:
-            victim = next((c for c in victims if c.answer is None), None)
-            if victim is None:  # every one of them is being answered: no room now
+    def _admit(self, conn: _Conn, now: float) -> None:
+        """Take `conn` in, making room by closing the oldest connection that has waited
+        `idle_grace` for its request: one of its own uid's when that uid is at its cap,
+        else anyone's (another uid's before root's); with none to close, `conn` goes."""
+        if conn.uid is not None:
+            mine = [c for c in self._conns if c.uid == conn.uid]
+            if len(mine) >= self.per_uid_connections and not self._make_room(mine, now):
                 conn.sock.close()
                 return
-            self._drop(victim)
+        if len(self._conns) >= self.max_connections and not self._make_room(self._conns, now):
+            conn.sock.close()
+            return
         self._conns.append(conn)
         self._selector.register(conn.sock, selectors.EVENT_READ, conn)
 
-    def _largest_holder(self) -> list[_Conn]:
-        counts: dict[int | None, int] = {}
-        for c in self._conns:
-            counts[c.uid] = counts.get(c.uid, 0) + 1
-        unprivileged = {u: n for u, n in counts.items() if u is not None} or counts
-        uid = max(unprivileged, key=lambda u: unprivileged[u])
-        return [c for c in self._conns if c.uid == uid]
+    def _spare(self, now: float) -> bool:
+        """Whether some connection could be closed to make room now."""
+        return any(self._idle(c, now) for c in self._conns)
+
+    def _idle(self, conn: _Conn, now: float) -> bool:
+        return conn.answer is None and now - conn.since >= self.idle_grace
+
+    def _make_room(self, among: list[_Conn], now: float) -> bool:
+        idle = [c for c in among if self._idle(c, now)]
+        victim = next((c for c in idle if c.uid is not None), None) or next(iter(idle), None)
+        if victim is None:
+            return False
+        self._drop(victim)
+        return True
 
     def _drop(self, conn: _Conn) -> None:
         with contextlib.suppress(KeyError, ValueError):

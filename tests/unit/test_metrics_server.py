@@ -409,6 +409,7 @@ def test_a_unix_socket_answers_its_group_and_caps_each_uid(
             status, _, body = http(str(path))  # root, while nobody holds its idle ones
             assert status == 200 and b"nodeagent_ticks_total" in body
             assert open_fds() - base <= MetricsServer.per_uid_connections + 2
+            time.sleep(MetricsServer.idle_grace)
             member = as_user(NOBODY, NOGROUP, [], lambda: str(http(str(path))[0]))
             assert member == "200"  # its newest connection pushes out its oldest idle one
         os.chmod(path, 0o666)  # an operator's mistake: the peer check still holds
