@@ -9,15 +9,18 @@ so a connection costs a descriptor and a buffer, never a thread. At most `max_co
 are open at once. A newcomer beyond that takes the place of the oldest connection that has
 gone `idle_grace` without sending its request (a scraper sends it at once); while there is
 none, newcomers wait in the kernel's listen queue, costing the daemon nothing. So idle
-connections delay a scrape by about (connections ahead / max_connections) x idle_grace,
-never lock it out, and never touch the descriptors the loop needs. A request has
-`request_timeout` seconds to arrive whole, an answer `answer_timeout` seconds to leave.
+connections never lock a scrape out and never touch the descriptors the loop needs. A
+request has `request_timeout` seconds to arrive whole, an answer `answer_timeout` seconds
+to leave.
 
-Over a Unix socket (`unix:PATH`, mode 0660, group `socket_group`) the peer's credentials
-are read at accept: each uid other than root and the daemon's own holds at most
-`per_uid_connections` (making room among its own), so one user cannot delay another's
-scrape, and a peer outside root, the daemon's user and the group is answered 403 whatever
-the file's mode.
+Who holds a connection is known at accept for every local peer: over a Unix socket
+(`unix:PATH`, mode 0660, group `socket_group`) from its peer credentials, over TCP from the
+kernel's socket table (`LoopbackPeers`, for a peer on this host). Each local uid other than
+root and the daemon's own holds at most `per_uid_connections` (a newcomer of its own makes
+room among its own, or is closed), and a newcomer that needs room takes it from such a uid
+before anyone else: so one local user's idle connections delay neither root's scrape nor
+another user's. Remote peers, and root's, share the rest of the cap. Over a Unix socket a
+peer outside root, the daemon's user and the group is answered 403, whatever the mode.
 
 A scrape is rendered from the latest tick at most once per `cache_seconds`, whoever asks,
 so a flood of requests costs sends, not renders. Each family is encoded on its own: a
@@ -47,7 +50,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from nodeagent.api.peer import peer_allowed, read_peer
+from nodeagent.api.peer import LoopbackPeers, peer_allowed, read_peer
 from nodeagent.api.unixsocket import Identity, listen_unix, resolve_group, unlink_if_ours
 from nodeagent.errors import NodeagentError
 from nodeagent.metrics.collector import TickCollector
@@ -76,7 +79,8 @@ def stale_window(interval: float) -> float:
 class _Conn:
     sock: socket.socket
     uid: int | None
-    """The peer's uid over a Unix socket, unless privileged; None over TCP."""
+    """The uid holding the other end, if it is not root or the daemon's and is known (a
+    Unix socket, or TCP from this host); None otherwise."""
     since: float
     until: float
     denied: bool = False
@@ -105,7 +109,7 @@ class MetricsServer:
     max_connections = 64
     """Connections open at once, whoever holds them."""
     per_uid_connections = 8
-    """Over a Unix socket: connections one uid other than root and the daemon's holds."""
+    """Connections one local uid other than root and the daemon's holds at once."""
     request_timeout = 5.0
     """Seconds a client has to send its request line and headers."""
     answer_timeout = 10.0
@@ -137,6 +141,13 @@ class MetricsServer:
         self._group_gid = group_gid
         self._identity = identity
         self._unix = listener.family == socket.AF_UNIX
+        self._peers = None if self._unix else LoopbackPeers.open()
+        if not self._unix and self._peers is None:
+            log.warning(
+                "metrics.peer_uids_unknown",
+                listen=listen,
+                why="no AF_NETLINK socket (sock_diag): local users share one connection cap",
+            )
         self._own_uid = os.geteuid()
         self._sources: tuple[Collector, ...] = (collector, ProcessCollector(registry=None))
         self._started = time.monotonic()
@@ -210,6 +221,8 @@ class MetricsServer:
         self._listener.close()
         self._wake_r.close()
         self._wake_w.close()
+        if self._peers is not None:
+            self._peers.close()
         if self._unix:
             unlink_if_ours(self.listen.removeprefix("unix:"), self._identity)
 
@@ -302,8 +315,12 @@ class MetricsServer:
                 except OSError:
                     sock.close()
                     continue
-                uid = None if peer.uid in (0, self._own_uid) else peer.uid
+                uid = peer.uid
                 denied = not peer_allowed(peer, self._own_uid, self._group_gid)
+            elif self._peers is not None:
+                uid = self._peers.uid(sock)  # None: a peer on another host
+            if uid in (0, self._own_uid):
+                uid = None
             self._admit(_Conn(sock, uid, now, now + self.request_timeout, denied), now)
 
     def _admit(self, conn: _Conn, now: float) -> None:

@@ -7,6 +7,7 @@ back through a pipe. Root only: setuid needs it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 from collections.abc import Callable, Iterator
@@ -38,10 +39,14 @@ def as_user(uid: int, gid: int, groups: list[int], action: Callable[[], str]) ->
 
 
 @contextlib.contextmanager
-def held_as(uid: int, gid: int, path: str, count: int) -> Iterator[int]:
-    """A child with these credentials holds `count` connections to the Unix socket `path`
-    open and sends nothing on them; yields how many the kernel took. They close when the
-    block ends."""
+def held_as(uid: int, gid: int, target: str | tuple[str, int], count: int) -> Iterator[int]:
+    """A child with these credentials holds `count` connections to `target` (a Unix
+    socket's path, or a TCP address) open and sends nothing on them; yields how many the
+    kernel took. They close when the block ends."""
+    if isinstance(target, str):
+        family = socket.AF_UNIX
+    else:
+        family = socket.AF_INET6 if ":" in target[0] else socket.AF_INET
     ready_r, ready_w = os.pipe()
     stop_r, stop_w = os.pipe()
     pid = os.fork()
@@ -54,12 +59,10 @@ def held_as(uid: int, gid: int, path: str, count: int) -> Iterator[int]:
             os.setuid(uid)
             held = []
             for _ in range(count):
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock = socket.socket(family, socket.SOCK_STREAM)
                 sock.setblocking(False)
-                try:
-                    sock.connect(path)
-                except BlockingIOError:  # the listen queue is full
-                    sock.close()
+                if sock.connect_ex(target) not in (0, errno.EINPROGRESS):
+                    sock.close()  # the listen queue is full
                     break
                 held.append(sock)
             os.write(ready_w, str(len(held)).encode())

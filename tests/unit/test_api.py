@@ -22,7 +22,7 @@ import pytest
 from peers import as_user, held_as
 
 from nodeagent.api import client
-from nodeagent.api.peer import Peer, peer_allowed, read_peer
+from nodeagent.api.peer import LoopbackPeers, Peer, peer_allowed, read_peer
 from nodeagent.api.server import (
     ApiBadRequest,
     ApiConflict,
@@ -369,6 +369,36 @@ def test_read_peer_reports_this_process() -> None:
         peer = read_peer(left)
     assert (peer.pid, peer.uid, peer.gid) == (os.getpid(), os.geteuid(), os.getegid())
     assert peer.groups == frozenset(os.getgroups())
+
+
+@needs_root
+@pytest.mark.parametrize(
+    ("family", "listen", "connect"),
+    [
+        (socket.AF_INET, "127.0.0.1", "127.0.0.1"),
+        (socket.AF_INET6, "::1", "::1"),
+        (socket.AF_INET6, "::", "127.0.0.1"),  # dual stack: the peer shows as ::ffff:127.0.0.1
+    ],
+)
+def test_loopback_peers_names_the_uid_at_the_other_end(
+    family: socket.AddressFamily, listen: str, connect: str
+) -> None:
+    peers = LoopbackPeers.open()
+    assert peers is not None
+    with socket.socket(family, socket.SOCK_STREAM) as listener:
+        listener.bind((listen, 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with held_as(NOBODY, NOGROUP, (connect, port), 1) as held:
+            assert held == 1
+            conn, _ = listener.accept()
+            with conn:
+                assert peers.uid(conn) == NOBODY
+        mine = socket.create_connection((connect, port))
+        conn, _ = listener.accept()
+        with mine, conn:
+            assert peers.uid(conn) == os.geteuid()
+    peers.close()
 
 
 @needs_root

@@ -193,6 +193,21 @@ def test_idle_connections_cost_the_daemon_a_bounded_number_of_descriptors(
     assert held <= getattr(MetricsServer, "max_connections", 64) + 4
 
 
+@needs_root
+def test_one_local_users_idle_tcp_connections_delay_nobody_else(served: MetricsServer) -> None:
+    # Over loopback the kernel's socket table says whose each connection is: uid 65534's
+    # are capped at 8 (the rest closed), so root's scrape and uid 4000's do not queue.
+    where = ("127.0.0.1", served.port)
+    base = open_fds()
+    with held_as(NOBODY, NOGROUP, where, 300) as held:
+        assert held == 300
+        time.sleep(0.5)  # the daemon has taken in what it takes of them
+        assert http(where)[0] == 200
+        assert open_fds() - base <= getattr(MetricsServer, "per_uid_connections", 8) + 2
+        other = as_user(4000, 4000, [], lambda: str(http(where)[0]))
+    assert other == "200"
+
+
 def test_a_silent_or_dripping_client_is_cut_at_the_request_deadline(
     collector: TickCollector, monkeypatch: pytest.MonkeyPatch
 ) -> None:
