@@ -102,6 +102,10 @@ class Flood:
     def open_now(self) -> int:
         return self.latest.get("open", 0)
 
+    def opened_all(self) -> bool:
+        """Whether it has opened `count` connections, in all."""
+        return self.latest.get("opened", 0) >= self.count
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self._stop)

@@ -4,10 +4,14 @@
 systemd/nodeagent.service (a stand-in for systemd applying it: the rest of the unit's sandbox
 does not bear on descriptors or connections). Then, at once:
 
-- uid 65534 (nobody), outside the socket group, holds 800 idle connections to the metrics
-  endpoint on loopback, opening a new one for every one the daemon closes;
-- the same uid with the socket's group holds 200 idle connections to the API socket, far
-  beyond what one uid is served, likewise.
+- uid 65534 (nobody), outside the socket group, keeps 800 idle connections open to the
+  metrics endpoint on loopback, opening a new one for every one the daemon closes;
+- the same uid with the socket's group keeps 200 idle connections open to the API socket,
+  far beyond what one uid is served, likewise.
+
+The daemon holds only a few of each (8 metrics connections and 8 + 16 API ones per uid)
+and closes or refuses the rest at once, so the flooders spin, reconnecting: a harder load
+than connections that stay idle.
 
 Throughout, root calls the API with the CLI's own 5 s deadline (in this process, so that
 Python's start-up under TCG is not counted), and runs the real `nodeagent allocations` now
@@ -225,8 +229,8 @@ def test_floods_leave_the_loop_ticking_and_root_answered(
         Flood(("127.0.0.1", daemon.port), METRICS_FLOOD, NOBODY) as metrics,
         Flood(daemon.socket, API_FLOOD, NOBODY, groups=(GROUP,)) as api,
     ):
-        assert wait_for(lambda: metrics.open_now() >= 600, timeout=300), metrics.latest
-        assert wait_for(lambda: api.open_now() >= 100, timeout=300), api.latest
+        assert wait_for(metrics.opened_all, timeout=300), metrics.latest
+        assert wait_for(api.opened_all, timeout=300), api.latest
         cli.append(cli_allocations(daemon.socket))
         loud = measure(daemon, during, ticks=TICKS_DURING, at_least=AT_LEAST_S)
         scrapes.append(scrape(daemon.port))
@@ -255,8 +259,8 @@ def test_floods_leave_the_loop_ticking_and_root_answered(
     assert loud["ticks"] >= TICKS_DURING
     failed = [e for e in daemon.events() if str(e.get("event")).endswith("failed") or "raw" in e]
     assert failed == [], failed[:5]  # no tick.failed, no accept_failed, no traceback
-    assert most["metrics"] >= 600 and most["api"] >= 100
-    assert flooders["metrics"]["cut"] > 0 and flooders["api"]["cut"] > 0  # deadlines cut them
-    # 64 metrics connections, 24 of one uid's API connections, the loop's own and Python's
-    assert loud["most_fds"] < 250 < unit_nofile()
+    # the daemon closed or refused what it would not hold, and the flooders opened more
+    assert flooders["metrics"]["cut"] > METRICS_FLOOD and flooders["api"]["cut"] > API_FLOOD
+    # 8 of the flooder's metrics connections and 24 of its API ones, the loop's own, Python's
+    assert loud["most_fds"] < 150 < unit_nofile()
     assert scrapes[0][0] == 200
