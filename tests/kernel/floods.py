@@ -67,6 +67,7 @@ class Flood:
     kept up until `close()`."""
 
     def __init__(self, target: Target, count: int, uid: int, groups: tuple[int, ...] = ()) -> None:
+        assert isinstance(target, str | tuple), target  # a Path would be taken for TCP
         self.target = target
         self.count = count
         self.latest: dict[str, int] = {}
@@ -85,6 +86,8 @@ class Flood:
                 os.setgid(uid)
                 os.setuid(uid)
                 _hold(target, count, stop_r, report_w)
+            except BaseException as exc:  # shown by the parent, in `latest`
+                os.write(report_w, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
             finally:
                 os._exit(0)
         os.close(stop_r)

@@ -217,7 +217,7 @@ def measure(daemon: Daemon, calls: Calls, ticks: int, at_least: float) -> dict[s
 def test_floods_leave_the_loop_ticking_and_root_answered(
     daemon: Daemon,
     capsys: pytest.CaptureFixture[str],
-    record_property: Callable[[str, object], None],
+    record_testsuite_property: Callable[[str, object], None],
 ) -> None:
     before = Calls()
     quiet = measure(daemon, before, ticks=10, at_least=2.0)
@@ -251,7 +251,7 @@ def test_floods_leave_the_loop_ticking_and_root_answered(
         "scrape_during": {"status": scrapes[0][0], "seconds": round(scrapes[0][1], 2)},
         "cli_allocations_s_with_startup": [round(s, 1) for _, s in cli],
     }
-    record_property("floods", json.dumps(figures))  # kept in out/test-kernel/kernel.xml
+    record_testsuite_property("floods", json.dumps(figures))  # out/test-kernel/kernel.xml
     with capsys.disabled():
         print("\nfloods:", json.dumps(figures))
 
