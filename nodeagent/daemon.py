@@ -720,7 +720,7 @@ def serve_metrics(agent: Agent) -> MetricsServer | None:
         return None
     # imported only when metrics are on: prometheus_client is slow to import on a cold disk
     from nodeagent.metrics.collector import TickCollector  # noqa: PLC0415
-    from nodeagent.metrics.server import MetricsServer  # noqa: PLC0415
+    from nodeagent.metrics.server import MetricsServer, stale_window  # noqa: PLC0415
 
     collector = TickCollector(
         lambda: agent.notes.deadline_misses,
@@ -729,8 +729,15 @@ def serve_metrics(agent: Agent) -> MetricsServer | None:
     )
     if agent.gpus.backend.inventory():
         collector.watch_gpus(agent.gpus.backend)
-    server = MetricsServer.start(listen, collector)
-    agent.observers.append(collector.observe)
+    settings = agent.spec.agent.metrics
+    server = MetricsServer.start(
+        listen,
+        collector,
+        bearer_token_file=settings.bearer_token_file,
+        socket_group=settings.socket_group,
+        stale_after=lambda: stale_window(agent.spec.agent.interval),
+    )
+    agent.observers.append(server.observe)  # the collector's, and /healthz's
     return server
 
 

@@ -76,3 +76,84 @@ def peer_groups(fd: int) -> frozenset[int]:
         if err != errno.ERANGE:
             break
     raise OSError(err, f"SO_PEERGROUPS: {os.strerror(err)}")
+
+
+# --- TCP peers on this host ----------------------------------------------------------------
+
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLMSG_ERROR = 2
+_NLM_F_REQUEST = 1
+_NLMSG = struct.Struct("=IHHII")  # len, type, flags, seq, pid
+_DIAG_REQ = struct.Struct("=BBBBI")  # family, protocol, ext, pad, states
+_SOCKID = struct.Struct("!HH16s16s")  # sport, dport, src, dst (network order)
+_SOCKID_TAIL = struct.Struct("=III")  # interface, cookie (INET_DIAG_NOCOOKIE)
+_DIAG_MSG_UID = 4 + 48 + 12  # family..retrans, the sockid, expires, rqueue, wqueue
+_NO_COOKIE = 0xFFFFFFFF
+
+
+class LoopbackPeers:
+    """Which uid holds the other end of an accepted TCP connection from this host.
+
+    The kernel's socket table knows the owner of every socket; a sock_diag query for the
+    exact four-tuple of the peer's socket returns it, as `ss -tpe` shows it. A peer on
+    another host, or one already gone, has no entry here: None. Opening needs AF_NETLINK
+    (a sandbox may refuse it: `open()` returns None, and every peer is then unknown)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._seq = 0
+
+    @classmethod
+    def open(cls) -> LoopbackPeers | None:
+        try:
+            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG)
+        except OSError:
+            return None
+        return cls(sock)
+
+    def uid(self, conn: socket.socket) -> int | None:
+        """The uid owning the peer's socket, or None when the kernel does not say."""
+        try:
+            ours, theirs = conn.getsockname(), conn.getpeername()
+        except OSError:
+            return None
+        family, ours_ip, theirs_ip = _as_sent(conn.family, ours[0], theirs[0])
+        self._seq = self._seq % 0x7FFFFFFF + 1
+        # The peer's socket: its source is their end, its destination ours.
+        sockid = _SOCKID.pack(theirs[1], ours[1], theirs_ip, ours_ip)
+        sockid += _SOCKID_TAIL.pack(0, _NO_COOKIE, _NO_COOKIE)
+        request = _DIAG_REQ.pack(family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF) + sockid
+        header = _NLMSG.pack(_NLMSG.size + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST,
+                             self._seq, 0)  # fmt: skip
+        try:
+            self._sock.send(header + request)
+            # the kernel answers within send(): the reply is queued before it returns
+            while True:
+                reply = self._sock.recv(8192, socket.MSG_DONTWAIT)
+                _, kind, _, seq, _ = _NLMSG.unpack_from(reply)
+                if seq == self._seq:
+                    break
+        except OSError:
+            return None
+        if kind != _SOCK_DIAG_BY_FAMILY or len(reply) < _NLMSG.size + _DIAG_MSG_UID + 4:
+            return None  # NLMSG_ERROR: no such socket on this host
+        return int(struct.unpack_from("=I", reply, _NLMSG.size + _DIAG_MSG_UID)[0])
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _as_sent(family: int, ours: str, theirs: str) -> tuple[int, bytes, bytes]:
+    """The family and the 16-byte addresses of the peer's own socket: an IPv4 client of a
+    dual-stack listener shows as ::ffff:a.b.c.d here, but its socket is AF_INET."""
+    mapped = "::ffff:"
+    if family == socket.AF_INET6 and theirs.startswith(mapped) and "." in theirs:
+        family, ours, theirs = (
+            socket.AF_INET,
+            ours.removeprefix(mapped),
+            theirs.removeprefix(mapped),
+        )
+    ours_ip = socket.inet_pton(family, ours.partition("%")[0]).ljust(16, b"\0")
+    theirs_ip = socket.inet_pton(family, theirs.partition("%")[0]).ljust(16, b"\0")
+    return family, ours_ip, theirs_ip

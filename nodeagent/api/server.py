@@ -6,23 +6,29 @@ again by its peer credentials, so a socket whose mode was loosened by hand still
 root, the daemon's own user and members of `group`. Routes get those credentials too, so a
 write endpoint can check, say, that a pid belongs to its caller.
 
-A busy or hostile client cannot take the daemon down with it: at most `max_connections`
-are served at once and the rest wait in the kernel's listen queue (they cost the daemon no
-file descriptor there); each request must arrive, and each answer leave, within `timeout`
-seconds in total; an accept() that fails for want of file descriptors backs off instead of
-spinning, so the reconcile loop keeps the descriptors it needs.
+No caller can take the API away from the others. Every connection is accepted at once and
+its peer credentials read before any byte of its request; it is then served, made to wait,
+or told no (429) by who holds the slots (`slots.Pool`): at most `max_connections` are
+served at once, of which `reserved_connections` are kept for root and the daemon's own
+user, and any other uid is served on at most `per_uid_connections` at once, with up to
+`per_uid_waiting` more waiting their turn in the daemon (the waiting room has the same
+shape). A waiting connection that gets no slot within `timeout` is told the daemon is busy
+(503). A served one has `header_timeout` seconds for its request line and headers, the
+whole request `timeout` seconds, and its answer `timeout` seconds to leave. An accept()
+that fails for want of file descriptors backs off instead of spinning, so the reconcile
+loop keeps the descriptors it needs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import grp
 import io
 import os
 import selectors
 import socket
-import stat
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
@@ -32,6 +38,8 @@ from typing import Any, ClassVar, cast
 import structlog
 
 from nodeagent.api.peer import Peer, peer_allowed, read_peer
+from nodeagent.api.slots import Pool
+from nodeagent.api.unixsocket import Identity, listen_unix, resolve_group, unlink_if_ours
 from nodeagent.api.wire import (
     MAX_BODY,
     Deadline,
@@ -45,12 +53,12 @@ from nodeagent.errors import NodeagentError
 
 log = structlog.get_logger("nodeagent.api")
 
-SOCKET_MODE = 0o660
-DIR_MODE = 0o750
 METHODS = ("GET", "POST", "DELETE")
 """The methods a route may declare, in the order an Allow header lists them."""
 _WITH_BODY = frozenset({"POST", "DELETE"})
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0  # seconds, for an accept() short of resources
+_ACCEPT_BATCH = 64  # connections taken in per wake-up before the waiting room is looked at
+_REFUSAL_LOG_EVERY = 10.0  # seconds: one api.refused line per uid and reason, then a count
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,34 +126,35 @@ class _Handler(BaseHTTPRequestHandler):
         return cast(ApiServer, self.server)
 
     def setup(self) -> None:
-        # Instead of StreamRequestHandler's per-read timeout: one deadline for the request.
+        # Instead of StreamRequestHandler's per-read timeout: deadlines for the request, a
+        # short one for its line and headers within the one for all of it.
+        api = self._api
         self.connection = self.request
-        self._io = DeadlineIO(self.connection, Deadline(self._api.timeout))
+        self.peer = cast(Peer, self.client_address)  # read at accept, before any byte
+        self._request_deadline = Deadline(api.timeout)
+        self._io = DeadlineIO(self.connection, Deadline(min(api.header_timeout, api.timeout)))
         self.rfile = io.BufferedReader(self._io)
         self.wfile = io.BufferedWriter(self._io)
-        try:
-            self.peer = read_peer(self.connection)
-        except OSError as exc:
-            log.warning("api.peercred_failed", error=_one_line(exc))
 
     def parse_request(self) -> bool:
         # The check sits here so that it runs after the request line is read (we need to
         # answer in HTTP) but before any body is read or any route runs, whatever the method.
         if not super().parse_request():
             return False
+        self._io.deadline = self._request_deadline  # the head is in: the body has the rest
         api = self._api
         peer = self.peer
-        if peer is not None and peer_allowed(peer, api.own_uid, api.group_gid):
+        assert peer is not None
+        if peer_allowed(peer, api.own_uid, api.group_gid):
             return True
-        uid = "unknown" if peer is None else str(peer.uid)
-        message = f"permission denied: uid {uid} is not root"
+        message = f"permission denied: uid {peer.uid} is not root"
         if api.group is not None:
             message += f" or in group {api.group}"
         log.warning(
             "api.denied",
-            pid=None if peer is None else peer.pid,
-            uid=None if peer is None else peer.uid,
-            gid=None if peer is None else peer.gid,
+            pid=peer.pid,
+            uid=peer.uid,
+            gid=peer.gid,
             method=self.command,
             path=self.path,
         )
@@ -174,7 +183,7 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._read_body() if self.command in _WITH_BODY else {}
         if body is None or self._api.closing:
             return
-        assert self.peer is not None  # parse_request let the request through
+        assert self.peer is not None
         request = Request(self.command, path, query, self.peer, body)
         try:
             answer = encode(handler(request))
@@ -255,60 +264,6 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("api.http", message=format % args)
 
 
-def _resolve_group(name: str) -> int:
-    if name.isdigit():
-        return int(name)
-    try:
-        return grp.getgrnam(name).gr_gid
-    except KeyError:
-        raise NodeagentError(f"unknown group {name!r} for the API socket") from None
-
-
-def _ensure_parent(parent: str, gid: int | None) -> None:
-    """Create the socket's directory 0750 if missing; an existing one is the operator's choice.
-
-    A directory we create also gets the socket's group, else group members could not reach
-    the socket through it.
-    """
-    if os.path.isdir(parent):
-        return
-    try:
-        os.makedirs(parent, exist_ok=True)
-        os.chmod(parent, DIR_MODE)
-        if gid is not None:
-            os.chown(parent, -1, gid)
-    except OSError as exc:
-        raise NodeagentError(
-            f"cannot create the API socket directory {parent}: {exc.strerror or exc}"
-        ) from exc
-
-
-def _clear_stale(path: str) -> None:
-    """Remove a socket left by a dead daemon; refuse to touch a live one or a non-socket."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise NodeagentError(f"refusing to bind the API socket: {path} exists and is not a socket")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            pass  # nobody listens: stale
-        except OSError as exc:
-            raise NodeagentError(
-                f"cannot tell whether {path} is in use ({exc.strerror or exc}); "
-                "remove it if no nodeagent is running"
-            ) from exc
-        else:
-            raise NodeagentError(f"another nodeagent is already serving on {path}")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    log.info("api.stale_socket_removed", socket=path)
-
-
 def _check_routes(routes: Routes) -> dict[str, dict[str, Handler]]:
     for path, methods in routes.items():
         unknown = sorted(set(methods) - set(METHODS))
@@ -317,13 +272,38 @@ def _check_routes(routes: Routes) -> dict[str, dict[str, Handler]]:
     return {path: dict(methods) for path, methods in routes.items()}
 
 
+@dataclass(slots=True)
+class _Waiting:
+    """A connection accepted, its peer known, waiting for a slot until `until`."""
+
+    conn: socket.socket
+    peer: Peer
+    privileged: bool
+    until: float
+
+
 class ApiServer:
-    """The local API; `start()` binds and serves in a background thread, `close()` undoes it."""
+    """The local API; `start()` binds and serves in a background thread, `close()` undoes it.
+
+    The limits below are read at `start()`."""
 
     max_connections = 32
-    """Connections served at once; more wait in the listen queue until one ends."""
+    """Connections served at once, by every caller together."""
+    reserved_connections = 8
+    """Of those, kept for root and the daemon's own user."""
+    per_uid_connections = 8
+    """Connections any other uid is served on at once."""
+    max_waiting = 128
+    """Connections accepted and waiting for a slot, by every caller together."""
+    reserved_waiting = 32
+    """Of those, kept for root and the daemon's own user."""
+    per_uid_waiting = 16
+    """Connections any other uid may have waiting; more are refused with 429."""
+    header_timeout = 3.0
+    """Seconds a client has, once served, to send its request line and headers."""
     timeout = 10.0
-    """Seconds a client has to send its whole request, and to take the whole answer."""
+    """Seconds a client has to send its whole request, and to take the whole answer; also
+    how long a connection may wait for a slot."""
 
     def __init__(self, socket_path: str, routes: Routes, group: str | None = None) -> None:
         self.socket_path = socket_path
@@ -334,46 +314,28 @@ class ApiServer:
         self.closing = False
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
-        self._identity: tuple[int, int] | None = None
+        self._identity: Identity | None = None
         self._stop = threading.Event()
         self._slots = threading.Condition()
         self._connections: set[socket.socket] = set()
+        self._serving = Pool(0, 0, 0)
+        self._waiting = Pool(0, 0, 0)
+        self._queue: deque[_Waiting] = deque()
+        self._refusals: dict[tuple[int, int], tuple[float, int]] = {}
 
     def start(self) -> None:
         if self._listener is not None or self.closing:
             raise NodeagentError(f"the API server on {self.socket_path} is already started")
-        path = self.socket_path
-        gid = None if self.group is None else _resolve_group(self.group)
-        _ensure_parent(os.path.dirname(os.path.abspath(path)) or "/", gid)
-        _clear_stale(path)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(path)
-        except OSError as exc:
-            listener.close()
-            raise NodeagentError(
-                f"cannot bind the API socket {path}: {exc.strerror or exc}"
-            ) from exc
-        try:
-            # Mode and group are fixed between bind() and listen(): until listen() every
-            # connect() is refused, so there is no window with looser permissions.
-            st = os.stat(path)
-            os.chmod(path, SOCKET_MODE)
-            if gid is not None:
-                os.chown(path, -1, gid)
-            # The kernel caps this at net.core.somaxconn: a burst of CLI calls queues there.
-            listener.listen(socket.SOMAXCONN)
-            listener.setblocking(False)
-        except OSError as exc:
-            listener.close()
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise NodeagentError(
-                f"cannot set up the API socket {path}: {exc.strerror or exc}"
-            ) from exc
+        gid = None if self.group is None else resolve_group(self.group, "the API socket")
+        listener, self._identity = listen_unix(self.socket_path, gid, "the API socket")
         self.group_gid = gid
-        self._identity = (st.st_dev, st.st_ino)
-        self._wake_r, self._wake_w = socket.socketpair()  # close() pokes the accept loop
+        self._serving = Pool(
+            self.max_connections, self.reserved_connections, self.per_uid_connections
+        )
+        self._waiting = Pool(self.max_waiting, self.reserved_waiting, self.per_uid_waiting)
+        self._wake_r, self._wake_w = socket.socketpair()  # pokes the accept loop
+        self._wake_w.setblocking(False)
+        self._wake_r.setblocking(False)
         self._listener = listener
         # Made here, not in the thread, so that it cannot fail for want of descriptors later.
         selector = selectors.DefaultSelector()
@@ -383,73 +345,163 @@ class ApiServer:
             target=self._accept_loop, args=(listener, selector), name="nodeagent-api", daemon=True
         )
         self._thread.start()
-        log.info("api.listening", socket=path, group=self.group)
+        log.info("api.listening", socket=self.socket_path, group=self.group)
 
     # --- accepting ------------------------------------------------------------------------
 
     def _accept_loop(self, listener: socket.socket, selector: selectors.BaseSelector) -> None:
         failures = 0
         with selector:
-            while self._free_slot():
-                ready = {key.fileobj for key, _ in selector.select()}
+            while not self.closing:
+                ready = {key.fileobj for key, _ in selector.select(self._until_next_expiry())}
                 if self._wake_r in ready:
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(4096)
+                if self.closing:
                     return
-                try:
-                    conn, _ = listener.accept()
-                except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                    continue  # another wake-up, a signal, or a client that gave up
-                except OSError as exc:
-                    # EMFILE, ENFILE, ENOBUFS, ENOMEM: the listener stays readable, so
-                    # retrying at once would spin; wait, longer each time, and retry.
-                    if failures == 0:
-                        log.error("api.accept_failed", error=_one_line(exc), action="backing off")
-                    failures += 1
-                    if self._stop.wait(min(_BACKOFF_FIRST * 2 ** (failures - 1), _BACKOFF_MAX)):
-                        return
+                self._admit_waiting()
+                if listener not in ready:
                     continue
-                if failures:
-                    log.info("api.accept_recovered", failures=failures)
-                    failures = 0
-                self._serve_in_thread(conn)
+                for _ in range(_ACCEPT_BATCH):
+                    try:
+                        conn, _ = listener.accept()
+                    except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                        break  # none left, a signal, or a client that gave up
+                    except OSError as exc:
+                        # EMFILE, ENFILE, ENOBUFS, ENOMEM: the listener stays readable, so
+                        # retrying at once would spin; wait, longer each time, and retry.
+                        if failures == 0:
+                            log.error(
+                                "api.accept_failed", error=_one_line(exc), action="backing off"
+                            )
+                        failures += 1
+                        if self._stop.wait(min(_BACKOFF_FIRST * 2 ** (failures - 1), _BACKOFF_MAX)):
+                            return
+                        break
+                    if failures:
+                        log.info("api.accept_recovered", failures=failures)
+                        failures = 0
+                    self._admit(conn)
 
-    def _free_slot(self) -> bool:
-        """Wait until fewer than max_connections are served; False once closing."""
-        with self._slots:
-            self._slots.wait_for(
-                lambda: self.closing or len(self._connections) < self.max_connections
-            )
-            return not self.closing
-
-    def _serve_in_thread(self, conn: socket.socket) -> None:
+    def _admit(self, conn: socket.socket) -> None:
+        """Serve `conn`, make it wait, or refuse it: by who is on the other end."""
+        try:
+            peer = read_peer(conn)
+        except OSError as exc:
+            log.warning("api.peercred_failed", error=_one_line(exc))
+            conn.close()
+            return
+        privileged = peer.uid in (0, self.own_uid)
         with self._slots:
             if self.closing:
                 conn.close()
                 return
-            self._connections.add(conn)
+            if self._serving.fits(peer.uid, privileged):
+                self._serve_in_thread(conn, peer, privileged)
+                return
+            if self._waiting.fits(peer.uid, privileged):
+                self._waiting.take(peer.uid, privileged)
+                until = time.monotonic() + self.timeout
+                self._queue.append(_Waiting(conn, peer, privileged, until))
+                return
+        if privileged:
+            why = f"{self.max_connections} served and {self.max_waiting} waiting"
+            message = f"too many connections: {why} at once"
+        else:
+            why = f"at most {self.per_uid_connections} served and {self.per_uid_waiting} waiting"
+            message = f"too many connections from uid {peer.uid}: {why} at once"
+        self._refuse(conn, peer, 429, message)
+
+    def _admit_waiting(self) -> None:
+        """Serve the waiting connections that now have a slot, in the order they came;
+        tell those whose time ran out that the daemon is busy."""
+        now = time.monotonic()
+        expired: list[_Waiting] = []
+        with self._slots:
+            left: deque[_Waiting] = deque()
+            for w in self._queue:
+                if self._serving.fits(w.peer.uid, w.privileged):
+                    self._waiting.give(w.peer.uid, w.privileged)
+                    self._serve_in_thread(w.conn, w.peer, w.privileged)
+                elif now >= w.until:
+                    self._waiting.give(w.peer.uid, w.privileged)
+                    expired.append(w)
+                else:
+                    left.append(w)
+            self._queue = left
+        for w in expired:
+            message = f"no connection slot for uid {w.peer.uid} within {self.timeout:g}s"
+            self._refuse(w.conn, w.peer, 503, f"the daemon is busy: {message}")
+
+    def _until_next_expiry(self) -> float | None:
+        with self._slots:
+            if not self._queue:
+                return None
+            return max(0.0, min(w.until for w in self._queue) - time.monotonic())
+
+    def _refuse(self, conn: socket.socket, peer: Peer, status: int, message: str) -> None:
+        """Answer `status` without reading the request, then hang up; never blocks."""
+        body = encode({"error": message})
+        reason = BaseHTTPRequestHandler.responses.get(status, ("error", ""))[0]
+        head = (
+            f"HTTP/1.0 {status} {reason}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        )
+        conn.setblocking(False)
+        with contextlib.suppress(OSError):
+            conn.send(head.encode() + body)
+        # What the client already sent is read and dropped, so that it reads our answer
+        # rather than a reset.
+        with contextlib.suppress(OSError):
+            conn.recv(MAX_BODY)
+        conn.close()
+        self._log_refusal(peer, status, message)
+
+    def _log_refusal(self, peer: Peer, status: int, message: str) -> None:
+        """One api.refused line per uid and status every few seconds, with how many more."""
+        now = time.monotonic()
+        last, since = self._refusals.get((peer.uid, status), (-_REFUSAL_LOG_EVERY, 0))
+        if now - last < _REFUSAL_LOG_EVERY:
+            self._refusals[(peer.uid, status)] = (last, since + 1)
+            return
+        self._refusals[(peer.uid, status)] = (now, 0)
+        log.warning(
+            "api.refused", uid=peer.uid, pid=peer.pid, status=status, error=message, more=since
+        )
+
+    def _serve_in_thread(self, conn: socket.socket, peer: Peer, privileged: bool) -> None:
+        """With the lock held: take a slot and start the connection's thread."""
+        self._serving.take(peer.uid, privileged)
+        self._connections.add(conn)
         try:
             threading.Thread(
-                target=self._serve, args=(conn,), name="nodeagent-api-conn", daemon=True
+                target=self._serve,
+                args=(conn, peer, privileged),
+                name="nodeagent-api-conn",
+                daemon=True,
             ).start()
         except RuntimeError as exc:  # no thread to be had: drop this one, keep accepting
             log.error("api.thread_failed", error=_one_line(exc))
-            self._forget(conn)
+            conn.close()
+            self._connections.discard(conn)
+            self._serving.give(peer.uid, privileged)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer: Peer, privileged: bool) -> None:
         try:
-            _Handler(conn, "", cast(Any, self))
+            _Handler(conn, peer, cast(Any, self))
         except OSError as exc:
             # The client went away, or close() shut the connection down.
             log.debug("api.connection_lost", error=_one_line(exc))
         except Exception:
             log.error("api.handler_failed", exc_info=True)
         finally:
-            self._forget(conn)
-
-    def _forget(self, conn: socket.socket) -> None:
-        conn.close()
-        with self._slots:
-            self._connections.discard(conn)
-            self._slots.notify_all()
+            conn.close()
+            with self._slots:
+                self._connections.discard(conn)
+                self._serving.give(peer.uid, privileged)
+                self._slots.notify_all()
+            with contextlib.suppress(OSError):  # full: the loop is awake already
+                self._wake_w.send(b"x")
 
     # --- closing --------------------------------------------------------------------------
 
@@ -465,10 +517,15 @@ class ApiServer:
             self._slots.notify_all()
             connections = list(self._connections)
         self._stop.set()
-        self._wake_w.send(b"x")
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
         if thread is not None:
             thread.join(timeout=5)
         listener.close()
+        with self._slots:
+            waiting, self._queue = list(self._queue), deque()
+        for w in waiting:
+            w.conn.close()
         for conn in connections:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
@@ -476,13 +533,7 @@ class ApiServer:
             self._slots.wait_for(lambda: not self._connections, timeout=5)
         self._wake_r.close()
         self._wake_w.close()
-        try:
-            st = os.lstat(self.socket_path)
-        except FileNotFoundError:
-            return
-        if (st.st_dev, st.st_ino) == self._identity:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.socket_path)
+        unlink_if_ours(self.socket_path, self._identity)
 
     def __enter__(self) -> ApiServer:
         self.start()

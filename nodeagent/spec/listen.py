@@ -1,4 +1,5 @@
-"""Addresses the daemon listens on over TCP: HOST:PORT, or [IPV6]:PORT.
+"""Addresses the daemon listens on over TCP: HOST:PORT, or [IPV6]:PORT (or a Unix socket,
+unix:PATH, whose path the policy model checks as it checks every socket path).
 
 Checked when the policy is loaded, so that a typo is a FILE:LINE:COL error rather than
 a failure to bind minutes later; the host is resolved only when the daemon binds. Raises
@@ -17,6 +18,12 @@ _HOSTNAME = re.compile(
 )
 _LOOKS_NUMERIC = re.compile(r"[\d.]+")
 EXAMPLE = "such as 127.0.0.1:9464 or [::1]:9464"
+UNIX = "unix:"
+
+
+def unix_path(text: str) -> str | None:
+    """The socket path of 'unix:PATH'; None for a TCP address."""
+    return text.removeprefix(UNIX) if text.startswith(UNIX) else None
 
 
 def parse_listen(text: str) -> tuple[str, int]:

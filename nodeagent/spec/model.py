@@ -18,13 +18,14 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from nodeagent.api.client import DEFAULT_SOCKET
 from nodeagent.identity import Kind, Owner, QosTier, Runtime
 from nodeagent.spec.glob import compile_glob
-from nodeagent.spec.listen import parse_listen
+from nodeagent.spec.listen import parse_listen, unix_path
 from nodeagent.spec.units import parse_duration, parse_size
 from nodeagent.spec.when import parse_cpu_amount, parse_instant
 
@@ -113,7 +114,11 @@ def _not_bytes(value: object) -> object:
 
 
 def _listen(text: str) -> str:
-    parse_listen(text)
+    path = unix_path(text)
+    if path is None:
+        parse_listen(text)
+    else:
+        _socket_path(_host_path(path))
     return text
 
 
@@ -154,7 +159,7 @@ def _socket_path(path: str) -> str:
 Name = Annotated[StrictStr, Field(min_length=1)]
 Glob = Annotated[StrictStr, AfterValidator(_glob)]
 Listen = Annotated[StrictStr, AfterValidator(_listen)]
-"""HOST:PORT or [IPV6]:PORT (see `spec.listen`)."""
+"""HOST:PORT, [IPV6]:PORT (see `spec.listen`) or unix:PATH."""
 HostPath = Annotated[StrictStr, AfterValidator(_host_path)]
 SocketPath = Annotated[HostPath, AfterValidator(_socket_path)]
 Number = Annotated[StrictFloat, BeforeValidator(_number)]
@@ -186,7 +191,18 @@ class MetricsSettings(_Strict):
     """The Prometheus endpoint: off unless `listen` is set."""
 
     listen: Listen | None = None
-    """Where to serve /metrics over HTTP, such as 127.0.0.1:9464 or [::1]:9464."""
+    """Where to serve /metrics and /healthz over HTTP, such as 127.0.0.1:9464, [::1]:9464
+    or unix:/run/nodeagent-metrics/metrics.sock."""
+    bearer_token_file: HostPath | None = None
+    """A file holding the token /metrics then asks for (Authorization: Bearer ...)."""
+    socket_group: StrictStr | None = None
+    """With listen: unix:PATH, the group that may connect besides root (mode 0660)."""
+
+    @model_validator(mode="after")
+    def _group_needs_a_socket(self) -> MetricsSettings:
+        if self.socket_group is not None and (self.listen is None or not unix_path(self.listen)):
+            raise ValueError("socket_group is for a Unix socket: set listen: unix:PATH")
+        return self
 
 
 class Permission(enum.StrEnum):

@@ -7,6 +7,10 @@ group. Hostile clients, one that connects and sends nothing, one that drips its 
 oversized and malformed requests, are held open while the loop's ticks are counted and
 others call the API: the loop goes on, and the API answers others within the CLI's own
 deadline, however many hostile connections are open.
+
+Waits are keyed to progress (ticks counted in the daemon's log, connections cut) with
+ceilings generous enough for a busy host under TCG; only root's calls have a deadline, the
+CLI's own, since that is what is shown.
 """
 
 from __future__ import annotations
@@ -23,13 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from floods import Flood
 from helpers import Daemon, rel, wait_for
 
 from nodeagent.api import client
 from nodeagent.api.server import ApiServer
+from nodeagent.errors import NodeagentError
 
 GROUP = 4242  # the socket's group: a gid that no user on the node has
 NOBODY = 65534
+PATIENCE = 300  # seconds: the ceiling of every wait for progress
 POLICY = """\
 version: 1
 agent:
@@ -51,10 +58,14 @@ class Served:
     socket: Path
     job: str
 
-    def tick(self) -> int:
-        status = client.get(str(self.socket), "/v1/status")
-        assert isinstance(status, dict)
-        return int(status["tick"] or 0)
+    def ticks(self) -> int:
+        """Ticks the daemon has logged (it runs with --log-level debug)."""
+        return self.daemon.log.read_text(errors="replace").count('"event": "tick"')
+
+    def ticked(self, more: int) -> bool:
+        """Whether `more` ticks come, within PATIENCE."""
+        before = self.ticks()
+        return wait_for(lambda: self.ticks() >= before + more, timeout=PATIENCE, step=0.2)
 
     def events(self) -> list[dict[str, object]]:
         lines = self.daemon.log.read_text(errors="replace").splitlines()
@@ -72,9 +83,9 @@ def served(cgroup_sandbox: Path, tmp_path: Path) -> Iterator[Served]:
     daemon = Daemon(policy, tmp_path / "daemon.log", "--log-level", "debug")
     served = Served(daemon, sock, rel(managed / "job-1"))
     try:
-        assert wait_for(lambda: _answers(sock), timeout=180), daemon.log.read_text()
+        assert wait_for(lambda: _answers(sock), timeout=PATIENCE), daemon.log.read_text()
         (managed / "job-1").mkdir()
-        assert wait_for(lambda: _lists(served), timeout=60), daemon.log.read_text()
+        assert wait_for(lambda: _lists(served), timeout=PATIENCE), daemon.log.read_text()
         yield served
     finally:
         daemon.stop()
@@ -92,7 +103,10 @@ def _answers(sock: Path) -> bool:
 
 
 def _lists(served: Served) -> bool:
-    rows = client.get(str(served.socket), "/v1/allocations")
+    try:
+        rows = client.get(str(served.socket), "/v1/allocations")
+    except NodeagentError:
+        return False  # a slow answer on a busy host: ask again
     assert isinstance(rows, dict)
     return any(r["cgroup"] == served.job for r in rows["allocations"])
 
@@ -232,8 +246,7 @@ def test_hostile_clients_block_neither_the_loop_nor_the_api(served: Served) -> N
         assert isinstance(rows, dict) and rows["allocations"]
         status, out = as_nobody(served.socket, [GROUP], deadline=5)
         assert status == 200, out
-        before = served.tick()
-        assert wait_for(lambda: served.tick() >= before + 5, timeout=120), "the loop stalled"
+        assert served.ticked(5), "the loop stalled"
 
         requests = {**OVERSIZED, **MALFORMED}
         answers = {
@@ -244,32 +257,27 @@ def test_hostile_clients_block_neither_the_loop_nor_the_api(served: Served) -> N
         }, answers
         assert all(isinstance(body.get("error"), str) for _, body in answers.values())
 
-        assert wait_for(lambda: hostile.idle_cut() == 1, timeout=120)
-        assert wait_for(hostile.drip_cut.is_set, timeout=120)
+        assert wait_for(lambda: hostile.idle_cut() == 1, timeout=PATIENCE)
+        assert wait_for(hostile.drip_cut.is_set, timeout=PATIENCE)
     finally:
         hostile.close()
     assert served.daemon.proc.poll() is None, "the daemon exited"
 
 
-def test_more_silent_connections_than_the_cap_hold_the_api_only_until_they_are_cut(
-    served: Served,
-) -> None:
-    """Twice as many silent connections as the daemon serves at once: the others wait in
-    the listen queue, so the loop goes on, and a call is answered once the daemon has cut
-    the silent ones at their deadline (two rounds of `timeout`), not never. (Calls with the
-    CLI's 5 s deadline can fail meanwhile: the cap is for the whole socket, not per peer.)"""
-    cap, timeout = ApiServer.max_connections, ApiServer.timeout
-    hostile = Hostile(served.socket, idle=2 * cap)
-    try:
-        ticks = served.daemon.log.read_text().count('"event": "tick"')
-        assert wait_for(
-            lambda: served.daemon.log.read_text().count('"event": "tick"') >= ticks + 5,
-            timeout=120,
-        ), "the loop stalled"
-        rows = client.get(str(served.socket), "/v1/allocations", timeout=2 * timeout + 30)
-        assert isinstance(rows, dict) and rows["allocations"]
-        assert wait_for(lambda: hostile.idle_cut() == 2 * cap, timeout=120)
-        status, out = as_nobody(served.socket, [GROUP], deadline=5)
-        assert status == 200, out
-    finally:
-        hostile.close()
+def test_a_members_silent_connections_beyond_the_cap_cost_it_alone(served: Served) -> None:
+    """A socket-group member holds twice as many silent connections as the daemon serves at
+    once, opening a new one for each the daemon cuts or refuses: the loop goes on, root's
+    calls are answered within the CLI's deadline throughout, and the member's own call is
+    served in its turn or told at once why not (429): the flood costs the member alone."""
+    cap = ApiServer.max_connections
+    with Flood(str(served.socket), 2 * cap, NOBODY, groups=(GROUP,)) as hostile:
+        assert wait_for(hostile.opened_all, timeout=PATIENCE), hostile.latest
+        for _ in range(3):
+            assert served.ticked(2), "the loop stalled"
+            rows = client.get(str(served.socket), "/v1/allocations")  # the CLI's 5 s deadline
+            assert isinstance(rows, dict) and rows["allocations"]
+        status, out = as_nobody(served.socket, [GROUP], deadline=PATIENCE)
+        assert status in (200, 429), out  # served in its turn, or told at once why not
+        if status == 429:
+            assert json.loads(out)["error"].startswith(f"too many connections from uid {NOBODY}")
+        assert wait_for(lambda: hostile.latest.get("cut", 0) >= cap, timeout=PATIENCE)

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from peers import as_user, held_as
 
 from nodeagent.api import client
-from nodeagent.api.peer import Peer, peer_allowed, read_peer
+from nodeagent.api.peer import LoopbackPeers, Peer, peer_allowed, read_peer
 from nodeagent.api.server import (
     ApiBadRequest,
     ApiConflict,
@@ -91,31 +92,6 @@ def make_stale_socket(path: Path) -> None:
     """A socket file nobody listens on, as a killed daemon leaves behind."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.bind(str(path))
-
-
-def as_user(uid: int, gid: int, groups: list[int], action: Callable[[], str]) -> str:
-    """Run `action` in a forked child with the given credentials; return what it reports."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never return into pytest
-        try:
-            os.close(read_end)
-            try:
-                os.setgroups(groups)
-                os.setgid(gid)
-                os.setuid(uid)
-                result = action()
-            except BaseException as exc:
-                result = f"{type(exc).__name__}: {exc}"
-            os.write(write_end, result.encode())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        output = pipe.read().decode()
-    _, wait_status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(wait_status) == 0
-    return output
 
 
 def child_raw_get(path: str) -> Callable[[], str]:
@@ -393,6 +369,36 @@ def test_read_peer_reports_this_process() -> None:
         peer = read_peer(left)
     assert (peer.pid, peer.uid, peer.gid) == (os.getpid(), os.geteuid(), os.getegid())
     assert peer.groups == frozenset(os.getgroups())
+
+
+@needs_root
+@pytest.mark.parametrize(
+    ("family", "listen", "connect"),
+    [
+        (socket.AF_INET, "127.0.0.1", "127.0.0.1"),
+        (socket.AF_INET6, "::1", "::1"),
+        (socket.AF_INET6, "::", "127.0.0.1"),  # dual stack: the peer shows as ::ffff:127.0.0.1
+    ],
+)
+def test_loopback_peers_names_the_uid_at_the_other_end(
+    family: socket.AddressFamily, listen: str, connect: str
+) -> None:
+    peers = LoopbackPeers.open()
+    assert peers is not None
+    with socket.socket(family, socket.SOCK_STREAM) as listener:
+        listener.bind((listen, 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with held_as(NOBODY, NOGROUP, (connect, port), 1) as held:
+            assert held == 1
+            conn, _ = listener.accept()
+            with conn:
+                assert peers.uid(conn) == NOBODY
+        mine = socket.create_connection((connect, port))
+        conn, _ = listener.accept()
+        with mine, conn:
+            assert peers.uid(conn) == os.geteuid()
+    peers.close()
 
 
 @needs_root
@@ -729,8 +735,11 @@ def test_a_burst_of_64_calls_all_succeed(serve: Callable[..., ApiServer]) -> Non
     assert [r for r in results if not isinstance(r, dict)] == []
 
 
-def test_the_listen_queue_holds_a_burst(serve: Callable[..., ApiServer]) -> None:
-    # One connection served, the route stuck: 100 more must queue in the kernel, not bounce.
+def test_the_listen_queue_holds_a_burst(
+    serve: Callable[..., ApiServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One connection served, the route stuck: 100 more must queue (in the daemon's waiting
+    # room or the kernel's listen queue), not bounce.
     entered, release = threading.Event(), threading.Event()
 
     def stuck(_: Request) -> object:
@@ -738,8 +747,8 @@ def test_the_listen_queue_holds_a_burst(serve: Callable[..., ApiServer]) -> None
         release.wait(30)
         return "done"
 
+    monkeypatch.setattr(ApiServer, "max_connections", 1)
     server = serve({"/v1/echo": {"GET": stuck}})
-    server.max_connections = 1
     first = threading.Thread(target=client.get, args=(server.socket_path, "/v1/echo"))
     first.start()
     assert entered.wait(10)
@@ -757,7 +766,9 @@ def test_the_listen_queue_holds_a_burst(serve: Callable[..., ApiServer]) -> None
             sock.close()
 
 
-def test_connections_beyond_the_cap_wait_their_turn(serve: Callable[..., ApiServer]) -> None:
+def test_connections_beyond_the_cap_wait_their_turn(
+    serve: Callable[..., ApiServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
     inside, most = [0], [0]
     lock, release = threading.Lock(), threading.Event()
 
@@ -770,8 +781,8 @@ def test_connections_beyond_the_cap_wait_their_turn(serve: Callable[..., ApiServ
             inside[0] -= 1
         return "done"
 
+    monkeypatch.setattr(ApiServer, "max_connections", 4)
     server = serve({"/v1/echo": {"GET": stuck}})
-    server.max_connections = 4
     done: list[object] = []
     worker = threading.Thread(
         target=lambda: done.extend(
@@ -929,3 +940,134 @@ def wait_until(check: Callable[[], bool], timeout: float = 10) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+# --- floods: who holds the connections (peer credentials at accept) ---------------------------
+
+
+def timed_get(path: str) -> float:
+    """Seconds a root call with the CLI's own deadline (5 s) took; raises if it failed."""
+    t0 = time.monotonic()
+    assert client.get(path, "/v1/echo", timeout=5.0)["params"] == {}  # type: ignore[index]
+    return time.monotonic() - t0
+
+
+@needs_root
+def test_a_group_members_idle_connections_leave_root_answered(
+    serve: Callable[..., ApiServer],
+) -> None:
+    # Issue 12.18: 32 idle connections from one member took every slot for 10 s each.
+    server = serve({"/v1/echo": {"GET": echo}}, group="nogroup")
+    with held_as(NOBODY, NOGROUP, server.socket_path, 4 * 32) as held:
+        assert held == 4 * 32
+        time.sleep(0.5)  # the daemon has taken what it takes of them
+        took = [timed_get(server.socket_path) for _ in range(5)]
+    assert max(took) < 5.0
+
+
+@needs_root
+def test_one_members_flood_leaves_another_member_answered(
+    serve: Callable[..., ApiServer],
+) -> None:
+    server = serve({"/v1/echo": {"GET": echo}}, group="nogroup")
+    with held_as(NOBODY, NOGROUP, server.socket_path, 4 * 32) as held:
+        assert held == 4 * 32
+        time.sleep(0.5)
+        other = as_user(4000, NOGROUP, [], child_client_get(server.socket_path))
+    assert json.loads(other) == {"params": {"who": "child"}, "when": "2024-01-02"}
+
+
+@needs_root
+def test_a_uid_over_its_caps_is_told_at_once_before_it_sends_a_byte(
+    serve: Callable[..., ApiServer],
+) -> None:
+    server = serve({"/v1/echo": {"GET": echo}}, group="nogroup")
+    caps = getattr(server, "per_uid_connections", 32) + getattr(server, "per_uid_waiting", 0)
+
+    def one_too_many() -> str:
+        held = []
+        for _ in range(caps):
+            held.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            held[-1].connect(server.socket_path)
+        time.sleep(0.5)  # all taken in, served or waiting
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(server.socket_path)
+            sock.settimeout(3)
+            try:
+                return sock.recv(4096).decode()
+            except TimeoutError:
+                return "no answer within 3 s"
+
+    answer = as_user(NOBODY, NOGROUP, [], one_too_many)
+    head, _, body = answer.partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.0 429 "), answer
+    assert json.loads(body) == {
+        "error": "too many connections from uid 65534: at most 8 served and 16 waiting at once"
+    }
+
+
+@needs_root
+def test_a_members_burst_of_calls_all_succeed(serve: Callable[..., ApiServer]) -> None:
+    # More calls at once than one uid is served: the rest wait their turn, none is refused.
+    server = serve({"/v1/echo": {"GET": echo}}, group="nogroup")
+
+    def burst() -> str:
+        calls = in_threads(20, lambda: client.get(server.socket_path, "/v1/echo", timeout=30))
+        return json.dumps([type(r).__name__ for r in calls if not isinstance(r, dict)])
+
+    assert as_user(NOBODY, NOGROUP, [], burst) == "[]"
+
+
+def test_the_request_line_and_headers_have_a_deadline_of_their_own(
+    serve: Callable[..., ApiServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A few seconds for the head, however long the whole exchange may take.
+    monkeypatch.setattr(ApiServer, "header_timeout", 0.3, raising=False)
+    monkeypatch.setattr(ApiServer, "timeout", 30.0)
+    seen: list[Request] = []
+    server = serve({"/v1/echo": {"GET": record(seen)}})
+    for sent in (b"", b"GET /v1/echo HTTP/1.0\r\nX-Slow: "):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(server.socket_path)
+            t0 = time.monotonic()
+            sock.sendall(sent)
+            sock.settimeout(5)
+            with contextlib.suppress(ConnectionResetError):
+                while sock.recv(4096):
+                    pass  # an answer may come (408), then the end
+            assert time.monotonic() - t0 < 3.0, sent
+    assert seen == []
+
+
+@needs_root
+def test_a_waiting_connection_that_gets_no_slot_in_time_is_told_so(
+    serve: Callable[..., ApiServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+
+    def stuck(_: Request) -> object:
+        release.wait(30)
+        return "done"
+
+    monkeypatch.setattr(ApiServer, "per_uid_connections", 1, raising=False)
+    monkeypatch.setattr(ApiServer, "timeout", 1.0)
+    server = serve({"/v1/echo": {"GET": stuck}}, group="nogroup")
+
+    def second_of_two() -> str:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as first:
+            first.connect(server.socket_path)
+            first.sendall(b"GET /v1/echo HTTP/1.0\r\n\r\n")
+            time.sleep(0.3)  # the first is in its route
+            try:
+                return client.get(server.socket_path, "/v1/echo", timeout=10)  # type: ignore[return-value]
+            except NodeagentError as exc:
+                return str(exc)
+
+    try:
+        answer = as_user(NOBODY, NOGROUP, [], second_of_two)
+    finally:
+        release.set()
+    assert answer == (
+        "nodeagent API error 503 on /v1/echo: the daemon is busy: no connection slot"
+        " for uid 65534 within 1s"
+    )

@@ -3,19 +3,31 @@ only when `agent.metrics.listen` is set, refused in one line when the port is ta
 
 from __future__ import annotations
 
+import contextlib
+import grp
+import os
+import re
+import resource
+import shutil
 import socket
+import stat
+import tempfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import structlog
+from peers import as_user, held_as
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent, serve_metrics
 from nodeagent.errors import NodeagentError
 from nodeagent.metrics.collector import TickCollector
 from nodeagent.metrics.server import MetricsServer
+from nodeagent.report import TickRecord
 from nodeagent.spec.load import load_policy, parse_policy
 
 
@@ -126,3 +138,331 @@ def test_moving_the_endpoint_needs_a_restart(tmp_path: Path) -> None:
         agent.reload()
     assert agent.spec.agent.metrics.listen == "127.0.0.1:9464"
     assert [e["changed"] for e in logs if e["event"] == "policy.needs_restart"] == [["metrics"]]
+
+
+# --- floods, deadlines, paths, caching, isolation (issues 12.16 and 13.19) -------------------
+
+NOBODY = 65534
+NOGROUP = grp.getgrnam("nogroup").gr_gid
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chgrp and setuid")
+Address = str | tuple[str, int]
+
+
+def address(server: MetricsServer) -> Address:
+    listen = server.listen
+    return (
+        listen.removeprefix("unix:") if listen.startswith("unix:") else ("127.0.0.1", server.port)
+    )
+
+
+def http(
+    where: Address, path: str = "/metrics", headers: str = "", method: str = "GET"
+) -> tuple[int, dict[str, str], bytes]:
+    """One request by hand: (status, headers in lower case, body)."""
+    family = socket.AF_UNIX if isinstance(where, str) else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(where)
+        sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\n{headers}\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status, *lines = head.decode("latin-1").split("\r\n")
+    fields = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines)}
+    return int(status.split()[1]), fields, body
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_idle_connections_cost_the_daemon_a_bounded_number_of_descriptors(
+    served: MetricsServer,
+) -> None:
+    # Issue 12.16: a thread and a descriptor per connection, without end: 487 idle
+    # connections took the daemon to its descriptor limit.
+    base = open_fds()
+    idle = [socket.create_connection(("127.0.0.1", served.port)) for _ in range(300)]
+    try:
+        assert "nodeagent_ticks_total" in get(f"http://127.0.0.1:{served.port}/metrics")
+        held = open_fds() - base - len(idle)  # the server's side of them
+    finally:
+        for sock in idle:
+            sock.close()
+    assert held <= getattr(MetricsServer, "max_connections", 64) + 4
+
+
+@needs_root
+def test_one_local_users_idle_tcp_connections_delay_nobody_else(served: MetricsServer) -> None:
+    # Over loopback the kernel's socket table says whose each connection is: uid 65534's
+    # are capped at 8 (the rest closed), so root's scrape and uid 4000's do not queue.
+    where = ("127.0.0.1", served.port)
+    base = open_fds()
+    with held_as(NOBODY, NOGROUP, where, 300) as held:
+        assert held == 300
+        time.sleep(0.5)  # the daemon has taken in what it takes of them
+        assert http(where)[0] == 200
+        assert open_fds() - base <= getattr(MetricsServer, "per_uid_connections", 8) + 2
+        other = as_user(4000, 4000, [], lambda: str(http(where)[0]))
+    assert other == "200"
+
+
+def test_a_silent_or_dripping_client_is_cut_at_the_request_deadline(
+    collector: TickCollector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(MetricsServer, "request_timeout", 0.5, raising=False)
+    server = MetricsServer.start(f"127.0.0.1:{free_port()}", collector)
+    try:
+        for drip in (False, True):
+            with socket.create_connection(("127.0.0.1", server.port)) as sock:
+                t0 = time.monotonic()
+                sock.settimeout(0.1)
+                cut = False
+                while not cut and time.monotonic() - t0 < 5:
+                    with contextlib.suppress(TimeoutError):
+                        cut = sock.recv(100) == b""
+                    if drip and not cut:
+                        with contextlib.suppress(OSError):
+                            sock.send(b"G")
+                assert cut, f"not cut within 5 s (drip={drip})"
+    finally:
+        server.close()
+
+
+def test_health_and_other_paths(tmp_path: Path) -> None:
+    port = free_port()
+    agent = agent_for(tmp_path, port)
+    server = serve_metrics(agent)
+    assert server is not None
+    try:
+        assert agent.run(once=True)
+        status, fields, body = http(("127.0.0.1", port), "/healthz")
+        assert (status, body) == (200, b"ok\n")
+        assert fields["content-type"] == "text/plain; charset=utf-8"
+        for path in ("/", "/metricsx", "/favicon.ico"):
+            status, _, body = http(("127.0.0.1", port), path)
+            assert (status, body) == (404, b"not found: try /metrics or /healthz\n"), path
+        status, _, body = http(("127.0.0.1", port), "/metrics?x=1")
+        assert status == 200 and b"nodeagent_ticks_total" in body
+    finally:
+        server.close()
+
+
+def test_healthz_is_503_once_no_tick_came_within_the_window(tmp_path: Path) -> None:
+    agent = agent_for(tmp_path, free_port())
+    records: list[TickRecord] = []
+    assert agent.run(once=True, on_tick=records.append)
+    window = [60.0]
+    server = MetricsServer.start(
+        f"127.0.0.1:{free_port()}", TickCollector(), stale_after=lambda: window[0]
+    )
+    where = address(server)
+    try:
+        assert http(where, "/healthz")[::2] == (200, b"starting: no tick yet\n")
+        server.observe(records[0])
+        assert http(where, "/healthz")[::2] == (200, b"ok\n")
+        server.observe(None)  # a failed tick keeps the last good one's time
+        assert http(where, "/healthz")[::2] == (200, b"ok\n")
+        window[0] = 0.0
+        status, _, body = http(where, "/healthz")
+        assert status == 503
+        assert re.fullmatch(rb"stale: no tick for \d+\.\ds \(the limit is 0s\)\n", body), body
+    finally:
+        server.close()
+
+
+def test_the_daemons_health_window_is_three_ticks_or_30_s(tmp_path: Path) -> None:
+    agent = agent_for(tmp_path, free_port())
+    server = serve_metrics(agent)
+    assert server is not None
+    try:
+        assert server.stale_after() == 30.0  # interval 1 s
+        agent.spec = agent.spec.model_copy(
+            update={"agent": agent.spec.agent.model_copy(update={"interval": 20.0})}
+        )
+        assert server.stale_after() == 60.0
+    finally:
+        server.close()
+
+
+class CountingCollector(TickCollector):
+    def __init__(self) -> None:
+        super().__init__()
+        self.collects = 0
+
+    def collect(self) -> Iterator[Metric]:
+        self.collects += 1
+        return super().collect()
+
+
+def test_scrapes_within_the_cache_time_share_one_render(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(MetricsServer, "cache_seconds", 60.0, raising=False)
+    counting = CountingCollector()
+    counting.observe(None)
+    server = MetricsServer.start(f"127.0.0.1:{free_port()}", counting)
+    try:
+        bodies = {get(f"http://127.0.0.1:{server.port}/metrics") for _ in range(5)}
+    finally:
+        server.close()
+    assert counting.collects == 1
+    assert len(bodies) == 1
+
+
+def test_a_render_older_than_the_cache_time_is_made_again() -> None:
+    counting = CountingCollector()
+    counting.observe(None)
+    server = MetricsServer.start(f"127.0.0.1:{free_port()}", counting)
+    try:
+        get(f"http://127.0.0.1:{server.port}/metrics")
+        time.sleep(1.2)  # the cache holds a render for a second
+        get(f"http://127.0.0.1:{server.port}/metrics")
+    finally:
+        server.close()
+    assert counting.collects == 2
+
+
+class WithABadWorkload(TickCollector):
+    """Adds one family in which one sample cannot be encoded (a lone surrogate)."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield from super().collect()
+        family = GaugeMetricFamily("nodeagent_workload_cpu_weight", "w", labels=["cgroup"])
+        family.add_metric(["good"], 1)
+        family.add_metric(["bad\udcff"], 2)
+        yield family
+
+
+def test_one_bad_sample_costs_only_itself() -> None:
+    collector = WithABadWorkload()
+    collector.observe(None)
+    server = MetricsServer.start(f"127.0.0.1:{free_port()}", collector)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            body = get(f"http://127.0.0.1:{server.port}/metrics")
+    finally:
+        server.close()
+    assert 'nodeagent_workload_cpu_weight{cgroup="good"} 1.0' in body
+    assert "bad" not in body
+    assert 'nodeagent_ticks_total{result="failed"} 1.0' in body
+    assert "process_resident_memory_bytes" in body
+    dropped = [e for e in logs if e["event"] == "metrics.samples_dropped"]
+    assert [(e["family"], e["dropped"]) for e in dropped] == [("nodeagent_workload_cpu_weight", 1)]
+
+
+def test_openmetrics_when_asked_with_one_eof(served: MetricsServer) -> None:
+    accept = "Accept: application/openmetrics-text; version=1.0.0\r\n"
+    status, fields, body = http(address(served), headers=accept)
+    assert status == 200
+    assert fields["content-type"].startswith("application/openmetrics-text; version=1.0.0")
+    assert body.endswith(b"\n# EOF\n") and body.count(b"# EOF") == 1
+    status, fields, body = http(address(served))
+    assert fields["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert b"# EOF" not in body
+
+
+def test_head_and_other_methods(served: MetricsServer) -> None:
+    status, fields, body = http(address(served), method="HEAD")
+    assert (status, body) == (200, b"") and int(fields["content-length"]) > 0
+    status, fields, _ = http(address(served), method="POST")
+    assert (status, fields["allow"]) == (405, "GET, HEAD")
+
+
+def test_a_bearer_token_guards_the_metrics_not_the_health(
+    tmp_path: Path, collector: TickCollector
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    server = MetricsServer.start(
+        f"127.0.0.1:{free_port()}", collector, bearer_token_file=str(token)
+    )
+    where = address(server)
+    try:
+        for auth in ("", "Authorization: Bearer wrong\r\n", "Authorization: Basic czNjcmV0\r\n"):
+            status, fields, _ = http(where, headers=auth)
+            assert (status, fields["www-authenticate"]) == (401, 'Bearer realm="nodeagent"')
+        status, _, body = http(where, headers="Authorization: Bearer s3cret\r\n")
+        assert status == 200 and b"nodeagent_ticks_total" in body
+        assert http(where, "/healthz")[0] == 200
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(("text", "why"), [(None, "No such file or directory"), ("\n", "empty")])
+def test_a_token_file_that_is_missing_or_empty_is_one_line(
+    tmp_path: Path, collector: TickCollector, text: str | None, why: str
+) -> None:
+    token = tmp_path / "token"
+    if text is not None:
+        token.write_text(text)
+    with pytest.raises(NodeagentError) as info:
+        MetricsServer.start(f"127.0.0.1:{free_port()}", collector, bearer_token_file=str(token))
+    assert str(info.value) == f"agent.metrics.bearer_token_file {token}: {why}"
+
+
+@pytest.fixture
+def sockdir() -> Iterator[Path]:
+    """A directory an unprivileged child can traverse (pytest's tmp_path is 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="nodeagent-metrics-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@needs_root
+def test_a_unix_socket_answers_its_group_and_caps_each_uid(
+    sockdir: Path, collector: TickCollector
+) -> None:
+    path = sockdir / "metrics.sock"
+    server = MetricsServer.start(f"unix:{path}", collector, socket_group="nogroup")
+    try:
+        st = os.stat(path)
+        assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o660, NOGROUP)
+        base = open_fds()
+        with held_as(NOBODY, NOGROUP, str(path), 100) as held:
+            assert held == 100
+            status, _, body = http(str(path))  # root, while nobody holds its idle ones
+            assert status == 200 and b"nodeagent_ticks_total" in body
+            assert open_fds() - base <= MetricsServer.per_uid_connections + 2
+            time.sleep(MetricsServer.idle_grace)
+            member = as_user(NOBODY, NOGROUP, [], lambda: str(http(str(path))[0]))
+            assert member == "200"  # its newest connection pushes out its oldest idle one
+        os.chmod(path, 0o666)  # an operator's mistake: the peer check still holds
+        stranger = as_user(NOBODY, 4321, [], lambda: str(http(str(path))[0]))
+        assert stranger == "403"
+    finally:
+        server.close()
+    assert not path.exists()
+
+
+def test_emfile_on_accept_backs_off_and_recovers(
+    served: MetricsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    accepts = [0]
+    real_accept = socket.socket.accept
+
+    def counting_accept(self: socket.socket) -> tuple[socket.socket, object]:
+        accepts[0] += 1
+        return real_accept(self)
+
+    monkeypatch.setattr(socket.socket, "accept", counting_accept)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # made while descriptors last
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        with contextlib.suppress(OSError):
+            while True:
+                fillers.append(os.open("/dev/null", os.O_RDONLY))
+        sock.connect(("127.0.0.1", served.port))  # accept() now fails with EMFILE
+        time.sleep(1.5)
+        tries = accepts[0]
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert 1 <= tries <= 20  # backing off from 50 ms, doubling: about 5 in 1.5 s
+    with sock:
+        sock.settimeout(10)
+        sock.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        assert sock.recv(100).startswith(b"HTTP/1.1 200 ")

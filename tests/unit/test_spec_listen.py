@@ -68,3 +68,47 @@ def test_off_by_default_and_kept_when_set() -> None:
     assert parse_policy(HEAD + "null\n", "p.yaml").agent.metrics.listen is None
     spec = parse_policy(HEAD + '"[::1]:9464"\n', "p.yaml")
     assert spec.agent.metrics.listen == "[::1]:9464"
+
+
+def test_a_unix_socket_with_its_group_and_a_token_file() -> None:
+    text = HEAD + "unix:/run/nodeagent-metrics/metrics.sock\n"
+    text += "    socket_group: prometheus\n    bearer_token_file: /etc/nodeagent/metrics.token\n"
+    metrics = parse_policy(text, "p.yaml").agent.metrics
+    assert metrics.listen == "unix:/run/nodeagent-metrics/metrics.sock"
+    assert metrics.socket_group == "prometheus"
+    assert metrics.bearer_token_file == "/etc/nodeagent/metrics.token"
+
+
+@pytest.mark.parametrize(
+    ("tail", "message"),
+    [
+        (
+            "unix:run/m.sock\n",
+            "p.yaml:5:13: agent.metrics.listen: must be an absolute path without '.', '..' or"
+            " empty parts, got 'run/m.sock'",
+        ),
+        (
+            "unix:/proc/m.sock\n",
+            "p.yaml:5:13: agent.metrics.listen: must not be under /proc, where files are"
+            " devices or kernel interfaces, got '/proc/m.sock'",
+        ),
+        (
+            f'"unix:/run/{"a" * 110}"\n',
+            "p.yaml:5:13: agent.metrics.listen: a socket path is at most 107 bytes (the"
+            " kernel's limit), got 115 bytes",
+        ),
+        (
+            "127.0.0.1:9464\n    socket_group: prometheus\n",
+            "p.yaml:5:5: agent.metrics: socket_group is for a Unix socket: set listen: unix:PATH",
+        ),
+        (
+            "127.0.0.1:9464\n    bearer_token_file: token\n",
+            "p.yaml:6:24: agent.metrics.bearer_token_file: must be an absolute path without"
+            " '.', '..' or empty parts, got 'token'",
+        ),
+    ],
+)
+def test_bad_unix_sockets_groups_and_token_files(tail: str, message: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_policy(HEAD + tail, "p.yaml")
+    assert [str(p) for p in info.value.problems] == [message]

@@ -1,0 +1,127 @@
+"""Connection floods from another user, for the real-kernel tests: a forked child takes on the
+user's credentials (setuid, no exec: the venv lives under /root, which nobody may enter) and
+holds idle connections, opening a new one for every one the daemon closes.
+
+The child writes its figures (a JSON line a second) to a pipe: connections open now, opened
+and cut in all, connects that failed (the listen queue full). `Flood.most_open` is the most
+it held at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import resource
+import selectors
+import socket
+import threading
+import time
+from types import TracebackType
+
+Target = str | tuple[str, int]
+"""A Unix socket's path, or (host, port) over TCP."""
+
+
+def _hold(target: Target, count: int, stop: int, report: int) -> None:
+    family = socket.AF_UNIX if isinstance(target, str) else socket.AF_INET
+    selector = selectors.DefaultSelector()
+    selector.register(stop, selectors.EVENT_READ)
+    held: set[socket.socket] = set()
+    figures = {"open": 0, "opened": 0, "cut": 0, "failed": 0}
+    last = 0.0
+    while True:
+        while len(held) < count:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            if sock.connect_ex(target) not in (0, errno.EINPROGRESS):
+                sock.close()  # the listen queue is full: again after a pause
+                figures["failed"] += 1
+                break
+            selector.register(sock, selectors.EVENT_READ)
+            held.add(sock)
+            figures["opened"] += 1
+        for key, _ in selector.select(0.2):
+            if key.fileobj == stop:
+                return
+            sock = key.fileobj  # type: ignore[assignment]
+            try:
+                if sock.recv(4096):
+                    continue  # an answer (a refusal): its end comes next
+            except OSError:
+                pass
+            selector.unregister(sock)
+            held.discard(sock)
+            sock.close()
+            figures["cut"] += 1
+        now = time.monotonic()
+        if now - last >= 1.0:
+            figures["open"] = len(held)
+            os.write(report, json.dumps(figures).encode() + b"\n")
+            last = now
+
+
+class Flood:
+    """`count` idle connections to `target` from uid `uid` (gid `uid`, supplementary `groups`),
+    kept up until `close()`."""
+
+    def __init__(self, target: Target, count: int, uid: int, groups: tuple[int, ...] = ()) -> None:
+        assert isinstance(target, str | tuple), target  # a Path would be taken for TCP
+        self.target = target
+        self.count = count
+        self.latest: dict[str, int] = {}
+        self.most_open = 0
+        stop_r, self._stop = os.pipe()
+        report_r, report_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # child: never return into pytest
+            try:
+                os.close(self._stop)
+                os.close(report_r)
+                _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+                want = count + 64
+                resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+                os.setgroups(list(groups))
+                os.setgid(uid)
+                os.setuid(uid)
+                _hold(target, count, stop_r, report_w)
+            except BaseException as exc:  # shown by the parent, in `latest`
+                os.write(report_w, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+            finally:
+                os._exit(0)
+        os.close(stop_r)
+        os.close(report_w)
+        self._reader = threading.Thread(target=self._read, args=(report_r,), daemon=True)
+        self._reader.start()
+
+    def _read(self, fd: int) -> None:
+        with os.fdopen(fd, "rb") as reports:
+            for line in reports:
+                figures = json.loads(line)
+                self.latest = figures
+                self.most_open = max(self.most_open, figures["open"])
+
+    def open_now(self) -> int:
+        return self.latest.get("open", 0)
+
+    def opened_all(self) -> bool:
+        """Whether it has opened `count` connections, in all."""
+        return self.latest.get("opened", 0) >= self.count
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._stop)
+        os.waitpid(self.pid, 0)
+        self._reader.join(timeout=10)
+
+    def __enter__(self) -> Flood:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
