@@ -245,10 +245,12 @@ class GpuService:
                 )
 
     def apply(self, plan: Plan, dry_run: bool) -> None:
-        """Set the power limits the plan wants, read them back, audit each change."""
+        """Set the power limits the plan wants, read them back, audit each change. A plan
+        made again on an unchanged key still holds last tick's decisions: a limit this
+        tick's telemetry shows in force already is not set again."""
         current = {t.uuid: t.power_limit_mw for t in (self.state.telemetry if self.state else ())}
         for d in plan.devices:
-            if d.setting != "power_limit_mw" or dry_run:
+            if d.setting != "power_limit_mw" or dry_run or current.get(d.uuid) == d.value:
                 continue
             try:
                 result = self.backend.set_power_limit(d.uuid, d.value)

@@ -24,7 +24,10 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
+
+from nodeagent.gpu.model import parse_cpulist
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 REQUIRED_CONTROLLERS = ("cpu", "memory")
@@ -217,6 +220,26 @@ def systemd_host() -> Iterator[Any]:
         yield _systemd["host"]
     finally:
         _stop_systemd()
+
+
+PINNED_CPUS = 2
+"""The CPUs the CPU-split tests run on, whatever the host has: they need CPUs that compete."""
+
+
+@pytest.fixture
+def two_cpus(cgroup_sandbox: Path) -> float:
+    """Confine the sandbox, and so every process in it, to two CPUs with a cpuset (the first
+    two this process may run on), so that busy processes compete as they do in the 2-CPU VM
+    on any host. Returns what the policy's `node.reserved_cpu` must be for the agent to plan
+    on those two: the node's other CPUs (the agent counts every CPU of the node)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < PINNED_CPUS:
+        pytest.fail(f"the CPU-split tests need {PINNED_CPUS} CPUs, this host gives {allowed}")
+    enable_controllers(CGROUP_ROOT, ("cpuset",))
+    (cgroup_sandbox / "cpuset.cpus").write_text(",".join(map(str, allowed[:PINNED_CPUS])))
+    effective = parse_cpulist((cgroup_sandbox / "cpuset.cpus.effective").read_text().strip())
+    assert effective == tuple(allowed[:PINNED_CPUS]), effective
+    return float((psutil.cpu_count() or PINNED_CPUS) - PINNED_CPUS)
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ PLAIN = [b"job-0", b"job-1", b"job-2"]
 ODD = [b"job-\xff", b"job-\rfake\trow", b"job-\x1b[31mred"]
 SHOWN_AS = ["job-\\xff", "job-\\rfake\\trow", "job-\\x1b[31mred"]
 STRICT = dict(os.environ, PYTHONIOENCODING="utf-8:strict")
+WEIGHT = 300
 
 
 def nodeagent(*args: str | bytes) -> subprocess.CompletedProcess[str]:
@@ -75,6 +76,8 @@ def policy(managed: str, tmp_path: Path) -> Path:
                     "socket": str(tmp_path / "api.sock"),
                     "interval": 1,
                 },
+                # weights of 300, not the kernel's default 100: what is read back was written
+                "fair_share": {"weight_per_workload": WEIGHT},
                 "tenants": {"t": {"shares": 1}},
                 "rules": [{"name": "jobs", "match": {"path": f"{managed}/job-*"}, "tenant": "t"}],
             }
@@ -137,9 +140,9 @@ def test_64_simultaneous_allocations_calls_all_succeed(daemon: str) -> None:
 
 
 def test_odd_names_are_managed_and_shown_escaped(daemon: str, workloads: str) -> None:
-    for name in ODD:  # the daemon set them like any other
+    for name in PLAIN + ODD:  # the daemon set them like any other
         path = os.fsdecode(os.path.join(os.fsencode(Path(ROOT, workloads)), name))
-        assert read(path, "cpu.weight") == read(Path(ROOT, workloads, "job-0"), "cpu.weight")
+        assert read(path, "cpu.weight") == str(WEIGHT), name
 
     proc = nodeagent("allocations", "--socket", daemon)
     assert proc.returncode == 0, proc.stderr

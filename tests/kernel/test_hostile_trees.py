@@ -111,7 +111,12 @@ def test_names_the_kernel_allows_are_managed_and_logged_on_one_line(
     assert set(names) <= logged
     rows = [r for r in allocations(record)["allocations"] if not r["level"]]
     assert {r["cgroup"] for r in rows} == {f"{managed}/{n}" for n in names}
-    assert json.loads(encode(allocations(record)))  # what the API serves
+    # what the API serves: ASCII, and every name decodes back as it is (not-UTF-8 bytes as
+    # the surrogates os.fsdecode gives them)
+    body = encode(allocations(record))
+    assert body.isascii()
+    served = [r for r in json.loads(body)["allocations"] if not r["level"]]
+    assert sorted(r["cgroup"] for r in served) == sorted(f"{managed}/{n}" for n in names)
 
 
 def test_the_kernel_refuses_a_newline_and_a_tree_with_one_is_still_managed(

@@ -321,3 +321,31 @@ def dgx1_quad() -> list[FakeGpu]:
         gpus[a].nvlinks += [(V100_BUSES[b], gpu_type)] * n
         gpus[b].nvlinks += [(V100_BUSES[a], gpu_type)] * n
     return gpus
+
+
+# --- the real NVML of the host the tests run on --------------------------------------------
+
+NO_NVML = {
+    pynvml.NVML_ERROR_LIBRARY_NOT_FOUND: (
+        "no NVIDIA driver: the NVML library libnvidia-ml.so.1 is not installed"
+    ),
+    pynvml.NVML_ERROR_DRIVER_NOT_LOADED: "the NVIDIA driver is not loaded (nvidia.ko)",
+    pynvml.NVML_ERROR_NO_PERMISSION: "no permission to open the NVIDIA devices (/dev/nvidia*)",
+}
+"""The one-line reason nodeagent gives for each way NVML fails to start."""
+
+
+def host_nvml() -> tuple[int, str]:
+    """What this host's NVML says, asked through the real pynvml directly (not through
+    nodeagent): its GPU count and "" when it starts, else 0 and the reason nodeagent must
+    give for its failure (the line of NO_NVML, or NVML's own words after "NVML could not
+    start: ")."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        return 0, NO_NVML.get(getattr(e, "value", None), f"NVML could not start: {e}")
+    try:
+        count = int(pynvml.nvmlDeviceGetCount())
+    finally:
+        pynvml.nvmlShutdown()
+    return count, "" if count else "NVML found no GPUs"

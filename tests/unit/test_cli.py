@@ -387,10 +387,37 @@ def test_workloads_shows_a_claimed_cgroup_the_sensor_would_skip(
     assert rows[DOCKER]["status"] == "ok"
 
 
-def test_workloads_reads_without_writing(runner: CliRunner, cgroup_root: Path) -> None:
-    before = sorted(os.walk(cgroup_root))
-    runner.invoke(main, ["workloads", "--cgroup-root", str(cgroup_root)])
-    assert sorted(os.walk(cgroup_root)) == before
+def tree_contents(root: Path) -> dict[str, tuple[bytes | None, int]]:
+    """Every directory and file below `root`: each file's bytes, and when it was modified
+    (a write of the value already there moves it)."""
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def test_workloads_reads_without_writing(
+    runner: CliRunner, cgroup_root: Path, tmp_path: Path
+) -> None:
+    """It lists every workload, reads the claimed ones as the sensor would, and leaves every
+    file as it was: no file or directory made, none written (an unchanged value included)."""
+    config = tmp_path / "policy.yaml"
+    config.write_text(POLICY)
+    for path in (DOCKER, POD_CONTAINER, RESEARCH_JOB):
+        for name, text in (("cpu.weight", "100\n"), ("cpu.max", "max 100000\n"),
+                           ("memory.max", "max\n"), ("cpu.stat", "usage_usec 5\n")):  # fmt: skip
+            (cgroup_root / path / name).write_text(text)
+    for f in cgroup_root.rglob("*"):
+        os.utime(f, ns=(10**9, 10**9))  # long ago: any write moves it
+    before = tree_contents(cgroup_root)
+    result = runner.invoke(
+        main, ["workloads", "--cgroup-root", str(cgroup_root), "--config", str(config), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    rows = {r["cgroup"]: r for r in json.loads(result.stdout)["items"]}
+    assert sorted(rows) == sorted([DOCKER, POD, POD_CONTAINER, JOB, RESEARCH_JOB, CRON])
+    assert {rows[p]["status"] for p in (DOCKER, POD_CONTAINER, RESEARCH_JOB)} == {"ok"}
+    assert tree_contents(cgroup_root) == before
 
 
 def test_workloads_on_a_missing_root_is_a_one_line_error(tmp_path: Path) -> None:

@@ -123,10 +123,20 @@ def test_a_bad_override_is_refused_like_a_bad_file(policy_file: Path, tmp_path: 
 
 
 def test_a_reload_that_drops_a_tenant_drops_its_history(policy_file: Path, tmp_path: Path) -> None:
+    """Kept while the tenant is in the policy; after a reload without it, gone from the
+    history and from the saved state, while the other tenant's history stays."""
+    policy_file.write_text(policy_file.read_text() + "  gone: {shares: 1}\n")
     agent = make_agent(policy_file, tmp_path)
     agent.usage = {"research": 5.0, "gone": 7.0}
     agent.tick()
-    assert set(agent.usage) == {"research"}
+    assert agent.usage == pytest.approx({"research": 5.0, "gone": 7.0}, rel=1e-3)
+    policy_file.write_text(GOOD.format(state=tmp_path / "state.json"))
+    agent.reload()
+    agent.tick()
+    assert agent.usage == pytest.approx({"research": 5.0}, rel=1e-3)
+    agent.save_state()
+    saved = state.load(str(tmp_path / "state.json"))
+    assert saved is not None and saved.tenant_usage == agent.usage
 
 
 def test_a_fast_path_write_to_a_cgroup_gone_by_the_tick_is_reported_not_fatal(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -290,12 +292,30 @@ def test_malformed_managed_root_is_refused(root: str) -> None:
         classify("nodeagent.slice/train-42", root)
 
 
-def test_long_slice_chain_is_fast() -> None:
-    """No pathological backtracking: a deep chain of slices is rejected quickly."""
-    path = "/".join(["a.slice"] * 2000 + ["x.scope"])
-    assert classify(path, ROOT) is None
-    deep_service = "/".join(["a.slice"] * 2000 + ["x.service"])
-    assert classify(deep_service, ROOT) is not None
+def _classify_deep_chains(out: Any) -> None:
+    scope = "/".join(["a.slice"] * 2000 + ["x.scope"])
+    service = "/".join(["a.slice"] * 2000 + ["x.service"])
+    out.send((classify(scope, ROOT), classify(service, ROOT)))
+
+
+def test_a_deep_slice_chain_is_classified_without_runaway_backtracking() -> None:
+    """2000 slices above a scope (no workload) and above a service (one). The patterns are
+    linear in the path (see layouts.py); a nested quantifier would make the failing match
+    exponential, so it runs in a child process that is killed after a minute, a ceiling that
+    bounds a runaway, not a speed: linear matching takes milliseconds."""
+    ours, theirs = multiprocessing.get_context("fork").Pipe()
+    child = multiprocessing.get_context("fork").Process(
+        target=_classify_deep_chains, args=(theirs,)
+    )
+    child.start()
+    try:
+        assert ours.poll(60), "classify did not finish on a 2000-deep chain within 60 s"
+        scope, service = ours.recv()
+    finally:
+        child.kill()
+        child.join()
+    assert scope is None
+    assert service is not None and service.name == "x.service"
 
 
 # --- property: never raises on well-formed paths, and echoes the path -----------
@@ -335,19 +355,102 @@ _component = st.one_of(
 _paths = st.lists(_component, min_size=1, max_size=8).map("/".join)
 
 
-@given(path=_paths, root=st.sampled_from([ROOT, "system.slice/nodeagent.service/workloads"]))
-def test_classify_is_total_on_well_formed_paths(path: str, root: str) -> None:
-    ident = classify(path, root)
-    if ident is not None:
-        assert ident.path == path
-        assert ident.name
-        expected_runtime = {Kind.JOB: Runtime.NODEAGENT, Kind.POD: Runtime.KUBELET}
-        assert expected_runtime.get(ident.kind, ident.runtime) == ident.runtime
-        if ident.kind in (Kind.POD, Kind.CONTAINER) and ident.pod_uid is not None:
-            assert ident.qos is not None
-        if ident.kind is Kind.CONTAINER:
-            assert ident.container_id is not None
-            assert ident.name == ident.container_id[:12]
+# Layout-shaped paths with fresh ids, each with the identity the layout gives it, worked out
+# from how the path was built (not from classify); one level below a leaf workload, none.
+_HEX = "0123456789abcdef"
+_cids = st.integers(12, 64).flatmap(lambda n: st.text(_HEX, min_size=n, max_size=n))
+_pod_uids = st.one_of(st.uuids().map(str), st.text(_HEX, min_size=32, max_size=32))
+_tiers = st.sampled_from([G, B, BE])
+_slices = st.lists(st.from_regex(r"[a-z][a-z0-9-]{0,8}\.slice", fullmatch=True), max_size=3)
+_units = st.from_regex(r"[a-z][a-z0-9-]{0,10}(@[a-z0-9]{1,4})?\.service", fullmatch=True).filter(
+    lambda u: not u.startswith("user@")
+)
+_users = st.integers(0, 70_000)
+
+
+def _path(*parts: str) -> str:
+    return "/".join(p for p in parts if p)
+
+
+@st.composite
+def _laid_out(draw: st.DrawFn) -> tuple[str, WorkloadIdentity]:
+    cid, kind = draw(_cids), draw(st.sampled_from(range(9)))
+    n = draw(_users)
+    manager = f"user.slice/user-{n}.slice/user@{n}.service"
+    slices = "/".join(draw(_slices))
+    if kind == 0:
+        return f"system.slice/docker-{cid}.scope", container(Runtime.DOCKER, SD, cid=cid)
+    if kind == 1:
+        return f"docker/{cid}", container(Runtime.DOCKER, FS, cid=cid)
+    if kind == 2:
+        pod_id = draw(st.text(_HEX, min_size=64, max_size=64))
+        in_pod = draw(st.booleans()) * f"machine-libpod_pod_{pod_id}.slice"
+        return _path("machine.slice", in_pod, f"libpod-{cid}.scope"), container(
+            Runtime.PODMAN, SD, cid=cid
+        )
+    if kind == 3:
+        return _path(manager, slices, f"libpod-{cid}.scope"), container(
+            Runtime.PODMAN, USER, cid=cid
+        )
+    if kind == 4:
+        pod_id = draw(st.booleans()) * PODID
+        return _path("libpod_parent", pod_id, f"libpod-{cid}"), container(
+            Runtime.PODMAN, FS, cid=cid
+        )
+    if kind in (5, 6):  # a pod, or a container in it; systemd (5) or cgroupfs (6) driver
+        uid, tier = draw(_pod_uids), draw(_tiers)
+        if kind == 5:
+            u = uid.replace("-", "_")
+            top = "kubepods.slice"
+            pod_path = (
+                f"{top}/kubepods-pod{u}.slice"
+                if tier is G
+                else f"{top}/kubepods-{tier}.slice/kubepods-{tier}-pod{u}.slice"
+            )
+            prefix = draw(st.sampled_from(["cri-containerd", "crio", "docker"]))
+            leaf, owner = f"{prefix}-{cid}.scope", SD
+        else:
+            pod_path = f"kubepods/pod{uid}" if tier is G else f"kubepods/{tier}/pod{uid}"
+            prefix = draw(st.sampled_from([None, "crio"]))
+            leaf, owner = (cid if prefix is None else f"crio-{cid}"), FS
+        if draw(st.booleans()):
+            return pod_path, pod(owner, tier, uid=uid)
+        runtime = {None: Runtime.CONTAINERD, "cri-containerd": Runtime.CONTAINERD,
+                   "crio": Runtime.CRIO, "docker": Runtime.DOCKER}[prefix]  # fmt: skip
+        return f"{pod_path}/{leaf}", container(runtime, owner, cid=cid, pod_uid=uid, qos=tier)
+    unit = draw(_units)
+    if kind == 7:
+        return _path("system.slice", slices, unit), service(unit)
+    return _path(manager, slices, unit), service(unit, USER)
+
+
+ANY = "any"
+"""A random path: classify must not raise on it, whatever it is."""
+
+
+@st.composite
+def _cases(draw: st.DrawFn) -> tuple[str, WorkloadIdentity | str | None]:
+    """A laid-out workload; one level below one (not a workload, unless the one above is a
+    pod); or any well-formed path."""
+    if draw(st.integers(0, 3)) == 3:  # (0 is what hypothesis draws most)
+        return draw(_paths), ANY
+    path, expected = draw(_laid_out())
+    if expected.kind is not Kind.POD and draw(st.integers(0, 3)) == 3:
+        return f"{path}/{draw(_component)}", None
+    return path, replace(expected, path=path)
+
+
+_ROOTS = st.sampled_from([ROOT, "system.slice/nodeagent.service/workloads"])
+
+
+@given(case=_cases(), root=_ROOTS)
+def test_classify_is_total_and_names_every_layout(
+    case: tuple[str, WorkloadIdentity | str | None], root: str
+) -> None:
+    path, expected = case
+    got = classify(path, root)  # never raises on a well-formed path
+    if expected != ANY:
+        assert got == expected
 
 
 def reached(path: str, root: str) -> bool:
@@ -362,8 +465,11 @@ def test_the_scan_reaches_every_layout(path: str, expected: WorkloadIdentity) ->
     assert reached(path, ROOT)
 
 
-@given(path=_paths, root=st.sampled_from([ROOT, "system.slice/nodeagent.service/workloads"]))
-def test_the_scan_reaches_every_workload_classify_names(path: str, root: str) -> None:
+@given(case=_cases(), root=_ROOTS)
+def test_the_scan_reaches_every_workload_classify_names(
+    case: tuple[str, WorkloadIdentity | str | None], root: str
+) -> None:
+    path, _ = case
     if classify(path, root) is not None:
         assert reached(path, root)
 

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from fake_nvml import NVSWITCH_BUSES, FakeGpu, FakeMig, FakeNvml, dgx1_quad, dgx_h100
+from fake_nvml import (
+    NVSWITCH_BUSES,
+    FakeGpu,
+    FakeMig,
+    FakeNvml,
+    dgx1_quad,
+    dgx_h100,
+    host_nvml,
+)
 
 from nodeagent.gpu.backend import GpuError, NoGpus
 from nodeagent.gpu.model import PcieLevel
@@ -47,13 +55,19 @@ def test_no_library_or_driver_means_no_gpus_with_a_reason(code: int, says: str) 
         opened.set_power_limit("GPU-x", 300_000)
 
 
-def test_the_real_bindings_on_this_host_never_raise() -> None:
-    """Whatever this host has (here: no NVIDIA driver), opening NVML gives a backend."""
+def test_the_real_bindings_on_this_host_say_what_nvml_says() -> None:
+    """Whatever this host has (here: no NVIDIA driver; on a GPU host, its GPUs), opening the
+    real NVML gives what pynvml, asked directly, says: every GPU, or none and why."""
+    count, reason = host_nvml()
     opened = open_nvml()
     try:
-        assert isinstance(opened, NoGpus | NvmlBackend)
-        if isinstance(opened, NoGpus):
-            assert opened.reason
+        if count:
+            assert isinstance(opened, NvmlBackend), opened.reason
+            assert len(opened.inventory()) == count
+            assert opened.source.startswith("NVML") and opened.reason == ""
+        else:
+            assert isinstance(opened, NoGpus)
+            assert opened.reason == reason
     finally:
         opened.close()
 

@@ -70,3 +70,35 @@ def test_a_jobs_gpus_are_not_released_by_name(served: tuple[Daemon, str]) -> Non
     out = cli("gpus", "release", "--socket", sock, "train", code=1)
     assert "only reservations are released by name" in out
     assert d.holds() == [("train", "job")]
+
+
+def test_reserve_prints_docker_arguments_or_an_env_file_for_the_held_gpus(
+    served: tuple[Daemon, str],
+) -> None:
+    d, sock = served
+    out = cli("gpus", "reserve", "--socket", sock, "--name", "web", "--count", "2")
+    (hold,) = d.agent.gpus.ledger.holds()
+    assert len(hold.uuids) == 2
+    assert out == f'--gpus "device={",".join(hold.uuids)}"\n'  # quoted: one word for docker
+    cli("gpus", "release", "--socket", sock, "web")
+    out = cli("gpus", "reserve", "--socket", sock, "--name", "infer", "--format", "env")
+    (hold,) = d.agent.gpus.ledger.holds()
+    (gpu,) = hold.uuids
+    assert out == (
+        f"CUDA_VISIBLE_DEVICES={gpu}\nNVIDIA_VISIBLE_DEVICES={gpu}\nCUDA_DEVICE_ORDER=PCI_BUS_ID\n"
+    )
+
+
+def test_a_reservation_that_does_not_fit_is_one_line_and_holds_nothing(
+    served: tuple[Daemon, str],
+) -> None:
+    d, sock = served
+    cli("gpus", "reserve", "--socket", sock, "--name", "all", "--count", "2")
+    proc = nodeagent("gpus", "reserve", "--socket", sock, "--name", "more")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith("nodeagent: error: no GPUs fit now: ")
+    assert proc.stderr.count("\n") == 1
+    proc = nodeagent("gpus", "release", "--socket", sock, "nothing")
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1 and "nothing" in proc.stderr
+    assert d.holds() == [("all", "reservation")]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fake_nvml import host_nvml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -172,10 +173,14 @@ def test_backend_choice(tmp_path: Path) -> None:
     assert open_backend(None, environ={"NODEAGENT_GPU_SIM": str(other)}).source.endswith(
         "dgx-h100-nvswitch.yaml"
     )
+    count, reason = host_nvml()  # nothing named: the host's own NVML, as pynvml says
     real = open_backend(None, environ={})
     try:
         assert not real.simulated
-        assert isinstance(real, NoGpus) or real.source.startswith("NVML")
+        if count:
+            assert real.source.startswith("NVML") and len(real.inventory()) == count
+        else:
+            assert isinstance(real, NoGpus) and real.reason == reason
     finally:
         real.close()
 

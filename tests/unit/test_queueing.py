@@ -169,8 +169,13 @@ def test_search_is_minimal(erlangs: float, target: float) -> None:
     q = servers_for_wait(erlangs * service, service, target)
     assert q.mean_wait <= target
     fewer = q.servers - 1
-    if fewer > erlangs:
+    if fewer > erlangs:  # one server fewer is stable, and waits too long
         assert mmc(erlangs * service, service, fewer).mean_wait > target
+    else:  # one server fewer is unstable: these are the fewest stable servers
+        assert q.servers == math.floor(erlangs) + 1
+        if fewer:
+            with pytest.raises(UnstableQueue):
+                mmc(erlangs * service, service, fewer)
 
 
 # --- properties -----------------------------------------------------------------------------

@@ -3,10 +3,16 @@ taken for numbers, whole numbers or strings, and every bound is stated and accep
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
+from builders import policy_input, snapshot, workload
 
+from nodeagent.cgroupfs.values import Attribute
+from nodeagent.policy.base import Share
+from nodeagent.policy.fairshare import FairShare
+from nodeagent.policy.plan import make_plan
 from nodeagent.spec.load import PolicyError, parse_policy
 from nodeagent.spec.model import HALF_LIFE_MAX, SHARES_MAX, SHARES_MIN, PolicySpec
 from nodeagent.spec.units import MAX_SIZE, parse_size
@@ -42,16 +48,51 @@ def test_shares_out_of_range(shares: str) -> None:
     )
 
 
-def test_the_extreme_shares_are_accepted_and_keep_fair_share_defined() -> None:
-    text = f"version: 1\ntenants:\n  big: {{shares: {SHARES_MAX}}}\n  tiny: {{shares: 0.001}}\n"
-    spec = parse_policy(text, "p.yaml")
-    shares = {t: v.shares for t, v in spec.tenants.items()}
-    total = sum(shares.values())
-    for share in shares.values():
-        s = share / total
-        assert s > 0
-        assert 0 <= 2 ** (-1.0 / s) <= 1  # u = 1, the most a tenant can have used
+EXTREMES = (
+    f"version: 1\ntenants:\n  big: {{shares: {SHARES_MAX:g}}}\n  tiny: {{shares: {SHARES_MIN:g}}}\n"
+    "rules:\n"
+    "  - {name: big, match: {path: nodeagent.slice/big-*}, tenant: big}\n"
+    "  - {name: tiny, match: {path: nodeagent.slice/tiny-*}, tenant: tiny}\n"
+)
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [{}, {"big": 1e9}, {"tiny": 1e9}, {"big": 1e9, "tiny": 1e-3}, {"big": 5e8, "tiny": 5e8}],
+    ids=["none", "big-all", "tiny-all", "tiny-a-little", "half-each"],
+)
+def test_the_extreme_shares_are_accepted_and_keep_fair_share_defined(
+    usage: dict[str, float],
+) -> None:
+    """At the bounds, whatever the usage history, fair share's parts are defined: finite,
+    summing to 1, and in the ratio s*F : s*F of Slurm's factor F = 2^(-u/s), computed here
+    in log space (where the floats would underflow, the smaller part is the least one above 0)."""
+    spec = parse_policy(EXTREMES, "p.yaml")
     assert pytest.approx(1e9) == SHARES_MAX / SHARES_MIN
+    assert (spec.tenants["big"].shares, spec.tenants["tiny"].shares) == (SHARES_MAX, SHARES_MIN)
+    snap = snapshot([workload("nodeagent.slice/big-1"), workload("nodeagent.slice/tiny-1")])
+    parts = {
+        o.path.removeprefix("nodeagent.slice/").removesuffix("-1"): o.fraction
+        for o in FairShare().decide(policy_input(snap, spec, usage))
+        if isinstance(o, Share)
+    }
+    assert set(parts) == {"big", "tiny"}
+    assert all(math.isfinite(f) and 0 < f <= 1 for f in parts.values()), parts
+    assert sum(parts.values()) == pytest.approx(1.0, rel=1e-12), parts
+    total_shares, total_usage = SHARES_MAX + SHARES_MIN, sum(usage.values())
+    s = {"big": SHARES_MAX / total_shares, "tiny": SHARES_MIN / total_shares}
+    u = {t: usage.get(t, 0.0) / total_usage if total_usage else 0.0 for t in s}
+    log2_ratio = math.log2(s["big"] / s["tiny"]) - u["big"] / s["big"] + u["tiny"] / s["tiny"]
+    if abs(log2_ratio) < 1000:
+        assert math.log2(parts["big"] / parts["tiny"]) == pytest.approx(log2_ratio, rel=1e-9)
+    else:
+        assert min(parts.values()) == 5e-324, parts
+    weights = [
+        t.value.value
+        for cg in make_plan(snap, spec, usage).cgroups
+        if (t := cg.targets.get(Attribute.CPU_WEIGHT)) is not None
+    ]
+    assert len(weights) == 2 and all(1 <= w <= 10_000 for w in weights), weights
 
 
 # Item 10: booleans, floats, strings and bytes where numbers or strings belong
