@@ -51,6 +51,7 @@ from nodeagent.sdbus import Systemd
 from nodeagent.sense.cgroup_files import NO_NEEDS, Needs
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
+from nodeagent.slurm import SlurmJobs
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
 from nodeagent.spec.load import PolicyError, load_policy
 from nodeagent.spec.model import AgentSettings, PolicySpec
@@ -90,6 +91,8 @@ class Agent:
             min_window=spec.agent.interval / 2,
             verify_every=spec.agent.resync_interval,
         )
+        # Slurm's accounts for its jobs; asked only when discovery finds Slurm jobs
+        self.slurm = SlurmJobs()
         # systemd's D-Bus API, for the cgroups it owns; connected at the first write there
         self.systemd = Systemd()
         self.executor = Executor(
@@ -234,7 +237,7 @@ class Agent:
         for path in jobs.keys() - self.registry.workloads.keys():
             self.registry.track(path)  # started since inotify last spoke
         # only workloads a rule or exec claims are sensed: the rest are left alone
-        identities = self.registry.identities()
+        identities = self.slurm.enrich(self.registry.identities(), self.spec.agent.slurm)
         assignments, managed, levels, modes = self._claimed(identities, jobs)
         snapshot = self.sensor.snapshot(
             managed,
@@ -472,6 +475,7 @@ class Agent:
                 "managed_root": self.spec.agent.managed_root,
                 "tick": None if record is None else record.snapshot.seq,
                 "workloads": len(self.registry.workloads),
+                "slurm_problem": self.slurm.problem,
                 "deadline_misses": self.notes.deadline_misses,
             }
 
@@ -592,7 +596,10 @@ class Agent:
     def fast_path(self, paths: list[str]) -> None:
         """Apply new workloads' own caps and their tenant's weight now, before the next
         full tick (policy.newcomer explains what it sets)."""
-        identities = [self.registry.workloads[p] for p in paths if p in self.registry.workloads]
+        identities = self.slurm.enrich(
+            (self.registry.workloads[p] for p in paths if p in self.registry.workloads),
+            self.spec.agent.slurm,
+        )
         jobs = self.jobs.assignments()
         assignments = {**assign(identities, self.spec), **jobs}
         last = self.last
