@@ -172,6 +172,9 @@ def slurm(systemd_host: SystemdHost) -> Iterator[Slurm]:
 
         if not wait_for(idle, WAIT_S, step=1.0):
             raise cluster.failure("the node never became idle in sinfo")
+        scope = host.outer("/" + SCOPE)
+        print(f"slurm: {scope} controllers for its children:", end=" ")
+        print((scope / "cgroup.subtree_control").read_text().strip())
         yield cluster
     finally:
         cluster.run("scancel", "--full", "--user=root", check=False)
