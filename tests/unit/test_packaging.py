@@ -67,3 +67,15 @@ def test_the_licence_is_the_one_pyproject_names() -> None:
     text = (REPO / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+
+
+def test_what_the_unit_runs_is_in_the_packages_dependencies() -> None:
+    """systemd-analyze verify fails on a command that is not there: /bin/kill (ExecReload=)
+    is procps's, which a minimal Debian lacks."""
+    unit = (REPO / "systemd/nodeagent.service").read_text()
+    control = (REPO / "debian/control").read_text()
+    commands = set(re.findall(r"^Exec\w+=[-@:+!]*(\S+)", unit, re.M))
+    providers = {"/bin/kill": "procps"}
+    for command in commands - {"/opt/nodeagent/.venv/bin/nodeagent"}:
+        assert command in providers, f"{command}: which package gives it?"
+        assert re.search(rf"^\s+{providers[command]},$", control, re.M), providers[command]
