@@ -30,9 +30,9 @@ from nodeagent.spec.model import SlurmSettings
 
 log = structlog.get_logger("nodeagent.slurm")
 
-FORMAT = "%A|%u|%P|%a"
-"""Job id (each array task its own), user, partition, account: the account last, so that
-whatever it holds cannot shift the other fields."""
+FORMAT = "%A|%a"
+"""Job id (each array task its own), then the account: last, so that whatever it holds
+cannot shift the id."""
 NO_ACCOUNT = "(null)"
 """What squeue prints for a job without an account (accounting off, none given)."""
 _JOB_ID = re.compile(r"[0-9]{1,20}", re.ASCII)
@@ -43,14 +43,6 @@ OUTPUT_MAX = 4 << 20
 
 class SlurmUnavailable(NodeagentError):
     """Slurm did not answer: one line naming the command and what failed."""
-
-
-@dataclass(frozen=True, slots=True)
-class SlurmJob:
-    job_id: str
-    user: str
-    partition: str
-    account: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,20 +70,18 @@ def run_command(argv: Sequence[str], timeout: float) -> Answer:
     return Answer(done.returncode, done.stdout[:OUTPUT_MAX], done.stderr[:OUTPUT_MAX])
 
 
-def parse_jobs(text: str, command: str) -> dict[str, SlurmJob]:
-    """squeue's lines in FORMAT, by job id; SlurmUnavailable naming the first bad line."""
-    out: dict[str, SlurmJob] = {}
+def parse_jobs(text: str, command: str) -> dict[str, str | None]:
+    """squeue's lines in FORMAT: each job's account (None: it has none), by job id;
+    SlurmUnavailable naming the first line that is not one."""
+    out: dict[str, str | None] = {}
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        fields = line.split("|", 3)
-        if len(fields) != 4 or not _JOB_ID.fullmatch(fields[0]):
+        job, sep, account = line.partition("|")
+        if not sep or not _JOB_ID.fullmatch(job):
             shown = " ".join(line.split())[:120]
-            raise SlurmUnavailable(
-                f"{command}: line {n} is not job|user|partition|account: {shown!r}"
-            )
-        job, user, partition, account = fields
-        out[job] = SlurmJob(job, user, partition, None if account in ("", NO_ACCOUNT) else account)
+            raise SlurmUnavailable(f"{command}: line {n} is not job|account: {shown!r}")
+        out[job] = None if account in ("", NO_ACCOUNT) else account
     return out
 
 
@@ -110,15 +100,13 @@ class SlurmJobs:
         self._run = run
         self._logs = logs
         self._clock = clock
-        self._known: dict[str, SlurmJob] = {}
+        self._known: dict[str, str | None] = {}
+        """Each job's account (None: it has none), by job id."""
         self._unlisted: dict[str, float] = {}
         """Jobs Slurm did not list, with when to ask again."""
         self._retry_at = -float("inf")
         self.problem: str | None = None
         """What failed, while Slurm does not answer."""
-
-    def job(self, job_id: str) -> SlurmJob | None:
-        return self._known.get(job_id)
 
     def enrich(
         self, identities: Iterable[WorkloadIdentity], settings: SlurmSettings
@@ -138,10 +126,8 @@ class SlurmJobs:
             self._ask(wanted, settings, now)
         out = []
         for i in found:
-            job = None if i.job_id is None else self._known.get(i.job_id)
-            out.append(
-                i if job is None or i.account == job.account else replace(i, account=job.account)
-            )
+            account = None if i.job_id is None else self._known.get(i.job_id)
+            out.append(i if account == i.account else replace(i, account=account))
         return out
 
     def _ask(self, wanted: list[str], settings: SlurmSettings, now: float) -> None:
@@ -163,14 +149,13 @@ class SlurmJobs:
         self.problem = None
         self._retry_at = -float("inf")
         for job_id in wanted:
-            job = listed.get(job_id)
-            if job is None:
-                self._unlisted[job_id] = now + settings.retry_interval
-            else:
-                self._known[job_id] = job
+            if job_id in listed:
+                self._known[job_id] = listed[job_id]
                 self._unlisted.pop(job_id, None)
+            else:
+                self._unlisted[job_id] = now + settings.retry_interval
 
-    def _query(self, wanted: list[str], settings: SlurmSettings) -> dict[str, SlurmJob]:
+    def _query(self, wanted: list[str], settings: SlurmSettings) -> dict[str, str | None]:
         """What squeue says of the `wanted` jobs; SlurmUnavailable, naming the command and
         what failed, when it does not answer."""
         ids = ",".join(wanted)
