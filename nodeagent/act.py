@@ -124,7 +124,7 @@ class Executor:
                 if now == target.value:
                     continue
                 change = _Pending(cg.path, attr, target, now)
-                if cg.write is not WriteMode.READ_ONLY:
+                if _writable(cg.write, attr):
                     pending.append(change)
                 else:
                     why = read_only_reason(cg.identity)
@@ -351,6 +351,13 @@ class _VerifiedUnits:
             if not alive:
                 del self._known[path]
         self._sweep_at = max(_SWEEP_MIN, 2 * len(self._known))
+
+
+def _writable(mode: WriteMode, attribute: Attribute) -> bool:
+    """Whether the agent may write `attribute` of a cgroup it may write as `mode`."""
+    if mode is WriteMode.WEIGHT_ONLY:
+        return attribute is Attribute.CPU_WEIGHT
+    return mode is not WriteMode.READ_ONLY
 
 
 def _result(p: _Pending, outcome: Outcome, detail: str = "") -> WriteResult:

@@ -52,6 +52,7 @@ from nodeagent.sdbus import Systemd
 from nodeagent.sense.cgroup_files import NO_NEEDS, Needs
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
+from nodeagent.slurm import SlurmJobs
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
 from nodeagent.spec.load import PolicyError, load_policy
 from nodeagent.spec.model import AgentSettings, PolicySpec
@@ -92,6 +93,8 @@ class Agent:
             min_window=spec.agent.interval / 2,
             verify_every=spec.agent.resync_interval,
         )
+        # Slurm's accounts for its jobs; asked only when discovery finds Slurm jobs
+        self.slurm = SlurmJobs()
         # systemd's D-Bus API, for the cgroups it owns; connected at the first write there
         self.systemd = Systemd()
         self.executor = Executor(
@@ -133,6 +136,19 @@ class Agent:
         """Workloads whose memory.max waits for their usage to fit: read it every tick."""
         self._retry: frozenset[str] = frozenset()
         """Workloads with a failed write last tick: written again even on an unchanged plan."""
+        self._forget_derived()
+        self.wakeup = Wakeup()
+        """What the loop's wait wakes for: a signal, another thread's stop, besides inotify."""
+        self.stop = Flag(self.wakeup)
+        self.reload_requested = Flag(self.wakeup)
+        self._stop_signal: int | None = None
+        self.last_reload = (True, time.time())
+        """Whether the last reload applied the file, and when the policy in force was loaded
+        (for the metrics; the start-up load counts as a reload that applied)."""
+
+    def _forget_derived(self) -> None:
+        """Empty the caches of what each tick derives from the last (what to read, who is
+        claimed, what was sensed, the last plan's assignments)."""
         self._needs_key: object = None
         self._needs_value: dict[str, Needs] = {}
         self._claimed_key: object = None
@@ -149,14 +165,6 @@ class Agent:
         ] = (None, (), (frozenset(), frozenset(), False))
         self._assigned: tuple[object, dict[str, Assignment]] = (None, {})
         """The last plan's assignments, for as long as it is made again (same cgroups)."""
-        self.wakeup = Wakeup()
-        """What the loop's wait wakes for: a signal, another thread's stop, besides inotify."""
-        self.stop = Flag(self.wakeup)
-        self.reload_requested = Flag(self.wakeup)
-        self._stop_signal: int | None = None
-        self.last_reload = (True, time.time())
-        """Whether the last reload applied the file, and when the policy in force was loaded
-        (for the metrics; the start-up load counts as a reload that applied)."""
 
     def _with_overrides(self, spec: PolicySpec) -> PolicySpec:
         """Command-line settings win over the file's, at start and on every reload."""
@@ -244,7 +252,7 @@ class Agent:
         for path in jobs.keys() - self.registry.workloads.keys():
             self.registry.track(path)  # started since inotify last spoke
         # only workloads a rule or exec claims are sensed: the rest are left alone
-        identities = self.registry.identities()
+        identities = self.slurm.enrich(self.registry.identities(), self.spec.agent.slurm)
         assignments, managed, levels, modes = self._claimed(identities, jobs)
         snapshot = self.sensor.snapshot(
             managed,
@@ -491,6 +499,7 @@ class Agent:
                 "managed_root": self.spec.agent.managed_root,
                 "tick": None if record is None else record.snapshot.seq,
                 "workloads": len(self.registry.workloads),
+                "slurm_problem": self.slurm.problem,
                 "deadline_misses": self.notes.deadline_misses,
             }
 
@@ -642,7 +651,10 @@ class Agent:
     def fast_path(self, paths: list[str]) -> None:
         """Apply new workloads' own caps and their tenant's weight now, before the next
         full tick (policy.newcomer explains what it sets)."""
-        identities = [self.registry.workloads[p] for p in paths if p in self.registry.workloads]
+        identities = self.slurm.enrich(
+            (self.registry.workloads[p] for p in paths if p in self.registry.workloads),
+            self.spec.agent.slurm,
+        )
         jobs = self.jobs.assignments()
         assignments = {**assign(identities, self.spec), **jobs}
         last = self.last

@@ -14,6 +14,7 @@ class Runtime(enum.StrEnum):
     SYSTEMD = "systemd"
     NODEAGENT = "nodeagent"
     KUBELET = "kubelet"  # a pod-level cgroup: the kubelet made it, its containers live below
+    SLURM = "slurm"
 
 
 class Kind(enum.StrEnum):
@@ -37,6 +38,9 @@ class Owner(enum.StrEnum):
     USER_SYSTEMD = "user-systemd"
     """A user's own systemd manager (below ``user@<n>.service``: rootless podman, user
     services): its units are not the system manager's, so they are read-only."""
+    SLURM = "slurm"
+    """slurmd's cgroup/v2 plugin: systemd delegated slurmstepd.scope to it, and it makes and
+    sets everything below (jobs, steps, their cpuset, memory and device limits)."""
     OTHER = "other"
 
 
@@ -48,7 +52,8 @@ class QosTier(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class WorkloadIdentity:
-    """What discovery learned about one cgroup from its place in the tree alone.
+    """What discovery learned about one cgroup from its place in the tree, and, for a
+    Slurm job, the account Slurm itself reports for it (nodeagent.slurm).
 
     `path` is relative to the cgroup root, '/'-separated, with no leading slash.
     """
@@ -61,3 +66,7 @@ class WorkloadIdentity:
     container_id: str | None = None
     pod_uid: str | None = None
     qos: QosTier | None = None
+    job_id: str | None = None
+    """A Slurm job's id (its cgroup is job_<id>)."""
+    account: str | None = None
+    """A Slurm job's account, as Slurm records it; None until Slurm has answered."""

@@ -9,8 +9,11 @@ services. The kubelet's own levels (kubepods, the QoS tiers, under either driver
 read-only by default: the kubelet rewrites their weights about every minute
 (`agent.kubelet_levels`). Anything below a user's manager (`user@<n>.service`: rootless
 podman, user services, the user's slices) is read-only: the system manager does not own
-those cgroups, and a user names them as they like. Anything else (a cgroup no known
-layout explains) is read-only.
+those cgroups, and a user names them as they like. Slurm's jobs and its scope
+(system.slice/slurmstepd.scope) are slurmd's: read-only by default; with
+`agent.slurm.cpu_weight: write`, a job's cpu.weight (at job level, never below) and nothing
+else (WEIGHT_ONLY: never its cpuset, memory, devices, cpu.max or freezer, which slurmd
+sets). Anything else (a cgroup no known layout explains) is read-only.
 
 "Through systemd" is only ever through the unit systemd itself says owns the cgroup
 (nodeagent.sdbus.Systemd.unit_for_cgroup, checked by the executor before any write).
@@ -32,6 +35,8 @@ class WriteMode(enum.StrEnum):
     DIRECT = "direct"
     SYSTEMD = "systemd"
     READ_ONLY = "read-only"
+    WEIGHT_ONLY = "weight-only"
+    """cpu.weight written directly, every other attribute left as it is (a Slurm job)."""
 
 
 def write_mode(identity: WorkloadIdentity, settings: AgentSettings) -> WriteMode:
@@ -44,6 +49,9 @@ def write_mode(identity: WorkloadIdentity, settings: AgentSettings) -> WriteMode
         return WriteMode.DIRECT if identity.owner is Owner.CGROUPFS else WriteMode.SYSTEMD
     if identity.owner is Owner.CGROUPFS:
         return WriteMode.DIRECT
+    if identity.owner is Owner.SLURM:
+        weights = identity.kind is Kind.JOB and settings.slurm.cpu_weight is Permission.WRITE
+        return WriteMode.WEIGHT_ONLY if weights else WriteMode.READ_ONLY
     if identity.owner is Owner.SYSTEMD:
         systemd = settings.systemd
         if identity.kind is Kind.SERVICE:
@@ -63,6 +71,13 @@ def read_only_reason(identity: WorkloadIdentity) -> str:
             f"below {manager}: that user's own systemd manages it, not the system manager,"
             " so nodeagent leaves it read-only"
         )
+    if identity.owner is Owner.SLURM:
+        if identity.kind is Kind.JOB:
+            return (
+                "slurmd's cgroup/v2 plugin owns Slurm's jobs: nodeagent writes only their"
+                " cpu.weight, and only with agent.slurm.cpu_weight: write"
+            )
+        return "slurmd's cgroup/v2 plugin owns its scope: nodeagent leaves it read-only"
     return f"owned by {identity.owner}: not written directly"
 
 
@@ -80,6 +95,8 @@ def classify_level(path: str, managed_root: str) -> WorkloadIdentity:
         return group(Runtime.SYSTEMD, Owner.USER_SYSTEMD)
     if top == "kubepods":
         return group(Runtime.KUBELET, Owner.CGROUPFS)
+    if top == "system.slice" and name.endswith("slurmstepd.scope"):
+        return group(Runtime.SLURM, Owner.SLURM)
     if top in _CGROUPFS_RUNTIMES:
         return group(_CGROUPFS_RUNTIMES[top], Owner.CGROUPFS)
     if name.startswith("kubepods") and name.endswith(".slice"):

@@ -3,6 +3,9 @@
 #
 #   ensure_venv             .venv with `pip install -e '.[dev]'`, reinstalled only when pyproject.toml changes
 #   ensure_promtool         .venv/bin/promtool, from Debian's prometheus package (unpacked only)
+#   ensure_slurm            Debian's munge, slurmctld, slurmd and slurm-client on this filesystem, for
+#                           the real-kernel Slurm test (apt, with a policy-rc.d that refuses every
+#                           start, and the services disabled: they only ever run inside the VM)
 #   host_has_cgroup2        true when this host itself is a usable cgroup v2 kernel (cgroup2 at
 #                           /sys/fs/cgroup, writable, cpu+memory controllers, root)
 #   ensure_vm_tools         qemu, a Debian kernel, busybox & co., systemd and dbus (apt, only what
@@ -87,6 +90,36 @@ apt_install() {
     --no-install-recommends -o DPkg::Lock::Timeout=600 \
     -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
     "${missing[@]}"
+}
+
+# apt_install_stopped PKG...: apt_install, with every service start refused (policy-rc.d exiting
+# 101 for the duration: a policy-rc.d already there is put back after) and the packages' units
+# disabled after, so that nothing they ship runs on this host, now or at its next boot.
+apt_install_stopped() {
+  local missing policy=/usr/sbin/policy-rc.d saved= rc=0 units
+  mapfile -t missing < <(_apt_missing "$@")
+  ((${#missing[@]})) || return 0
+  [[ $(id -u) -eq 0 ]] || die "missing packages ${missing[*]}: install them (apt-get install ${missing[*]}) or run as root"
+  if [[ -e $policy || -L $policy ]]; then
+    saved=$(mktemp "$policy.nodeagent.XXXXXX") && mv -f "$policy" "$saved" || return 1
+  fi
+  printf '#!/bin/sh\n# scripts/lib.sh: no service starts while nodeagent installs its test tools\nexit 101\n' >"$policy"
+  chmod 0755 "$policy"
+  apt_install "${missing[@]}" || rc=$?
+  if [[ -n $saved ]]; then mv -f "$saved" "$policy"; else rm -f "$policy"; fi
+  ((rc == 0)) || return "$rc"
+  mapfile -t units < <(dpkg -L "${missing[@]}" 2>/dev/null | grep -E '^/(usr/)?lib/systemd/system/[^/]+\.(service|socket|timer)$' | xargs -r -n1 basename | sort -u)
+  # offline: only the enablement links under /etc/systemd/system are removed
+  ((${#units[@]} == 0)) || systemctl --no-reload disable "${units[@]}" >/dev/null 2>&1 || true
+}
+
+# ensure_slurm: Debian's Slurm (22.05 on Debian 12) and munge, for tests/kernel/test_slurm.py.
+ensure_slurm() {
+  _setup_lock
+  apt_install_stopped munge slurmctld slurmd slurm-client
+  local rc=$?
+  _setup_unlock
+  return "$rc"
 }
 
 # _make_venv DIR: (re)creates a working venv in DIR unless it already has a runnable python and pip.

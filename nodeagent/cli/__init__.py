@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from nodeagent.cli import capacity, exec, gpus, inspection, release, run, units, validate
+from nodeagent.cli import capacity, examples, exec, gpus, inspection, release, run, units, validate
 from nodeagent.errors import NodeagentError
 
 
@@ -41,7 +41,8 @@ def main(ctx: click.Context) -> None:
 
     \b
     Start here:
-      nodeagent validate config/policy.yaml     check a policy file
+      nodeagent example-policy > policy.yaml    start a policy from the example
+      nodeagent validate policy.yaml            check a policy file
       nodeagent workloads --config FILE         what discovery finds, and which rule claims it
       nodeagent run --config FILE --dry-run     print the plan, write nothing
       nodeagent run --config FILE               the daemon (as root, on cgroup v2)
@@ -67,6 +68,7 @@ for _command in (
     gpus.gpus,
     release.release,
     units.unit,
+    examples.example_policy,
 ):
     main.add_command(_command)
 

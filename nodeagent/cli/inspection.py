@@ -364,6 +364,7 @@ def workloads(
     from nodeagent.policy.base import describe
     from nodeagent.policy.classify import assign, nested_warnings
     from nodeagent.sense.cgroup_files import probe
+    from nodeagent.slurm import SlurmJobs
     from nodeagent.spec.model import AgentSettings
 
     spec = load(config) if config else None
@@ -375,7 +376,14 @@ def workloads(
     tree = CgroupTree(cgroup_root)
     registry = Registry(tree, managed_root, watch=False)
     registry.resync()
-    found = sorted(registry.identities(), key=lambda i: i.path)
+    slurm = SlurmJobs(logs=False)
+    found = slurm.enrich(sorted(registry.identities(), key=lambda i: i.path), agent_settings.slurm)
+    if slurm.problem is not None:
+        click.echo(
+            f"warning: Slurm did not answer ({slurm.problem}): its jobs are shown without"
+            " their accounts, and rules with `account:` do not claim them",
+            err=True,
+        )
     assigned = assign(found, spec) if spec else {}
     for warning in nested_warnings(assigned):
         click.echo(f"warning: {warning}", err=True)
@@ -411,7 +419,11 @@ def workloads_table(
             r.get("kind"),
             r.get("runtime"),
             None if "owner" not in r else f"{r['owner']}" + _mode(r),
-            *((r.get("container_id"), r.get("pod_uid"), r.get("qos")) if wide else ()),
+            *(
+                (r.get("container_id") or r.get("job_id"), r.get("pod_uid"), r.get("qos"))
+                if wide
+                else ()
+            ),
             r.get("tenant"),
             r.get("class"),
             r["status"] if r["problem"] is None else f"{r['status']}: {r['problem']}",

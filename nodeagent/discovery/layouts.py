@@ -17,6 +17,10 @@ a user's systemd manager (owner USER_SYSTEMD: its units are not the system manag
     user.slice/user-<n>.slice/user@<n>.service/<slices>/libpod-<id>.scope  rootless podman
     user.slice/user-<n>.slice/user@<n>.service/<slices>/<unit>.service     a user service
 
+Slurm's cgroup/v2 plugin (owner SLURM: slurmd made it, below systemd's delegated scope)
+    system.slice/slurmstepd.scope/job_<id>                 a Slurm job
+    system.slice/<node>_slurmstepd.scope/job_<id>          (a host running several slurmd)
+
 cgroupfs driver (owner CGROUPFS)
     docker/<id>                                            docker container
     libpod_parent/[<podid>/]libpod-<id>                    podman container
@@ -28,6 +32,10 @@ name means nesting to systemd); it is decoded back. Pod uids are UUIDs, except
 for static pods (manifests in /etc/kubernetes/manifests), whose uid is the hex
 md5 of the manifest: 32 hex digits, no dashes (kubelet pkg/kubelet/config/common.go
 applyDefaults). Both are accepted, or the control plane's own pods would vanish.
+
+A Slurm job's steps (step_<n>, step_batch, step_extern, their user/task_<n>) and the
+scope's own system/ cgroup (slurmstepd itself) are below the job or not a job: not
+workloads. What a job's account is, the path cannot say: nodeagent.slurm asks Slurm.
 
 Anything else is not a workload: the root, slices, QoS tier cgroups, init.scope,
 conmon scopes (crio-conmon-<id>.scope, libpod-conmon-<id>.scope; they hold the
@@ -79,6 +87,10 @@ _USER_MANAGER: Final = r"user\.slice/user-(?P<n>[0-9]+)\.slice/user@(?P=n)\.serv
 
 _UNIT: Final = r"(?P<unit>[A-Za-z0-9:_.\\-]+(?:@[A-Za-z0-9:_.\\-]*)?\.service)"
 """A systemd service unit name, template instances (foo@bar.service) included."""
+
+_SLURM_SCOPE: Final = r"system\.slice/(?:[A-Za-z0-9][A-Za-z0-9._-]{0,200}_)?slurmstepd\.scope"
+"""The scope slurmd's cgroup/v2 plugin has systemd make for slurmstepd (Delegate=yes); a
+slurmd built for several per host prefixes its node name."""
 
 # Container leaves below a pod. The runtime comes from the 'rt' prefix; under the
 # cgroupfs driver a bare id carries no prefix at all (see _RUNTIME_BY_PREFIX).
@@ -141,6 +153,8 @@ _RULES: Final[tuple[_Rule, ...]] = (
     ),
     _rule(rf"{_USER_MANAGER}/{_SLICES}libpod-{_ID}\.scope", _CTR, Runtime.PODMAN, _USER),
     _rule(rf"libpod_parent/(?:[0-9a-f]{{64}}/)?libpod-{_ID}", _CTR, Runtime.PODMAN, _FS),
+    # Slurm's cgroup/v2 plugin
+    _rule(rf"{_SLURM_SCOPE}/job_(?P<job>[0-9]{{1,20}})", Kind.JOB, Runtime.SLURM, Owner.SLURM),
     # Kubernetes, systemd driver
     *_kube_rules(
         rf"kubepods\.slice/kubepods-pod{_POD_UID_SYSTEMD}\.slice", _POD_CONTAINER_SYSTEMD, _SD
@@ -212,8 +226,11 @@ def _from_match(path: str, rule: _Rule, m: re.Match[str]) -> WorkloadIdentity:
         tier = groups.get("qos")
         qos = QosTier(tier) if tier else QosTier.GUARANTEED
     runtime = _RUNTIME_BY_PREFIX[groups["rt"]] if "rt" in groups else rule.runtime
+    job = groups.get("job")
     if rule.kind is Kind.POD:
         name = f"pod-{uid}"
+    elif job is not None:
+        name = f"slurm-{job}"
     else:
         assert cid is not None, "every container rule captures an id"
         name = cid[:12]
@@ -226,6 +243,7 @@ def _from_match(path: str, rule: _Rule, m: re.Match[str]) -> WorkloadIdentity:
         container_id=cid,
         pod_uid=uid,
         qos=qos,
+        job_id=job,
     )
 
 
@@ -267,11 +285,12 @@ def classify(path: str, managed_root: str) -> WorkloadIdentity | None:
 
 _HOLDER: Final = re.compile(
     rf"(?:{_USER_MANAGER}|[^/]+\.slice)(?:/[^/]+\.slice)*"
-    rf"|docker|libpod_parent(?:/[0-9a-f]{{64}})?|kubepods(?:/{_TIER})?",
+    rf"|docker|libpod_parent(?:/[0-9a-f]{{64}})?|kubepods(?:/{_TIER})?|{_SLURM_SCOPE}",
     re.ASCII,
 )
 """The cgroups that are no workload but may have one below them, by the layouts above:
-slices (and a user manager) above services and scopes, and the cgroupfs drivers' parents.
+slices (and a user manager) above services and scopes, the cgroupfs drivers' parents, and
+Slurm's scope above its jobs.
 A pod's containers and the managed root are the scan's to add."""
 
 _DELEGATED: Final = re.compile(rf"{_USER_MANAGER}(?=/|$)", re.ASCII)

@@ -62,6 +62,8 @@ def describe(
         "container_id": i.container_id,
         "pod_uid": i.pod_uid,
         "qos": None if i.qos is None else str(i.qos),
+        "job_id": i.job_id,
+        "account": i.account,
         "rule": None if a is None else a.rule,
         "tenant": None if a is None else a.tenant,
         "class": None if a is None else str(a.workload_class),

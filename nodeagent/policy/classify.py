@@ -21,6 +21,7 @@ def matches(match: Match, w: WorkloadIdentity) -> bool:
         match.pod_uid is None or match.pod_uid == w.pod_uid,
         match.container_id is None
         or (w.container_id is not None and w.container_id.startswith(match.container_id)),
+        match.account is None or (w.account is not None and glob_matches(match.account, w.account)),
     )
     return all(checks)
 

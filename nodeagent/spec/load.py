@@ -24,6 +24,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from nodeagent.cgroupfs.tree import split_path
 from nodeagent.cgroupfs.values import QUOTA_MAX_US, QUOTA_MIN_US
 from nodeagent.errors import NodeagentError, UnsafePath
+from nodeagent.identity import Owner, Runtime
 from nodeagent.regular_file import UnusableFile, read_regular_file
 from nodeagent.spec.glob import glob_matches
 from nodeagent.spec.model import ANY, MAX, Limits, Match, PolicySpec
@@ -730,7 +731,7 @@ def _check_semantics(spec: PolicySpec, where: _Locator, report: _Report) -> None
                 hint = suggest(rule.tenant) or f"; tenants are {_listed(tenants)}"
                 add(("rules", i, "tenant"), f"unknown tenant {rule.tenant!r}{hint}")
         with _SKIP_BROKEN:
-            _check_limits(rule.limits, ("rules", i, "limits"), add)
+            _check_limits(rule.limits, ("rules", i, "limits"), add, rule.match)
         with _SKIP_BROKEN:
             if (rule.deadline is None) != (rule.work is None):
                 have, lacks = ("deadline", "work") if rule.work is None else ("work", "deadline")
@@ -763,9 +764,24 @@ def _check_semantics(spec: PolicySpec, where: _Locator, report: _Report) -> None
                 )
 
 
-def _check_limits(limits: Limits, at: Loc, add: typing.Callable[[Loc, str], None]) -> None:
-    """A rule's limits: memory.high not above memory.max, sizes of at least 1Mi, and a CPU
-    quota the kernel takes."""
+def _claims_slurm_jobs(match: Match) -> bool:
+    """A rule meant for Slurm's jobs: by runtime, owner or account."""
+    return match.runtime is Runtime.SLURM or match.owner is Owner.SLURM or match.account is not None
+
+
+def _check_limits(
+    limits: Limits, at: Loc, add: typing.Callable[[Loc, str], None], match: Match
+) -> None:
+    """A rule's limits: none for Slurm's jobs, memory.high not above memory.max, sizes of at
+    least 1Mi, and a CPU quota the kernel takes."""
+    with _SKIP_BROKEN:
+        if _claims_slurm_jobs(match) and limits != Limits():
+            add(
+                at,
+                "Slurm's jobs take no limits from nodeagent: slurmd sets their cpu.max,"
+                " memory and cpuset; nodeagent writes at most their cpu.weight"
+                " (agent.slurm.cpu_weight: write)",
+            )
     with _SKIP_BROKEN:
         high, cap = limits.memory_high, limits.memory_max
         if isinstance(cap, int) and (high == MAX or (isinstance(high, int) and high > cap)):
@@ -855,7 +871,7 @@ def _covers(earlier: Match, later: Match) -> bool:
             continue
         if got is None:
             return False
-        if name in ("path", "name"):
+        if name in ("path", "name", "account"):
             same = want == got or (not _GLOB_SPECIAL.search(got) and glob_matches(want, got))
         elif name == "container_id":
             same = got.startswith(want)

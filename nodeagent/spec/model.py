@@ -233,6 +233,21 @@ class SystemdSettings(_Strict):
     (direct), which systemd undoes at its next daemon-reload."""
 
 
+class SlurmSettings(_Strict):
+    """Slurm's jobs (system.slice/slurmstepd.scope/job_<id>): slurmd's cgroup/v2 plugin owns
+    them. Each job's account is asked of Slurm (squeue), never read from the job."""
+
+    cpu_weight: _Permission = Permission.READ_ONLY
+    """write: set each job's cpu.weight, at job level, for fair share between tenants. Never
+    its cpuset, memory, devices, cpu.max or freezer, nor anything below the job."""
+    squeue: HostPath = "/usr/bin/squeue"
+    """Slurm's squeue, which answers with each job's account."""
+    timeout: Duration = Field(5.0, gt=0, le=60)
+    """How long one query may take; Slurm not answering in time is asked again
+    `retry_interval` later, the jobs meanwhile claimed by the rules that need no account."""
+    retry_interval: Duration = Field(30.0, ge=1, le=3600)
+
+
 class AgentSettings(_Strict):
     """How the daemon runs: its tick, where it keeps state, and which subtree it owns."""
 
@@ -252,6 +267,7 @@ class AgentSettings(_Strict):
     kubelet_levels: _Permission = Permission.READ_ONLY
     """kubepods and the QoS tiers: the kubelet rewrites their weights about every minute,
     so by default the agent leaves them to it (see the README)."""
+    slurm: SlurmSettings = SlurmSettings()
 
 
 class FairShareSettings(_Strict):
@@ -272,7 +288,8 @@ class Tenant(_Strict):
 
 
 class Match(_Strict):
-    """All given fields must match. `path` and `name` are shell globs; the rest compare exactly."""
+    """All given fields must match. `path`, `name` and `account` are shell globs; the rest
+    compare exactly."""
 
     path: Glob | None = None
     name: Glob | None = None
@@ -282,6 +299,9 @@ class Match(_Strict):
     qos: Annotated[QosTier, BeforeValidator(_not_bytes)] | None = None
     pod_uid: StrictStr | None = None
     container_id: StrictStr | None = None
+    account: Glob | None = None
+    """A Slurm job's account, as Slurm reports it: a rule with one never matches a job
+    Slurm has not answered for (nor anything but a Slurm job)."""
 
 
 class Limits(_Strict):

@@ -51,6 +51,12 @@ def service(unit: str, owner: Owner = Owner.SYSTEMD) -> WorkloadIdentity:
     return WorkloadIdentity("", Kind.SERVICE, Runtime.SYSTEMD, owner, unit)
 
 
+def slurm_job(job_id: str) -> WorkloadIdentity:
+    return WorkloadIdentity(
+        "", Kind.JOB, Runtime.SLURM, Owner.SLURM, f"slurm-{job_id}", job_id=job_id
+    )
+
+
 SD, FS, USER = Owner.SYSTEMD, Owner.CGROUPFS, Owner.USER_SYSTEMD
 G, B, BE = QosTier.GUARANTEED, QosTier.BURSTABLE, QosTier.BESTEFFORT
 
@@ -111,6 +117,10 @@ WORKLOADS: list[tuple[str, WorkloadIdentity]] = [
         f"kubepods/pod{STATIC_UID}/{CID}",
         container(Runtime.CONTAINERD, FS, pod_uid=STATIC_UID, qos=G),
     ),
+    # Slurm's cgroup/v2 plugin: the job, never its steps
+    ("system.slice/slurmstepd.scope/job_42", slurm_job("42")),
+    ("system.slice/slurmstepd.scope/job_4294967294", slurm_job("4294967294")),
+    ("system.slice/gpu-node-07.cluster_slurmstepd.scope/job_7", slurm_job("7")),
     # systemd services
     ("system.slice/nginx.service", service("nginx.service")),
     ("system.slice/foo@1.service", service("foo@1.service")),
@@ -215,6 +225,20 @@ NOT_WORKLOADS = [
     f"machine.slice/libpod-{CID}.scope/container",
     "nodeagent.slice/train-42/worker-0",
     "nodeagent.slice/train-42/sub.service",
+    # Slurm: the scope, slurmstepd's own cgroup, a job's steps and tasks, misplaced jobs
+    "system.slice/slurmstepd.scope",
+    "system.slice/slurmstepd.scope/system",
+    "system.slice/slurmstepd.scope/job_42/step_0",
+    "system.slice/slurmstepd.scope/job_42/step_batch/user/task_0",
+    "system.slice/slurmstepd.scope/job_42/step_extern",
+    "system.slice/slurmstepd.scope/job_",
+    "system.slice/slurmstepd.scope/job_4x",
+    "system.slice/slurmstepd.scope/job_\u0664\u0662",
+    "system.slice/slurmstepd.scope/job_42\n",
+    "system.slice/_slurmstepd.scope/job_42",
+    "machine.slice/slurmstepd.scope/job_42",
+    "slurmstepd.scope/job_42",
+    "user.slice/user-1000.slice/user@1000.service/app.slice/slurmstepd.scope/job_42",
     # the managed root itself
     "nodeagent.slice",
     # ids that are not 12-64 lowercase hex
@@ -323,6 +347,10 @@ def test_a_deep_slice_chain_is_classified_without_runaway_backtracking() -> None
 _SAFE_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEF0123456789-_.@:"
 _TOKENS = [
     "system.slice",
+    "slurmstepd.scope",
+    "n1_slurmstepd.scope",
+    "job_12",
+    "step_0",
     "kubepods.slice",
     "kubepods",
     "burstable",

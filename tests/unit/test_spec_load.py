@@ -56,6 +56,8 @@ def test_shipped_example_loads() -> None:
         "prod-jobs",
         "docker-batch",
         "k8s-besteffort",
+        "slurm-prod",
+        "slurm-jobs",
     ]
     assert spec.rules[0].match.path == "nodeagent.slice/research-*"
     assert spec.rules[0].workload_class is WorkloadClass.TRAINING
@@ -65,6 +67,7 @@ def test_shipped_example_loads() -> None:
     assert docker.limits.memory_max == 4 * 1024**3
     assert docker.limits.memory_high == 3 * 1024**3
     assert spec.rules[3].match.qos is QosTier.BESTEFFORT
+    assert (spec.rules[4].match.runtime, spec.rules[4].match.account) == (Runtime.SLURM, "prod")
 
 
 def test_shipped_example_states_the_defaults() -> None:
@@ -158,7 +161,8 @@ def test_every_problem_is_reported_in_file_order() -> None:
         "p.yaml:5:3: key '1' in tenants must be a string, not int; quote it if it is meant as"
         " a name",
         "p.yaml:7:32: rules[0].match.runtime: must be 'docker', 'containerd', 'crio', "
-        "'podman', 'systemd', 'nodeagent' or 'kubelet', got 'dokcer'; did you mean 'docker'?",
+        "'podman', 'systemd', 'nodeagent', 'kubelet' or 'slurm', got 'dokcer'; did you mean"
+        " 'docker'?",
         "p.yaml:7:70: rules[0].limits.cpu_max: "
         "expected a positive number of cores such as 1.5, or 'max', got -1",
     ]
@@ -817,7 +821,7 @@ def test_type_errors_do_not_hide_the_checks_across_fields() -> None:
         " quota of 1000us per 100000us period",
         "p.yaml:12:11: rules[1].name: duplicate rule name 'jobs' (first at line 8)",
         "p.yaml:13:22: rules[1].match.runtime: must be 'docker', 'containerd', 'crio', 'podman',"
-        " 'systemd', 'nodeagent' or 'kubelet', got 'dockr'; did you mean 'docker'?",
+        " 'systemd', 'nodeagent', 'kubelet' or 'slurm', got 'dockr'; did you mean 'docker'?",
         "p.yaml:15:44: rules[1].limits.memory_high: memory_high (2147483648 bytes) is above"
         " memory_max (1073741824 bytes)",
     ]
