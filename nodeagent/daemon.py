@@ -50,6 +50,7 @@ from nodeagent.sense.cgroup_files import NO_NEEDS, Needs
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
+from nodeagent.spec.filewatch import FileWatch
 from nodeagent.spec.load import PolicyError, load_policy
 from nodeagent.spec.model import AgentSettings, PolicySpec
 
@@ -145,6 +146,8 @@ class Agent:
         """The last plan's assignments, for as long as it is made again (same cgroups)."""
         self.stop = threading.Event()
         self.reload_requested = threading.Event()
+        self.policy_file = None if config_path is None else FileWatch(config_path)
+        """For `agent.reload_on_change`: the policy file as it was last loaded."""
         self.last_reload = (True, time.time())
         """Whether the last reload applied the file, and when the policy in force was loaded
         (for the metrics; the start-up load counts as a reload that applied)."""
@@ -535,7 +538,7 @@ class Agent:
                 if watchdog_sec and last_ok and now - last_ok < watchdog_sec and now >= next_ping:
                     sdnotify.watchdog()
                     next_ping = now + watchdog_sec / 2
-                if self.reload_requested.is_set():
+                if self._policy_file_changed() or self.reload_requested.is_set():
                     self.reload_requested.clear()
                     _guarded("policy.reload_failed", self.reload)
                 if now >= next_resync:
@@ -550,6 +553,12 @@ class Agent:
         if not self.dry_run:
             self.save_state()
         return ok
+
+    def _policy_file_changed(self) -> bool:
+        """With `agent.reload_on_change`, whether the policy file is a new one since the
+        last look (a ConfigMap's update swaps it in whole)."""
+        watch = self.policy_file
+        return self.spec.agent.reload_on_change and watch is not None and watch.changed()
 
     def _wait_for_cgroup_events(self, timeout: float) -> bool:
         """Sleep until timeout or until cgroups appear or go. New workloads get their plan

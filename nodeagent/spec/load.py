@@ -22,7 +22,7 @@ from nodeagent.cgroupfs.tree import split_path
 from nodeagent.cgroupfs.values import QUOTA_MAX_US, QUOTA_MIN_US
 from nodeagent.errors import NodeagentError, UnsafePath
 from nodeagent.regular_file import UnusableFile, read_regular_file
-from nodeagent.spec.model import MAX, PolicySpec
+from nodeagent.spec.model import MAX, AgentMode, PolicySpec
 
 MAX_BYTES = 1 << 20  # a real policy is a few kilobytes; this also stops a read of /dev/zero
 MIN_MEMORY = 1 << 20  # a smaller memory limit is a unit mistake (512 meant as 512Mi), not a policy
@@ -625,6 +625,7 @@ def _check_semantics(spec: PolicySpec, where: _Locator, report: _Report) -> None
     if default is not None and default not in spec.tenants:
         hint = suggest(default) or f"; tenants are {_listed(tenants)}"
         add(("jobs", "default_tenant"), f"unknown tenant {default!r}{hint}")
+    _check_kubernetes(spec, add, suggest, tenants)
     for i, power in enumerate(spec.gpu.power):
         if (power.start is None) != (power.end is None):
             have = "from" if power.end is None else "to"
@@ -632,3 +633,38 @@ def _check_semantics(spec: PolicySpec, where: _Locator, report: _Report) -> None
                 ("gpu", "power", i, have),
                 f"a window needs both from and to (local times such as '22:00'), got only {have}",
             )
+
+
+def _check_kubernetes(
+    spec: PolicySpec,
+    add: typing.Callable[[Loc, str], None],
+    suggest: _Suggestions,
+    tenants: list[str],
+) -> None:
+    """Namespaces name known tenants; each class source says where it reads from once."""
+    kube = spec.kubernetes
+    for glob, entry in kube.namespaces.items():
+        for key, tenant in (("tenant", entry.tenant), *(("allow", t) for t in entry.allow)):
+            if tenant not in spec.tenants:
+                hint = suggest(tenant) or f"; tenants are {_listed(tenants)}"
+                add(("kubernetes", "namespaces", glob, key), f"unknown tenant {tenant!r}{hint}")
+    for i, source in enumerate(kube.class_from):
+        given = [k for k in ("annotation", "label", "priority", "qos") if getattr(source, k)]
+        if len(given) != 1:
+            add(
+                ("kubernetes", "class_from", i),
+                "give exactly one of annotation, label, priority or qos"
+                + (f", got {' and '.join(given)}" if given else ""),
+            )
+        elif source.values is not None and given[0] not in ("annotation", "label"):
+            add(("kubernetes", "class_from", i, "values"), "values go with an annotation or label")
+    if spec.publish.node_resource_topology and spec.agent.mode is not AgentMode.KUBERNETES:
+        add(
+            ("publish", "node_resource_topology"),
+            "publishing a NodeResourceTopology needs agent.mode: kubernetes",
+        )
+    if kube.api_server.watch is False and kube.tenant_label is not None:
+        add(
+            ("kubernetes", "tenant_label"),
+            "namespace labels are read through the API server: set kubernetes.api_server.watch",
+        )

@@ -217,8 +217,21 @@ class SystemdSettings(_Strict):
     (direct), which systemd undoes at its next daemon-reload."""
 
 
+class AgentMode(enum.StrEnum):
+    HOST = "host"
+    KUBERNETES = "kubernetes"
+    """Beside the kubelet and the GPU device plugin: GPUs are the device plugin's to hand
+    out (read from the kubelet's PodResources API), and `exec` and `gpus reserve` are
+    refused."""
+
+
 class AgentSettings(_Strict):
     """How the daemon runs: its tick, where it keeps state, and which subtree it owns."""
+
+    mode: Annotated[AgentMode, BeforeValidator(_not_bytes)] = AgentMode.HOST
+    reload_on_change: StrictBool = False
+    """Reload the policy when its file changes (a mounted ConfigMap's update), as on
+    SIGHUP; the file is looked at once a tick."""
 
     interval: Duration = Field(1.0, ge=0.05, le=3600)
     resync_interval: Duration = Field(30.0, ge=1, le=86400)
@@ -436,6 +449,94 @@ class GpuSettings(_Strict):
     """How long GPUs granted to a request wait for its job to start before they go back."""
 
 
+class ApiServerSettings(_Strict):
+    """The Kubernetes API server, for what CRI cannot tell: pods' labels and annotations
+    as edited since their sandbox was made, and namespaces' labels. In-cluster
+    credentials (the DaemonSet's service account)."""
+
+    watch: StrictBool = False
+    timeout: Duration = Field(10.0, gt=0, le=300)
+    """Deadline on connecting and on each list; a watch that hears nothing for
+    `watch_timeout` plus this is dropped and made again."""
+    watch_timeout: Duration = Field(300.0, ge=10, le=3600)
+    """The server ends each watch after this long; it is made again from the last
+    resourceVersion seen (a 410 Gone lists afresh)."""
+
+
+def _namespace_tenant(value: object) -> object:
+    """`ml-*: research` is short for `ml-*: {tenant: research}`."""
+    return {"tenant": value} if isinstance(value, str) else value
+
+
+class NamespaceTenant(_Strict):
+    tenant: StrictStr
+    """The tenant of this namespace's pods."""
+    allow: tuple[StrictStr, ...] = ()
+    """Other tenants a pod here may claim with the nodeagent.io/tenant annotation (or
+    label); a claim of any other is refused and reported."""
+
+
+class ClassSource(_Strict):
+    """One place a pod's class may come from; `kubernetes.class_from` tries them in order
+    and the first that gives a class wins. Exactly one of annotation, label, priority
+    and qos."""
+
+    annotation: Name | None = None
+    label: Name | None = None
+    values: dict[Glob, Annotated[WorkloadClass, BeforeValidator(_not_bytes)]] | None = None
+    """For an annotation or label: its value (a glob) to a class, first match wins;
+    without it the value is a class name itself."""
+    priority: dict[StrictInt, Annotated[WorkloadClass, BeforeValidator(_not_bytes)]] | None = None
+    """The pod's priority to a class: the highest threshold at or below it."""
+    qos: dict[Annotated[QosTier, BeforeValidator(_not_bytes)], WorkloadClass] | None = None
+    """The pod's QoS class to a class."""
+
+
+_DEFAULT_CLASS_FROM = (
+    {"annotation": "nodeagent.io/class"},
+    {"label": "nodeagent.io/class"},
+    {
+        "label": "koordinator.sh/qosClass",
+        "values": {"LSE": "inference", "LSR": "inference", "LS": "inference", "BE": "besteffort"},
+    },
+    {"label": "kueue.x-k8s.io/queue-name", "values": {"*": "batch"}},
+)
+
+
+class KubernetesSettings(_Strict):
+    """Kubernetes mode (`agent.mode: kubernetes`): where the kubelet's sockets are, and who
+    a pod belongs to."""
+
+    node_name: Name | None = None
+    """This node's name; default: the NODE_NAME environment variable (the DaemonSet sets
+    it from the downward API)."""
+    pod_resources_socket: SocketPath = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    pod_resources_timeout: Duration = Field(2.0, gt=0, le=60)
+    """Deadline on each call to the kubelet's PodResources API."""
+    gpu_resources: tuple[Glob, ...] = ("nvidia.com/gpu", "nvidia.com/mig-*")
+    """Extended resources that are GPUs (their device ids are GPU or MIG UUIDs)."""
+    api_server: ApiServerSettings = ApiServerSettings()
+    namespaces: dict[Glob, Annotated[NamespaceTenant, BeforeValidator(_namespace_tenant)]] = {}
+    """Namespace globs to tenants, first match wins."""
+    tenant_label: Name | None = None
+    """A namespace label that names its tenant (read through the API server watch); it wins
+    over `namespaces`."""
+    class_from: tuple[ClassSource, ...] = tuple(
+        ClassSource.model_validate(c) for c in _DEFAULT_CLASS_FROM
+    )
+
+
+class PublishSettings(_Strict):
+    """What the node tells the cluster's scheduler."""
+
+    node_features: HostPath | None = None
+    """A node-feature-discovery features.d file to write the GPU topology labels to, such
+    as /etc/kubernetes/node-feature-discovery/features.d/nodeagent; null: none."""
+    node_resource_topology: StrictBool = False
+    """Publish a NodeResourceTopology (v1alpha2) object for this node through the API
+    server: only where no other producer (NFD's topology-updater, RTE) runs."""
+
+
 class PolicySpec(_Strict):
     version: Annotated[Literal[1], BeforeValidator(_version)]
     agent: AgentSettings = AgentSettings()
@@ -450,5 +551,7 @@ class PolicySpec(_Strict):
     deadlines: DeadlineSettings = DeadlineSettings()
     jobs: JobSettings = JobSettings()
     gpu: GpuSettings = GpuSettings()
+    kubernetes: KubernetesSettings = KubernetesSettings()
+    publish: PublishSettings = PublishSettings()
     tenants: dict[StrictStr, Tenant] = Field(min_length=1)
     rules: tuple[Rule, ...] = ()
