@@ -106,6 +106,13 @@ FAMILIES: tuple[Family, ...] = (
         "attribute",
         "outcome",
     ),
+    _f(
+        "nodeagent_cgroup_overwritten_total",
+        "counter",
+        "Values nodeagent wrote that a later read found changed by another writer (the"
+        " kubelet, systemd, an operator): a fight over a cgroup shows here.",
+        "attribute",
+    ),
     _f("nodeagent_node_cpu_cores", "gauge", "CPUs on the node."),
     _f("nodeagent_node_cpu_busy_ratio", "gauge", "Busy share of all CPUs over the last tick."),
     # each workload
