@@ -30,9 +30,11 @@ from nodeagent.changes import NoteLog, ProblemLog
 from nodeagent.discovery.registry import Registry
 from nodeagent.errors import NodeagentError
 from nodeagent.gpu.backend import open_backend
+from nodeagent.gpu.model import GpuState, Hold
 from nodeagent.gpu.service import GpuService, environment
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.jobs import Jobs
+from nodeagent.kube.pods import EMPTY, PodDirectory
 from nodeagent.logs import audit_write
 from nodeagent.ownership import WriteMode, parent_identity, write_mode
 from nodeagent.policy import history
@@ -52,9 +54,10 @@ from nodeagent.sense.sensor import Sensor
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
 from nodeagent.spec.filewatch import FileWatch
 from nodeagent.spec.load import PolicyError, load_policy
-from nodeagent.spec.model import AgentSettings, PolicySpec
+from nodeagent.spec.model import AgentMode, AgentSettings, PolicySpec
 
 if TYPE_CHECKING:
+    from nodeagent.kube.node import KubernetesNode
     from nodeagent.metrics.server import MetricsServer
 
 log = structlog.get_logger("nodeagent")
@@ -105,6 +108,8 @@ class Agent:
             self._fairness,
             self._exists,
         )
+        self.kube = _kubernetes(spec)
+        """Kubernetes mode: the kubelet's PodResources and the API server's watch."""
         self.jobs = Jobs(
             tree, audit_write, proc_root, on_end=lambda job: self.gpus.release(job.name)
         )
@@ -165,6 +170,14 @@ class Agent:
             raise NodeagentError(f"{option}: {message}") from None
         return spec.model_copy(update={"agent": agent})
 
+    def _pods(self) -> PodDirectory:
+        """What is known of this node's pods (Kubernetes mode); problems reported once."""
+        if self.kube is None:
+            return EMPTY
+        pods = self.kube.pods()
+        self.kube.check_owners(self.spec, pods)
+        return pods
+
     def _levels(self, managed: list[WorkloadIdentity]) -> list[WorkloadIdentity]:
         """The parents of the claimed workloads, up to (not including) the root, for the
         hierarchy of fair share."""
@@ -214,6 +227,8 @@ class Agent:
             leave_managed_path(self.tree, root, self.proc_root, audit_write)
             ensure_managed_root(self.tree, root, CONTROLLERS, audit_write)
         self.registry.resync()
+        if self.kube is not None:
+            self.kube.start()
 
     def tick(self) -> TickRecord:
         started = time.monotonic()
@@ -238,9 +253,17 @@ class Agent:
             self.registry.forget(path)
         if not self.dry_run:
             self.jobs.reap(snapshot)
+        kube = self.kube
+        pods = None
+        if kube is not None:
+            spec = self.spec
+
+            def pods(state: GpuState) -> tuple[Hold, ...]:
+                return kube.gpu_holds(state, spec, identities, assignments)
+
         snapshot = replace(
             snapshot,
-            gpus=self.gpus.sense(snapshot.wall_time),
+            gpus=self.gpus.sense(snapshot.wall_time, pods),
             local_seconds=_local_seconds(snapshot.wall_time),
         )
         plan, same = self._plan(snapshot, assignments, started)
@@ -280,9 +303,10 @@ class Agent:
     ]:
         """Who the rules and the jobs claim, their parents and write modes: worked out again
         only when the workloads, the jobs or the policy change (a steady tick skips it)."""
-        key = (tuple(identities), tuple(jobs.items()), id(self.spec))
+        pods = self._pods()
+        key = (tuple(identities), tuple(jobs.items()), id(self.spec), pods.version)
         if key != self._claimed_key:
-            assignments = {**assign(identities, self.spec), **jobs}
+            assignments = {**assign(identities, self.spec, pods), **jobs}
             managed = [i for i in identities if i.path in assignments]
             modes = {i.path: write_mode(i, self.spec.agent) for i in managed}
             self._claimed_value = (assignments, managed, self._levels(managed), modes)
@@ -420,6 +444,12 @@ class Agent:
         changed = [k for k in fixed if getattr(spec.agent, k) != getattr(self.spec.agent, k)]
         if spec.gpu.simulate != self.spec.gpu.simulate:
             changed.append("gpu.simulate")
+        if spec.agent.mode != self.spec.agent.mode:
+            changed.append("agent.mode")
+        if spec.kubernetes.model_dump(include=_KUBE_FIXED) != self.spec.kubernetes.model_dump(
+            include=_KUBE_FIXED
+        ):
+            changed.append("kubernetes (sockets, node name, API server)")
         if changed:
             log.error(
                 "policy.needs_restart",
@@ -550,6 +580,8 @@ class Agent:
                 ):
                     break
         sdnotify.stopping()
+        if self.kube is not None:
+            self.kube.close()
         if not self.dry_run:
             self.save_state()
         return ok
@@ -583,7 +615,7 @@ class Agent:
         full tick (policy.newcomer explains what it sets)."""
         identities = [self.registry.workloads[p] for p in paths if p in self.registry.workloads]
         jobs = self.jobs.assignments()
-        assignments = {**assign(identities, self.spec), **jobs}
+        assignments = {**assign(identities, self.spec, self._pods()), **jobs}
         last = self.last
         node = last.snapshot.node if last is not None else self.sensor.node.read()
         plan, snapshot = plan_newcomers(
@@ -614,6 +646,16 @@ class Agent:
 
 
 T = TypeVar("T")
+_KUBE_FIXED = {"node_name", "pod_resources_socket", "pod_resources_timeout", "api_server"}
+
+
+def _kubernetes(spec: PolicySpec) -> KubernetesNode | None:
+    """The Kubernetes side in `agent.mode: kubernetes`; its libraries load only then."""
+    if spec.agent.mode is not AgentMode.KUBERNETES:
+        return None
+    from nodeagent.kube.node import KubernetesNode  # noqa: PLC0415
+
+    return KubernetesNode(spec)
 
 
 def _usage_shares(usage: Mapping[str, float]) -> tuple[tuple[str, float], ...]:

@@ -33,7 +33,7 @@ from nodeagent.policy.placement import (
 )
 from nodeagent.policy.plan import Plan
 from nodeagent.sense.gpus import GpuSensor
-from nodeagent.spec.model import PolicySpec, WorkloadClass
+from nodeagent.spec.model import AgentMode, PolicySpec, WorkloadClass
 from nodeagent.spec.units import parse_duration
 
 log = structlog.get_logger("nodeagent.gpu")
@@ -96,12 +96,22 @@ class GpuService:
         self._exists = exists
         self.state: GpuState | None = None
         self._power_failed: dict[str, str] = {}
+        self.pod_holds: tuple[Hold, ...] = ()
+        """Kubernetes mode: the GPUs the device plugin gave each container (kind "pod"),
+        from the kubelet, beside the ledger's (which stays empty in that mode)."""
 
     # --- the loop ---------------------------------------------------------------------
 
-    def sense(self, now: float) -> GpuState | None:
-        """Read the GPUs; bind reservations to the workloads seen on them; lapse and grant."""
+    def holds(self) -> tuple[Hold, ...]:
+        return self.ledger.holds() + self.pod_holds
+
+    def sense(
+        self, now: float, pods: Callable[[GpuState], tuple[Hold, ...]] | None = None
+    ) -> GpuState | None:
+        """Read the GPUs; bind reservations to the workloads seen on them; lapse and grant.
+        `pods`: in Kubernetes mode, the pods' holds on the GPUs just read."""
         state = self.sensor.read(self.ledger.holds())
+        self.pod_holds = () if state is None or pods is None else pods(state)
         if state is not None:
             parents = state.parents()
             for p in state.processes:
@@ -133,7 +143,7 @@ class GpuService:
                 state.topology,
                 state.telemetry,
                 state.processes,
-                self.ledger.holds(),
+                self.holds(),
                 state.source,
                 state.simulated,
             )
@@ -194,7 +204,7 @@ class GpuService:
     def _place(self, request: Request) -> object:
         """`gpus place` against the live holds: read-only, nothing reserved."""
         node = self._node()
-        held = holdings(self.ledger.holds())
+        held = holdings(self.holds())
         try:
             return answer(
                 from_query(request.query),
@@ -214,7 +224,15 @@ class GpuService:
             raise ApiNotFound(f"this node has no GPUs the agent can use ({why})")
         return node
 
+    def _refuse_in_kubernetes(self, what: str) -> None:
+        if self._spec().agent.mode is AgentMode.KUBERNETES:
+            raise ApiBadRequest(
+                f"{what} is refused: agent.mode is kubernetes, where the kubelet's device"
+                " plugin assigns GPUs; request nvidia.com/gpu in a pod spec instead"
+            )
+
     def _ask(self, request: Request) -> object:
+        self._refuse_in_kubernetes("nodeagent exec --gpus")
         body = request.body
         spec = self._spec()
         want = _request(body)
@@ -259,6 +277,7 @@ class GpuService:
         return {"cancelled": True}
 
     def _reserve(self, request: Request) -> object:
+        self._refuse_in_kubernetes("nodeagent gpus reserve")
         body = request.body
         owner = str(body.get("name", ""))
         if not owner:
@@ -308,7 +327,7 @@ class GpuService:
     def _report(self, _: Request) -> object:
         state = self.state
         report = read_report(self.backend)
-        holds = self.ledger.holds()
+        holds = self.holds()
         found = violations(state) if state is not None else []
         for gpu in report["gpus"]:
             gpu["assigned"] = [
@@ -348,10 +367,10 @@ class GpuService:
 
     def cgroup_gpus(self) -> dict[str, tuple[int, ...]]:
         """GPU indices per workload cgroup, for allocations."""
-        return {h.cgroup: h.indices for h in self.ledger.holds() if h.cgroup is not None}
+        return {h.cgroup: h.indices for h in self.holds() if h.cgroup is not None}
 
     def holder_of(self, cgroup: str) -> Hold | None:
         return next(
-            (h for h in self.ledger.holds() if h.cgroup is not None and within(cgroup, h.cgroup)),
+            (h for h in self.holds() if h.cgroup is not None and within(cgroup, h.cgroup)),
             None,
         )

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 from nodeagent.identity import WorkloadIdentity
+from nodeagent.kube.owners import pod_owner
+from nodeagent.kube.pods import PodDirectory
 from nodeagent.policy.base import Assignment
 from nodeagent.spec.glob import glob_matches
-from nodeagent.spec.model import Match, PolicySpec
+from nodeagent.spec.model import Match, PolicySpec, Rule
 
 
 def matches(match: Match, w: WorkloadIdentity) -> bool:
@@ -25,19 +28,38 @@ def matches(match: Match, w: WorkloadIdentity) -> bool:
     return all(checks)
 
 
-def assign(workloads: Iterable[WorkloadIdentity], spec: PolicySpec) -> dict[str, Assignment]:
-    """Assignments by cgroup path; workloads that no rule matches are left out (left alone)."""
+def assign(
+    workloads: Iterable[WorkloadIdentity], spec: PolicySpec, pods: PodDirectory | None = None
+) -> dict[str, Assignment]:
+    """Assignments by cgroup path; workloads that no rule matches are left out (left alone).
+    `pods`: what is known of the node's pods, for rules that take a pod's tenant or class
+    from Kubernetes (`tenant_from`, `class_from`)."""
     out: dict[str, Assignment] = {}
     for w in workloads:
         for rule in spec.rules:
             if matches(rule.match, w):
-                out[w.path] = Assignment(
-                    rule.name,
-                    rule.tenant,
-                    rule.workload_class,
-                    rule.limits,
-                    deadline=rule.deadline,
-                    work=rule.work,
-                )
+                out[w.path] = _from_pod(rule, w, spec, pods)
                 break
     return out
+
+
+def _from_pod(
+    rule: Rule, w: WorkloadIdentity, spec: PolicySpec, pods: PodDirectory | None
+) -> Assignment:
+    base = Assignment(
+        rule.name, rule.tenant, rule.workload_class, rule.limits, deadline=rule.deadline,
+        work=rule.work,
+    )  # fmt: skip
+    pod = None if pods is None or w.pod_uid is None else pods.pods.get(w.pod_uid)
+    if pod is None or (rule.tenant_from is None and rule.class_from is None):
+        return base
+    owner = pod_owner(pod, pods.namespaces.get(pod.namespace) if pods else None,
+                      spec.kubernetes, spec.tenants)  # fmt: skip
+    if rule.tenant_from is not None and owner.tenant is not None:
+        base = replace(base, tenant=owner.tenant)
+    if rule.class_from is not None:
+        if owner.workload_class is not None:
+            base = replace(base, workload_class=owner.workload_class)
+        if owner.deadline is not None:
+            base = replace(base, deadline=owner.deadline, work=owner.work)
+    return base

@@ -307,6 +307,14 @@ class Rule(_Strict):
     """When the work must be done: an ISO 8601 time with a UTC offset."""
     work: Duration | None = Field(None, gt=0)
     """CPU-seconds the work needs in all, counted from the cgroup's creation."""
+    tenant_from: Literal["kubernetes"] | None = None
+    """kubernetes: a pod's tenant from its namespace (`kubernetes.namespaces`,
+    `kubernetes.tenant_label`, claims through nodeagent.io/tenant); `tenant` is the
+    fallback for a namespace no entry names."""
+    class_from: Literal["kubernetes"] | None = None
+    """kubernetes: a pod's class from `kubernetes.class_from`, and its deadline and work
+    from the nodeagent.io/deadline and nodeagent.io/work annotations; `class`,
+    `deadline` and `work` are the fallbacks."""
 
 
 class MemoryProtection(enum.StrEnum):

@@ -1,0 +1,95 @@
+"""Which GPUs each container holds, as the device plugin assigned them: the kubelet's
+PodResources answer (namespace, pod and container names, device ids) joined to the
+containers' cgroups through what the agent knows of the pods (uid, container ids).
+
+The result is one Hold of kind "pod" per container, with its cgroup, so that GPU
+verification (a process on a GPU its pod was not given), power classes and the metrics
+treat a pod's GPUs as they treat a job's. nodeagent never tells a pod which GPUs to use:
+the device plugin did, and no Hold of kind "pod" is ever turned into an environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from nodeagent.gpu.model import GpuState, Hold
+from nodeagent.identity import Kind, WorkloadIdentity
+from nodeagent.kube.podresources import ContainerDevices
+from nodeagent.kube.pods import PodDirectory
+from nodeagent.spec.glob import glob_matches
+
+KIND = "pod"
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    holds: tuple[Hold, ...]
+    unjoined: tuple[str, ...]
+    """Why a container's GPUs could not be tied to its cgroup (shown once each in the log):
+    their hold has no cgroup, so its GPUs are not checked."""
+
+
+def owner(c: ContainerDevices) -> str:
+    return f"pod:{c.namespace}/{c.pod}/{c.container}"
+
+
+def join(
+    listing: Sequence[ContainerDevices],
+    pods: PodDirectory,
+    identities: Sequence[WorkloadIdentity],
+    *,
+    gpu_resources: Sequence[str],
+    gpus: GpuState,
+    classes: Mapping[str, str],
+) -> Joined:
+    """`classes`: the class of each claimed workload's cgroup, for the power caps."""
+    index = {d.uuid: d.index for d in gpus.devices}
+    index |= {m.uuid: d.index for d in gpus.devices for m in d.mig_devices}
+    cgroups = {
+        (i.pod_uid, i.container_id): i.path
+        for i in identities
+        if i.kind is Kind.CONTAINER and i.pod_uid and i.container_id
+    }
+    holds, unjoined = [], []
+    for c in listing:
+        uuids = tuple(
+            u
+            for d in c.devices
+            if any(glob_matches(g, d.resource) for g in gpu_resources)
+            for u in d.ids
+        )
+        if not uuids:
+            continue
+        cgroup, why = _cgroup(c, pods, cgroups)
+        if why:
+            unjoined.append(f"{owner(c)} holds {', '.join(uuids)}: {why}")
+        foreign = [u for u in uuids if u not in index]
+        if foreign:
+            unjoined.append(f"{owner(c)} holds {', '.join(foreign)}, which is no GPU this node has")
+        holds.append(
+            Hold(
+                owner(c),
+                KIND,
+                tuple(sorted(uuids)),
+                tuple(sorted({index[u] for u in uuids if u in index})),
+                cgroup=cgroup,
+                workload_class=None if cgroup is None else classes.get(cgroup),
+            )
+        )
+    return Joined(tuple(holds), tuple(unjoined))
+
+
+def _cgroup(
+    c: ContainerDevices, pods: PodDirectory, cgroups: Mapping[tuple[str, str], str]
+) -> tuple[str | None, str]:
+    pod = pods.by_name(c.namespace, c.pod)
+    if pod is None:
+        return None, "the pod is not known yet (no API server watch or CRI answer names it)"
+    ids = [cid for cid, name in pod.containers.items() if name == c.container]
+    if not ids:
+        return None, f"pod {pod.uid} has no started container {c.container!r} yet"
+    found = [cgroups[(pod.uid, cid)] for cid in ids if (pod.uid, cid) in cgroups]
+    if not found:
+        return None, f"no cgroup of container {ids[0][:12]} in pod {pod.uid} is known"
+    return found[-1], ""

@@ -1,0 +1,130 @@
+"""The daemon's Kubernetes side, in `agent.mode: kubernetes`: the kubelet's PodResources
+(which GPUs each container holds), the API server's watch when configured (pods' labels
+and annotations as they are now, namespaces' labels), and what the loop asks of them.
+
+PodResources is asked again when the node's pod containers change (a pod started or went)
+and every REFRESH seconds otherwise; a kubelet that does not answer in time costs a tick
+at most `kubernetes.pod_resources_timeout`, is logged once, and the last good answer
+stands. Problems with a pod (a refused tenant claim, a bad deadline annotation, GPUs that
+cannot be tied to a cgroup) are logged once each, as warnings in the audit stream.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+
+import structlog
+
+from nodeagent.errors import NodeagentError, one_line
+from nodeagent.gpu.model import GpuState, Hold
+from nodeagent.identity import Kind, WorkloadIdentity
+from nodeagent.kube import gpus
+from nodeagent.kube.apiwatch import ApiWatch, in_cluster
+from nodeagent.kube.owners import pod_owner
+from nodeagent.kube.podresources import ContainerDevices, PodResourcesClient, PodResourcesError
+from nodeagent.kube.pods import EMPTY, PodDirectory
+from nodeagent.logs import audit_warning
+from nodeagent.policy.base import Assignment
+from nodeagent.spec.model import PolicySpec
+
+log = structlog.get_logger("nodeagent.kubernetes")
+REFRESH = 10.0
+
+
+def node_name(spec: PolicySpec) -> str | None:
+    return spec.kubernetes.node_name or os.environ.get("NODE_NAME") or None
+
+
+class KubernetesNode:
+    def __init__(
+        self,
+        spec: PolicySpec,
+        *,
+        pod_resources: PodResourcesClient | None = None,
+        api: ApiWatch | None = None,
+    ) -> None:
+        k = spec.kubernetes
+        self.pod_resources = pod_resources or PodResourcesClient(
+            k.pod_resources_socket, k.pod_resources_timeout
+        )
+        self.api = api
+        if api is None and k.api_server.watch:
+            name = node_name(spec)
+            if name is None:
+                raise NodeagentError(
+                    "kubernetes.api_server.watch needs this node's name: set NODE_NAME (the"
+                    " DaemonSet sets it from the downward API) or kubernetes.node_name"
+                )
+            self.api = in_cluster(name, k.api_server.timeout, k.api_server.watch_timeout)
+        self.listing: tuple[ContainerDevices, ...] = ()
+        self._asked: tuple[float, object] = (-REFRESH, None)
+        self._failing: str | None = None
+        self._said: set[str] = set()
+        self._checked: object = None
+
+    def start(self) -> None:
+        if self.api is not None:
+            self.api.start()
+
+    def close(self) -> None:
+        if self.api is not None:
+            self.api.close()
+        self.pod_resources.close()
+
+    def pods(self) -> PodDirectory:
+        return self.api.directory() if self.api is not None else EMPTY
+
+    def gpu_holds(
+        self,
+        state: GpuState,
+        spec: PolicySpec,
+        identities: Sequence[WorkloadIdentity],
+        assignments: Mapping[str, Assignment],
+    ) -> tuple[Hold, ...]:
+        containers = frozenset(i.path for i in identities if i.kind is Kind.CONTAINER and i.pod_uid)
+        now = time.monotonic()
+        if containers != self._asked[1] or now - self._asked[0] >= REFRESH:
+            self._ask()
+            self._asked = (now, containers)
+        classes = {p: str(a.workload_class) for p, a in assignments.items()}
+        joined = gpus.join(self.listing, self.pods(), identities,
+                           gpu_resources=spec.kubernetes.gpu_resources, gpus=state,
+                           classes=classes)  # fmt: skip
+        self._once("kubernetes.gpus_unjoined", joined.unjoined)
+        return joined.holds
+
+    def _ask(self) -> None:
+        try:
+            self.listing = self.pod_resources.list()
+        except PodResourcesError as e:
+            message = one_line(e)
+            if message != self._failing:
+                log.warning("kubernetes.pod_resources_failed", error=message,
+                            action="keeping the last answer")  # fmt: skip
+                self._failing = message
+            return
+        if self._failing is not None:
+            log.info("kubernetes.pod_resources_recovered")
+            self._failing = None
+
+    def check_owners(self, spec: PolicySpec, pods: PodDirectory) -> None:
+        """Report each pod's refused claims and unreadable annotations, once each."""
+        if (id(spec), pods.version) == self._checked:
+            return
+        self._checked = (id(spec), pods.version)
+        problems = [
+            p
+            for pod in pods.pods.values()
+            for p in pod_owner(
+                pod, pods.namespaces.get(pod.namespace), spec.kubernetes, spec.tenants
+            ).problems
+        ]
+        self._once("kubernetes.pod_refused", problems)
+
+    def _once(self, event: str, messages: Sequence[str]) -> None:
+        for message in messages:
+            if message not in self._said:
+                self._said.add(message)
+                audit_warning(event, message=message)
