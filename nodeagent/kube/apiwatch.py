@@ -75,6 +75,7 @@ class Informer:
         self._watch: Any = make()
         self.items: dict[str, Any] = {}
         self.resource_version: str | None = None
+        self.events = 0
         self.lists = 0
         """Lists made (the first, and one after each 410 Gone): for the tests and the log."""
         self.synced = threading.Event()
@@ -101,6 +102,7 @@ class Informer:
             if self._stop.is_set():
                 self._watch.stop()
                 return
+            self.events += 1
             kind, obj = event["type"], event["object"]
             if kind in ("ADDED", "MODIFIED"):
                 name, value = self._key(obj)
@@ -117,17 +119,23 @@ class Informer:
 
         failures = 0
         while not self._stop.is_set():
+            seen = self.events
             try:
                 if self.resource_version is None:
                     self.relist()
                 self.watch_once()
                 failures = 0
             except ApiException as e:
-                if e.status == GONE:
+                if self.events != seen:
+                    failures = 0  # it went well until now: a first failure again
+                if e.status == GONE and failures == 0:
                     log.info("kubernetes.relist", kind=self.kind, reason="410 Gone: "
                              + str(e.reason or "resource version too old"))  # fmt: skip
                     self.resource_version = None
+                    failures = 1  # a second 410 in a row (a server that keeps saying it) waits
                     continue
+                if e.status == GONE:
+                    self.resource_version = None
                 failures = self._failed(failures, f"{e.status} {e.reason}")
             except Exception as e:  # the server unreachable, a bad answer: retried
                 failures = self._failed(failures, one_line(e))

@@ -49,6 +49,8 @@ class ApiServerStandIn:
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # a watch is a chunked stream, as the server's
+
             def log_message(self, *args: object) -> None:
                 pass
 
@@ -100,8 +102,9 @@ class ApiServerStandIn:
         self.events[kind].put(END)
 
     def expire(self, kind: str) -> None:
-        """Compact history: every resourceVersion so far is too old to watch from."""
-        self.oldest = self.rv + 1
+        """Compact history: every resourceVersion before the current one is too old to
+        watch from."""
+        self.oldest = self.rv
         self.watching[kind].clear()
         self.events[kind].put(
             {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status":
@@ -128,23 +131,31 @@ class ApiServerStandIn:
     def _watch(self, handler: BaseHTTPRequestHandler, kind: str, query: dict[str, str]) -> None:
         handler.send_response(200)
         handler.send_header("Content-Type", "application/json")
+        handler.send_header("Transfer-Encoding", "chunked")
         handler.send_header("Connection", "close")
         handler.end_headers()
-        if int(query.get("resourceVersion") or 0) < self.oldest:
-            gone = {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status":
-                    "Failure", "message": "too old resource version", "reason": "Expired",
-                    "code": 410}}  # fmt: skip
-            handler.wfile.write(json.dumps(gone).encode() + b"\n")
-            return
-        self.watching[kind].set()
-        while True:
-            event = self.events[kind].get()
-            if event is END:
-                return
-            handler.wfile.write(json.dumps(event).encode() + b"\n")
+
+        def chunk(data: bytes) -> None:
+            handler.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
             handler.wfile.flush()
-            if isinstance(event, dict) and event["type"] == "ERROR":
+
+        try:
+            if int(query.get("resourceVersion") or 0) < self.oldest:
+                gone = {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1",
+                        "status": "Failure", "message": "too old resource version",
+                        "reason": "Expired", "code": 410}}  # fmt: skip
+                chunk(json.dumps(gone).encode() + b"\n")
                 return
+            self.watching[kind].set()
+            while True:
+                event = self.events[kind].get()
+                if event is END:
+                    return
+                chunk(json.dumps(event).encode() + b"\n")
+                if isinstance(event, dict) and event["type"] == "ERROR":
+                    return
+        finally:
+            chunk(b"")
 
 
 def pod(name: str, namespace: str, uid: str, containers: dict[str, str], *, node: str = "gpu-1",

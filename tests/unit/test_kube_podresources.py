@@ -309,3 +309,30 @@ def test_gpus_reserve_is_refused_with_one_line_saying_why(kube_daemon: str) -> N
     with pytest.raises(ApiRefused) as info:
         client.post(kube_daemon, "/v1/gpus/reservations", {"name": "c2", "count": 1})
     assert info.value.status == 400
+
+
+def test_a_pod_claiming_a_tenant_its_namespace_may_not_use_is_refused_and_reported_once(
+    agent: tuple[Agent, Any], api: ApiServerStandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, _ = agent
+    events: list[dict[str, object]] = []
+    monkeypatch.setattr("nodeagent.kube.node.audit_warning",
+                        lambda event, **f: events.append({"event": event, **f}))  # fmt: skip
+    a.tick()
+    api.put("pods", pod("infer-7d9f5c-qz8mw", "prod-serving", INFER_UID, {"server": SERVER},
+                        qos="Guaranteed", labels={"nodeagent.io/class": "inference"},
+                        annotations={"nodeagent.io/tenant": "research"}), "MODIFIED")  # fmt: skip
+    assert a.kube is not None
+    deadline = time.monotonic() + 20
+    while not a.kube.pods().pods[INFER_UID].annotations:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    records = [a.tick(), a.tick()]
+    assert {r.assignments[CGROUP[SERVER]].tenant for r in records} == {"prod"}
+    assert events == [
+        {
+            "event": "kubernetes.pod_refused",
+            "message": "pod prod-serving/infer-7d9f5c-qz8mw claims tenant 'research', which"
+            " namespace prod-serving may not use (it may: prod); refused",
+        }
+    ]
