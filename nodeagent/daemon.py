@@ -266,6 +266,8 @@ class Agent:
             gpus=self.gpus.sense(snapshot.wall_time, pods),
             local_seconds=_local_seconds(snapshot.wall_time),
         )
+        if kube is not None:
+            kube.publish(snapshot.gpus, self.spec)
         plan, same = self._plan(snapshot, assignments, started)
         # an unchanged plan was applied already: only what was read afresh can differ, and
         # what failed to be written last time is tried again

@@ -201,12 +201,11 @@ class ApiWatch:
         return self._directory
 
 
-def in_cluster(node: str, timeout: float, watch_timeout: float) -> ApiWatch:
-    """The watch with the pod's service account (in-cluster configuration)."""
+def in_cluster() -> Any:
+    """An API client with the pod's service account (in-cluster configuration)."""
     from kubernetes import client, config  # noqa: PLC0415
 
     configuration = client.Configuration()
     load: Any = config.load_incluster_config  # untyped
     load(client_configuration=configuration)
-    return ApiWatch(client.ApiClient(configuration), node, timeout=timeout,
-                    watch_timeout=watch_timeout)  # fmt: skip
+    return client.ApiClient(configuration)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import structlog
 
@@ -25,6 +26,7 @@ from nodeagent.kube.apiwatch import ApiWatch, in_cluster
 from nodeagent.kube.owners import pod_owner
 from nodeagent.kube.podresources import ContainerDevices, PodResourcesClient, PodResourcesError
 from nodeagent.kube.pods import EMPTY, PodDirectory
+from nodeagent.kube.publish import Publisher
 from nodeagent.logs import audit_warning
 from nodeagent.policy.base import Assignment
 from nodeagent.spec.model import PolicySpec
@@ -43,21 +45,29 @@ class KubernetesNode:
         spec: PolicySpec,
         *,
         pod_resources: PodResourcesClient | None = None,
-        api: ApiWatch | None = None,
+        api_client: Any = None,
     ) -> None:
+        """`api_client`: a `kubernetes` ApiClient (default: in-cluster, made only when the
+        policy watches the API server or publishes a NodeResourceTopology)."""
         k = spec.kubernetes
+        self.node = node_name(spec)
+        wanted = k.api_server.watch or spec.publish.node_resource_topology
+        if wanted and self.node is None:
+            raise NodeagentError(
+                "kubernetes.api_server.watch and publish.node_resource_topology need this"
+                " node's name: set NODE_NAME (the DaemonSet sets it from the downward API)"
+                " or kubernetes.node_name"
+            )
         self.pod_resources = pod_resources or PodResourcesClient(
             k.pod_resources_socket, k.pod_resources_timeout
         )
-        self.api = api
-        if api is None and k.api_server.watch:
-            name = node_name(spec)
-            if name is None:
-                raise NodeagentError(
-                    "kubernetes.api_server.watch needs this node's name: set NODE_NAME (the"
-                    " DaemonSet sets it from the downward API) or kubernetes.node_name"
-                )
-            self.api = in_cluster(name, k.api_server.timeout, k.api_server.watch_timeout)
+        self.api_client = api_client if api_client is not None or not wanted else in_cluster()
+        self.api: ApiWatch | None = None
+        if k.api_server.watch and self.node is not None:
+            self.api = ApiWatch(self.api_client, self.node, timeout=k.api_server.timeout,
+                                watch_timeout=k.api_server.watch_timeout)  # fmt: skip
+        self.publisher = Publisher(self.pod_resources, self.api_client, self.node,
+                                   lambda: self.listing)  # fmt: skip
         self.listing: tuple[ContainerDevices, ...] = ()
         self._asked: tuple[float, object] = (-REFRESH, None)
         self._failing: str | None = None
@@ -122,6 +132,11 @@ class KubernetesNode:
             ).problems
         ]
         self._once("kubernetes.pod_refused", problems)
+
+    def publish(self, state: GpuState | None, spec: PolicySpec) -> None:
+        """Tell the scheduler what the node has (publish in the policy)."""
+        if state is not None:
+            self.publisher.publish(state, spec)
 
     def _once(self, event: str, messages: Sequence[str]) -> None:
         for message in messages:

@@ -658,11 +658,9 @@ def _check_kubernetes(
             )
         elif source.values is not None and given[0] not in ("annotation", "label"):
             add(("kubernetes", "class_from", i, "values"), "values go with an annotation or label")
-    if spec.publish.node_resource_topology and spec.agent.mode is not AgentMode.KUBERNETES:
-        add(
-            ("publish", "node_resource_topology"),
-            "publishing a NodeResourceTopology needs agent.mode: kubernetes",
-        )
+    for key in ("node_features", "node_resource_topology"):
+        if getattr(spec.publish, key) and spec.agent.mode is not AgentMode.KUBERNETES:
+            add(("publish", key), "publishing to the cluster needs agent.mode: kubernetes")
     if kube.api_server.watch is False and kube.tenant_label is not None:
         add(
             ("kubernetes", "tenant_label"),

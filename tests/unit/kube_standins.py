@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlsplit
 
 import grpc
+from kube_schemas import problems
 
 from nodeagent.kube.podresources import MESSAGES, SERVICE
 
@@ -46,6 +47,10 @@ class ApiServerStandIn:
         self.oldest = 0
         """A watch from a resourceVersion older than this is answered 410 Gone."""
         self.watching = {k: threading.Event() for k in self.objects}
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.topologies: dict[str, dict[str, Any]] = {}
+        """NodeResourceTopology objects by name, each checked against its CRD's schema."""
+        self.writes: list[tuple[str, str]] = []
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -60,12 +65,18 @@ class ApiServerStandIn:
                 stand_in.requests.append((url.path, query))
                 kind = stand_in.PATHS.get(url.path)
                 if kind is None:
-                    self.send_error(404)
+                    stand_in._get(self, url.path)
                     return
                 if query.get("watch") == "true":
                     stand_in._watch(self, kind, query)
                 else:
                     stand_in._list(self, kind)
+
+            def do_POST(self) -> None:
+                stand_in._write(self, "POST")
+
+            def do_PUT(self) -> None:
+                stand_in._write(self, "PUT")
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -114,6 +125,40 @@ class ApiServerStandIn:
 
     # --- the HTTP side -------------------------------------------------------------
 
+    def _get(self, handler: BaseHTTPRequestHandler, path: str) -> None:
+        name = path.rsplit("/", 1)[-1]
+        if path.startswith("/api/v1/nodes/") and name in self.nodes:
+            _reply(handler, 200, self.nodes[name])
+        elif path.startswith(NRT_PATH + "/") and name in self.topologies:
+            _reply(handler, 200, self.topologies[name])
+        else:
+            _reply(handler, 404, _status(404, "NotFound", f"{path} not found"))
+
+    def _write(self, handler: BaseHTTPRequestHandler, method: str) -> None:
+        """Create (POST) or replace (PUT, with the current resourceVersion) an NRT object,
+        refused as the API server refuses it when its schema says no."""
+        path = urlsplit(handler.path).path
+        length = int(handler.headers.get("Content-Length") or 0)
+        body = json.loads(handler.rfile.read(length))
+        self.writes.append((method, path))
+        name = body.get("metadata", {}).get("name", "")
+        found = problems(body)
+        if not path.startswith(NRT_PATH) or found:
+            _reply(handler, 422, _status(422, "Invalid", "; ".join(found) or path))
+            return
+        if method == "POST" and name in self.topologies:
+            _reply(handler, 409, _status(409, "AlreadyExists", f"{name} exists"))
+            return
+        if method == "PUT":
+            current = self.topologies.get(name, {}).get("metadata", {}).get("resourceVersion")
+            if body["metadata"].get("resourceVersion") != current:
+                _reply(handler, 409, _status(409, "Conflict", "the object has been modified"))
+                return
+        self.rv += 1
+        body["metadata"]["resourceVersion"] = str(self.rv)
+        self.topologies[name] = body
+        _reply(handler, 201 if method == "POST" else 200, body)
+
     def _list(self, handler: BaseHTTPRequestHandler, kind: str) -> None:
         body = {
             "kind": self.LIST_KIND[kind],
@@ -156,6 +201,27 @@ class ApiServerStandIn:
                     return
         finally:
             chunk(b"")
+
+
+NRT_PATH = "/apis/topology.node.k8s.io/v1alpha2/noderesourcetopologies"
+
+
+def _status(code: int, reason: str, message: str) -> dict[str, Any]:
+    return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
+            "reason": reason, "code": code}  # fmt: skip
+
+
+def _reply(handler: BaseHTTPRequestHandler, code: int, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
+def node(name: str, uid: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": uid}}
 
 
 def pod(name: str, namespace: str, uid: str, containers: dict[str, str], *, node: str = "gpu-1",

@@ -151,3 +151,23 @@ def test_a_server_that_keeps_answering_410_is_not_listed_in_a_tight_loop(
     time.sleep(2.5)
     # one re-list at once, then backoff (1 s, 2 s, ...): a handful, not thousands
     assert 2 <= watch.pods.lists <= 4, watch.pods.lists
+
+
+def test_watching_without_a_node_name_is_one_line_saying_where_it_comes_from(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    from nodeagent.errors import NodeagentError
+    from nodeagent.kube.node import KubernetesNode
+
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    spec = PolicySpec.model_validate(
+        {"version": 1, "agent": {"mode": "kubernetes"}, "tenants": {"a": {"shares": 1}},
+         "kubernetes": {"api_server": {"watch": True}}}
+    )  # fmt: skip
+    with pytest.raises(NodeagentError) as info:
+        KubernetesNode(spec)
+    assert str(info.value) == (
+        "kubernetes.api_server.watch and publish.node_resource_topology need this node's"
+        " name: set NODE_NAME (the DaemonSet sets it from the downward API) or"
+        " kubernetes.node_name"
+    )

@@ -31,10 +31,9 @@ from nodeagent.daemon import Agent
 from nodeagent.gpu import service as gpu_service
 from nodeagent.gpu.service import GpuService
 from nodeagent.gpu.simulated import load_simulated
-from nodeagent.kube.apiwatch import ApiWatch
 from nodeagent.kube.node import KubernetesNode
 from nodeagent.kube.podresources import PodResourcesClient, PodResourcesError
-from nodeagent.spec.model import PolicySpec
+from nodeagent.spec.model import ApiServerSettings, PolicySpec
 
 PAIRS = REPO / "config/gpus/4x-a100-two-nvlink-pairs.yaml"
 GPU = [d.uuid for d in load_simulated(str(PAIRS)).inventory()]
@@ -150,12 +149,20 @@ def api() -> Iterator[ApiServerStandIn]:
         yield server
 
 
-def watch(server: ApiServerStandIn, node: str = "gpu-1") -> ApiWatch:
-    configuration = kube_client.Configuration(host=server.url)
-    w = ApiWatch(kube_client.ApiClient(configuration), node, timeout=5, watch_timeout=30)
-    w.start()
-    assert w.pods.synced.wait(20) and w.namespaces.synced.wait(20)
-    return w
+def watching(spec: PolicySpec, server: ApiServerStandIn) -> KubernetesNode:
+    """The Kubernetes side as the daemon makes it with kubernetes.api_server.watch on, its
+    client pointed at the stand-in instead of the in-cluster address; synced."""
+    kube = spec.kubernetes.model_copy(
+        update={"node_name": "gpu-1", "api_server": ApiServerSettings(watch=True)}
+    )
+    side = KubernetesNode(
+        spec.model_copy(update={"kubernetes": kube}),
+        api_client=kube_client.ApiClient(kube_client.Configuration(host=server.url)),
+    )
+    side.start()
+    assert side.api is not None
+    assert side.api.pods.synced.wait(20) and side.api.namespaces.synced.wait(20)
+    return side
 
 
 @pytest.fixture
@@ -171,7 +178,7 @@ def agent(tmp_path: Path, api: ApiServerStandIn) -> Iterator[tuple[Agent, Kubele
         a = Agent(spec, CgroupTree(str(root)), dry_run=True)
         assert a.kube is not None
         a.kube.close()
-        a.kube = KubernetesNode(spec, api=watch(api))
+        a.kube = watching(spec, api)
         a.registry.resync()
         try:
             yield a, k
