@@ -146,3 +146,8 @@ def test_the_object_is_created_then_replaced_through_the_api_server(tmp_path: Pa
         publisher._published_at = -1e9
         publisher.publish(pairs, spec)  # nothing changed: nothing sent
     assert api.writes == [("POST", NRT_PATH), ("PUT", f"{NRT_PATH}/gpu-1")]
+
+
+def test_the_readme_shows_the_labels_as_written() -> None:
+    shown = (SHOWN / "4x-a100-two-nvlink-pairs").read_text().split("\n", 2)[2]
+    assert f"```\n{shown}```" in (REPO / "README.md").read_text()
