@@ -50,7 +50,7 @@ from nodeagent.cgroupfs.tree import split_path
 from nodeagent.errors import UnsafePath
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
 
-__all__ = ["classify", "user_manager"]
+__all__ = ["classify", "delegated_root", "may_hold", "user_manager"]
 
 # --- component fragments; none of them can match a '/' -----------------------
 
@@ -263,3 +263,28 @@ def classify(path: str, managed_root: str) -> WorkloadIdentity | None:
     return WorkloadIdentity(
         path=path, kind=Kind.SERVICE, runtime=Runtime.SYSTEMD, owner=owner, name=m["unit"]
     )
+
+
+_HOLDER: Final = re.compile(
+    rf"(?:{_USER_MANAGER}|[^/]+\.slice)(?:/[^/]+\.slice)*"
+    rf"|docker|libpod_parent(?:/[0-9a-f]{{64}})?|kubepods(?:/{_TIER})?",
+    re.ASCII,
+)
+"""The cgroups that are no workload but may have one below them, by the layouts above:
+slices (and a user manager) above services and scopes, and the cgroupfs drivers' parents.
+A pod's containers and the managed root are the scan's to add."""
+
+_DELEGATED: Final = re.compile(rf"{_USER_MANAGER}(?=/|$)", re.ASCII)
+
+
+def may_hold(path: str) -> bool:
+    """Whether some layout places a workload below `path`, a cgroup that is no workload.
+    Pure, like `classify`: the scan descends only where this is true."""
+    return _HOLDER.fullmatch(path) is not None
+
+
+def delegated_root(path: str) -> str | None:
+    """The user manager (user.slice/user-N.slice/user@N.service) at or above `path`, or
+    None: below it, user N makes cgroups at will (user@.service has Delegate=yes)."""
+    m = _DELEGATED.match(path)
+    return None if m is None else m.group(0)

@@ -13,13 +13,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from nodeagent.gpu.model import GpuState, Hold
+from nodeagent.gpu.model import GpuState, Hold, HoldKind
 from nodeagent.identity import Kind, WorkloadIdentity
 from nodeagent.kube.podresources import ContainerDevices
 from nodeagent.kube.pods import PodDirectory
 from nodeagent.spec.glob import glob_matches
-
-KIND = "pod"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +68,7 @@ def join(
         holds.append(
             Hold(
                 owner(c),
-                KIND,
+                HoldKind.POD,
                 tuple(sorted(uuids)),
                 tuple(sorted({index[u] for u in uuids if u in index})),
                 cgroup=cgroup,

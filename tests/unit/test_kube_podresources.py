@@ -25,7 +25,8 @@ from test_cli import REPO, assert_one_line_error, nodeagent
 
 from nodeagent.api import client
 from nodeagent.api.client import ApiRefused
-from nodeagent.api.server import ApiServer
+from nodeagent.api.peer import Peer
+from nodeagent.api.server import ApiServer, Request
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent
 from nodeagent.gpu import service as gpu_service
@@ -245,7 +246,8 @@ def test_no_cuda_visible_devices_is_ever_made_for_a_pod(
         a.tick()
     assert a.gpus.ledger.holds() == ()
     assert {h.kind for h in a.gpus.holds()} == {"pod"}
-    report = a.gpus.routes()["/v1/gpus"]["GET"](None)  # type: ignore[arg-type]
+    root = Request("GET", "/v1/gpus", {}, Peer(pid=1, uid=0, gid=0, groups=frozenset()))
+    report = a.gpus.routes()["/v1/gpus"]["GET"](root)
     assert "CUDA_VISIBLE_DEVICES" not in str(report)
 
 
