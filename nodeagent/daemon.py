@@ -45,6 +45,7 @@ from nodeagent.policy.plan import Plan, make_plan
 from nodeagent.policy.protection import stall
 from nodeagent.policy.weights import ancestors
 from nodeagent.report import TickRecord, allocations, explain, find, identities
+from nodeagent.runtimes.metadata import RuntimeMetadata
 from nodeagent.sdbus import Systemd
 from nodeagent.sense.cgroup_files import NO_NEEDS, Needs
 from nodeagent.sense.node import NodeSensor
@@ -81,6 +82,8 @@ class Agent:
         self.config_path = config_path
         self.proc_root = proc_root
         self.registry = Registry(tree, spec.agent.managed_root)
+        # what the container runtimes say about their containers (names, images, labels, pods)
+        self.runtimes = RuntimeMetadata.from_settings(spec.agent.runtimes)
         # rates over shorter windows than half a tick are noise (cpu.stat moves in scheduler ticks)
         self.sensor = Sensor(
             tree,
@@ -217,7 +220,7 @@ class Agent:
         for path in jobs.keys() - self.registry.workloads.keys():
             self.registry.track(path)  # started since inotify last spoke
         # only workloads a rule or exec claims are sensed: the rest are left alone
-        identities = self.registry.identities()
+        identities = self.runtimes.attach(self.registry.identities())
         assignments, managed, levels, modes = self._claimed(identities, jobs)
         snapshot = self.sensor.snapshot(
             managed,
@@ -420,6 +423,9 @@ class Agent:
                 action="keeping the last good policy; restart nodeagent to apply these",
             )
             return
+        if spec.agent.runtimes != self.spec.agent.runtimes:
+            self.runtimes.close()
+            self.runtimes = RuntimeMetadata.from_settings(spec.agent.runtimes)
         self.spec = spec
         self.sensor.min_window = spec.agent.interval / 2
         self.sensor.verify_every = spec.agent.resync_interval
@@ -567,7 +573,9 @@ class Agent:
     def fast_path(self, paths: list[str]) -> None:
         """Apply new workloads' own caps and their tenant's weight now, before the next
         full tick (policy.newcomer explains what it sets)."""
-        identities = [self.registry.workloads[p] for p in paths if p in self.registry.workloads]
+        found = [self.registry.workloads[p] for p in paths if p in self.registry.workloads]
+        # the runtime's answer is part of the fast path: a rule on labels applies at once
+        identities = self.runtimes.attach(found, complete=False, new=True)
         jobs = self.jobs.assignments()
         assignments = {**assign(identities, self.spec), **jobs}
         last = self.last

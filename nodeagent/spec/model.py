@@ -217,6 +217,22 @@ class SystemdSettings(_Strict):
     (direct), which systemd undoes at its next daemon-reload."""
 
 
+class RuntimeSettings(_Strict):
+    """Where each container runtime answers, for the metadata rules match on (names, images,
+    labels, pods); `null` turns a runtime's lookups off. Read-only, each call within `timeout`."""
+
+    docker: SocketPath | None = "/run/docker.sock"
+    podman: SocketPath | None = "/run/podman/podman.sock"
+    """The socket of `podman system service`; without it, what `podman_storage` keeps."""
+    podman_storage: HostPath | None = "/var/lib/containers/storage"
+    """podman's store (graphroot), read when its API socket is absent: names and images only."""
+    containerd: SocketPath | None = "/run/containerd/containerd.sock"
+    """Its CRI plugin (Kubernetes pods)."""
+    crio: SocketPath | None = "/var/run/crio/crio.sock"
+    timeout: Duration = Field(0.2, ge=0.01, le=5)
+    """The deadline of each lookup (all its calls together)."""
+
+
 class AgentSettings(_Strict):
     """How the daemon runs: its tick, where it keeps state, and which subtree it owns."""
 
@@ -236,6 +252,7 @@ class AgentSettings(_Strict):
     kubelet_levels: _Permission = Permission.READ_ONLY
     """kubepods and the QoS tiers: the kubelet rewrites their weights about every minute,
     so by default the agent leaves them to it (see the README)."""
+    runtimes: RuntimeSettings = RuntimeSettings()
 
 
 class FairShareSettings(_Strict):
