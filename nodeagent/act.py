@@ -11,13 +11,17 @@ attribute the plan holds for it is set as a runtime property of its unit over D-
 (systemd re-applies a unit's whole controller from its properties whenever one changes
 and at every daemon-reload, so a file written alone would be undone), then each file is
 written with the value systemd writes for it (the plan holds it rounded already); a
-freeze goes through systemd's FreezeUnit. Without D-Bus, `agent.systemd.without_bus`
-says whether such cgroups are left alone (said once) or their files written directly.
+freeze goes through systemd's FreezeUnit. The unit is the one systemd says has that very
+cgroup as its own, asked once per cgroup (`_VerifiedUnits`), never read off the path: a
+cgroup merely named like a unit, or below one, is left read-only, logged once. Without
+D-Bus, `agent.systemd.without_bus` says whether such cgroups are left alone (said once) or
+their files written directly.
 """
 
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -30,9 +34,9 @@ from nodeagent.cgroupfs.unitprops import unit_properties
 from nodeagent.cgroupfs.values import Attribute, Frozen, MemoryLimit, Value, is_looser
 from nodeagent.errors import NodeagentError, one_line
 from nodeagent.logs import audit_event
-from nodeagent.ownership import WriteMode
+from nodeagent.ownership import WriteMode, read_only_reason
 from nodeagent.policy.plan import Plan, Target
-from nodeagent.sdbus import NoBus
+from nodeagent.sdbus import NoBus, NotTheUnit
 from nodeagent.snapshot import NodeSnapshot
 from nodeagent.spec.model import WithoutBus
 
@@ -100,6 +104,7 @@ class Executor:
         self.without_bus = without_bus
         self._bus_down: str | None = None
         """Why D-Bus could not be reached, while it cannot; logged once per outage."""
+        self._verified = _VerifiedUnits(tree)
 
     def apply(
         self, plan: Plan, snapshot: NodeSnapshot, only: Collection[str] | None = None
@@ -122,7 +127,7 @@ class Executor:
                 if cg.write is not WriteMode.READ_ONLY:
                     pending.append(change)
                 else:
-                    why = f"owned by {cg.identity.owner}: not written directly"
+                    why = read_only_reason(cg.identity)
                     results.append(_result(change, Outcome.READ_ONLY, why))
         loosen: list[_Pending] = []
         tighten: list[_Pending] = []
@@ -163,31 +168,38 @@ class Executor:
         """The unit of a systemd cgroup with its properties set (once per tick), None to
         write its files directly (no D-Bus, by the operator's choice), or the result that
         stands for all its writes (read-only without D-Bus, or the unit refused)."""
-        done = self._systemd.units.get(path)
-        if done is not None:
-            return done
+        if path in self._systemd.units:
+            return self._systemd.units[path]
+        outcome: str | WriteResult | None
         try:
             if self.units is None:
                 raise NoBus("no D-Bus client configured")
-            unit = self.units.unit_for_cgroup(path)
-            properties = self._systemd.properties(path, self._usage(d))
-            self.units.set_unit_properties(unit, properties)
+            unit = self._verified.unit(d, self.units)
+            if isinstance(unit, str):
+                properties = self._systemd.properties(path, self._usage(d))
+                self.units.set_unit_properties(unit, properties)
         except NoBus as e:
-            outcome: str | WriteResult | None = self._no_bus(path, str(e))
+            outcome = self._no_bus(path, str(e))
         except NodeagentError as e:
             outcome = WriteResult(path, Attribute.CPU_WEIGHT, None, "", "", Outcome.FAILED, str(e))
         else:
             if self._bus_down is not None:
                 log.info("systemd.reachable", via=getattr(self.units, "via", None))
                 self._bus_down = None
-            audit_event(
-                "systemd.set_properties",
-                unit=unit,
-                cgroup=path,
-                properties=properties,
-                reason="set on the unit before its files, as runc does",
-            )
-            outcome = unit
+            if isinstance(unit, NotTheUnit):
+                why = str(unit)
+                outcome = WriteResult(
+                    path, Attribute.CPU_WEIGHT, None, "", "", Outcome.READ_ONLY, why
+                )
+            else:
+                audit_event(
+                    "systemd.set_properties",
+                    unit=unit,
+                    cgroup=path,
+                    properties=properties,
+                    reason="set on the unit before its files, as runc does",
+                )
+                outcome = unit
         self._systemd.units[path] = outcome
         return outcome
 
@@ -285,6 +297,60 @@ class _UnitWrites:
                 value = kept
             out.update(unit_properties(attr, value))
         return out
+
+
+_SWEEP_MIN = 256
+
+
+class _VerifiedUnits:
+    """Which unit systemd says has each cgroup as its own, or that none has, kept for the
+    cgroup's life: asked once per cgroup, not once per write or per tick.
+
+    Keyed by path and checked against the directory's inode (on cgroup2, the cgroup's
+    64-bit id, not reused while the kernel runs): one removed and made again under the same
+    path, by a runtime or by anyone else, is asked about again. Entries whose cgroup is
+    gone are dropped whenever the cache has doubled since the last sweep, so it holds about
+    the live cgroups, not every one ever seen.
+    """
+
+    def __init__(self, tree: CgroupTree) -> None:
+        self._tree = tree
+        self._known: dict[str, tuple[int, str | NotTheUnit]] = {}
+        self._sweep_at = _SWEEP_MIN
+
+    def unit(self, d: CgroupDir, units: Units) -> str | NotTheUnit:
+        """The unit of the open cgroup `d`, or why none is (returned, not raised: kept)."""
+        inode = os.fstat(d.fd).st_ino
+        known = self._known.get(d.path)
+        if known is not None and known[0] == inode:
+            return known[1]
+        answer: str | NotTheUnit
+        try:
+            answer = units.unit_for_cgroup(d.path)
+        except NotTheUnit as e:
+            log.warning(
+                "systemd.not_the_unit",
+                cgroup=e.cgroup,
+                unit=e.unit,
+                unit_cgroup=e.unit_cgroup or None,
+                action="left read-only: writing through that unit would change its cgroup",
+            )
+            answer = e.with_traceback(None)  # kept as a value: its frames need not be
+        self._known[d.path] = (inode, answer)
+        if len(self._known) >= self._sweep_at:
+            self._sweep()
+        return answer
+
+    def _sweep(self) -> None:
+        for path, (inode, _) in list(self._known.items()):
+            try:
+                with self._tree.open(path) as d:
+                    alive = os.fstat(d.fd).st_ino == inode
+            except (CgroupVanished, NodeagentError):
+                alive = False
+            if not alive:
+                del self._known[path]
+        self._sweep_at = max(_SWEEP_MIN, 2 * len(self._known))
 
 
 def _result(p: _Pending, outcome: Outcome, detail: str = "") -> WriteResult:

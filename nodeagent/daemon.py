@@ -7,6 +7,7 @@ only makes a tick come sooner when a cgroup appears or goes.
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 import select
@@ -28,8 +29,9 @@ from nodeagent.cgroupfs.subtree import ensure_managed_root, leave_managed_path
 from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
 from nodeagent.changes import NoteLog, ProblemLog
 from nodeagent.discovery.registry import Registry
-from nodeagent.errors import NodeagentError
+from nodeagent.errors import NodeagentError, one_line
 from nodeagent.gpu.backend import open_backend
+from nodeagent.gpu.model import Hold, HoldKind
 from nodeagent.gpu.service import GpuService, environment
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.jobs import Jobs
@@ -106,10 +108,9 @@ class Agent:
             lambda: self.spec,
             self._fairness,
             self._exists,
+            lambda: self.registry.workloads.values(),  # noqa: PLW0108 - a resync replaces the dict
         )
-        self.jobs = Jobs(
-            tree, audit_write, proc_root, on_end=lambda job: self.gpus.release(job.name)
-        )
+        self.jobs = Jobs(tree, audit_write, proc_root, on_end=self.gpus.release_job)
         self.carry: dict[str, Mapping[str, object]] = {}
         """The policies' state for their next tick (the protection controller's)."""
         self.usage: dict[str, float] = self._restore()
@@ -120,6 +121,7 @@ class Agent:
         """Told of every tick: its record, or None when it failed (the metrics)."""
         self._lock = threading.Lock()
         self._saved_at = 0.0
+        self._save_logged = -math.inf
         self._read_all = True
         """Read every file of every workload next tick (at start, after a reload)."""
         self._plan_key: object = None
@@ -148,6 +150,9 @@ class Agent:
         """The last plan's assignments, for as long as it is made again (same cgroups)."""
         self.stop = threading.Event()
         self.reload_requested = threading.Event()
+        self.last_reload = (True, time.time())
+        """Whether the last reload applied the file, and when the policy in force was loaded
+        (for the metrics; the start-up load counts as a reload that applied)."""
 
     def _with_overrides(self, spec: PolicySpec) -> PolicySpec:
         """Command-line settings win over the file's, at start and on every reload."""
@@ -196,13 +201,25 @@ class Agent:
         if saved is None:
             return {}
         self.jobs.load(saved.jobs, self.spec.agent.managed_root)
-        running = {j["name"] for j in self.jobs.dump()}
-        self.gpus.ledger.load(
-            saved.gpus, lambda h: h.owner in running if h.kind == "job" else h.kind == "reservation"
-        )
+        self.gpus.ledger.load(saved.gpus, self._kept_hold, time.monotonic(), time.time())
         self.carry = {k: dict(v) for k, v in saved.carry.items()}
         elapsed = time.time() - saved.saved_at
         return decay(saved.tenant_usage, elapsed, self.spec.fair_share.half_life)
+
+    def _kept_hold(self, hold: Hold) -> Hold | None:
+        """A saved hold is kept if it is a reservation, or the hold of a job still running
+        (the job names it by id, or, in a file from before holds had ids, by its name and
+        GPUs: the job then adopts it)."""
+        if hold.kind is HoldKind.RESERVATION:
+            return hold
+        for job in self.jobs.running():
+            if job.gpu_hold is not None:
+                if job.gpu_hold == hold.id and job.uid == hold.uid:
+                    return hold
+            elif job.name == hold.owner and job.gpus == hold.uuids:
+                self.jobs.adopt(job.name, hold.id)
+                return replace(hold, uid=job.uid, tenant=job.tenant)
+        return None
 
     def prepare(self) -> None:
         """Create and enable the managed subtree, then discover. Writes nothing in dry-run."""
@@ -237,7 +254,7 @@ class Agent:
             self.jobs.reap(snapshot)
         snapshot = replace(
             snapshot,
-            gpus=self.gpus.sense(snapshot.wall_time),
+            gpus=self.gpus.sense(time.monotonic()),
             local_seconds=_local_seconds(snapshot.wall_time),
         )
         plan, same = self._plan(snapshot, assignments, started)
@@ -388,22 +405,30 @@ class Agent:
         return stalling
 
     def save_state(self) -> None:
-        """Save the usage history. A failure is logged and retried at the next interval, not
-        at the next tick: the attempt counts as the save, so a full disk logs once per
-        interval."""
-        self._saved_at = time.monotonic()
-        saved = state.SavedState(
-            time.time(), self.usage, self.jobs.dump(), self.carry, self.gpus.ledger.dump()
-        )
+        """Save the usage history, the jobs, the holds and the carried state. Never raises:
+        a failure of any kind is logged, at most once per interval (a full disk, or a value
+        the file cannot hold, is not logged at every tick and every exec), and retried at
+        the next interval, not at the next tick: the attempt counts as the save."""
+        now = time.monotonic()
+        self._saved_at = now
         try:
+            wall = time.time()
+            saved = state.SavedState(
+                wall, self.usage, self.jobs.dump(), self.carry, self.gpus.ledger.dump(now, wall)
+            )
             state.save(self.spec.agent.state_file, saved)
-        except (OSError, NodeagentError) as e:
-            log.error("state.save_failed", file=self.spec.agent.state_file, error=str(e))
+        except Exception as e:  # saving must never take the loop, or an API call, down
+            if now - self._save_logged >= STATE_SAVE_INTERVAL:
+                self._save_logged = now
+                log.error("state.save_failed", file=self.spec.agent.state_file, error=one_line(e))
+        else:
+            self._save_logged = -math.inf
 
     def reload(self) -> None:
         """Re-read the policy file; on any problem keep running on the last good policy."""
         if self.config_path is None:
             return
+        self.last_reload = (False, self.last_reload[1])  # failed, unless it gets to the end
         try:
             spec = self._with_overrides(load_policy(self.config_path))
         except PolicyError as e:
@@ -431,6 +456,7 @@ class Agent:
         self.sensor.verify_every = spec.agent.resync_interval
         self._read_all, self._replan_at = True, 0.0
         log.info("policy.reloaded", file=self.config_path, rules=len(spec.rules))
+        self.last_reload = (True, time.time())
 
     # --- the API's view -------------------------------------------------------------------
 
@@ -477,8 +503,7 @@ class Agent:
                 request.body, request.peer, self.spec, time.time(), self.gpus.claim
             )
             self.save_state()  # a restart must know the job before its next periodic save
-            hold = self.gpus.ledger.holds()
-            mine = next((h for h in hold if h.owner == job.name and h.kind == "job"), None)
+            mine = next((h for h in self.gpus.ledger.holds() if h.id == job.gpu_hold), None)
             return {**job.to_json(), "env": {} if mine is None else environment(mine)}
 
         def finish_job(request: Request) -> object:
@@ -643,7 +668,11 @@ def serve_metrics(agent: Agent) -> MetricsServer | None:
     from nodeagent.metrics.collector import TickCollector  # noqa: PLC0415
     from nodeagent.metrics.server import MetricsServer  # noqa: PLC0415
 
-    collector = TickCollector(lambda: agent.notes.deadline_misses)
+    collector = TickCollector(
+        lambda: agent.notes.deadline_misses,
+        reload=lambda: agent.last_reload,
+        interval=lambda: agent.spec.agent.interval,
+    )
     if agent.gpus.backend.inventory():
         collector.watch_gpus(agent.gpus.backend)
     server = MetricsServer.start(listen, collector)

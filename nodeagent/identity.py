@@ -30,12 +30,15 @@ class Kind(enum.StrEnum):
 
 class Owner(enum.StrEnum):
     """Who manages the cgroup's attributes, and so how the agent may write them (see
-    nodeagent.ownership): its own subtree and cgroupfs-driver trees directly, systemd's
-    cgroups through systemd's D-Bus API (never the file alone), others not at all."""
+    nodeagent.ownership): its own subtree and cgroupfs-driver trees directly, the system
+    manager's cgroups through systemd's D-Bus API (never the file alone), others not at all."""
 
     NODEAGENT = "nodeagent"
     CGROUPFS = "cgroupfs"
     SYSTEMD = "systemd"
+    USER_SYSTEMD = "user-systemd"
+    """A user's own systemd manager (below ``user@<n>.service``: rootless podman, user
+    services): its units are not the system manager's, so they are read-only."""
     OTHER = "other"
 
 

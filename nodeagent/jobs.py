@@ -17,17 +17,36 @@ the jobs that still run.
 
 from __future__ import annotations
 
-import difflib
-import math
 import os
-import re
+import signal
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Annotated, Any, Protocol
 
 import structlog
+from pydantic import Field, ValidationError
 
+from nodeagent.access import tenant_and_class
+from nodeagent.api.bodies import (
+    MIN_MEMORY,
+    Body,
+    CgroupPath,
+    Classed,
+    Cpus,
+    Instant,
+    Memory,
+    Name,
+    Pid,
+    Text,
+    Token,
+    Uid,
+    Work,
+    check_future,
+    check_name,
+    parse,
+    problem,
+)
 from nodeagent.api.peer import Peer
 from nodeagent.api.server import ApiBadRequest, ApiConflict, ApiForbidden, ApiNotFound
 from nodeagent.cgroupfs.tree import AuditFn, CgroupTree, CgroupVanished
@@ -40,20 +59,7 @@ from nodeagent.spec.model import Limits, PolicySpec, WorkloadClass
 
 log = structlog.get_logger("nodeagent.jobs")
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@+-]{0,62}")
-"""A job name is its cgroup's name: one path component, no '/', not '.', at most 63."""
-_RESERVED_SUFFIXES = (".slice", ".scope", ".service", ".mount", ".socket")
-MIN_MEMORY = 1 << 20
-
-
-def check_name(name: str) -> str:
-    """The name, or a one-line reason it cannot name a cgroup."""
-    if not NAME.fullmatch(name) or name.endswith(_RESERVED_SUFFIXES):
-        raise ApiBadRequest(
-            f"job name {name!r} is not a safe cgroup name: use 1 to 63 letters, digits and"
-            " '_.@+-', starting with a letter or digit, not ending in a systemd unit suffix"
-        )
-    return name
+__all__ = ["MIN_MEMORY", "Job", "Jobs", "check_name"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +76,8 @@ class Job:
     cpus: float | None = None
     memory: int | None = None
     gpus: tuple[str, ...] = field(default_factory=tuple)
+    gpu_hold: str | None = None
+    """The id of its GPU hold: what its end releases (None: it holds no GPUs)."""
 
     def assignment(self) -> Assignment:
         limits = Limits.model_validate(
@@ -97,31 +105,76 @@ class Job:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Job:
+        """A saved record, checked as the API checks a request: ValidationError if not."""
+        r = JobRecord.model_validate(data)
         return cls(
-            name=check_name(str(data["name"])),
-            cgroup=str(data["cgroup"]),
-            tenant=str(data["tenant"]),
-            workload_class=WorkloadClass(data["workload_class"]),
-            uid=int(data["uid"]),
-            pid=int(data["pid"]),
-            submitted_at=float(data["submitted_at"]),
-            deadline=None if data.get("deadline") is None else float(data["deadline"]),
-            work=None if data.get("work") is None else float(data["work"]),
-            cpus=None if data.get("cpus") is None else float(data["cpus"]),
-            memory=None if data.get("memory") is None else int(data["memory"]),
-            gpus=tuple(str(g) for g in data.get("gpus") or ()),
-        )
+            name=r.name, cgroup=r.cgroup, tenant=r.tenant, workload_class=r.workload_class,
+            uid=r.uid, pid=r.pid, submitted_at=r.submitted_at, deadline=r.deadline,
+            work=r.work, cpus=r.cpus, memory=r.memory, gpus=tuple(r.gpus),
+            gpu_hold=r.gpu_hold,
+        )  # fmt: skip
 
 
-def _number(body: Mapping[str, Any], key: str, *, positive: bool = True) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ApiBadRequest(f"{key} must be a number, got {value!r}")
-    if positive and value <= 0:
-        raise ApiBadRequest(f"{key} must be positive, got {value:g}")
-    return float(value)
+class JobRecord(Body):
+    """A job as the state file keeps it."""
+
+    name: Name
+    cgroup: CgroupPath
+    tenant: Text
+    workload_class: Annotated[WorkloadClass, Field(strict=False)]
+    uid: Uid
+    pid: Pid
+    submitted_at: Instant
+    deadline: Instant | None = None
+    work: Work | None = None
+    cpus: Cpus | None = None
+    memory: Memory | None = None
+    gpus: Annotated[list[Text], Field(max_length=64)] = Field(default_factory=list)
+    gpu_hold: Token | None = None
+
+
+class StartBody(Classed):
+    """POST /v1/jobs."""
+
+    name: Name
+    pid: Pid
+    deadline: Instant | None = None
+    work: Work | None = None
+    cpus: Cpus | None = None
+    memory: Memory | None = None
+    gpu_request: Token | None = None
+
+
+class FinishBody(Body):
+    """DELETE /v1/jobs."""
+
+    name: Text
+    exit_status: Annotated[int, Field(ge=0, le=255)] | None = None
+
+
+class Process(Protocol):
+    """A process held by a pidfd, so that its pid cannot come to name another one unseen."""
+
+    def alive(self) -> bool:
+        """Not yet reaped: its pid still names it (a zombie's pid is not reused)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Pidfd:
+    def __init__(self, pid: int) -> None:
+        self.fd = os.pidfd_open(pid)
+
+    def alive(self) -> bool:
+        try:
+            signal.pidfd_send_signal(self.fd, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 def _parent_and_uid(pid: int, proc_root: str) -> tuple[int, int]:
@@ -155,7 +208,8 @@ class Jobs:
         self.audit = audit
         self.proc_root = proc_root
         self.on_end = on_end
-        """Called once when a job is gone (its GPUs go back)."""
+        """Called exactly once when a job is gone (its GPUs go back)."""
+        self.open_process: Callable[[int], Process] = Pidfd
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
 
@@ -167,27 +221,30 @@ class Jobs:
         peer: Peer,
         spec: PolicySpec,
         now: float,
-        claim_gpus: Callable[[object, str, str], Hold] | None = None,
+        claim_gpus: Callable[[str, Job], Hold] | None = None,
     ) -> Job:
         """Check a request, make the job's cgroup with its limits, move its process in.
         With `gpu_request` in the body, `claim_gpus` turns that grant into the job's own."""
-        job = self._check(body, peer, spec, now)
-        with self._lock:
-            if job.name in self._jobs:
-                raise ApiConflict(f"job name {job.name!r} is taken by a running job; pick another")
-            hold = None
-            if body.get("gpu_request") is not None:
-                if claim_gpus is None:
-                    raise ApiBadRequest("this daemon has no GPUs to give")
-                hold = claim_gpus(body["gpu_request"], job.name, job.cgroup)
-                job = replace(job, gpus=hold.uuids)
-            try:
-                self._make_cgroup(job, spec, hold)
-            except BaseException:
-                if hold is not None:
-                    self.on_end(job)
-                raise
-            self._jobs[job.name] = job
+        request = parse(StartBody, body)
+        job, process = self._check(request, peer, spec, now)
+        try:
+            with self._lock:
+                self._admit(job, spec)
+                hold = None
+                if request.gpu_request is not None:
+                    if claim_gpus is None:
+                        raise ApiBadRequest("this daemon has no GPUs to give")
+                    hold = claim_gpus(request.gpu_request, job)
+                    job = replace(job, gpus=hold.uuids, gpu_hold=hold.id)
+                try:
+                    self._make_cgroup(job, spec, hold, process)
+                except BaseException:
+                    if hold is not None:
+                        self.on_end(job)
+                    raise
+                self._jobs[job.name] = job
+        finally:
+            process.close()
         log.info(
             "job.started",
             job=job.name,
@@ -201,68 +258,67 @@ class Jobs:
         )
         return job
 
+    def _admit(self, job: Job, spec: PolicySpec) -> None:
+        """A free name, and room under the caller's cap (root has none); inside the lock."""
+        if job.name in self._jobs:
+            raise ApiConflict(f"job name {job.name!r} is taken by a running job; pick another")
+        most = spec.jobs.max_per_user
+        if job.uid != 0 and sum(j.uid == job.uid for j in self._jobs.values()) >= most:
+            raise ApiConflict(
+                f"uid {job.uid} runs {most} jobs already, the most jobs.max_per_user allows"
+            )
+
     def finish(self, body: Mapping[str, Any], peer: Peer) -> Job:
         """The CLI's word that the command exited; the cgroup goes when it is empty."""
-        name = str(body.get("name", ""))
+        request = parse(FinishBody, body)
         with self._lock:
-            job = self._jobs.get(name)
+            job = self._jobs.get(request.name)
             if job is None:
-                raise ApiNotFound(f"no running job named {name!r}")
+                raise ApiNotFound(f"no running job named {request.name!r}")
             if peer.uid not in (0, job.uid):
-                raise ApiForbidden(f"job {name!r} belongs to uid {job.uid}")
-        self._remove_if_empty(job, body.get("exit_status"))
+                raise ApiForbidden(f"job {request.name!r} belongs to uid {job.uid}")
+        self._remove_if_empty(job, request.exit_status)
         return job
 
-    def _check(self, body: Mapping[str, Any], peer: Peer, spec: PolicySpec, now: float) -> Job:
-        name = check_name(str(body.get("name", "")))
-        tenant = body.get("tenant") or spec.jobs.default_tenant
-        if tenant is None:
-            raise ApiBadRequest(
-                "no tenant: pass --tenant, or name a default in the policy (jobs.default_tenant)"
-            )
-        if tenant not in spec.tenants:
-            close = difflib.get_close_matches(str(tenant), list(spec.tenants), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ApiBadRequest(
-                f"unknown tenant {tenant!r}{hint} (tenants: {', '.join(sorted(spec.tenants))})"
-            )
-        raw_class = body.get("class") or str(spec.jobs.default_class)
-        try:
-            cls = WorkloadClass(raw_class)
-        except ValueError:
-            names = ", ".join(c.value for c in WorkloadClass)
-            raise ApiBadRequest(f"unknown class {raw_class!r} (classes: {names})") from None
-        deadline, work = _number(body, "deadline"), _number(body, "work")
+    def _check(
+        self, body: StartBody, peer: Peer, spec: PolicySpec, now: float
+    ) -> tuple[Job, Process]:
+        """The job a request describes, and its process held by a pidfd (the caller closes
+        it), or the one-line reason it is refused."""
+        tenant, cls = tenant_and_class(spec, peer, body.tenant, body.workload_class)
+        deadline, work = body.deadline, body.work
         if (deadline is None) != (work is None):
             raise ApiBadRequest("a deadline needs the work it is for, and work needs a deadline")
-        if deadline is not None and deadline <= now:
-            raise ApiBadRequest(f"the deadline is {now - deadline:.0f} s in the past")
-        cpus, memory = _number(body, "cpus"), _number(body, "memory")
-        if memory is not None and memory < MIN_MEMORY:
-            raise ApiBadRequest(f"memory {memory:.0f} bytes is below 1Mi")
-        pid = body.get("pid")
-        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
-            raise ApiBadRequest(f"pid must be a process id, got {pid!r}")
+        check_future(deadline, now)
+        pid = body.pid
+        refused = ApiForbidden(
+            f"process {pid} is not a child of the calling process {peer.pid} (uid {peer.uid})"
+        )
+        try:
+            process = self.open_process(pid)
+        except OSError:
+            raise refused from None
+        # read while the pidfd holds the process: alive after the read, the read was of it
         ppid, uid = _parent_and_uid(pid, self.proc_root)
-        if ppid != peer.pid or uid != peer.uid:
-            raise ApiForbidden(
-                f"process {pid} is not a child of the calling process {peer.pid} (uid {peer.uid})"
-            )
-        return Job(
-            name=name,
-            cgroup=f"{spec.agent.managed_root}/{name}",
-            tenant=str(tenant),
+        if ppid != peer.pid or uid != peer.uid or not process.alive():
+            process.close()
+            raise refused
+        job = Job(
+            name=body.name,
+            cgroup=f"{spec.agent.managed_root}/{body.name}",
+            tenant=tenant,
             workload_class=cls,
             uid=peer.uid,
             pid=pid,
             submitted_at=now,
             deadline=deadline,
             work=work,
-            cpus=cpus,
-            memory=None if memory is None else int(memory),
+            cpus=body.cpus,
+            memory=body.memory,
         )
+        return job, process
 
-    def _make_cgroup(self, job: Job, spec: PolicySpec, hold: Hold | None) -> None:
+    def _make_cgroup(self, job: Job, spec: PolicySpec, hold: Hold | None, process: Process) -> None:
         try:
             if not self.tree.mkdir(job.cgroup):
                 raise ApiConflict(f"job name {job.name!r} is taken: cgroup {job.cgroup} exists")
@@ -283,7 +339,14 @@ class Jobs:
                     self._write(d, Attribute.MEMORY_MAX, value, job)
                 if hold is not None and spec.gpu.pin_cpus and hold.cpus and d.has("cpuset.cpus"):
                     self._write(d, "cpuset.cpus", format_cpulist(hold.cpus), job)
+                if not process.alive():
+                    raise ApiForbidden(f"process {job.pid} ended before it could be moved")
                 d.write("cgroup.procs", str(job.pid))
+                if not process.alive():
+                    # It was reaped around the write: the pid may have named another process
+                    # by then. Whatever went in is put back at the root, and the job refused.
+                    self._evict(job)
+                    raise ApiForbidden(f"process {job.pid} ended while it was being moved")
                 self.audit(
                     self.tree.path_of(job.cgroup) + "/cgroup.procs",
                     "cgroup.procs",
@@ -293,7 +356,26 @@ class Jobs:
                 )
         except (NodeagentError, CgroupVanished) as e:
             self._rmdir(job)
+            if isinstance(e, ApiForbidden):
+                raise
             raise ApiBadRequest(f"cannot start job {job.name!r}: {one_line(e)}") from e
+
+    def _evict(self, job: Job) -> None:
+        """Move every process in a refused job's cgroup to the cgroup root."""
+        with self.tree.open(job.cgroup) as d:
+            strays = d.read("cgroup.procs").split()
+        with self.tree.open("") as root:
+            for pid in strays:
+                root.write("cgroup.procs", pid)
+                self.audit(
+                    os.path.join(self.tree.root, "cgroup.procs"),
+                    "cgroup.procs",
+                    None,
+                    pid,
+                    f"job {job.name} refused: pid {pid} went into its cgroup after its"
+                    f" process {job.pid} ended",
+                )
+        log.warning("job.pid_reused", job=job.name, pid=job.pid, moved_to_root=strays)
 
     def _write(self, d: Any, attribute: str, value: str, job: Job) -> None:
         old = d.read(attribute).strip()
@@ -316,35 +398,44 @@ class Jobs:
         with self._lock:
             return next((j for j in self._jobs.values() if j.cgroup == cgroup), None)
 
+    def running(self) -> list[Job]:
+        with self._lock:
+            return list(self._jobs.values())
+
     def reap(self, snapshot: NodeSnapshot) -> list[Job]:
         """Forget jobs whose cgroup is gone or empty, removing the empty cgroups."""
         states = {w.path: w for w in snapshot.workloads}
-        with self._lock:
-            jobs = list(self._jobs.values())
         gone = []
-        for job in jobs:
+        for job in self.running():
             w = states.get(job.cgroup)
-            if job.cgroup in snapshot.vanished or (w is not None and w.sample.populated is False):
-                self._remove_if_empty(job, None)
+            empty = job.cgroup in snapshot.vanished or (
+                w is not None and w.sample.populated is False
+            )
+            if empty and self._remove_if_empty(job, None):
                 gone.append(job)
         return gone
 
-    def _remove_if_empty(self, job: Job, exit_status: object) -> None:
-        try:
-            with self.tree.open(job.cgroup) as d:
-                if d.read("cgroup.procs").split():
-                    return  # something it started still runs: the loop removes it later
-        except CgroupVanished:
-            pass
-        except NodeagentError as e:
-            log.warning("job.check_failed", job=job.name, cgroup=job.cgroup, error=str(e))
-            return
-        self._rmdir(job)
+    def _remove_if_empty(self, job: Job, exit_status: object) -> bool:
+        """Remove `job` if it is still the record of its name (not a successor of the same
+        name started since it was looked up) and its cgroup is empty; whether it did. The
+        check, the rmdir and the removal are one step under the lock, so on_end runs once."""
         with self._lock:
-            known = self._jobs.pop(job.name, None) is not None
-        if known:
-            self.on_end(job)
-            log.info("job.finished", job=job.name, cgroup=job.cgroup, exit_status=exit_status)
+            if self._jobs.get(job.name) is not job:
+                return False
+            try:
+                with self.tree.open(job.cgroup) as d:
+                    if d.read("cgroup.procs").split():
+                        return False  # something it started still runs: removed later
+            except CgroupVanished:
+                pass
+            except NodeagentError as e:
+                log.warning("job.check_failed", job=job.name, cgroup=job.cgroup, error=str(e))
+                return False
+            self._rmdir(job)
+            del self._jobs[job.name]
+        self.on_end(job)
+        log.info("job.finished", job=job.name, cgroup=job.cgroup, exit_status=exit_status)
+        return True
 
     def _rmdir(self, job: Job) -> None:
         try:
@@ -364,12 +455,13 @@ class Jobs:
             return [j.to_json() for j in self._jobs.values()]
 
     def load(self, records: Iterable[Mapping[str, Any]], managed_root: str) -> None:
-        """Restore the jobs of a previous run whose cgroups still exist."""
-        for record in records:
+        """Restore the jobs of a previous run whose cgroups still exist; a malformed record
+        is dropped with a warning, the others kept."""
+        for i, record in enumerate(records):
             try:
                 job = Job.from_json(record)
-            except (KeyError, TypeError, ValueError, NodeagentError) as e:
-                log.warning("state.job_dropped", error=one_line(e))
+            except ValidationError as e:
+                log.warning("state.job_dropped", record=i, error=problem(e))
                 continue
             if job.cgroup != f"{managed_root}/{job.name}":
                 continue  # the managed root moved: not ours any more
@@ -379,4 +471,11 @@ class Jobs:
             except (CgroupVanished, NodeagentError):
                 continue
             with self._lock:
-                self._jobs[job.name] = job
+                self._jobs.setdefault(job.name, job)
+
+    def adopt(self, name: str, hold_id: str) -> None:
+        """Record the hold of a job restored from a file written before holds had ids."""
+        with self._lock:
+            job = self._jobs.get(name)
+            if job is not None and job.gpu_hold is None:
+                self._jobs[name] = replace(job, gpu_hold=hold_id)

@@ -7,15 +7,20 @@ file (nodeagent.sdbus explains why), and only the kinds the policy allows
 (`agent.systemd`): by default runtime scopes and pod slices and parent slices, not
 services. The kubelet's own levels (kubepods, the QoS tiers, under either driver) are
 read-only by default: the kubelet rewrites their weights about every minute
-(`agent.kubelet_levels`). Anything else (a cgroup no known layout explains) is
-read-only.
+(`agent.kubelet_levels`). Anything below a user's manager (`user@<n>.service`: rootless
+podman, user services, the user's slices) is read-only: the system manager does not own
+those cgroups, and a user names them as they like. Anything else (a cgroup no known
+layout explains) is read-only.
+
+"Through systemd" is only ever through the unit systemd itself says owns the cgroup
+(nodeagent.sdbus.Systemd.unit_for_cgroup, checked by the executor before any write).
 """
 
 from __future__ import annotations
 
 import enum
 
-from nodeagent.discovery.layouts import classify
+from nodeagent.discovery.layouts import classify, user_manager
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.spec.model import AgentSettings, Permission
 
@@ -46,7 +51,19 @@ def write_mode(identity: WorkloadIdentity, settings: AgentSettings) -> WriteMode
         if identity.kind is Kind.GROUP:
             return allowed[systemd.slices]
         return allowed[systemd.containers]
-    return WriteMode.READ_ONLY
+    return WriteMode.READ_ONLY  # a user's manager's, or no known layout's
+
+
+def read_only_reason(identity: WorkloadIdentity) -> str:
+    """Why the agent leaves a read-only cgroup's files as they are, for `explain` and the
+    write results."""
+    if identity.owner is Owner.USER_SYSTEMD:
+        manager = user_manager(identity.path) or "a user manager"
+        return (
+            f"below {manager}: that user's own systemd manages it, not the system manager,"
+            " so nodeagent leaves it read-only"
+        )
+    return f"owned by {identity.owner}: not written directly"
 
 
 def classify_level(path: str, managed_root: str) -> WorkloadIdentity:
@@ -59,6 +76,8 @@ def classify_level(path: str, managed_root: str) -> WorkloadIdentity:
 
     if path == managed_root or path.startswith(managed_root + "/"):
         return group(Runtime.NODEAGENT, Owner.NODEAGENT)
+    if user_manager(path) is not None:
+        return group(Runtime.SYSTEMD, Owner.USER_SYSTEMD)
     if top == "kubepods":
         return group(Runtime.KUBELET, Owner.CGROUPFS)
     if top in _CGROUPFS_RUNTIMES:

@@ -13,7 +13,7 @@ from nodeagent.ownership import WriteMode
 from nodeagent.policy.base import Assignment, Note, describe
 from nodeagent.policy.plan import CgroupPlan, Plan
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
-from nodeagent.tables import SHOWN
+from nodeagent.tables import SHOWN, short_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,14 +99,27 @@ def _gpus(record: TickRecord) -> dict[str, list[int]]:
     return {h.cgroup: list(h.indices) for h in holds if h.cgroup is not None}
 
 
+def _states(snapshot: NodeSnapshot) -> dict[str, WorkloadState]:
+    """What the sensors read, for the workloads and the parent levels alike."""
+    return {w.path: w for w in (*snapshot.workloads, *snapshot.levels)}
+
+
+def _reason(cg: CgroupPlan, level: bool) -> str:
+    reasons = sorted({t.reason for t in cg.targets.values()})
+    if reasons:
+        return "; ".join(reasons)
+    if level:
+        return "nothing to set: no claimed workload below this parent level is busy"
+    return "nothing to set: its tenant is idle and its rule has no limits"
+
+
 def allocations(record: TickRecord) -> dict[str, Any]:
-    states = {w.path: w for w in record.snapshot.workloads}
+    states = _states(record.snapshot)
     levels = {w.path for w in record.snapshot.levels}
     held = _gpus(record)
     rows = []
     for cg in record.plan.cgroups:
         w = states.get(cg.path)
-        reasons = sorted({t.reason for t in cg.targets.values()})
         writes = [r for r in record.results if r.path == cg.path]
         status, problem = status_of(cg, w, writes)
         rows.append(
@@ -118,9 +131,7 @@ def allocations(record: TickRecord) -> dict[str, Any]:
                 "values": _values(cg, w),
                 "cpu_rate": None if w is None else w.cpu_rate,
                 "memory_current": None if w is None else w.sample.memory_current,
-                "reason": "; ".join(reasons)
-                if reasons
-                else "nothing to set: its tenant is idle and its rule has no limits",
+                "reason": _reason(cg, cg.path in levels),
                 "writes": _results_for(cg.path, writes),
                 "deadline": _deadline(cg.notes),
                 "notes": [_note(n) for n in cg.notes],
@@ -188,8 +199,11 @@ def explain(record: TickRecord, identity: WorkloadIdentity) -> dict[str, Any]:
             **describe(
                 identity, record.assignments.get(identity.path), record.modes.get(identity.path)
             ),
+            "level": False,
+            "below": None,
             "status": "skipped",
             "problem": f"{s.step}: {s.reason}",
+            "reason": f"skipped this tick ({s.step}): {s.reason}",
             "tick": record.snapshot.seq,
             "dry_run": record.dry_run,
             "values": {a: dict.fromkeys(_VALUE_KEYS) for a in SHOWN},
@@ -199,23 +213,37 @@ def explain(record: TickRecord, identity: WorkloadIdentity) -> dict[str, Any]:
             "deadline": None,
             "notes": [],
         }
-    w = next((w for w in record.snapshot.workloads if w.path == cg.path), None)
+    w = _states(record.snapshot).get(cg.path)
+    level = any(w.path == cg.path for w in record.snapshot.levels)
     writes = [r for r in record.results if r.path == cg.path]
     status, problem = status_of(cg, w, writes)
+    # a trace says how each value came about; a policy that gave none still said why
+    trace = list(cg.trace) or [
+        f"{t.policy}: {attr} {t.value.render()}: {t.reason}" for attr, t in cg.targets.items()
+    ]
     return {
         "sensed": _sensed(w),
         **describe(cg.identity, cg.assignment, cg.write),
+        "level": level,
+        "below": _below(record.plan, cg.path) if level else None,
         "status": status,
         "problem": problem,
+        "reason": _reason(cg, level),
         "tick": record.snapshot.seq,
         "dry_run": record.dry_run,
         "values": _values(cg, w),
         "cpu_rate": None if w is None else w.cpu_rate,
-        "trace": list(cg.trace),
+        "trace": trace,
         "writes": _results_for(cg.path, writes),
         "deadline": _deadline(cg.notes),
         "notes": [_note(n) for n in cg.notes],
     }
+
+
+def _below(plan: Plan, level: str) -> dict[str, Any]:
+    """The claimed workloads a parent level holds: how many, and of which tenants."""
+    inside = [c.assignment for c in plan.cgroups if c.assignment and c.path.startswith(level + "/")]
+    return {"workloads": len(inside), "tenants": sorted({a.tenant for a in inside})}
 
 
 def identities(record: TickRecord) -> list[WorkloadIdentity]:
@@ -228,16 +256,22 @@ def identities(record: TickRecord) -> list[WorkloadIdentity]:
 def find(
     candidates: Sequence[WorkloadIdentity], query: str, cgroup_root: str
 ) -> list[WorkloadIdentity]:
-    """Workloads a user's argument names: a path (relative or absolute), a name or an id prefix."""
+    """Workloads a user's argument names: a path (relative or absolute, also with the short
+    ids the tables show), a name or an id prefix."""
     q = query.strip()
     if q.startswith(cgroup_root.rstrip("/") + "/"):
         q = q[len(cgroup_root.rstrip("/")) + 1 :]
     q = q.strip("/")
-    exact = [i for i in candidates if i.path == q]
+    exact = [i for i in candidates if i.path == q] or [
+        i for i in candidates if short_ids(i.path) == q
+    ]
     if exact:
         return exact
     return [
         i
         for i in candidates
-        if i.name == q or (i.container_id or "").startswith(q) or i.path.endswith("/" + q)
+        if i.name == q
+        or (i.container_id or "").startswith(q)
+        or i.path.endswith("/" + q)
+        or short_ids(i.path).endswith("/" + q)
     ]

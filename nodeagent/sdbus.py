@@ -17,7 +17,9 @@ one call here that is not idempotent, is not retried. A bus that answers but has
 it (a restart in progress) sends the call to the private socket. Every call has a deadline.
 
 Every failure is a :class:`SystemdBusError`: one line naming the unit and the bus; a bus that
-cannot be reached at all is a :class:`NoBus` ("no D-Bus: ...").
+cannot be reached at all is a :class:`NoBus` ("no D-Bus: ..."). A message that does not parse,
+or a reply of another signature than the method's, closes the connection (what is left of it in
+the buffer cannot be trusted) and the next call opens a new one.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from nodeagent.errors import NodeagentError
 SYSTEM_BUS_ADDRESS = "unix:path=/run/dbus/system_bus_socket"
 PRIVATE_SOCKET = "/run/systemd/private"
 CALL_TIMEOUT_S = 10.0
+MAX_MESSAGE = 1 << 27
+"""The D-Bus specification's limit on one message (128 MiB): a header claiming more is bad."""
 
 _SYSTEMD = "org.freedesktop.systemd1"
 _MANAGER = DBusAddress("/org/freedesktop/systemd1", _SYSTEMD, "org.freedesktop.systemd1.Manager")
@@ -80,6 +84,18 @@ class NoBus(SystemdBusError):
     """Neither the system bus nor systemd's private socket could be reached."""
 
 
+class NotTheUnit(NodeagentError):
+    """systemd answered, and no unit has this cgroup as its own: writing through the unit it
+    names would change another cgroup (the unit's), so nothing is written for it."""
+
+    def __init__(self, cgroup: str, unit: str, unit_cgroup: str) -> None:
+        super().__init__(
+            f"cgroup {cgroup} is not a unit's own cgroup: systemd has it inside unit {unit}, "
+            f"whose cgroup is {unit_cgroup or 'none'}; nothing is written through systemd for it"
+        )
+        self.cgroup, self.unit, self.unit_cgroup = cgroup, unit, unit_cgroup
+
+
 # -- pure: what to ask systemd for, and what it will write ---------------------------------------
 
 
@@ -100,6 +116,10 @@ class _CallFailed(Exception):
         self.name = name
 
 
+class _BadMessage(Exception):
+    """The peer sent bytes that are not a D-Bus message, or not the reply the method has."""
+
+
 class _Connection:
     """One authenticated D-Bus connection; ``hello`` for a bus, not for a peer-to-peer socket."""
 
@@ -116,7 +136,7 @@ class _Connection:
                 auth.feed(self._receive())
             self._sock.sendall(BEGIN)
             if hello:
-                self.call(new_method_call(_DBUS, "Hello"), timeout)
+                self.call(new_method_call(_DBUS, "Hello"), "s", timeout)
         except BaseException:
             self._sock.close()
             raise
@@ -127,14 +147,15 @@ class _Connection:
             raise ConnectionResetError(errno.ECONNRESET, os.strerror(errno.ECONNRESET))
         return data
 
-    def call(self, message: Any, timeout: float) -> tuple[Any, ...]:
-        """Send a method call, return its reply's body (other replies and signals are dropped)."""
+    def call(self, message: Any, returns: str, timeout: float) -> tuple[Any, ...]:
+        """Send a method call, return its reply's body, of signature `returns` (other replies
+        and signals are dropped)."""
         deadline = time.monotonic() + timeout
         serial = next(self._serials)
         self._sock.settimeout(timeout)
         self._sock.sendall(message.serialise(serial=serial))
         while True:
-            reply = self._parser.get_next_message()
+            reply = self._next_message()
             if reply is None:
                 self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 self._parser.add_data(self._receive())
@@ -144,7 +165,30 @@ class _Connection:
             if reply.header.message_type is MessageType.error:
                 text = reply.body[0] if reply.body and isinstance(reply.body[0], str) else ""
                 raise _CallFailed(str(reply.header.fields.get(HeaderFields.error_name)), text)
+            signature = reply.header.fields.get(HeaderFields.signature, "")
+            if signature != returns:
+                raise _BadMessage(f"a reply of signature {signature!r}, not {returns!r}")
             return tuple(reply.body)
+
+    def _next_message(self) -> Any:
+        """The next whole message in the buffer, None until one is; _BadMessage for bytes that
+        are not one (jeepney's parser raises whatever its unpacking meets: KeyError,
+        ValueError, struct.error, IndexError, AssertionError, UnicodeDecodeError...)."""
+        try:
+            message = self._parser.get_next_message()
+        except Exception as exc:
+            text = " ".join(str(exc).split())
+            kind = type(exc)
+            name = (
+                kind.__name__
+                if kind.__module__ == "builtins"
+                else f"{kind.__module__}.{kind.__name__}"
+            )
+            raise _BadMessage(f"{name}: {text}" if text else name) from exc
+        size = self._parser.next_msg_size
+        if message is None and size is not None and size > MAX_MESSAGE:
+            raise _BadMessage(f"a message of {size} bytes, over D-Bus's limit of {MAX_MESSAGE}")
+        return message
 
     def close(self) -> None:
         self._sock.close()
@@ -153,6 +197,8 @@ class _Connection:
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "no answer in time"
+    if isinstance(exc, _BadMessage):
+        return f"a malformed message ({exc})"
     if isinstance(exc, (BrokenPipeError, ConnectionResetError)):  # which one is a race
         return "the peer closed the connection"
     if isinstance(exc, OSError) and exc.strerror:
@@ -208,7 +254,7 @@ class Systemd:
         for path, hello, via in candidates:
             try:
                 self._conn = _Connection(path, hello=hello, timeout=self.timeout)
-            except (OSError, AuthenticationError, _CallFailed) as exc:
+            except (OSError, AuthenticationError, _CallFailed, _BadMessage) as exc:
                 tried.append(f"{via}: {_reason(exc)}")
                 continue
             self.via, self._on_bus = via, hello
@@ -216,13 +262,15 @@ class Systemd:
             return self._conn
         raise NoBus(f"no D-Bus: cannot {what}: {'; '.join(tried)}")
 
-    def _call(self, what: str, message: Any, *, retry: bool = True) -> tuple[Any, ...]:
+    def _call(
+        self, what: str, message: Any, returns: str, *, retry: bool = True
+    ) -> tuple[Any, ...]:
         bus_problem = None
         for attempt in (1, 2):
             conn = self._connect(what, bus_problem=bus_problem)
             via = self.via
             try:
-                return conn.call(message, self.timeout)
+                return conn.call(message, returns, self.timeout)
             except _CallFailed as exc:
                 if attempt == 1 and self._on_bus and _systemd_not_on_bus(exc.name):
                     # the bus is up but systemd is not on it (yet): the call never reached
@@ -231,6 +279,11 @@ class Systemd:
                     bus_problem = f"up, but systemd is not on it ({exc.name})"
                     continue
                 raise SystemdBusError(f"cannot {what}: systemd on {via} answered {exc}") from exc
+            except _BadMessage as exc:
+                self.close()  # the rest of the buffer cannot be trusted: start afresh
+                raise SystemdBusError(
+                    f"cannot {what}: systemd on {via} sent {_reason(exc)}; connection closed"
+                ) from exc
             except TimeoutError as exc:
                 self.close()  # a late reply would be taken for the next call's
                 raise SystemdBusError(
@@ -245,27 +298,52 @@ class Systemd:
         raise AssertionError("unreachable")
 
     def _manager(
-        self, what: str, method: str, signature: str, *args: Any, retry: bool = True
+        self,
+        what: str,
+        method: str,
+        signature: str,
+        *args: Any,
+        returns: str = "",
+        retry: bool = True,
     ) -> tuple[Any, ...]:
-        return self._call(what, new_method_call(_MANAGER, method, signature, args), retry=retry)
+        message = new_method_call(_MANAGER, method, signature, args)
+        return self._call(what, message, returns, retry=retry)
+
+    def _unit_path(self, what: str, method: str, arg: str) -> str:
+        """The object path of a unit, by name (GetUnit) or by cgroup (GetUnitByControlGroup)."""
+        (unit_path,) = self._manager(what, method, "s", arg, returns="o")
+        return str(unit_path)
 
     def _get(self, what: str, unit_path: str, interface: str, name: str) -> Any:
         obj = DBusAddress(unit_path, _SYSTEMD, "org.freedesktop.DBus.Properties")
         message = new_method_call(obj, "Get", "ss", (interface, name))
-        ((_signature, value),) = self._call(what, message)
+        ((_signature, value),) = self._call(what, message, "v")
         return value
 
     # -- operations --------------------------------------------------------------------------------
 
     def unit_for_cgroup(self, cgroup: str) -> str:
-        """The unit owning `cgroup` (systemd's path: ``/system.slice/docker-<id>.scope``)."""
+        """The unit whose own cgroup is `cgroup` (systemd's path:
+        ``/system.slice/docker-<id>.scope``), as systemd says, never read off the path.
+
+        GetUnitByControlGroup names the unit the cgroup is in; it is the cgroup's unit only
+        when that unit's ControlGroup is this very path. A cgroup below a unit (a user
+        manager's delegated tree, a container's own children) or one merely named like a
+        unit is :class:`NotTheUnit`: a write to the unit would land on another cgroup.
+        """
         path = "/" + cgroup.strip("/")
-        name = path.rsplit("/", 1)[-1]
-        if is_unit_name(name):
-            return name
         what = f"find the unit of cgroup {path}"
-        (unit_path,) = self._manager(what, "GetUnitByControlGroup", "s", path)
-        return str(self._get(what, str(unit_path), _UNIT_INTERFACE, "Id"))
+        unit_path = self._unit_path(what, "GetUnitByControlGroup", path)
+        unit = str(self._get(what, unit_path, _UNIT_INTERFACE, "Id"))
+        kind = _UNIT_TYPES.get(unit.rsplit(".", 1)[-1])
+        own = (
+            ""
+            if kind is None
+            else self._get(what, unit_path, _SYSTEMD + "." + kind, "ControlGroup")
+        )
+        if own != path:
+            raise NotTheUnit(path, unit, str(own))
+        return unit
 
     def set_unit_properties(
         self, unit: str, properties: Mapping[str, int], *, runtime: bool = True
@@ -291,14 +369,14 @@ class Systemd:
     def unit_property(self, unit: str, name: str) -> Any:
         """A loaded unit's property: cgroup ones from its type's interface, the rest from Unit."""
         what = f"read {name} of {unit}"
-        (unit_path,) = self._manager(what, "GetUnit", "s", unit)
+        unit_path = self._unit_path(what, "GetUnit", unit)
         interface = _UNIT_INTERFACE
         if name in _TYPE_PROPERTIES:
             kind = _UNIT_TYPES.get(unit.rsplit(".", 1)[-1])
             if kind is None:
                 raise SystemdBusError(f"cannot {what}: not a unit name systemd gives cgroups")
             interface = f"org.freedesktop.systemd1.{kind}"
-        return self._get(what, str(unit_path), interface, name)
+        return self._get(what, unit_path, interface, name)
 
     def start_transient_scope(
         self,
@@ -321,7 +399,10 @@ class Systemd:
         ]
         changes += [(key, ("t", value)) for key, value in extra.items()]
         signature = "ssa(sv)a(sa(sv))"
-        self._manager(what, "StartTransientUnit", signature, name, "fail", changes, [], retry=False)
+        self._manager(
+            what, "StartTransientUnit", signature, name, "fail", changes, [],
+            returns="o", retry=False,
+        )  # fmt: skip
         deadline = time.monotonic() + self.timeout
         while (state := self.unit_property(name, "ActiveState")) != "active":
             if state == "failed" or time.monotonic() > deadline:

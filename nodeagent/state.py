@@ -35,12 +35,13 @@ MAX_USAGE = 1e18
 class SavedState:
     saved_at: float
     tenant_usage: Mapping[str, float]
-    jobs: Sequence[Mapping[str, Any]] = ()
+    jobs: Sequence[Any] = ()
     """Job records (nodeagent.jobs.Job.to_json); checked one by one when restored."""
     carry: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Each policy's state for its next tick."""
-    gpus: Sequence[Mapping[str, Any]] = ()
-    """GPU holds of jobs and reservations (nodeagent.gpu.model.Hold)."""
+    gpus: Sequence[Any] = ()
+    """GPU holds of jobs and reservations (nodeagent.gpu.ledger.HoldRecord); checked one by
+    one when restored."""
 
 
 def _usable_usage(value: float) -> bool:
@@ -143,15 +144,16 @@ def load(path: str, tenants: Collection[str] | None = None) -> SavedState | None
         }
         if not all(_usable_usage(v) for v in usage.values()):
             raise ValueError(f"usage must be finite, non-negative and at most {MAX_USAGE:g}")
+        # each job and hold is checked on its own when restored: a bad one costs only itself
         jobs = data.get("jobs", [])  # absent in files written before jobs existed
-        if not isinstance(jobs, list) or not all(isinstance(j, dict) for j in jobs):
-            raise ValueError("jobs must be a list of objects")
+        if not isinstance(jobs, list):
+            raise ValueError("jobs must be a list")
         carry = data.get("carry", {})
         if not isinstance(carry, dict) or not all(isinstance(c, dict) for c in carry.values()):
             raise ValueError("carry must be an object of objects")
         gpus = data.get("gpus", [])
-        if not isinstance(gpus, list) or not all(isinstance(g, dict) for g in gpus):
-            raise ValueError("gpus must be a list of objects")
+        if not isinstance(gpus, list):
+            raise ValueError("gpus must be a list")
         return SavedState(saved_at, usage, tuple(jobs), carry, tuple(gpus))
     except (KeyError, ValueError) as e:
         raise NodeagentError(f"state file {path} is malformed: {e}") from e

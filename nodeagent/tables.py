@@ -7,7 +7,9 @@ control characters (which a terminal would obey). Everything shown goes through 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from typing import Literal
 
 from nodeagent.cgroupfs.values import Attribute
 
@@ -36,15 +38,62 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else _escape(c) for c in text)
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+Keep = Literal["head", "tail"]
+"""Which end of a cell that is too wide stays: a reason's head, a path's tail (its leaf)."""
+MIN_CUT = 12
+"""A column is never cut narrower than this or its header."""
+_GAP = 2
+
+
+def table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    *,
+    width: int | None = None,
+    cut: Sequence[tuple[int, Keep]] = (),
+) -> str:
+    """Aligned columns. With `width`, the columns named in `cut` (by index, the first cut
+    first) are narrowed until the lines fit, each to no less than MIN_CUT or its header;
+    a cell cut short ends (or, keeping its tail, starts) with an ellipsis. What the other
+    columns need is never cut: a table that cannot fit is wider than `width`."""
     cells = [[printable(str(h)) for h in headers]] + [
         ["-" if c is None else printable(str(c)) for c in r] for r in rows
     ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    over = sum(widths) + _GAP * (len(widths) - 1) - (width or 0)
+    for column, keep in cut if width else ():
+        narrower = min(over, widths[column] - max(MIN_CUT, len(cells[0][column])))
+        if narrower > 0:
+            widths[column] -= narrower
+            over -= narrower
+            for row in cells[1:]:
+                row[column] = shorten(row[column], widths[column], keep)
     lines = [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+        (" " * _GAP).join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in cells
     ]
     return "\n".join(lines)
+
+
+def shorten(text: str, width: int, keep: Keep = "head") -> str:
+    """`text` in at most `width` characters, an ellipsis standing for what is cut."""
+    if len(text) <= width:
+        return text
+    return text[: width - 1] + "\u2026" if keep == "head" else "\u2026" + text[-(width - 1) :]
+
+
+_LONG_ID = re.compile(r"(?<![0-9a-f])([0-9a-f]{12})[0-9a-f]{52}(?![0-9a-f])")
+# no look-behind: a pod's UID follows 'pod'; 8 hex digits then a separator fix its start
+_UUID = re.compile(
+    r"([0-9a-f]{8})[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}(?![0-9a-f])"
+)
+
+
+def short_ids(text: str) -> str:
+    """Container ids (64 hex digits) cut to their first 12 and pod UIDs to their first 8, as
+    `docker ps` and `crictl ps` show them: system.slice/docker-4f1c2a9be7d3.scope. `explain`
+    takes these forms back."""
+    return _UUID.sub(r"\1", _LONG_ID.sub(r"\1", text))
 
 
 def change(current: str | None, target: str | None) -> str:
@@ -54,6 +103,26 @@ def change(current: str | None, target: str | None) -> str:
     if current == target:
         return target
     return f"{current or '?'}->{target}"
+
+
+def setting(attribute: str, current: str | None, target: str | None, written: bool = True) -> str:
+    """One cgroup setting as allocations and explain show it: memory in sizes (4Gi), and
+    OLD->NEW where the kernel still holds another value than the plan's. For a cgroup the
+    agent does not write (read-only), NEW would read as "will be written": the value the
+    kernel keeps comes first, the plan's beside it, '100 (plan: 133)'."""
+    if attribute.startswith("memory."):
+        current, target = size(current), size(target)
+    if not written and target is not None and current != target:
+        return f"{current or '?'} (plan: {target})"
+    return change(current, target)
+
+
+def yes_no(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "no"
+
+
+def percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction * 100:.1f}%"
 
 
 def cores(rate: float | None) -> str:

@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from bench_deadline import wait_for_api
-from benchkit import Bench
+from benchkit import Bench, wait_for_api
 
 from nodeagent.api import client
 

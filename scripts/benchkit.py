@@ -152,3 +152,23 @@ def clear(parent: Path, procs: Sequence[subprocess.Popen[bytes]]) -> None:
                     break
                 except OSError:
                     time.sleep(0.01)
+
+
+def wait_for_api(sock: str, agent: subprocess.Popen[bytes], log: Path) -> None:
+    """Until the daemon `agent` (its output in `log`) answers on `sock` with a first tick;
+    exits the benchmark with the log's tail when it dies or takes over 5 minutes."""
+    from nodeagent.api import client  # noqa: PLC0415 - benchkit itself needs no nodeagent
+    from nodeagent.errors import NodeagentError  # noqa: PLC0415
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if agent.poll() is not None:
+            raise SystemExit(f"the agent exited:\n{log.read_text()[-3000:]}")
+        try:
+            status = client.get(sock, "/v1/status")
+            if isinstance(status, dict) and status.get("tick"):
+                return
+        except NodeagentError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("the agent did not answer in time")

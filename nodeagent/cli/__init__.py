@@ -7,17 +7,36 @@ filesystem).
 
 from __future__ import annotations
 
+import os
 import sys
+from typing import Any
 
 import click
 
-from nodeagent.cli import capacity, exec, gpus, inspection, run
+from nodeagent.cli import capacity, exec, gpus, inspection, run, validate
 from nodeagent.errors import NodeagentError
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Context(click.Context):
+    """A usage error raised while this command's arguments are parsed names this command:
+    click's parser raises some (an option missing its value) without a context, and the
+    hint then lost the command path (`nodeagent: ... (see 'nodeagent --help')`)."""
+
+    def __exit__(self, *exc: Any) -> None:
+        error = exc[1]
+        if isinstance(error, click.UsageError) and error.ctx is None:
+            error.ctx = self
+        super().__exit__(*exc)
+
+
+@click.group(
+    context_settings={"help_option_names": ["-h", "--help"]},
+    invoke_without_command=True,
+    no_args_is_help=False,
+)
 @click.version_option(package_name="nodeagent")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """Set cgroup v2 CPU and memory controls for this host's workloads from a policy file.
 
     \b
@@ -33,10 +52,12 @@ def main() -> None:
       nodeagent gpus                            this node's GPUs, their health and users
       nodeagent capacity --arrival-rate L ...   replicas for a mean wait (M/M/c, Erlang C)
     """
+    if ctx.invoked_subcommand is None:  # bare `nodeagent`: the help, as kubectl does
+        click.echo(ctx.get_help())
 
 
 for _command in (
-    run.validate,
+    validate.validate,
     run.run,
     inspection.workloads,
     inspection.allocations_cmd,
@@ -48,10 +69,20 @@ for _command in (
     main.add_command(_command)
 
 
+def _with_context_class(command: click.Command) -> None:
+    command.context_class = _Context
+    for sub in getattr(command, "commands", {}).values():
+        _with_context_class(sub)
+
+
+_with_context_class(main)
+
+
 def entrypoint() -> None:
     """Console script: one-line errors for everything an operator can get wrong."""
     try:
-        main(standalone_mode=False)
+        # NO_COLOR (no-color.org): click strips any style from what the commands print
+        main(standalone_mode=False, color=False if os.environ.get("NO_COLOR") else None)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from nodeagent.cli.common import json_option
+from nodeagent.cli.output import document, echo_json
 from nodeagent.tables import table
 
 if TYPE_CHECKING:
@@ -16,20 +16,23 @@ if TYPE_CHECKING:
 
 
 def figures(q: MMc, target_wait: float | None) -> dict[str, Any]:
-    """The JSON object: rates per second, times in seconds, as the key names say."""
+    """The figures, each with its unit in its key: rates per second, times in seconds,
+    probabilities and utilisation as fractions (0..1)."""
     return {
         "model": "M/M/c",
-        "arrival_rate_per_s": q.arrival_rate,
-        "service_rate_per_s": q.service_rate,
+        "arrival_rate_per_second": q.arrival_rate,
+        "service_rate_per_second": q.service_rate,
         "servers": q.servers,
-        "target_wait_s": target_wait,
+        "target_wait_seconds": target_wait,
         "offered_load_erlangs": q.offered_load,
-        "utilisation": q.utilisation,
-        "p_wait": q.p_wait,
-        "mean_wait_s": q.mean_wait,
-        "mean_response_s": q.mean_response,
-        "mean_queue_length": q.mean_queue_length,
-        "p_wait_exceeds_target": None if target_wait is None else q.wait_exceeds(target_wait),
+        "utilisation_fraction": q.utilisation,
+        "p_wait_fraction": q.p_wait,
+        "mean_wait_seconds": q.mean_wait,
+        "mean_response_seconds": q.mean_response,
+        "mean_queue_length_requests": q.mean_queue_length,
+        "p_wait_exceeds_target_fraction": None
+        if target_wait is None
+        else q.wait_exceeds(target_wait),
     }
 
 
@@ -38,24 +41,28 @@ def figures_table(f: dict[str, Any]) -> str:
         return f"{x:.0f}" if 1e4 <= abs(x) < 1e12 else f"{x:.4g}"
 
     # rounded down, so that a stable queue never shows as 100% busy
-    busy = f"{math.floor(f['utilisation'] * 1000) / 10:.1f}%"
+    busy = f"{math.floor(f['utilisation_fraction'] * 1000) / 10:.1f}%"
 
-    target = f["target_wait_s"]
+    target = f["target_wait_seconds"]
     servers_note = "" if target is None else f"fewest with mean wait <= {g(target)} s"
     rows = [
-        ("arrival rate (L)", g(f["arrival_rate_per_s"]), "requests/s"),
-        ("service rate (M)", g(f["service_rate_per_s"]), "requests/s per server"),
+        ("arrival rate (L)", g(f["arrival_rate_per_second"]), "requests/s"),
+        ("service rate (M)", g(f["service_rate_per_second"]), "requests/s per server"),
         ("servers (c)", f["servers"], servers_note),
         ("offered load (a = L/M)", g(f["offered_load_erlangs"]), "Erlangs (mean busy servers)"),
         ("utilisation (a/c)", busy, ""),
-        ("P(wait) (Erlang C)", g(f["p_wait"]), "share of requests that queue"),
-        ("mean wait (W_q)", g(f["mean_wait_s"]), "s"),
-        ("mean response (W_q + 1/M)", g(f["mean_response_s"]), "s"),
-        ("mean queue length (L_q)", g(f["mean_queue_length"]), "requests"),
+        ("P(wait) (Erlang C)", g(f["p_wait_fraction"]), "share of requests that queue"),
+        ("mean wait (W_q)", g(f["mean_wait_seconds"]), "s"),
+        ("mean response (W_q + 1/M)", g(f["mean_response_seconds"]), "s"),
+        ("mean queue length (L_q)", g(f["mean_queue_length_requests"]), "requests"),
     ]
     if target is not None:
         rows.append(
-            (f"P(wait > {g(target)} s)", g(f["p_wait_exceeds_target"]), "share waiting longer")
+            (
+                f"P(wait > {g(target)} s)",
+                g(f["p_wait_exceeds_target_fraction"]),
+                "share waiting longer",
+            )
         )
     return table(("M/M/c", "VALUE", "UNIT"), rows)
 
@@ -133,4 +140,7 @@ def capacity(
     except QueueingError as e:
         raise click.UsageError(str(e)) from e
     result = figures(q, target)
-    click.echo(json.dumps(result, indent=2) if as_json else figures_table(result))
+    if as_json:
+        echo_json(document("CapacityPlan", result))
+    else:
+        click.echo(figures_table(result))

@@ -31,6 +31,18 @@ def json_option(f: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(f)
 
 
+def wide_option(f: F) -> F:
+    return click.option(
+        "--wide",
+        "--no-trunc",
+        "wide",
+        is_flag=True,
+        help="Every column, full container ids and pod UIDs, nothing cut to the terminal's"
+        " width. By default ids are short (as docker ps shows them; explain takes them) and"
+        " long cells are cut to fit COLUMNS or the terminal.",
+    )(f)
+
+
 def load(path: str) -> PolicySpec:
     """The policy at `path`, or a ClickException listing every problem as FILE:LINE:COL."""
     from nodeagent.spec.load import PolicyError, load_policy

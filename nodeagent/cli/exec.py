@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import os
 import re
@@ -62,22 +63,30 @@ def _forwarding(pid: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _foreground(pgid: int) -> Iterator[None]:
+def _foreground(pgid: int) -> Iterator[int | None]:
     """On a terminal, the command's process group gets the foreground (as a shell would do),
-    so Ctrl-C reaches it once, not once directly and once forwarded."""
+    so Ctrl-C reaches it once, not once directly and once forwarded. Yields the terminal's
+    descriptor, None when stdin is no terminal. The terminal is taken only from this
+    process's own group, so a job in the background (`&`, `bg`) never steals it."""
     fd = sys.stdin.fileno() if sys.stdin is not None and sys.stdin.isatty() else None
-    own = os.getpgrp()
-    if fd is None or os.tcgetpgrp(fd) != own:
-        yield
+    if fd is None:
+        yield None
         return
-    old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    own = os.getpgrp()
+    old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # tcsetpgrp from the background
     try:
-        os.tcsetpgrp(fd, pgid)
-        yield
+        _hand_over(fd, own, pgid)
+        yield fd
     finally:
-        with contextlib.suppress(OSError):
-            os.tcsetpgrp(fd, own)
+        _hand_over(fd, pgid, own)
         signal.signal(signal.SIGTTOU, old)
+
+
+def _hand_over(fd: int, holder: int, to: int) -> None:
+    """The terminal's foreground to group `to`, if group `holder` has it."""
+    with contextlib.suppress(OSError):
+        if os.tcgetpgrp(fd) == holder:
+            os.tcsetpgrp(fd, to)
 
 
 def _child(go: int, command: Sequence[str]) -> None:
@@ -132,16 +141,40 @@ def _wait_for_gpus(socket: str, want: dict[str, Any], timeout: float | None) -> 
     return rid
 
 
-def _wait(pid: int) -> int:
+def wait(pid: int, terminal: int | None = None) -> int:
+    """CMD's exit status as a shell reports it (128+N when signal N killed it).
+
+    On a terminal (`terminal`: its descriptor, CMD's group in the foreground) this is job
+    control as a shell does it: when CMD stops (Ctrl-Z, SIGSTOP, a read in the
+    background), this process takes the terminal back and stops its own group with
+    SIGTSTP, so the shell sees the job stopped and gets the terminal; when the shell
+    continues it (fg, bg, a signal), the terminal goes back to CMD's group if this
+    process is in the foreground, and CMD gets SIGCONT. Without a terminal, a stopped CMD
+    is waited for as a running one."""
+    flags = 0 if terminal is None else os.WUNTRACED
     while True:
         try:
-            _, status = os.waitpid(pid, 0)
+            _, status = os.waitpid(pid, flags)
         except ChildProcessError:
             return 1
-        except InterruptedError:
+        if os.WIFSTOPPED(status):
+            assert terminal is not None
+            _suspend(pid, terminal)
             continue
         code = os.waitstatus_to_exitcode(status)
         return 128 - code if code < 0 else code
+
+
+def _suspend(pgid: int, terminal: int) -> None:
+    """CMD's group `pgid` stopped: stop with it, and continue it when continued."""
+    own = os.getpgrp()
+    _hand_over(terminal, pgid, own)
+    # Stops here until SIGCONT. In an orphaned group (its shell gone) the kernel drops
+    # SIGTSTP: nobody could continue it, so CMD is continued at once instead.
+    os.killpg(own, signal.SIGTSTP)
+    _hand_over(terminal, own, pgid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGCONT)
 
 
 @click.command(
@@ -231,9 +264,8 @@ def exec_cmd(
     cpu_seconds = _value("--work", parse_duration, work)
     size = _value("--memory", parse_size, memory)
     if when is not None and when <= now:
-        raise click.BadParameter(
-            f"{deadline} is {now - when:.0f} s in the past", param_hint="--deadline"
-        )
+        passed = dt.datetime.fromtimestamp(when, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        raise click.BadParameter(f"{deadline} ({passed}) has passed", param_hint="--deadline")
     if cpu_seconds is not None and cpu_seconds <= 0:
         raise click.BadParameter("the work must be positive", param_hint="--work")
     if (when is None) != (cpu_seconds is None):
@@ -286,17 +318,17 @@ def exec_cmd(
             )
         except NodeagentError:
             os.close(write_end)  # the child reads no go and exits without running anything
-            _wait(pid)
+            wait(pid)
             if grant is not None:
                 with contextlib.suppress(NodeagentError):
                     client.delete(socket, "/v1/gpus/requests", {"id": grant})
             raise
         env = started.get("env", {}) if isinstance(started, dict) else {}
-        with _foreground(pid):
+        with _foreground(pid) as terminal:
             with contextlib.suppress(OSError):  # the child died of a signal meanwhile
                 os.write(write_end, GO + json.dumps(env).encode())
             os.close(write_end)
-            code = _wait(pid)
+            code = wait(pid, terminal)
     with contextlib.suppress(NodeagentError):
         client.delete(socket, "/v1/jobs", {"name": job_name, "exit_status": code})
     sys.exit(code)

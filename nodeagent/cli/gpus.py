@@ -175,23 +175,47 @@ def _gpus_table(data: dict[str, Any]) -> str:
         out.append(
             table(
                 ("REQUEST", "FOR", "COUNT", "CLASS", "WHY"),
-                [(q["id"], q["owner"], q["count"], q["class"], q["reason"]) for q in data["queue"]],
+                [
+                    (q["id"] or "-", q["owner"], q["count"], q["class"], q["reason"])
+                    for q in data["queue"]
+                ],
             )
         )
     return "\n".join(out)
 
 
 @gpus.command("reserve")
-@click.option("--name", required=True, metavar="NAME", help="Who the GPUs are for (a container).")
+@click.option(
+    "--name",
+    required=True,
+    metavar="NAME",
+    help="The reservation's name (as a job name: letters, digits, '_.@+-'), unique on the node.",
+)
+@click.option(
+    "--container",
+    metavar="ID|NAME",
+    help="The container the GPUs are for: its id (12 or more hex digits, or in full) or a"
+    " workload name as `nodeagent workloads` shows it (a service unit, pod-<uid>). Can be"
+    " named later with `gpus attach`.",
+)
 @click.option("--count", "-k", type=click.IntRange(min=1, max=64), default=1, show_default=True)
 @click.option("--memory", metavar="SIZE", help="Free memory each GPU needs, such as 20Gi.")
 @click.option("--shared", is_flag=True, help="Share GPUs with other shared holders.")
+@click.option(
+    "--tenant", metavar="T", help="Its tenant (default: jobs.default_tenant in the policy)."
+)
+@click.option(
+    "--class",
+    "workload_class",
+    metavar="C",
+    help="Its class, for power caps (default: jobs.default_class).",
+)
 @click.option(
     "--ttl",
     default="10m",
     show_default=True,
     metavar="DURATION",
-    help="Released after this unless a process of the container shows on the GPUs.",
+    help="Released after this unless the container has appeared by then.",
 )
 @click.option(
     "--format",
@@ -206,9 +230,12 @@ def _gpus_table(data: dict[str, Any]) -> str:
 def reserve_cmd(
     *,
     name: str,
+    container: str | None,
     count: int,
     memory: str | None,
     shared: bool,
+    tenant: str | None,
+    workload_class: str | None,
     ttl: str,
     fmt: str,
     socket: str,
@@ -216,9 +243,17 @@ def reserve_cmd(
 ) -> None:
     """Hold GPUs for a container that gets them at creation; print how to give them to it.
 
-    The daemon places the GPUs as for a job and holds them under NAME. Once a process of
-    the container shows on them, the hold follows that container's cgroup and goes back
-    when the cgroup goes; if none shows within --ttl, it goes back then.
+    The daemon places the GPUs as for a job and holds them under NAME for the container
+    named by --container. Once discovery shows that container's cgroup (matched by its
+    id, or by its workload name), the hold follows it and goes back when the cgroup goes;
+    if it has not appeared within --ttl, the GPUs go back then. Nothing else can take the
+    hold over: not the first process that shows on the GPUs, not a login session, not a
+    cgroup in another user's delegated subtree. A process on the GPUs from any other
+    cgroup is a violation (`nodeagent gpus`).
+
+    Runtimes that make the container's id only when they create it: reserve, create the
+    container with the GPUs, name it with `gpus attach`, then start it. Only the uid that
+    made a reservation (or root) may name its container or release it.
 
     The docker form is made for an unquoted $(...), where the shell splits words but
     removes no quotes: `--gpus "device=A,B"` reaches docker with the double quotes that
@@ -226,14 +261,17 @@ def reserve_cmd(
     quote it as docker's documentation does: --gpus '"device=A,B"'.
 
     \b
-      docker run $(nodeagent gpus reserve --name web-1 --count 2) IMAGE
-      nodeagent gpus reserve --name web-1 --format env > web-1.env
+      cid=$(docker create $(nodeagent gpus reserve --name web-1 --count 2) IMAGE)
+      nodeagent gpus attach web-1 "$cid" && docker start "$cid"
+      nodeagent gpus reserve --name infer --container inference.service --format env
       nodeagent gpus reserve --name web-1 --json
       nodeagent gpus release web-1
     """
     from nodeagent.api import client
 
     body: dict[str, Any] = {"name": name, "count": count, "shared": shared, "ttl": ttl}
+    optional = {"container": container, "tenant": tenant, "class": workload_class}
+    body |= {k: v for k, v in optional.items() if v is not None}
     if memory is not None:
         body["memory"] = _size(memory)
     got = client.post(socket, "/v1/gpus/reservations", body)
@@ -259,11 +297,30 @@ def docker_gpus(uuids: list[str]) -> str:
     return f'--gpus "{device}"' if len(uuids) > 1 else f"--gpus {device}"
 
 
+@gpus.command("attach")
+@click.argument("name")
+@click.argument("container")
+@socket_option
+def attach_cmd(name: str, container: str, socket: str) -> None:
+    """Name the CONTAINER (an id, or a workload name) a reservation made without one is for.
+
+    Only until the reservation is bound to a container; only by the uid that made it, or
+    root.
+    """
+    from nodeagent.api import client
+
+    client.post(socket, "/v1/gpus/reservations/container", {"name": name, "container": container})
+    click.echo(f"reservation {name} is for {container}")
+
+
 @gpus.command("release")
 @click.argument("name")
 @socket_option
 def release_cmd(name: str, socket: str) -> None:
-    """Give back the GPUs reserved under NAME."""
+    """Give back the GPUs reserved under NAME (by the uid that reserved them, or root).
+
+    Only reservations are released by name: a job's GPUs go back when the job ends.
+    """
     from nodeagent.api import client
 
     client.delete(socket, "/v1/gpus/reservations", {"name": name})

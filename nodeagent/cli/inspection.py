@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
@@ -11,9 +10,28 @@ from typing import Any, cast
 import click
 
 from nodeagent.api import client
-from nodeagent.cli.common import json_option, load, socket_option
+from nodeagent.cli.common import json_option, load, socket_option, wide_option
+from nodeagent.cli.output import (
+    counted,
+    document,
+    echo_json,
+    item_list,
+    renamed,
+    terminal_width,
+)
 from nodeagent.errors import NodeagentError
-from nodeagent.tables import SHOWN, change, cores, printable, size, table
+from nodeagent.tables import (
+    SHOWN,
+    Keep,
+    cores,
+    percent,
+    printable,
+    setting,
+    short_ids,
+    size,
+    table,
+    yes_no,
+)
 
 
 @contextlib.contextmanager
@@ -29,6 +47,71 @@ def daemon_answer(path: str) -> Iterator[None]:
         ) from None
 
 
+# The --json documents (see cli/output.py): the daemon's answers with units in their keys.
+_ROW_UNITS = {"cpu_rate": "cpu_rate_cores", "memory_current": "memory_current_bytes"}
+_DEADLINE_UNITS = {
+    "deadline": "deadline_timestamp_seconds",
+    "work": "work_cpu_seconds",
+    "remaining": "remaining_cpu_seconds",
+    "required_rate": "required_rate_cores",
+    "rate": "rate_cores",
+    "measured_rate": "measured_rate_cores",
+    "slack": "slack_seconds",
+    "predicted_finish": "predicted_finish_timestamp_seconds",
+    "capacity": "capacity_cores",
+}
+_NOTE_UNITS = {
+    "deadline": _DEADLINE_UNITS,
+    "protection": {"caps": "caps_cores", "stalling": "stalling_fraction"},
+    "hierarchy": {"planned": "planned_fraction", "expected": "expected_fraction"},
+}
+_SENSED_UNITS = {
+    "cpu_rate": "cpu_rate_cores",
+    "cpu_pressure_some_avg10": "cpu_pressure_some_avg10_percent",
+    "memory_current": "memory_current_bytes",
+    "memory_anon": "memory_anon_bytes",
+    "memory_file": "memory_file_bytes",
+    "memory_low": "memory.low",  # the cgroup file's text, as in values
+    "memory_min": "memory.min",
+    "cpu_stall": "cpu_stall_fraction",
+    "memory_pressure_some_avg10": "memory_pressure_some_avg10_percent",
+}
+
+
+def _note_document(note: Mapping[str, Any]) -> dict[str, Any]:
+    return renamed(note, _NOTE_UNITS.get(note.get("kind", ""), {}))
+
+
+def _workload_document(row: Mapping[str, Any]) -> dict[str, Any]:
+    """One allocation or explanation: units in its keys, its deadline's and notes' too."""
+    out = renamed(row, _ROW_UNITS)
+    if out.get("deadline") is not None:
+        out["deadline"] = renamed(out["deadline"], _DEADLINE_UNITS)
+    if "notes" in out:
+        out["notes"] = [_note_document(n) for n in out["notes"]]
+    if "sensed" in out:
+        out["sensed"] = renamed(out["sensed"], _SENSED_UNITS)
+    return out
+
+
+def allocations_document(data: Mapping[str, Any]) -> dict[str, Any]:
+    """`allocations --json`: kind Allocations, the tick's figures, `allocations` (one per
+    workload and parent level) and `node_notes`."""
+    body = renamed(
+        data,
+        {"time": "timestamp_seconds", "tenant_usage": "tenant_usage_cpu_seconds"},
+    )
+    body["allocations"] = [_workload_document(a) for a in data["allocations"]]
+    body["node_notes"] = [_note_document(n) for n in data.get("node_notes", [])]
+    return document("Allocations", body)
+
+
+def explanation_document(data: Mapping[str, Any]) -> dict[str, Any]:
+    """`explain --json`: kind Explanation; under `explanation`, one workload's values,
+    trace and sensed figures (under a key of its own: a workload has a kind too)."""
+    return document("Explanation", {"explanation": _workload_document(data)})
+
+
 def _mode(row: Mapping[str, Any]) -> str:
     """' (read-only)' or ' (via systemd)' after a cgroup the agent does not write directly."""
     return {"read-only": " (read-only)", "systemd": " (via systemd)"}.get(
@@ -36,49 +119,52 @@ def _mode(row: Mapping[str, Any]) -> str:
     )
 
 
-def allocations_table(data: Mapping[str, Any]) -> str:
+def _setting(row: Mapping[str, Any], attribute: str) -> str:
+    v = row["values"][attribute]
+    return setting(attribute, v["current"], v["target"], row.get("write") != "read-only")
+
+
+def allocations_table(
+    data: Mapping[str, Any], *, width: int | None = None, wide: bool = True
+) -> str:
+    """The allocations as a table; not `wide`: short ids, and the GPUS column only where a
+    workload holds GPUs; `width`: reasons, then paths, cut to fit."""
+    allocated = data["allocations"]
+    gpus = wide or any(a.get("gpus") for a in allocated)
     rows = []
-    for a in data["allocations"]:
-        v = a["values"]
-        rows.append(
-            (
-                a["cgroup"] + _mode(a),
-                a["tenant"],
-                a["class"],
-                change(v["cpu.weight"]["current"], v["cpu.weight"]["target"]),
-                change(v["cpu.max"]["current"], v["cpu.max"]["target"]),
-                change(size(v["memory.max"]["current"]), size(v["memory.max"]["target"])),
-                change(size(v["memory.high"]["current"]), size(v["memory.high"]["target"])),
-                ",".join(map(str, a.get("gpus") or [])) or None,
-                cores(a["cpu_rate"]),
-                a["reason"]
-                if a.get("status", "ok") == "ok"
-                else f"{a['status'].upper()}: {a['problem']}",
-            )
-        )
+    for a in allocated:
+        row = [
+            (a["cgroup"] if wide else short_ids(a["cgroup"])) + _mode(a),
+            a["tenant"],
+            a["class"],
+            *(_setting(a, str(attribute)) for attribute in SHOWN),
+            ",".join(map(str, a.get("gpus") or [])) or None,
+            cores(a["cpu_rate"]),
+            a["reason"]
+            if a.get("status", "ok") == "ok"
+            else f"{a['status'].upper()}: {a['problem']}",
+        ]
+        rows.append(row if gpus else row[:7] + row[8:])
     mode = " (dry run: nothing written)" if data["dry_run"] else ""
-    levels = sum(1 for a in data["allocations"] if a.get("level"))
-    counted = f"{len(rows) - levels} workloads" + (f", {levels} parent levels" if levels else "")
-    head = f"tick {data['tick']}{mode}: {counted}; OLD->NEW where the kernel differs"
+    levels = sum(1 for a in allocated if a.get("level"))
+    found = counted(len(rows) - levels, "workload") + (
+        f", {counted(levels, 'parent level')}" if levels else ""
+    )
+    head = f"tick {data['tick']}{mode}: {found}; OLD->NEW where the kernel differs"
     notes = data.get("node_notes", [])
     tail = "".join("\n" + printable(f"{n['kind']}: {n['status']}: {n['message']}") for n in notes)
-    jobs = [a for a in data["allocations"] if a.get("deadline")]
+    jobs = [a for a in allocated if a.get("deadline")]
     if jobs:
         tail += "\n\ndeadline jobs (misses so far: " + str(data.get("deadline_misses", "?")) + ")\n"
-        tail += deadlines_table(jobs, data["time"])
-    headers = (
-        "CGROUP",
-        "TENANT",
-        "CLASS",
-        "CPU.WEIGHT",
-        "CPU.MAX",
-        "MEM.MAX",
-        "MEM.HIGH",
-        "GPUS",
-        "CPU",
-        "REASON",
-    )
-    return printable(head) + "\n" + table(headers, rows) + tail
+        tail += deadlines_table(jobs, data["time"], width=width, wide=wide)
+    headers = [
+        "CGROUP", "TENANT", "CLASS", "CPU.WEIGHT", "CPU.MAX", "MEM.MAX", "MEM.HIGH", "GPUS",
+        "CPU", "REASON",
+    ]  # fmt: skip
+    if not gpus:
+        headers.remove("GPUS")
+    cut: list[tuple[int, Keep]] = [(len(headers) - 1, "head"), (0, "tail")]
+    return printable(head) + "\n" + table(headers, rows, width=width, cut=cut) + tail
 
 
 def _seconds(value: float | None) -> str | None:
@@ -91,7 +177,9 @@ def _when(at: float | None, now: float) -> str | None:
     return f"in {at - now:.0f}s" if at >= now else f"{now - at:.0f}s ago"
 
 
-def deadlines_table(rows: list[dict[str, Any]], now: float) -> str:
+def deadlines_table(
+    rows: list[dict[str, Any]], now: float, *, width: int | None = None, wide: bool = True
+) -> str:
     """Each deadline job's status, time to its deadline, remaining work (CPU-s), the rate it
     needs and is given (cores), its slack and its predicted finish, relative to now."""
     headers = ("CGROUP", "STATUS", "DEADLINE", "REMAINING", "NEED", "GIVEN", "SLACK", "FINISH")
@@ -100,7 +188,7 @@ def deadlines_table(rows: list[dict[str, Any]], now: float) -> str:
         d = a["deadline"]
         body.append(
             (
-                a["cgroup"],
+                a["cgroup"] if wide else short_ids(a["cgroup"]),
                 d["status"],
                 _when(d["deadline"], now),
                 f"{d['remaining']:.1f}",
@@ -110,13 +198,14 @@ def deadlines_table(rows: list[dict[str, Any]], now: float) -> str:
                 _when(d.get("predicted_finish"), now),
             )
         )
-    return table(headers, body)
+    return table(headers, body, width=width, cut=[(0, "tail")])
 
 
 @click.command("allocations")
 @socket_option
 @json_option
-def allocations_cmd(socket: str, as_json: bool) -> None:
+@wide_option
+def allocations_cmd(socket: str, as_json: bool, wide: bool) -> None:
     """What the daemon set on each workload, the measured CPU (cores), and why.
 
     Values show OLD->NEW where the kernel still holds something else than the
@@ -125,10 +214,13 @@ def allocations_cmd(socket: str, as_json: bool) -> None:
     """
     data = client.get(socket, "/v1/allocations")
     if as_json:
-        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        with daemon_answer("/v1/allocations"):
+            doc = allocations_document(cast(Mapping[str, Any], data))
+        echo_json(doc)
         return
     with daemon_answer("/v1/allocations"):
-        text = allocations_table(cast(Mapping[str, Any], data))
+        width = None if wide else terminal_width()
+        text = allocations_table(cast(Mapping[str, Any], data), width=width, wide=wide)
     click.echo(text)
 
 
@@ -144,19 +236,59 @@ def explain(cgroup: str, socket: str, as_json: bool) -> None:
     """
     data = client.get(socket, "/v1/explain", {"cgroup": cgroup})
     if as_json:
-        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        with daemon_answer("/v1/explain"):
+            doc = explanation_document(cast(Mapping[str, Any], data))
+        echo_json(doc)
         return
     with daemon_answer("/v1/explain"):
         text = explain_text(cast(Mapping[str, Any], data))
     click.echo(text)
 
 
+def _claim(data: Mapping[str, Any]) -> str:
+    """Which rule claims the cgroup, or, for a parent level, what it holds and why it is
+    weighted at all."""
+    if data.get("rule") is not None:
+        return f"rule {data['rule']}  tenant {data['tenant']}  class {data['class']}"
+    below = data.get("below") or {}
+    if data.get("level"):
+        tenants = ", ".join(below.get("tenants", [])) or "none"
+        held = below.get("workloads", 0)
+        return (
+            f"parent level of {held} claimed workload{'' if held == 1 else 's'}"
+            f" (tenants: {tenants}); no rule claims it: only its cpu.weight is planned,"
+            " so that tenant shares hold across parents (fair_share.hierarchy)"
+        )
+    return "no rule claims it"
+
+
+def _sensed(key: str, value: object) -> str:
+    """A figure the sensors read, in its unit: sizes, cores, shares, yes or no."""
+    if isinstance(value, bool):
+        return yes_no(value)
+    if isinstance(value, Mapping):
+        return " ".join(f"{k}={v}" for k, v in value.items())
+    if key.startswith("memory_") and not key.endswith("avg10") and isinstance(value, int | str):
+        shown = size(str(value)) or "-"
+        return f"{shown} B" if shown.isdigit() else shown
+    if isinstance(value, float):
+        if key == "cpu_rate":
+            return f"{cores(value)} cores"
+        if key.endswith("avg10"):
+            return f"{value:.2f}% (avg10)"
+        if key.endswith(("_fraction", "_stall")):
+            return percent(value)
+        return f"{value:g}"
+    return str(value)
+
+
 def explain_text(data: Mapping[str, Any]) -> str:
+    written = data.get("write") != "read-only"
     lines = [
         f"{data['cgroup']}  ({data['kind']}, {data['runtime']}, owner {data['owner']}"
         + ("" if data.get("write") in (None, "direct") else f", {data['write']}")
         + ")",
-        f"  rule {data['rule']}  tenant {data['tenant']}  class {data['class']}",
+        f"  {_claim(data)}",
         f"  cpu now: {cores(data['cpu_rate'])} cores   (tick {data['tick']}"
         + (", dry run" if data["dry_run"] else "")
         + ")",
@@ -166,30 +298,71 @@ def explain_text(data: Mapping[str, Any]) -> str:
         v = data["values"][attr]
         if v["target"] is not None or v["current"] is not None:
             why = f"  [{v['policy']}] {v['reason']}" if v["policy"] else ""
-            lines.append(f"  {attr:<12} {change(v['current'], v['target'])}{why}")
-    if data["sensed"]:
+            shown = setting(attr, v["current"], v["target"], written)
+            lines.append(f"  {attr:<12} {shown}{why}")
+    sensed = [(k, v) for k, v in data["sensed"].items() if v not in (None, {})]
+    if sensed:
         lines.append("sensed this tick:")
-        lines.extend(f"  {k:<28} {v}" for k, v in data["sensed"].items() if v not in (None, {}))
+        lines.extend(f"  {k:<28} {_sensed(k, v)}" for k, v in sensed)
     lines.append("trace:")
-    lines.extend(f"  {t}" for t in data["trace"])
+    lines.extend(f"  {t}" for t in data["trace"] or [data.get("reason") or "nothing planned"])
     for w in data["writes"]:
-        lines.append(
-            f"last tick: {w['attribute']} {w['old']}->{w['new']}: {w['outcome']} {w['detail']}"
-        )
+        shown = setting(w["attribute"], w["old"], w["new"])
+        lines.append(f"last tick: {w['attribute']} {shown}: {w['outcome']} {w['detail']}")
     return "\n".join(printable(line) for line in lines)
+
+
+def check_cgroup_root(root: str, proc_root: str) -> None:
+    """Refuse, as `run` does and with its line, a root that is not a usable cgroup v2
+    hierarchy (a v1 or hybrid host, a v2 mount without cpu and memory): read as it is, it
+    would list nothing and look like a host without workloads. A plain directory that is no
+    mount and lies in none of cgroup's (a copy or a fixture of a tree) is read as it is."""
+    from nodeagent.cgroupfs.detect import detect, parse_mountinfo
+    from nodeagent.errors import CgroupUnavailable
+
+    try:
+        detect(root, proc_root)
+    except CgroupUnavailable:
+        real = os.path.realpath(root)
+        try:
+            with open(os.path.join(proc_root, "self/mountinfo"), encoding="ascii") as f:
+                mounts = parse_mountinfo(f.read())
+        except OSError:
+            mounts = []  # the detection's own line says that mountinfo is unreadable
+        if not mounts or any(
+            real == m.point
+            or (m.fstype in ("cgroup", "cgroup2") and real.startswith(m.point.rstrip("/") + "/"))
+            for m in mounts
+        ):
+            raise
 
 
 @click.command()
 @click.option("--cgroup-root", default="/sys/fs/cgroup", show_default=True, metavar="DIR")
+@click.option(
+    "--proc-root",
+    default="/proc",
+    show_default=True,
+    metavar="DIR",
+    help="Where self/mountinfo tells which cgroup hierarchies are mounted.",
+)
 @click.option("--config", "-c", "config", metavar="FILE", help="Also show each workload's rule.")
 @json_option
-def workloads(cgroup_root: str, config: str | None, as_json: bool) -> None:
-    """List the workload cgroups discovery finds, reading the tree directly (no daemon)."""
+@wide_option
+def workloads(
+    cgroup_root: str, proc_root: str, config: str | None, as_json: bool, wide: bool
+) -> None:
+    """List the workload cgroups discovery finds, reading the tree directly (no daemon).
+
+    Exits 1 with one line naming what is missing where the root is not a cgroup v2
+    hierarchy with the cpu and memory controllers (a v1 or hybrid host), as `run` does.
+    A plain directory that is not a mount (a copy or fixture of a tree) is read as it is.
+    """
     from nodeagent.cgroupfs.tree import CgroupTree
     from nodeagent.discovery.registry import Registry
     from nodeagent.ownership import write_mode
     from nodeagent.policy.base import describe
-    from nodeagent.policy.classify import assign
+    from nodeagent.policy.classify import assign, nested_warnings
     from nodeagent.sense.cgroup_files import probe
     from nodeagent.spec.model import AgentSettings
 
@@ -198,11 +371,14 @@ def workloads(cgroup_root: str, config: str | None, as_json: bool) -> None:
     managed_root = agent_settings.managed_root
     if not os.path.isdir(cgroup_root):
         raise NodeagentError(f"cgroup root {cgroup_root} is not a directory")
+    check_cgroup_root(cgroup_root, proc_root)
     tree = CgroupTree(cgroup_root)
     registry = Registry(tree, managed_root, watch=False)
     registry.resync()
     found = sorted(registry.identities(), key=lambda i: i.path)
     assigned = assign(found, spec) if spec else {}
+    for warning in nested_warnings(assigned):
+        click.echo(f"warning: {warning}", err=True)
     page = os.sysconf("SC_PAGE_SIZE")
     rows: list[dict[str, Any]] = []
     for i in found:
@@ -217,37 +393,30 @@ def workloads(cgroup_root: str, config: str | None, as_json: bool) -> None:
         for path, why in sorted(registry.problems.items())
     ]
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        echo_json(item_list("WorkloadList", rows))
         return
-    headers = (
-        "CGROUP",
-        "KIND",
-        "RUNTIME",
-        "OWNER",
-        "ID",
-        "POD",
-        "QOS",
-        "TENANT",
-        "CLASS",
-        "STATUS",
-    )
-    click.echo(
-        table(
-            headers,
-            [
-                (
-                    r["cgroup"],
-                    r.get("kind"),
-                    r.get("runtime"),
-                    None if "owner" not in r else f"{r['owner']}" + _mode(r),
-                    (r.get("container_id") or "")[:12] or None,
-                    r.get("pod_uid"),
-                    r.get("qos"),
-                    r.get("tenant"),
-                    r.get("class"),
-                    r["status"] if r["problem"] is None else f"{r['status']}: {r['problem']}",
-                )
-                for r in rows
-            ],
+    click.echo(workloads_table(rows, width=None if wide else terminal_width(), wide=wide))
+
+
+def workloads_table(
+    rows: list[dict[str, Any]], *, width: int | None = None, wide: bool = False
+) -> str:
+    """What discovery found; `wide` adds the id, pod UID and QoS columns and keeps ids whole
+    (else they are short, in the path too); `width`: statuses, paths and owners cut to fit."""
+    extra = ("ID", "POD", "QOS") if wide else ()
+    headers = ("CGROUP", "KIND", "RUNTIME", "OWNER", *extra, "TENANT", "CLASS", "STATUS")
+    body = [
+        (
+            r["cgroup"] if wide else short_ids(r["cgroup"]),
+            r.get("kind"),
+            r.get("runtime"),
+            None if "owner" not in r else f"{r['owner']}" + _mode(r),
+            *((r.get("container_id"), r.get("pod_uid"), r.get("qos")) if wide else ()),
+            r.get("tenant"),
+            r.get("class"),
+            r["status"] if r["problem"] is None else f"{r['status']}: {r['problem']}",
         )
-    )
+        for r in rows
+    ]
+    cut: list[tuple[int, Keep]] = [(len(headers) - 1, "head"), (0, "tail"), (3, "head")]
+    return table(headers, body, width=width, cut=cut)

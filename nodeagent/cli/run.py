@@ -1,4 +1,4 @@
-"""The daemon's commands: check a policy file, and run the reconcile loop."""
+"""The daemon's command: run the reconcile loop."""
 
 from __future__ import annotations
 
@@ -14,23 +14,6 @@ from nodeagent.errors import NodeagentError
 
 if TYPE_CHECKING:
     from nodeagent.report import TickRecord
-
-
-@click.command()
-@click.argument("file", type=click.Path(dir_okay=True))
-def validate(file: str) -> None:
-    """Check a policy FILE; print FILE:LINE:COL: message for every problem.
-
-    Exits 0 when the file is valid, 1 otherwise.
-    """
-    from nodeagent.spec.load import PolicyError, load_policy
-
-    try:
-        spec = load_policy(file)
-    except PolicyError as e:
-        click.echo(str(e), err=True)
-        sys.exit(1)
-    click.echo(f"{file}: ok ({len(spec.tenants)} tenants, {len(spec.rules)} rules)")
 
 
 @click.command()

@@ -8,11 +8,14 @@ systemd cgroup driver (owner SYSTEMD)
     system.slice/docker-<id>.scope                         docker container
     machine.slice/libpod-<id>.scope                        podman container
     machine.slice/machine-libpod_pod_<podid>.slice/libpod-<id>.scope   (in a podman pod)
-    user.slice/user-<n>.slice/user@<n>.service/<slices>/libpod-<id>.scope  rootless podman
     kubepods.slice/kubepods-pod<uid>.slice                 guaranteed pod
     kubepods.slice/kubepods-<tier>.slice/kubepods-<tier>-pod<uid>.slice   burstable/besteffort
     <pod>/cri-containerd-<id>.scope | crio-<id>.scope | docker-<id>.scope   pod containers
     <slices>/<unit>.service                                a systemd service
+
+a user's systemd manager (owner USER_SYSTEMD: its units are not the system manager's)
+    user.slice/user-<n>.slice/user@<n>.service/<slices>/libpod-<id>.scope  rootless podman
+    user.slice/user-<n>.slice/user@<n>.service/<slices>/<unit>.service     a user service
 
 cgroupfs driver (owner CGROUPFS)
     docker/<id>                                            docker container
@@ -47,7 +50,7 @@ from nodeagent.cgroupfs.tree import split_path
 from nodeagent.errors import UnsafePath
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
 
-__all__ = ["classify"]
+__all__ = ["classify", "delegated_root", "may_hold", "user_manager"]
 
 # --- component fragments; none of them can match a '/' -----------------------
 
@@ -122,7 +125,7 @@ def _kube_rules(pod: str, container: str, owner: Owner) -> tuple[_Rule, _Rule]:
     )
 
 
-_SD, _FS = Owner.SYSTEMD, Owner.CGROUPFS
+_SD, _FS, _USER = Owner.SYSTEMD, Owner.CGROUPFS, Owner.USER_SYSTEMD
 _CTR = Kind.CONTAINER
 
 _RULES: Final[tuple[_Rule, ...]] = (
@@ -136,7 +139,7 @@ _RULES: Final[tuple[_Rule, ...]] = (
         Runtime.PODMAN,
         _SD,
     ),
-    _rule(rf"{_USER_MANAGER}/{_SLICES}libpod-{_ID}\.scope", _CTR, Runtime.PODMAN, _SD),
+    _rule(rf"{_USER_MANAGER}/{_SLICES}libpod-{_ID}\.scope", _CTR, Runtime.PODMAN, _USER),
     _rule(rf"libpod_parent/(?:[0-9a-f]{{64}}/)?libpod-{_ID}", _CTR, Runtime.PODMAN, _FS),
     # Kubernetes, systemd driver
     *_kube_rules(
@@ -172,6 +175,16 @@ The one unit allowed above is a user manager, whose services are real services.
 """
 
 _USER_MANAGER_UNIT: Final = re.compile(r"user@[0-9]+\.service", re.ASCII)
+
+
+def user_manager(path: str) -> str | None:
+    """The user manager (``user@<n>.service``) that `path` is strictly below, if any.
+
+    Any component so named counts, wherever it sits: what is below it is that user's
+    manager's (and the user's own) business, never the system manager's.
+    """
+    parts = path.split("/")
+    return next((p for p in parts[:-1] if _USER_MANAGER_UNIT.fullmatch(p)), None)
 
 
 def _check_path(path: str, what: str) -> None:
@@ -246,6 +259,32 @@ def classify(path: str, managed_root: str) -> WorkloadIdentity | None:
     m = _SERVICE.fullmatch(path)
     if m is None or _USER_MANAGER_UNIT.fullmatch(m["unit"]):
         return None
+    owner = Owner.SYSTEMD if m["n"] is None else Owner.USER_SYSTEMD
     return WorkloadIdentity(
-        path=path, kind=Kind.SERVICE, runtime=Runtime.SYSTEMD, owner=Owner.SYSTEMD, name=m["unit"]
+        path=path, kind=Kind.SERVICE, runtime=Runtime.SYSTEMD, owner=owner, name=m["unit"]
     )
+
+
+_HOLDER: Final = re.compile(
+    rf"(?:{_USER_MANAGER}|[^/]+\.slice)(?:/[^/]+\.slice)*"
+    rf"|docker|libpod_parent(?:/[0-9a-f]{{64}})?|kubepods(?:/{_TIER})?",
+    re.ASCII,
+)
+"""The cgroups that are no workload but may have one below them, by the layouts above:
+slices (and a user manager) above services and scopes, and the cgroupfs drivers' parents.
+A pod's containers and the managed root are the scan's to add."""
+
+_DELEGATED: Final = re.compile(rf"{_USER_MANAGER}(?=/|$)", re.ASCII)
+
+
+def may_hold(path: str) -> bool:
+    """Whether some layout places a workload below `path`, a cgroup that is no workload.
+    Pure, like `classify`: the scan descends only where this is true."""
+    return _HOLDER.fullmatch(path) is not None
+
+
+def delegated_root(path: str) -> str | None:
+    """The user manager (user.slice/user-N.slice/user@N.service) at or above `path`, or
+    None: below it, user N makes cgroups at will (user@.service has Delegate=yes)."""
+    m = _DELEGATED.match(path)
+    return None if m is None else m.group(0)

@@ -15,7 +15,7 @@ from inotify_simple import INotify, flags
 
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.discovery.layouts import classify
-from nodeagent.discovery.scan import ScanResult, descends, join, scan
+from nodeagent.discovery.scan import Budget, ScanResult, descends, join, scan
 from nodeagent.identity import WorkloadIdentity
 
 log = structlog.get_logger("nodeagent.discovery")
@@ -40,6 +40,8 @@ class Registry:
         self._wd_path: dict[int, str] = {}
         self._path_wd: dict[str, int] = {}
         self._unwatched: set[str] = set()  # watches that failed, logged once each
+        self._budget = Budget()
+        """The cgroups below user managers looked at since the last resync (scan.Budget)."""
 
     def fileno(self) -> int | None:
         return None if self._inotify is None else self._inotify.fileno()
@@ -50,11 +52,12 @@ class Registry:
         self.workloads = result.workloads
         self.problems = result.problems
         self._log_problems()
-        for path in result.parents:
-            self._watch(path)
         live = set(result.parents)
         for path in [p for p in self._path_wd if p not in live]:
             self._unwatch(path)
+        self._budget = result.budget
+        for path in result.parents:
+            self._watch(path)
 
     def poll(self) -> bool:
         """Apply pending inotify events without blocking; True when the workload set changed."""
@@ -80,6 +83,9 @@ class Registry:
         return changed
 
     def _created(self, path: str) -> bool:
+        if not self._budget.take(path, self.problems):
+            self._log_problems()
+            return False
         identity = classify(path, self.managed_root)
         before = len(self.workloads)
         if identity is not None:
@@ -88,13 +94,15 @@ class Registry:
         if descends(identity, path, self.managed_root):
             # Watch first, then scan: a child made between the two is seen by one of them.
             self._watch(path)
-            result = scan(self.tree, self.managed_root, start=path, into=ScanResult())
+            result = scan(
+                self.tree, self.managed_root, start=path, into=ScanResult(budget=self._budget)
+            )
             self.workloads.update(result.workloads)
             self.new.extend(result.workloads)
             self.problems.update(result.problems)
-            self._log_problems()
             for parent in result.parents:
                 self._watch(parent)
+            self._log_problems()
         return len(self.workloads) != before
 
     def _log_problems(self) -> None:
@@ -106,6 +114,7 @@ class Registry:
         self._logged = dict(self.problems)
 
     def _deleted(self, path: str) -> bool:
+        self._budget.give_back(path)  # what was below it went first, each with its event
         gone = [p for p in self.workloads if p == path or p.startswith(path + "/")]
         for p in gone:
             del self.workloads[p]
@@ -165,6 +174,10 @@ class Registry:
     def forget(self, path: str) -> None:
         """Drop a workload that the sensor found gone, in case inotify missed its removal."""
         self.workloads.pop(path, None)
+
+    def watched(self) -> set[str]:
+        """The cgroups with an inotify watch."""
+        return set(self._path_wd)
 
     def identities(self) -> list[WorkloadIdentity]:
         return list(self.workloads.values())

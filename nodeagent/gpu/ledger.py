@@ -8,29 +8,81 @@ does not fit yet is passed over for later ones that do (backfill). A waiting req
 that is not asked about for `STALE_AFTER` seconds (its `exec` died) is dropped.
 Placement itself is the pure `policy.placement.place`.
 
-Jobs' holds are released when their job is reaped; a reservation for a container is
-bound to the cgroup whose processes show on its GPUs and released when that cgroup goes,
-or lapses after its time to live if none ever shows. Holds are kept in the state file.
+Every hold has an unguessable id and records who asked (uid), its tenant and class; its
+name (a job's or a reservation's) is a label, unique among live holds and waiting
+requests. Request ids are unguessable too, and only their asker (or root) may see,
+cancel or claim them; a claim must come with the tenant and class the grant was for.
+A job's hold is released by its id when that job ends; only reservations are released by
+name, by the uid that made them or root. A reservation names its container; the daemon
+binds it to that container's cgroup once discovery shows it and releases it when the
+cgroup goes, or it lapses after its time to live.
+
+The queue is served in full only when that can change its answer (a hold released or
+lapsed, the GPUs changed): otherwise every waiting request was tried against the holds as
+they are, and only a new request can fit. Times are the monotonic clock's, so a step of
+the wall clock lapses nothing; the state file keeps Unix times, converted at dump and load.
 """
 
 from __future__ import annotations
 
-import itertools
+import bisect
+import secrets
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Annotated, Any
 
-from nodeagent.gpu.model import Hold
+import structlog
+from pydantic import Field, ValidationError
+
+from nodeagent.api.bodies import (
+    Body,
+    CgroupPath,
+    Container,
+    GpuMemory,
+    Instant,
+    Name,
+    Text,
+    Token,
+    Uid,
+    problem,
+)
+from nodeagent.gpu.model import Hold, HoldKind
 from nodeagent.policy.placement import GpuRequest, Holdings, NodeGpus, Placement, Refusal, place
+from nodeagent.spec.model import WorkloadClass
+
+log = structlog.get_logger("nodeagent.gpu")
 
 STALE_AFTER = 15.0
+
+
+class LedgerError(Exception):
+    """A request the ledger refuses; the message is one line for the API."""
+
+
+class Unknown(LedgerError):
+    """No such request, grant or hold (or it lapsed)."""
+
+
+class NotYours(LedgerError):
+    """It belongs to another uid."""
+
+
+class Conflict(LedgerError):
+    """A name taken, a quota reached, a grant for another tenant or class."""
+
+
+def new_id() -> str:
+    return secrets.token_urlsafe(16)
 
 
 @dataclass(frozen=True, slots=True)
 class Waiting:
     id: str
     owner: str
+    uid: int
+    tenant: str
     request: GpuRequest
     priority: int
     deadline: float | None
@@ -40,6 +92,11 @@ class Waiting:
     asked: float
     seen: float
     reason: str = ""
+
+    def key(self) -> tuple[int, float, float, float, str]:
+        """Its place in the queue (sorted ascending)."""
+        deadline = self.deadline if self.deadline is not None else float("inf")
+        return (-self.priority, deadline, self.fairness, self.asked, self.id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +137,47 @@ def holdings(holds: Iterable[Hold]) -> Holdings:
     return Holdings(frozenset(exclusive), shared)
 
 
+def _mine(uid: int, owner: int) -> bool:
+    return uid in (0, owner)
+
+
+class HoldRecord(Body):
+    """A hold as the state file keeps it: checked field by field when restored."""
+
+    owner: Name
+    kind: Annotated[HoldKind, Field(strict=False)]
+    uuids: Annotated[list[Text], Field(min_length=1, max_length=64)]
+    indices: Annotated[list[Annotated[int, Field(ge=0, le=1023)]], Field(max_length=64)]
+    shared_memory: GpuMemory | None = None
+    cgroup: CgroupPath | None = None
+    workload_class: Annotated[WorkloadClass, Field(strict=False)] | None = None
+    until: Instant | None = None
+    """Unix time."""
+    cpus: Annotated[list[Annotated[int, Field(ge=0, le=1 << 20)]], Field(max_length=1 << 16)] = (
+        Field(default_factory=list)
+    )
+    id: Token | None = None
+    """Absent in files written before holds had ids: one is made."""
+    uid: Uid = 0
+    tenant: Text | None = None
+    container: Container | None = None
+
+
 class GpuLedger:
     def __init__(self) -> None:
         self._holds: dict[str, Hold] = {}
+        """By hold id."""
         self._waiting: dict[str, Waiting] = {}
+        """By request id."""
+        self._order: list[tuple[int, float, float, float, str]] = []
+        """The waiting requests' keys, sorted: the queue."""
+        self._waiting_names: dict[str, str] = {}
+        self._waiting_uids: Counter[int] = Counter()
         self._granted: dict[str, Answer] = {}
-        self._ids = itertools.count(1)
+        """By request id: what a claim takes (the answer's hold id must still be held)."""
+        self._stale = True
+        """Something was freed (or the GPUs changed) since the whole queue was last tried."""
+        self._served: NodeGpus | None = None
         self._lock = threading.Lock()
 
     # --- asking -----------------------------------------------------------------------
@@ -95,6 +187,8 @@ class GpuLedger:
         owner: str,
         request: GpuRequest,
         *,
+        uid: int,
+        tenant: str,
         priority: int,
         deadline: float | None,
         fairness: float,
@@ -102,77 +196,171 @@ class GpuLedger:
         node: NodeGpus,
         now: float,
         claim_timeout: float,
+        max_waiting: int,
     ) -> Answer:
         with self._lock:
-            if owner in self._holds or any(w.owner == owner for w in self._waiting.values()):
-                raise ValueError(f"{owner!r} already holds or waits for GPUs")
-            rid = f"r{next(self._ids)}"
-            self._waiting[rid] = Waiting(
-                rid, owner, request, priority, deadline, fairness, workload_class, now, now
-            )
-            self._serve(node, now, claim_timeout)
-            answer = self._answer(rid, now)
+            self._check_name(owner)
+            if uid != 0 and self._waiting_uids[uid] >= max_waiting:
+                raise Conflict(
+                    f"uid {uid} has {self._waiting_uids[uid]} GPU requests waiting, the most"
+                    " gpu.max_waiting_per_user allows; cancel one or wait"
+                )
+            rid = new_id()
+            w = Waiting(
+                rid, owner, uid, tenant, request, priority, deadline, fairness,
+                workload_class, now, now,
+            )  # fmt: skip
+            self._add(w)
+            if self._stale or node != self._served:
+                self._serve(node, now, claim_timeout)
+            else:  # every other waiter was tried against these holds: only this one can fit
+                self._try([w], node, now, claim_timeout)
+            answer = self._answer(rid)
             assert answer is not None, "just asked: granted or waiting"
             return answer
 
-    def status(self, rid: str, now: float) -> Answer | None:
+    def status(self, rid: str, uid: int, now: float) -> Answer:
         with self._lock:
-            if rid in self._waiting:
-                self._waiting[rid] = replace(self._waiting[rid], seen=now)
-            return self._answer(rid, now)
+            w = self._waiting.get(rid)
+            if w is not None:
+                self._check_uid(rid, uid, w.uid)
+                self._waiting[rid] = replace(w, seen=now)
+            answer = self._answer(rid)
+            if answer is None:
+                raise Unknown(f"no GPU request {rid!r} (lapsed or unknown)")
+            if answer.hold is not None:
+                self._check_uid(rid, uid, answer.hold.uid)
+            return answer
 
-    def cancel(self, rid: str) -> None:
+    def cancel(self, rid: str, uid: int) -> None:
         with self._lock:
-            self._waiting.pop(rid, None)
-            answer = self._granted.pop(rid, None)
-            if answer is not None and answer.hold is not None:
-                self._holds.pop(answer.hold.owner, None)
+            w = self._waiting.get(rid)
+            if w is not None:
+                self._check_uid(rid, uid, w.uid)
+                self._drop(rid)
+                return
+            answer = self._granted.get(rid)
+            if answer is None or answer.hold is None:
+                raise Unknown(f"no GPU request {rid!r} (lapsed or unknown)")
+            self._check_uid(rid, uid, answer.hold.uid)
+            del self._granted[rid]
+            held = self._holds.get(answer.hold.id)
+            if held is not None and held.kind is HoldKind.REQUEST:
+                self._pop(held.id)
 
-    def claim(self, rid: str, owner: str, cgroup: str) -> Hold:
+    def claim(
+        self, rid: str, *, uid: int, owner: str, cgroup: str, tenant: str, workload_class: str
+    ) -> Hold:
         """A job takes the GPUs granted to its request; they are its own until it ends."""
         with self._lock:
-            answer = self._granted.pop(rid, None)
-            if answer is None or answer.hold is None or answer.hold.owner not in self._holds:
-                raise KeyError(f"no GPUs are granted to request {rid!r} (lapsed or unknown)")
-            del self._holds[answer.hold.owner]
-            hold = replace(answer.hold, owner=owner, kind="job", cgroup=cgroup, until=None)
-            self._holds[owner] = hold
+            answer = self._granted.get(rid)
+            held = None if answer is None or answer.hold is None else answer.hold
+            if held is None or self._holds.get(held.id) != held:
+                raise Unknown(f"no GPUs are granted to request {rid!r} (lapsed or unknown)")
+            self._check_uid(rid, uid, held.uid)
+            if (held.tenant, held.workload_class) != (tenant, workload_class):
+                raise Conflict(
+                    f"GPU request {rid!r} was granted for tenant {held.tenant!r} and class"
+                    f" {held.workload_class}; the job asks for tenant {tenant!r} and class"
+                    f" {workload_class}"
+                )
+            if owner != held.owner:
+                self._check_name(owner)
+            del self._granted[rid]
+            hold = replace(held, owner=owner, kind=HoldKind.JOB, cgroup=cgroup, until=None, uid=uid)
+            self._holds[hold.id] = hold
             return hold
 
-    def reserve(self, owner: str, hold: Hold) -> None:
+    def reserve(
+        self,
+        owner: str,
+        request: GpuRequest,
+        *,
+        uid: int,
+        tenant: str,
+        workload_class: str,
+        container: str | None,
+        node: NodeGpus,
+        until: float,
+    ) -> tuple[Hold, Placement] | Refusal:
+        """Place and hold GPUs for a container, in one step (two callers never get the same
+        GPUs); a Refusal when none fit now."""
         with self._lock:
-            if owner in self._holds:
-                raise ValueError(f"{owner!r} already holds GPUs")
-            self._holds[owner] = hold
+            self._check_name(owner)
+            result = place(request, node, holdings(self._holds.values()))
+            if isinstance(result, Refusal):
+                return result
+            hold = Hold(
+                owner,
+                HoldKind.RESERVATION,
+                result.uuids,
+                result.indices,
+                (request.memory or 0) if request.shared else None,
+                workload_class=workload_class,
+                until=until,
+                cpus=closest_cpus(node, result.indices),
+                id=new_id(),
+                uid=uid,
+                tenant=tenant,
+                container=container,
+            )
+            self._holds[hold.id] = hold
+            return hold, result
+
+    def attach(self, owner: str, uid: int, container: str) -> Hold:
+        """Name the container of a reservation made without one (its id known only once the
+        runtime created it)."""
+        with self._lock:
+            hold = self._reservation(owner, uid)
+            if hold.cgroup is not None:
+                raise Conflict(f"reservation {owner!r} is bound to {hold.cgroup} already")
+            hold = replace(hold, container=container)
+            self._holds[hold.id] = hold
+            return hold
+
+    # --- releasing --------------------------------------------------------------------
+
+    def release_reservation(self, owner: str, uid: int) -> Hold:
+        with self._lock:
+            return self._pop(self._reservation(owner, uid).id)
+
+    def release_job(self, hold_id: str, uid: int) -> Hold | None:
+        """A job's end: exactly its own hold, never another kind or another uid's."""
+        with self._lock:
+            hold = self._holds.get(hold_id)
+            if hold is None or hold.kind is not HoldKind.JOB or hold.uid != uid:
+                return None
+            return self._pop(hold_id)
+
+    def drop(self, hold_id: str) -> Hold | None:
+        """The daemon's own release (a reservation whose workload is gone)."""
+        with self._lock:
+            return self._pop(hold_id) if hold_id in self._holds else None
 
     # --- the loop ---------------------------------------------------------------------
 
     def step(self, node: NodeGpus | None, now: float, claim_timeout: float) -> list[Hold]:
-        """Lapse unclaimed holds and stale waiters, then serve the queue; the lapsed holds."""
+        """Lapse unclaimed holds and stale waiters, then serve the queue if that can change
+        anything; the lapsed holds."""
         with self._lock:
             lapsed = [h for h in self._holds.values() if h.until is not None and h.until <= now]
             for h in lapsed:
-                del self._holds[h.owner]
-            for rid, w in list(self._waiting.items()):
-                if now - w.seen > STALE_AFTER:
-                    del self._waiting[rid]
+                self._pop(h.id)
+            for rid in [r for r, w in self._waiting.items() if now - w.seen > STALE_AFTER]:
+                self._drop(rid)
             for rid in [
-                r for r, a in self._granted.items() if a.hold and a.hold.owner not in self._holds
+                r for r, a in self._granted.items() if a.hold and a.hold.id not in self._holds
             ]:
                 del self._granted[rid]
-            if node is not None:
+            if node is not None and self._waiting and (self._stale or node != self._served):
                 self._serve(node, now, claim_timeout)
             return lapsed
 
-    def release(self, owner: str) -> Hold | None:
+    def bind(self, hold_id: str, cgroup: str) -> None:
         with self._lock:
-            return self._holds.pop(owner, None)
-
-    def bind(self, owner: str, cgroup: str) -> None:
-        with self._lock:
-            h = self._holds.get(owner)
+            h = self._holds.get(hold_id)
             if h is not None and h.cgroup is None:
-                self._holds[owner] = replace(h, cgroup=cgroup, until=None)
+                self._holds[hold_id] = replace(h, cgroup=cgroup, until=None)
 
     def holds(self) -> tuple[Hold, ...]:
         with self._lock:
@@ -180,74 +368,169 @@ class GpuLedger:
 
     def queue(self) -> list[Waiting]:
         with self._lock:
-            return self._ordered()
+            return [self._waiting[k[-1]] for k in self._order]
 
     # --- the state file ---------------------------------------------------------------
 
-    def dump(self) -> list[dict[str, Any]]:
+    def dump(self, now: float, wall: float) -> list[dict[str, Any]]:
+        """Jobs' and reservations' holds, with Unix times (`now` is the monotonic clock
+        read at `wall`)."""
         with self._lock:
-            return [asdict(h) for h in self._holds.values() if h.kind != "request"]
+            holds = [h for h in self._holds.values() if h.kind is not HoldKind.REQUEST]
+        out = []
+        for h in holds:
+            record = {
+                "owner": h.owner,
+                "kind": str(h.kind),
+                "uuids": list(h.uuids),
+                "indices": list(h.indices),
+                "shared_memory": h.shared_memory,
+                "cgroup": h.cgroup,
+                "workload_class": h.workload_class,
+                "until": None if h.until is None else h.until - now + wall,
+                "cpus": list(h.cpus),
+                "id": h.id,
+                "uid": h.uid,
+                "tenant": h.tenant,
+                "container": h.container,
+            }
+            out.append(record)
+        return out
 
-    def load(self, records: Iterable[Mapping[str, Any]], keep: Callable[[Hold], bool]) -> None:
-        with self._lock:
-            for r in records:
-                h = Hold(
-                    owner=str(r["owner"]),
-                    kind=str(r["kind"]),
-                    uuids=tuple(str(u) for u in r["uuids"]),
-                    indices=tuple(int(i) for i in r["indices"]),
-                    shared_memory=None
-                    if r.get("shared_memory") is None
-                    else int(r["shared_memory"]),
-                    cgroup=None if r.get("cgroup") is None else str(r["cgroup"]),
-                    workload_class=None
-                    if r.get("workload_class") is None
-                    else str(r["workload_class"]),
-                    until=None if r.get("until") is None else float(r["until"]),
-                    cpus=tuple(int(c) for c in r.get("cpus") or ()),
-                )
-                if keep(h):
-                    self._holds[h.owner] = h
+    def load(
+        self,
+        records: Iterable[Mapping[str, Any]],
+        keep: Callable[[Hold], Hold | None],
+        now: float,
+        wall: float,
+    ) -> None:
+        """Restore saved holds one by one: a malformed record is dropped with a warning;
+        `keep` says which still have their job (or are reservations), and may amend them."""
+        for i, r in enumerate(records):
+            try:
+                record = HoldRecord.model_validate(r)
+            except ValidationError as e:
+                log.warning("state.hold_dropped", record=i, error=problem(e))
+                continue
+            if record.kind is HoldKind.REQUEST:
+                continue  # a grant's hold dies with the daemon: its exec asks again
+            hold = Hold(
+                owner=record.owner,
+                kind=record.kind,
+                uuids=tuple(record.uuids),
+                indices=tuple(record.indices),
+                shared_memory=record.shared_memory,
+                cgroup=record.cgroup,
+                workload_class=None
+                if record.workload_class is None
+                else str(record.workload_class),
+                until=None if record.until is None else record.until - wall + now,
+                cpus=tuple(record.cpus),
+                id=record.id or new_id(),
+                uid=record.uid,
+                tenant=record.tenant,
+                container=record.container,
+            )
+            kept = keep(hold)
+            if kept is None:
+                continue
+            with self._lock:
+                if kept.id in self._holds or self._name_taken(kept.owner):
+                    log.warning("state.hold_dropped", record=i, error="its id or name is taken")
+                    continue
+                self._holds[kept.id] = kept
 
     # --- inside the lock --------------------------------------------------------------
 
-    def _ordered(self) -> list[Waiting]:
-        return sorted(
-            self._waiting.values(),
-            key=lambda w: (
-                -w.priority,
-                w.deadline if w.deadline is not None else float("inf"),
-                w.fairness,
-                w.asked,
-                w.id,
-            ),
-        )
+    def _name_taken(self, owner: str) -> bool:
+        return owner in self._waiting_names or any(h.owner == owner for h in self._holds.values())
+
+    def _check_name(self, owner: str) -> None:
+        if self._name_taken(owner):
+            raise Conflict(f"the name {owner!r} is taken by another GPU hold or request")
+
+    @staticmethod
+    def _check_uid(rid: str, uid: int, owner: int) -> None:
+        if not _mine(uid, owner):
+            raise NotYours(f"GPU request {rid!r} belongs to uid {owner}")
+
+    def _reservation(self, owner: str, uid: int) -> Hold:
+        hold = next((h for h in self._holds.values() if h.owner == owner), None)
+        if hold is None:
+            raise Unknown(f"no reservation named {owner!r}")
+        if hold.kind is not HoldKind.RESERVATION:
+            raise Conflict(
+                f"{owner!r} is not a reservation but a {hold.kind}'s GPUs, which go back when"
+                " it ends; only reservations are released by name"
+            )
+        if not _mine(uid, hold.uid):
+            raise NotYours(f"reservation {owner!r} belongs to uid {hold.uid}")
+        return hold
+
+    def _pop(self, hold_id: str) -> Hold:
+        self._stale = True
+        return self._holds.pop(hold_id)
+
+    def _add(self, w: Waiting) -> None:
+        self._waiting[w.id] = w
+        self._waiting_names[w.owner] = w.id
+        self._waiting_uids[w.uid] += 1
+        bisect.insort(self._order, w.key())
+
+    def _drop(self, rid: str) -> Waiting:
+        w = self._waiting.pop(rid)
+        del self._waiting_names[w.owner]
+        self._waiting_uids[w.uid] -= 1
+        if not self._waiting_uids[w.uid]:
+            del self._waiting_uids[w.uid]
+        del self._order[bisect.bisect_left(self._order, w.key())]
+        return w
 
     def _serve(self, node: NodeGpus, now: float, claim_timeout: float) -> None:
-        for w in self._ordered():
-            result = place(w.request, node, holdings(self._holds.values()))
-            if isinstance(result, Refusal):
-                self._waiting[w.id] = replace(w, reason=result.reason)
-                continue
-            hold = Hold(
-                owner=w.owner,
-                kind="request",
-                uuids=result.uuids,
-                indices=result.indices,
-                shared_memory=(w.request.memory or 0) if w.request.shared else None,
-                workload_class=w.workload_class,
-                until=now + claim_timeout,
-                cpus=closest_cpus(node, result.indices),
-            )
-            self._holds[w.owner] = hold
-            del self._waiting[w.id]
-            self._granted[w.id] = Answer(w.id, "granted", hold, placement=result)
+        self._try([self._waiting[k[-1]] for k in self._order], node, now, claim_timeout)
+        self._stale, self._served = False, node
 
-    def _answer(self, rid: str, now: float) -> Answer | None:
+    def _try(self, waiting: list[Waiting], node: NodeGpus, now: float, timeout: float) -> None:
+        """Grant what fits, in queue order; a request shaped like one refused since the last
+        grant is refused for the same reason without placing it again."""
+        held = holdings(self._holds.values())
+        refused: dict[GpuRequest, str] = {}
+        for w in waiting:
+            why = refused.get(w.request)
+            if why is None:
+                result = place(w.request, node, held)
+                if isinstance(result, Placement):
+                    self._grant(w, result, node, now + timeout)
+                    held = holdings(self._holds.values())
+                    refused.clear()
+                    continue
+                why = refused[w.request] = result.reason
+            if w.reason != why:
+                self._waiting[w.id] = replace(w, reason=why)
+
+    def _grant(self, w: Waiting, result: Placement, node: NodeGpus, until: float) -> None:
+        hold = Hold(
+            owner=w.owner,
+            kind=HoldKind.REQUEST,
+            uuids=result.uuids,
+            indices=result.indices,
+            shared_memory=(w.request.memory or 0) if w.request.shared else None,
+            workload_class=w.workload_class,
+            until=until,
+            cpus=closest_cpus(node, result.indices),
+            id=new_id(),
+            uid=w.uid,
+            tenant=w.tenant,
+        )
+        self._drop(w.id)
+        self._holds[hold.id] = hold
+        self._granted[w.id] = Answer(w.id, "granted", hold, placement=result)
+
+    def _answer(self, rid: str) -> Answer | None:
         if rid in self._granted:
             return self._granted[rid]
-        if rid in self._waiting:
-            order = [w.id for w in self._ordered()]
-            w = self._waiting[rid]
-            return Answer(rid, "waiting", position=order.index(rid) + 1, reason=w.reason)
-        return None
+        w = self._waiting.get(rid)
+        if w is None:
+            return None
+        position = bisect.bisect_left(self._order, w.key()) + 1
+        return Answer(rid, "waiting", position=position, reason=w.reason)

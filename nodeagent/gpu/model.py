@@ -182,14 +182,23 @@ def format_cpulist(cpus: Iterable[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
+class HoldKind(enum.StrEnum):
+    REQUEST = "request"
+    """GPUs granted to a request, waiting for its job to start (they lapse unclaimed)."""
+    JOB = "job"
+    """A running job's GPUs, released when that job ends."""
+    RESERVATION = "reservation"
+    """GPUs held for a container started elsewhere; released by name or when it goes."""
+
+
 @dataclass(frozen=True, slots=True)
 class Hold:
-    """GPUs (or MIG devices) held by one owner: a job, a reservation for a container, or a
-    granted request waiting for its job to start."""
+    """GPUs (or MIG devices) held by one job, one reservation for a container, or one
+    granted request waiting for its job to start. Its `id` is what the daemon acts on;
+    `owner` is a label (the job's or the reservation's name), unique among live holds."""
 
     owner: str
-    kind: str
-    """'job', 'reservation' or 'request'."""
+    kind: HoldKind
     uuids: tuple[str, ...]
     """What CUDA_VISIBLE_DEVICES lists: GPU UUIDs, or MIG UUIDs."""
     indices: tuple[int, ...]
@@ -197,12 +206,20 @@ class Hold:
     shared_memory: int | None = None
     """Bytes promised on each GPU to a shared holder; None: held alone."""
     cgroup: str | None = None
-    """The workload using them (a job's cgroup; a reservation's once its processes show)."""
+    """The workload using them (a job's cgroup; a reservation's once its container shows)."""
     workload_class: str | None = None
     until: float | None = None
-    """Unix time when an unclaimed hold lapses; None: until released."""
+    """When an unclaimed hold lapses, on the daemon's monotonic clock (the state file keeps
+    it as Unix time); None: until released."""
     cpus: tuple[int, ...] = ()
     """The CPUs closest to these GPUs (their NUMA nodes'), for pinning a job's cpuset."""
+    id: str = ""
+    """Unguessable, made by the daemon; what releases exactly this hold."""
+    uid: int = 0
+    """Who asked for it: only that uid or root may act on it."""
+    tenant: str | None = None
+    container: str | None = None
+    """A reservation's container, as named when it was made (an id or a workload name)."""
 
     def covers(self, device_uuid: str, parents: Mapping[str, str]) -> bool:
         """Whether a process on `device_uuid` (a GPU or a MIG device) is on these GPUs."""

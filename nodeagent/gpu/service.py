@@ -8,37 +8,62 @@ the routes and claims its grant when its job starts.
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Annotated
 
 import structlog
+from pydantic import BeforeValidator, Field
 
-from nodeagent.api.server import ApiBadRequest, ApiConflict, ApiNotFound, Request, Routes
+from nodeagent.access import tenant_and_class
+from nodeagent.api.bodies import (
+    MAX_TTL,
+    Body,
+    Classed,
+    Container,
+    GpuCount,
+    GpuMemory,
+    Instant,
+    MigProfile,
+    Name,
+    Text,
+    Token,
+    check_future,
+    parse,
+)
+from nodeagent.api.server import (
+    ApiBadRequest,
+    ApiConflict,
+    ApiError,
+    ApiForbidden,
+    ApiNotFound,
+    Request,
+    Routes,
+)
 from nodeagent.errors import NodeagentError, one_line
 from nodeagent.gpu.backend import GpuBackend
-from nodeagent.gpu.ledger import GpuLedger, holdings
-from nodeagent.gpu.model import GpuState, Hold
+from nodeagent.gpu.ledger import Conflict, GpuLedger, LedgerError, NotYours, Unknown, holdings
+from nodeagent.gpu.model import GpuState, Hold, HoldKind
 from nodeagent.gpu.placing import BadQuestion, answer, from_query
 from nodeagent.gpu.report import read_report
+from nodeagent.identity import Kind, WorkloadIdentity
 from nodeagent.logs import audit_event
 from nodeagent.policy.gpu_checks import violations, within
-from nodeagent.policy.placement import (
-    GpuRequest,
-    NodeGpus,
-    Placement,
-    impossible,
-    node_gpus,
-    place,
-)
+from nodeagent.policy.placement import GpuRequest, NodeGpus, Refusal, impossible, node_gpus
 from nodeagent.policy.plan import Plan
 from nodeagent.sense.gpus import GpuSensor
-from nodeagent.spec.model import PolicySpec, WorkloadClass
+from nodeagent.spec.model import PolicySpec
 from nodeagent.spec.units import parse_duration
+
+if TYPE_CHECKING:
+    from nodeagent.jobs import Job
 
 log = structlog.get_logger("nodeagent.gpu")
 
-MAX_GPUS = 64
+_HEX_ID = re.compile(r"[0-9a-f]{12,64}")
+_USER_MANAGER = re.compile(r"user\.slice/user-([0-9]+)\.slice/user@\1\.service/.+")
+_BINDABLE = frozenset({Kind.CONTAINER, Kind.POD, Kind.SERVICE})
 
 
 def node_of(state: GpuState | None) -> NodeGpus | None:
@@ -62,22 +87,72 @@ def environment(hold: Hold) -> dict[str, str]:
     }
 
 
-def _request(body: Mapping[str, Any]) -> GpuRequest:
-    count = body.get("count", 1)
-    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_GPUS:
-        raise ApiBadRequest(f"count must be a whole number of GPUs from 1 to {MAX_GPUS}")
-    memory = body.get("memory")
-    if memory is not None and (
-        isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0
-    ):
-        raise ApiBadRequest("memory must be a positive number of bytes")
-    shared = body.get("shared", False)
-    mig = body.get("mig")
-    if not isinstance(shared, bool) or (mig is not None and not isinstance(mig, str)):
-        raise ApiBadRequest("shared must be true or false, and mig a MIG profile name")
-    if shared and memory is None:
-        raise ApiBadRequest("a shared GPU request needs the memory it uses, to pack it")
-    return GpuRequest(count, memory, shared, mig)
+def names(container: str, w: WorkloadIdentity) -> bool:
+    """Whether a reservation's `container` names workload `w`: its container id (in full,
+    or its first 12 or more hex digits) or its name as `nodeagent workloads` lists it."""
+    if w.container_id is not None and _HEX_ID.fullmatch(container):
+        return w.container_id.startswith(container)
+    return container == w.name
+
+
+def may_bind(path: str, uid: int) -> bool:
+    """Whether a reservation made by `uid` may follow the cgroup at `path`: anywhere outside
+    user.slice (what users cannot make), and inside it only that uid's own user manager's
+    subtree; never a login session's scope, never another user's delegated cgroups."""
+    if path != "user.slice" and not path.startswith("user.slice/"):
+        return True
+    m = _USER_MANAGER.fullmatch(path)
+    return m is not None and int(m.group(1)) == uid
+
+
+class _Want(Classed):
+    name: Name
+    count: GpuCount = 1
+    memory: GpuMemory | None = None
+    shared: bool = False
+    mig: MigProfile | None = None
+
+    def request(self) -> GpuRequest:
+        if self.shared and self.memory is None:
+            raise ApiBadRequest("a shared GPU request needs the memory it uses, to pack it")
+        return GpuRequest(self.count, self.memory, self.shared, self.mig)
+
+
+class AskBody(_Want):
+    """POST /v1/gpus/requests."""
+
+    deadline: Instant | None = None
+
+
+class ReserveBody(_Want):
+    """POST /v1/gpus/reservations."""
+
+    ttl: Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=MAX_TTL)] = 600.0
+    container: Container | None = None
+
+
+class AttachBody(Body):
+    """POST /v1/gpus/reservations/container."""
+
+    name: Text
+    container: Container
+
+
+class IdBody(Body):
+    id: Token
+
+
+class NameBody(Body):
+    name: Text
+
+
+def _api(e: LedgerError) -> ApiError:
+    if isinstance(e, NotYours):
+        return ApiForbidden(str(e))
+    if isinstance(e, Unknown):
+        return ApiNotFound(str(e))
+    assert isinstance(e, Conflict)
+    return ApiConflict(str(e))
 
 
 class GpuService:
@@ -87,6 +162,7 @@ class GpuService:
         spec: Callable[[], PolicySpec],
         fairness: Callable[[str], float],
         exists: Callable[[str], bool],
+        workloads: Callable[[], Iterable[WorkloadIdentity]] = lambda: (),
     ) -> None:
         self.backend = backend
         self.sensor = GpuSensor(backend)
@@ -94,29 +170,21 @@ class GpuService:
         self._spec = spec
         self._fairness = fairness
         self._exists = exists
+        self._workloads = workloads
         self.state: GpuState | None = None
         self._power_failed: dict[str, str] = {}
+        self._ambiguous: dict[str, tuple[str, ...]] = {}
 
     # --- the loop ---------------------------------------------------------------------
 
     def sense(self, now: float) -> GpuState | None:
-        """Read the GPUs; bind reservations to the workloads seen on them; lapse and grant."""
+        """Read the GPUs; bind reservations to their containers, release those whose
+        container is gone; lapse and grant. `now` is the monotonic clock."""
         state = self.sensor.read(self.ledger.holds())
-        if state is not None:
-            parents = state.parents()
-            for p in state.processes:
-                for h in state.holds:
-                    if (
-                        h.kind == "reservation"
-                        and h.cgroup is None
-                        and p.cgroup
-                        and h.covers(p.device_uuid, parents)
-                    ):
-                        self.ledger.bind(h.owner, p.cgroup)
-                        log.info("gpu.reservation_bound", reservation=h.owner, cgroup=p.cgroup)
+        self._bind()
         for h in self.ledger.holds():
-            if h.kind == "reservation" and h.cgroup is not None and not self._exists(h.cgroup):
-                self.ledger.release(h.owner)
+            gone = h.kind is HoldKind.RESERVATION and h.cgroup and not self._exists(h.cgroup)
+            if gone and self.ledger.drop(h.id) is not None:
                 audit_event(
                     "gpu.released",
                     owner=h.owner,
@@ -139,6 +207,35 @@ class GpuService:
             )
         self.state = state
         return state
+
+    def _bind(self) -> None:
+        """Each reservation that names a container follows that container's cgroup once
+        discovery shows exactly one workload of that name that its uid may hold GPUs for."""
+        waiting = [
+            h
+            for h in self.ledger.holds()
+            if h.kind is HoldKind.RESERVATION and h.cgroup is None and h.container is not None
+        ]
+        if not waiting:
+            return
+        workloads = [w for w in self._workloads() if w.kind in _BINDABLE]
+        for h in waiting:
+            assert h.container is not None
+            found = tuple(
+                w.path for w in workloads if names(h.container, w) and may_bind(w.path, h.uid)
+            )
+            if len(found) == 1:
+                self.ledger.bind(h.id, found[0])
+                log.info("gpu.reservation_bound", reservation=h.owner, cgroup=found[0])
+            elif len(found) > 1 and self._ambiguous.get(h.id) != found:
+                self._ambiguous[h.id] = found
+                log.warning(
+                    "gpu.reservation_ambiguous",
+                    reservation=h.owner,
+                    container=h.container,
+                    matches=list(found[:10]),
+                    action="bound to none until exactly one workload has that name",
+                )
 
     def apply(self, plan: Plan, dry_run: bool) -> None:
         """Set the power limits the plan wants, read them back, audit each change."""
@@ -168,18 +265,30 @@ class GpuService:
 
     # --- jobs -------------------------------------------------------------------------
 
-    def claim(self, request_id: object, job: str, cgroup: str) -> Hold:
-        if not isinstance(request_id, str):
-            raise ApiBadRequest("gpu_request must be the id a GPU request answered")
+    def claim(self, request_id: str, job: Job) -> Hold:
+        """The job's own hold, from the grant its request got: the same uid (or root), the
+        tenant and class the grant was for, and a name no other hold has."""
         try:
-            return self.ledger.claim(request_id, job, cgroup)
-        except KeyError as e:
-            raise ApiConflict(str(e.args[0])) from None
+            return self.ledger.claim(
+                request_id,
+                uid=job.uid,
+                owner=job.name,
+                cgroup=job.cgroup,
+                tenant=job.tenant,
+                workload_class=str(job.workload_class),
+            )
+        except LedgerError as e:
+            raise _api(e) from None
 
-    def release(self, owner: str) -> None:
-        hold = self.ledger.release(owner)
+    def release_job(self, job: Job) -> None:
+        """A job has ended: its own hold goes back, and nothing else."""
+        if job.gpu_hold is None:
+            return
+        hold = self.ledger.release_job(job.gpu_hold, job.uid)
         if hold is not None:
-            audit_event("gpu.released", owner=owner, uuids=list(hold.uuids), reason="its job ended")
+            audit_event(
+                "gpu.released", owner=hold.owner, uuids=list(hold.uuids), reason="its job ended"
+            )
 
     # --- the API ----------------------------------------------------------------------
 
@@ -189,6 +298,7 @@ class GpuService:
             "/v1/gpus/requests": {"POST": self._ask, "GET": self._status, "DELETE": self._cancel},
             "/v1/gpus/reservations": {"POST": self._reserve, "DELETE": self._unreserve},
             "/v1/gpus/place": {"GET": self._place},
+            "/v1/gpus/reservations/container": {"POST": self._attach},
         }
 
     def _place(self, request: Request) -> object:
@@ -215,97 +325,118 @@ class GpuService:
         return node
 
     def _ask(self, request: Request) -> object:
-        body = request.body
+        body = parse(AskBody, request.body)
         spec = self._spec()
-        want = _request(body)
+        want = body.request()
         refuse_impossible(want, self._node())
-        owner = str(body.get("name", ""))
-        if not owner:
-            raise ApiBadRequest("name the job the GPUs are for")
-        try:
-            cls = WorkloadClass(body.get("class") or spec.jobs.default_class)
-        except ValueError:
-            raise ApiBadRequest(f"unknown class {body.get('class')!r}") from None
-        tenant = str(body.get("tenant") or spec.jobs.default_tenant or "")
-        deadline = body.get("deadline")
+        tenant, cls = tenant_and_class(spec, request.peer, body.tenant, body.workload_class)
+        check_future(body.deadline, time.time())
         try:
             answer = self.ledger.ask(
-                owner,
+                body.name,
                 want,
+                uid=request.peer.uid,
+                tenant=tenant,
                 priority=spec.classes[cls].priority,
-                deadline=float(deadline) if isinstance(deadline, int | float) else None,
+                deadline=body.deadline,
                 fairness=self._fairness(tenant),
                 workload_class=str(cls),
                 node=self._node(),
-                now=time.time(),
+                now=time.monotonic(),
                 claim_timeout=spec.gpu.claim_timeout,
+                max_waiting=spec.gpu.max_waiting_per_user,
             )
-        except ValueError as e:
-            raise ApiConflict(str(e)) from None
+        except LedgerError as e:
+            raise _api(e) from None
         if answer.status == "granted" and answer.hold is not None:
             audit_event(
-                "gpu.granted", owner=owner, uuids=list(answer.hold.uuids), request=answer.id
+                "gpu.granted",
+                owner=body.name,
+                uid=request.peer.uid,
+                uuids=list(answer.hold.uuids),
+                request=answer.id,
             )
         return answer.to_json()
 
     def _status(self, request: Request) -> object:
-        answer = self.ledger.status(request.query.get("id", ""), time.time())
-        if answer is None:
-            raise ApiNotFound(f"no GPU request {request.query.get('id', '')!r} (lapsed or unknown)")
-        return answer.to_json()
+        rid = request.query.get("id", "")
+        try:
+            return self.ledger.status(rid, request.peer.uid, time.monotonic()).to_json()
+        except LedgerError as e:
+            raise _api(e) from None
 
     def _cancel(self, request: Request) -> object:
-        self.ledger.cancel(str(request.body.get("id", "")))
+        body = parse(IdBody, request.body)
+        try:
+            self.ledger.cancel(body.id, request.peer.uid)
+        except LedgerError as e:
+            raise _api(e) from None
         return {"cancelled": True}
 
     def _reserve(self, request: Request) -> object:
-        body = request.body
-        owner = str(body.get("name", ""))
-        if not owner:
-            raise ApiBadRequest("name the reservation (the container it is for)")
-        ttl = body.get("ttl", 600)
-        try:
-            seconds = parse_duration(ttl)
-        except ValueError as e:
-            raise ApiBadRequest(f"ttl: {e}") from None
-        want = _request(body)
+        body = parse(ReserveBody, request.body)
+        want = body.request()
         refuse_impossible(want, self._node())
-        result = place(want, self._node(), holdings(self.ledger.holds()))
-        if not isinstance(result, Placement):
-            raise ApiConflict(f"no GPUs fit now: {result.reason}")
-        hold = Hold(
-            owner,
-            "reservation",
-            result.uuids,
-            result.indices,
-            (want.memory or 0) if want.shared else None,
-            until=time.time() + seconds,
-        )
+        tenant, cls = tenant_and_class(self._spec(), request.peer, body.tenant, body.workload_class)
         try:
-            self.ledger.reserve(owner, hold)
-        except ValueError as e:
-            raise ApiConflict(str(e)) from None
-        audit_event("gpu.reserved", owner=owner, uuids=list(hold.uuids), ttl=seconds)
+            got = self.ledger.reserve(
+                body.name,
+                want,
+                uid=request.peer.uid,
+                tenant=tenant,
+                workload_class=str(cls),
+                container=body.container,
+                node=self._node(),
+                until=time.monotonic() + body.ttl,
+            )
+        except LedgerError as e:
+            raise _api(e) from None
+        if isinstance(got, Refusal):
+            raise ApiConflict(f"no GPUs fit now: {got.reason}")
+        hold, result = got
+        audit_event(
+            "gpu.reserved",
+            owner=hold.owner,
+            uid=hold.uid,
+            uuids=list(hold.uuids),
+            ttl=body.ttl,
+            container=hold.container,
+        )
         return {
-            "name": owner,
+            "name": hold.owner,
             "uuids": list(hold.uuids),
             "indices": list(hold.indices),
             "score": result.score,
             "fraction": result.fraction,
-            "until": hold.until,
+            "until": time.time() + body.ttl,
+            "container": hold.container,
         }
 
-    def _unreserve(self, request: Request) -> object:
-        owner = str(request.body.get("name", ""))
-        hold = self.ledger.release(owner)
-        if hold is None:
-            raise ApiNotFound(f"no reservation named {owner!r}")
-        audit_event(
-            "gpu.released", owner=owner, uuids=list(hold.uuids), reason="released by request"
-        )
-        return {"released": owner}
+    def _attach(self, request: Request) -> object:
+        body = parse(AttachBody, request.body)
+        try:
+            hold = self.ledger.attach(body.name, request.peer.uid, body.container)
+        except LedgerError as e:
+            raise _api(e) from None
+        audit_event("gpu.reservation_container", owner=hold.owner, container=hold.container)
+        return {"name": hold.owner, "container": hold.container}
 
-    def _report(self, _: Request) -> object:
+    def _unreserve(self, request: Request) -> object:
+        body = parse(NameBody, request.body)
+        try:
+            hold = self.ledger.release_reservation(body.name, request.peer.uid)
+        except LedgerError as e:
+            raise _api(e) from None
+        audit_event(
+            "gpu.released",
+            owner=hold.owner,
+            uid=request.peer.uid,
+            uuids=list(hold.uuids),
+            reason="released by request",
+        )
+        return {"released": hold.owner}
+
+    def _report(self, request: Request) -> object:
         state = self.state
         report = read_report(self.backend)
         holds = self.ledger.holds()
@@ -314,8 +445,12 @@ class GpuService:
             gpu["assigned"] = [
                 {
                     "owner": h.owner,
-                    "kind": h.kind,
+                    "kind": str(h.kind),
+                    "uid": h.uid,
+                    "tenant": h.tenant,
+                    "class": h.workload_class,
                     "cgroup": h.cgroup,
+                    "container": h.container,
                     "uuids": list(h.uuids),
                     "shared_memory": h.shared_memory,
                 }
@@ -334,10 +469,13 @@ class GpuService:
                 for p, kind, h in found
                 if p.device_uuid in on
             ]
+        uid = request.peer.uid
         report["queue"] = [
             {
-                "id": w.id,
+                # a request's id is shown to its asker and root only
+                "id": w.id if uid in (0, w.uid) else None,
                 "owner": w.owner,
+                "uid": w.uid,
                 "count": w.request.count,
                 "class": w.workload_class,
                 "reason": w.reason,

@@ -7,22 +7,30 @@ across ticks (ticks, writes, the tick-time histogram) is kept here, per tick, by
 `observe`; a workload's counters are dropped in the tick it is gone.
 
 `observe` runs on the loop's thread, `collect` on the HTTP server's: the shared state is
-copied under one lock, and the record itself is frozen.
+copied under one lock, and the record itself is frozen. Each workload, and each group of
+the node's series, is rendered on its own: one that fails is left out of that scrape
+(logged once), never the whole scrape.
 """
 
 from __future__ import annotations
 
 import math
+import platform
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
 
+import structlog
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from nodeagent import __version__
 from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, MemoryLimit, Value
+from nodeagent.errors import one_line
 from nodeagent.gpu.backend import GpuBackend
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.metrics.families import FAMILIES, WORKLOAD, Scrape
@@ -30,7 +38,11 @@ from nodeagent.metrics.gpus import GpuMetrics
 from nodeagent.policy.base import Assignment, Note, describe
 from nodeagent.policy.plan import CgroupPlan
 from nodeagent.report import TickRecord, status_of
-from nodeagent.snapshot import WorkloadState
+from nodeagent.snapshot import Skipped, WorkloadState
+from nodeagent.tables import printable
+
+log = structlog.get_logger("nodeagent")
+T = TypeVar("T")
 
 TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, math.inf)
 """Seconds: from a handful of workloads on metal to a thousand under emulation."""
@@ -70,19 +82,41 @@ class _Seen:
     workload_writes: Mapping[str, Counts]
 
 
-class TickCollector(Collector):
-    """`deadline_misses` is read at each scrape: the loop counts misses (changes.NoteLog)."""
+Reload = tuple[bool, float]
+"""The last reload's outcome: whether it applied the file, and the unix time the policy in
+force was loaded."""
+BUILD = (__version__, platform.python_version())
+VIOLATIONS = ("unassigned", "wrong-gpu")
 
-    def __init__(self, deadline_misses: Callable[[], int] = lambda: 0) -> None:
+
+class TickCollector(Collector):
+    """What the daemon knows beyond the ticks is read at each scrape, through callables:
+    `deadline_misses` (the loop counts them, changes.NoteLog), `reload` (the last reload's
+    outcome) and `interval` (agent.interval, which a reload may change)."""
+
+    def __init__(
+        self,
+        deadline_misses: Callable[[], int] = lambda: 0,
+        *,
+        reload: Callable[[], Reload] | None = None,
+        interval: Callable[[], float] | None = None,
+    ) -> None:
         self._deadline_misses = deadline_misses
+        self._reload = reload
+        self._interval = interval
         self._lock = threading.Lock()
         self._record: TickRecord | None = None
         self._ticks: Counter[str] = Counter({"ok": 0, "failed": 0})
         self._durations = [0] * len(TICK_BUCKETS)
         self._duration_sum = 0.0
-        self._writes: Counter[tuple[str, str]] = Counter()
+        self._writes: Counter[tuple[str, str]] = Counter(
+            {(str(a), str(Outcome.FAILED)): 0 for a in Attribute}
+        )
+        """From 0 for every attribute's failures: increase() misses a counter's first step."""
         self._workload_writes: dict[str, Counter[tuple[str, str]]] = {}
         self._gpus: GpuMetrics | None = None
+        self._failed: dict[str, str] = {}
+        """The parts the last scrape left out, with their errors (logged once each)."""
 
     def watch_gpus(self, backend: GpuBackend) -> None:
         """Export `backend`'s GPUs from now on: each GPU's health and telemetry, and each
@@ -123,16 +157,59 @@ class TickCollector(Collector):
                 dict(self._writes),
                 {p: dict(c) for p, c in self._workload_writes.items()},
             )
-        out = Scrape()
-        _loop(out, seen, self._deadline_misses())
+        out, failed = Scrape(), dict[str, str]()
+        _isolated(out, failed, "series:agent", self._agent)
+        _isolated(
+            out, failed, "series:loop", lambda part: _loop(part, seen, self._deadline_misses())
+        )
         workloads: dict[str, tuple[str, ...]] = {}
-        if seen.record is not None:
-            workloads = _workloads(out, seen.record, seen.workload_writes)
-            _tenants(out, seen.record)
-            _protection(out, seen.record)
-        if self._gpus is not None:
-            self._gpus.render(out, workloads)
+        record = seen.record
+        if record is not None:
+            workloads = _workloads(out, failed, record, seen.workload_writes)
+            _isolated(out, failed, "series:tenants", lambda part: _tenants(part, record))
+            _isolated(out, failed, "series:protection", lambda part: _protection(part, record))
+            _isolated(out, failed, "series:violations", lambda part: _violations(part, record))
+        gpus = self._gpus
+        if gpus is not None:
+            _isolated(out, failed, "series:gpus", lambda part: gpus.render(part, workloads))
+        self._report(failed)
         return iter(out)
+
+    def _agent(self, out: Scrape) -> None:
+        out.add("nodeagent_build_info", BUILD, 1)
+        if self._reload is not None:
+            applied, loaded_at = self._reload()
+            out.add("nodeagent_config_last_reload_successful", (), int(applied))
+            out.add("nodeagent_config_last_reload_success_timestamp_seconds", (), loaded_at)
+        if self._interval is not None:
+            out.add("nodeagent_tick_interval_seconds", (), self._interval())
+
+    def _report(self, failed: Mapping[str, str]) -> None:
+        """Log a part that fails when it starts failing or its error changes: once, not
+        at every scrape."""
+        with self._lock:
+            new = {k: e for k, e in failed.items() if self._failed.get(k) != e}
+            self._failed = dict(failed)
+        for key, error in sorted(new.items()):
+            kind, _, name = key.partition(":")
+            log.error("metrics.render_failed", **{kind: printable(name)}, error=error,
+                      action="its series are left out of the scrape")  # fmt: skip
+
+
+def _isolated(
+    out: Scrape, failed: dict[str, str], key: str, render: Callable[[Scrape], T]
+) -> T | None:
+    """Render one part of the scrape (a workload's series, the tenants') on its own: one
+    that fails adds nothing, and the rest of the scrape goes on. `key`: what failed, as
+    'cgroup:PATH' or 'series:NAME', for the log."""
+    part = Scrape()
+    try:
+        result = render(part)
+    except Exception as e:  # a bug or a reading out of range: only this part is lost
+        failed[key] = one_line(e)
+        return None
+    out.merge(part)
+    return result
 
 
 def _paths(record: TickRecord) -> set[str]:
@@ -176,32 +253,50 @@ def _info(out: Scrape, identity: WorkloadIdentity, labels: tuple[str, ...], stat
 
 
 def _workloads(
-    out: Scrape, record: TickRecord, writes: Mapping[str, Counts]
+    out: Scrape, failed: dict[str, str], record: TickRecord, writes: Mapping[str, Counts]
 ) -> dict[str, tuple[str, ...]]:
-    """Every claimed workload's series; returns each one's labels, by path."""
+    """Every claimed workload's series, each on its own; returns the labels of each one
+    shown, by path."""
     states = {w.path: w for w in record.snapshot.workloads}
     results: dict[str, list[WriteResult]] = defaultdict(list)
     for r in record.results:
         results[r.path].append(r)
-    labelled: dict[str, tuple[str, ...]] = {}
-    for cg in record.plan.cgroups:
-        labels = labelled[cg.path] = _labels(cg.identity, cg.assignment)
+    shown: dict[str, tuple[str, ...]] = {}
+
+    def workload(part: Scrape, cg: CgroupPlan) -> tuple[str, ...]:
+        labels = _labels(cg.identity, cg.assignment)
         w = states.get(cg.path)
-        _info(out, cg.identity, labels, status_of(cg, w, results[cg.path])[0])
+        _info(part, cg.identity, labels, status_of(cg, w, results[cg.path])[0])
         if w is not None:
-            _settings(out, labels, _applied(cg, w, results[cg.path]))
-            _usage(out, labels, w)
+            _settings(part, labels, _applied(cg, w, results[cg.path]))
+            _usage(part, labels, w)
         target = record.plan.cpu_targets.get(cg.path)
         cores = None if target is None else target.cores
-        out.add("nodeagent_workload_cpu_target_cores", labels, cores)
-        _deadline(out, labels, cg.notes)
+        part.add("nodeagent_workload_cpu_target_cores", labels, cores)
+        _deadline(part, labels, cg.notes)
+        _writes(part, labels, writes.get(cg.path, {}))
+        return labels
+
+    def skipped(part: Scrape, s: Skipped) -> tuple[str, ...]:
+        labels = _labels(s.identity, record.assignments.get(s.path))
+        _info(part, s.identity, labels, "skipped")
+        _writes(part, labels, writes.get(s.path, {}))
+        return labels
+
+    for cg in record.plan.cgroups:
+        labels = _isolated(out, failed, f"cgroup:{cg.path}", partial(workload, cg=cg))
+        if labels is not None:
+            shown[cg.path] = labels
     for s in record.snapshot.skipped:
-        labels = labelled[s.path] = _labels(s.identity, record.assignments.get(s.path))
-        _info(out, s.identity, labels, "skipped")
-    for path, labels in labelled.items():
-        for (attribute, outcome), n in sorted(writes.get(path, {}).items()):
-            out.add("nodeagent_workload_writes_total", (*labels, attribute, outcome), n)
-    return labelled
+        labels = _isolated(out, failed, f"cgroup:{s.path}", partial(skipped, s=s))
+        if labels is not None:
+            shown[s.path] = labels
+    return shown
+
+
+def _writes(out: Scrape, labels: tuple[str, ...], counts: Counts) -> None:
+    for (attribute, outcome), n in sorted(counts.items()):
+        out.add("nodeagent_workload_writes_total", (*labels, attribute, outcome), n)
 
 
 def _applied(
@@ -242,6 +337,13 @@ def _usage(out: Scrape, labels: tuple[str, ...], w: WorkloadState) -> None:
     out.add("nodeagent_workload_cpu_usage_seconds_total", labels, _seconds(s.cpu_usage_us))
     out.add("nodeagent_workload_cpu_throttled_ratio", labels, w.throttled_fraction)
     out.add("nodeagent_workload_cpu_throttled_seconds_total", labels, _seconds(s.cpu_throttled_us))
+    out.add("nodeagent_workload_cpu_periods_total", labels, s.cpu_nr_periods)
+    out.add("nodeagent_workload_cpu_throttled_periods_total", labels, s.cpu_nr_throttled)
+    for resource, pressure in (("cpu", s.cpu_psi), ("memory", s.memory_psi)):
+        if pressure is not None:
+            for kind, line in (("some", pressure.some), ("full", pressure.full)):
+                name = f"nodeagent_workload_{resource}_pressure_{kind}_seconds_total"
+                out.add(name, labels, None if line is None else _seconds(line.total_us))
     for psi, name in (
         (s.cpu_psi, "nodeagent_workload_cpu_psi_some_avg10_ratio"),
         (s.memory_psi, "nodeagent_workload_memory_psi_some_avg10_ratio"),
@@ -322,3 +424,13 @@ def _protection(out: Scrape, record: TickRecord) -> None:
     ):
         value = note.fields.get(key)
         out.add(name, (), len(value) if isinstance(value, Mapping | list | tuple) else None)
+
+
+def _violations(out: Scrape, record: TickRecord) -> None:
+    """On a node with GPUs: the gpu-checks policy's notes, one per process, by kind."""
+    if record.snapshot.gpus is None:
+        return
+    found = Counter(dict.fromkeys(VIOLATIONS, 0))
+    found.update(n.status for n in record.plan.notes if n.kind == "gpu-violation")
+    for kind, n in sorted(found.items()):
+        out.add("nodeagent_gpu_violating_processes", (kind,), n)

@@ -2,7 +2,9 @@
 
 Names follow koordlet's: a `nodeagent_` prefix, the unit last (`_cores`, `_bytes`,
 `_seconds`, `_ratio` for 0..1), `_total` on counters. A workload's series carry
-WORKLOAD's labels; an unset label (a job has no container id) is the empty string.
+WORKLOAD's labels; an unset label (a job has no container id) is the empty string. Label
+values are shown as the CLI's tables show them, always valid UTF-8: a byte of a cgroup name
+that is not UTF-8 reads `\\xff`, a control character `\\n` or `\\x1b`.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from prometheus_client.core import (
     Metric,
 )
 
+from nodeagent.tables import printable
+
 WORKLOAD = ("cgroup", "tenant", "class", "rule", "container_id", "pod_uid")
 GPU = ("gpu", "uuid")
+"""A GPU's index and UUID, on every GPU series: the workloads' join the GPUs' on them."""
 
 Kind = Literal["gauge", "counter", "histogram"]
 
@@ -51,6 +56,26 @@ def _f(name: str, kind: Kind, help: str, *labels: str) -> Family:
 
 W = WORKLOAD
 FAMILIES: tuple[Family, ...] = (
+    # the agent
+    _f(
+        "nodeagent_build_info",
+        "gauge",
+        "1, with the agent's version and the Python that runs it.",
+        "version",
+        "python",
+    ),
+    _f(
+        "nodeagent_config_last_reload_successful",
+        "gauge",
+        "1 when the last reload of the policy file (SIGHUP) applied it, 0 when the agent"
+        " kept its last good policy; 1 before any reload (the start-up load applied).",
+    ),
+    _f(
+        "nodeagent_config_last_reload_success_timestamp_seconds",
+        "gauge",
+        "Unix time the policy in force was loaded (at start or by a reload).",
+    ),
+    _f("nodeagent_tick_interval_seconds", "gauge", "agent.interval: the time between ticks."),
     # the loop
     _f("nodeagent_tick_duration_seconds", "histogram", "Time one tick took: sense, plan, act."),
     _f(
@@ -148,6 +173,33 @@ FAMILIES: tuple[Family, ...] = (
         "counter",
         "Time throttled by cpu.max since the cgroup was made (cpu.stat throttled_usec).",
         *W,
+    ),
+    _f(
+        "nodeagent_workload_cpu_periods_total",
+        "counter",
+        "CFS periods in which the workload could run, under a cpu.max (cpu.stat nr_periods).",
+        *W,
+    ),
+    _f(
+        "nodeagent_workload_cpu_throttled_periods_total",
+        "counter",
+        "CFS periods in which cpu.max throttled the workload (cpu.stat nr_throttled).",
+        *W,
+    ),
+    *(
+        _f(
+            f"nodeagent_workload_{resource}_pressure_{kind}_seconds_total",
+            "counter",
+            f"Time {who} waited for {what} ({resource}.pressure '{kind}' total=), as of"
+            " the workload's last full read (every agent.resync_interval at most; cpu"
+            " every tick for protected classes and floors).",
+            *W,
+        )
+        for resource, what in (("cpu", "a CPU"), ("memory", "memory"))
+        for kind, who in (
+            ("some", "some of the workload's tasks"),
+            ("full", "all of its non-idle tasks at once"),
+        )
     ),
     _f(
         "nodeagent_workload_cpu_psi_some_avg10_ratio",
@@ -310,18 +362,28 @@ FAMILIES: tuple[Family, ...] = (
     _f("nodeagent_gpu_power_limit_watts", "gauge", "Power limit in force.", *GPU),
     _f("nodeagent_gpu_temperature_celsius", "gauge", "GPU temperature.", *GPU),
     _f(
+        "nodeagent_gpu_violating_processes",
+        "gauge",
+        "Compute processes on GPUs their cgroup does not hold, this tick (gpu.violation):"
+        " unassigned (it holds none) or wrong-gpu (it holds others).",
+        "kind",
+    ),
+    _f(
         "nodeagent_workload_gpu_memory_bytes",
         "gauge",
-        "GPU memory the workload's processes use on one GPU or MIG device.",
+        "GPU memory the workload's processes use on one GPU, or one MIG instance of it"
+        " (mig_uuid; empty outside MIG).",
         *W,
-        "device_uuid",
+        *GPU,
+        "mig_uuid",
     ),
     _f(
         "nodeagent_workload_gpu_processes",
         "gauge",
-        "The workload's compute processes on one GPU or MIG device.",
+        "The workload's compute processes on one GPU, or one MIG instance of it.",
         *W,
-        "device_uuid",
+        *GPU,
+        "mig_uuid",
     ),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
@@ -342,12 +404,15 @@ class Scrape:
         return self._made[name]
 
     def add(self, name: str, labels: Sequence[str], value: float | None) -> None:
-        """One sample; None (a figure not known this tick) adds nothing."""
+        """One sample; None (a figure not known this tick) adds nothing. Label values are
+        shown as the CLI's tables show them (`printable`); the value is made a float here,
+        so that a reading no float holds fails while its part is rendered, not in the
+        encoder, where it would fail the whole scrape."""
         if value is None:
             return
         family = self._family(name, labels)
         assert isinstance(family, GaugeMetricFamily | CounterMetricFamily)
-        family.add_metric(list(labels), value)
+        family.add_metric([printable(v) for v in labels], float(value))
 
     def histogram(
         self,
@@ -358,6 +423,11 @@ class Scrape:
         family = self._family(name, ())
         assert isinstance(family, HistogramMetricFamily)
         family.add_metric([], [(_le(b), c) for b, c in buckets], total)
+
+    def merge(self, part: Scrape) -> None:
+        """Add `part`'s samples (one part of the scrape, rendered on its own)."""
+        for name, family in part._made.items():
+            self._made.setdefault(name, BY_NAME[name].empty()).samples.extend(family.samples)
 
     def __iter__(self) -> Iterator[Metric]:
         return iter(self._made[f.name] for f in FAMILIES if f.name in self._made)

@@ -42,7 +42,7 @@ class GpuMetrics:
             _device(out, d)
         for t in telemetry:
             _telemetry(out, t)
-        _by_workload(out, processes, workloads)
+        _by_workload(out, devices, processes, workloads)
 
 
 def _device(out: Scrape, d: Device) -> None:
@@ -66,9 +66,15 @@ def _scaled(value: int | None, per: int) -> float | None:
 
 
 def _by_workload(
-    out: Scrape, processes: tuple[GpuProcess, ...], workloads: Mapping[str, tuple[str, ...]]
+    out: Scrape,
+    devices: tuple[Device, ...],
+    processes: tuple[GpuProcess, ...],
+    workloads: Mapping[str, tuple[str, ...]],
 ) -> None:
-    """A process belongs to the claimed workload whose cgroup holds it, at any depth."""
+    """A process belongs to the claimed workload whose cgroup holds it, at any depth, and
+    to the GPU it runs on, or whose MIG instance it runs in."""
+    where = {d.uuid: (str(d.index), d.uuid, "") for d in devices}
+    where.update((m.uuid, (str(d.index), d.uuid, m.uuid)) for d in devices for m in d.mig_devices)
     memory: dict[tuple[str, str], int] = defaultdict(int)
     count: dict[tuple[str, str], int] = defaultdict(int)
     for p in processes:
@@ -79,6 +85,7 @@ def _by_workload(
             count[path, p.device_uuid] += 1
             memory[path, p.device_uuid] += p.used_memory or 0
     for (path, device), n in sorted(count.items()):
-        labels = (*workloads[path], device)
+        # a device the inventory lacks (it changed since): its UUID, without an index
+        labels = (*workloads[path], *where.get(device, ("", device, "")))
         out.add("nodeagent_workload_gpu_processes", labels, n)
         out.add("nodeagent_workload_gpu_memory_bytes", labels, memory[path, device])

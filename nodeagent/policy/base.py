@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from nodeagent.cgroupfs.values import Attribute, Value
+from nodeagent.cgroupfs.values import Attribute, Value, is_looser
 from nodeagent.errors import NodeagentError
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.ownership import WriteMode
@@ -187,10 +187,27 @@ class PolicyInput:
         return out
 
     def decided(self, attribute: Attribute) -> dict[str, Decision]:
-        """Earlier decisions on one attribute, the last one winning, as in the plan."""
-        return {
-            o.path: o for o in self.earlier if isinstance(o, Decision) and o.attribute == attribute
-        }
+        """Earlier decisions on one attribute, the binding one per cgroup, as in the plan."""
+        out: dict[str, Decision] = {}
+        for o in self.earlier:
+            if isinstance(o, Decision) and o.attribute == attribute:
+                kept = out.get(o.path)
+                if kept is None or not binds(attribute, kept.value, o.value):
+                    out[o.path] = o
+        return out
+
+
+CAPS = frozenset({Attribute.CPU_MAX, Attribute.MEMORY_MAX, Attribute.MEMORY_HIGH})
+"""Attributes that are limits: of two policies' values the lower one binds."""
+
+
+def binds(attribute: Attribute, earlier: Value, later: Value) -> bool:
+    """Whether an earlier policy's value stands against a later one's on the same attribute:
+    a lower cap stands, and so does a freeze (a cgroup is frozen if any policy freezes it);
+    on every other attribute the later policy wins."""
+    if attribute in CAPS or attribute is Attribute.FREEZE:
+        return is_looser(later, earlier)
+    return False
 
 
 class Policy(Protocol):

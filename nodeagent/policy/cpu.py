@@ -3,9 +3,13 @@
 The system reservation (`node.reserved_cpu`) is never given to a workload. Class
 reservations (`classes.<c>.reserved_cpu`) are kept for their class: other classes'
 floors (deadline rates) plan around them. Shares such as "20%" are of the node's CPUs.
+`capacity` is what deadline jobs are planned on: that, or less when the rest of the node
+is measured to use more than the system reservation leaves it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from nodeagent.policy.base import PolicyInput
 from nodeagent.spec.model import WorkloadClass
@@ -30,3 +34,51 @@ def reserved(given: PolicyInput) -> dict[WorkloadClass, float]:
         for c, s in given.spec.classes.items()
         if s.reserved_cpu is not None and cores(s.reserved_cpu, cpus) > 0
     }
+
+
+SMOOTHING = 0.3
+"""Weight of this tick's reading in the measured use outside the workloads (an EWMA)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """The CPU the deadline jobs can be planned on, and where that figure came from."""
+
+    cores: float
+    nominal: float
+    """The node's CPUs less the system and class reservations."""
+    other: float
+    """Cores measured in use outside the managed workloads (the agent, the system, steal),
+    smoothed over ticks."""
+    source: str
+    """'measured' when the measured use outside the workloads leaves less than nominal."""
+
+    def describe(self) -> str:
+        if self.source == "measured":
+            return (
+                f"{self.cores:.2f} cores measured ({self.nominal:.2f} nominal, less"
+                f" {self.other:.2f} in use outside the managed workloads)"
+            )
+        return f"{self.cores:.2f} cores nominal (usable less reservations)"
+
+
+def capacity(given: PolicyInput, other_before: float | None) -> Capacity:
+    """What the node really has for the managed workloads: the nominal figure, or less when
+    the rest of the node (the agent itself, the system, unmanaged cgroups, a hypervisor's
+    steal, which /proc/stat counts as busy) was measured to use more than the system
+    reservation leaves it. The use outside is smoothed, so one noisy tick moves it little."""
+    node = given.snapshot.node
+    cpus = node.cpu_count
+    kept = sum(reserved(given).values())
+    nominal = max(0.0, usable(given) - kept)
+    other = other_before
+    if node.cpu_busy is not None:
+        managed = sum(w.cpu_rate or 0.0 for w in given.snapshot.workloads)
+        now = min(float(cpus), max(0.0, node.cpu_busy * cpus - managed))
+        other = now if other is None else (1 - SMOOTHING) * other + SMOOTHING * now
+    if other is None:
+        return Capacity(nominal, nominal, 0.0, "nominal")
+    measured = max(0.0, cpus - other - kept)
+    if measured < nominal:
+        return Capacity(measured, nominal, other, "measured")
+    return Capacity(nominal, nominal, other, "nominal")

@@ -1,26 +1,59 @@
-"""Deadlines: jobs that declared their work and a deadline get the CPU rate they need.
+"""Deadlines: jobs that declared their work and a deadline, scheduled earliest deadline first.
 
 Each tick, for each deadline job: remaining work W = declared work - CPU used since its
 cgroup was made (cpu.stat), window D = deadline - now, parallelism p = the fewest of its
-declared CPUs, its threads and the node's CPUs. `edf.admit` keeps, by priority then
-earliest deadline, the jobs that can all finish on the CPU left by the reservations; each
-admitted job gets an exclusive floor of its rate times `deadlines.headroom` (at most p),
-which `CpuWeights` turns into weight. Jobs that cannot fit are predicted to miss and
-reported; they get what CPU is left, up to the rate they need, earliest deadline first, so
-they are late by the least. Jobs whose deadline has passed or that overran their declared
-work fall back to fair share. Re-planned every tick from what was measured, so a job that
-runs faster or slower than declared is followed.
+declared CPUs, its threads and the node's CPUs. The capacity is what the node really has
+(`cpu.capacity`: its CPUs less the reservations and less what the rest of the node was
+measured to use). `edf.admit` keeps, by priority then earliest deadline, the jobs that can
+all finish on it; the others are predicted to miss.
+
+The admitted jobs share a budget: while other managed workloads are busy, their required
+rates times `deadlines.headroom` (at most the capacity), so deadline jobs take what they
+need and fair share keeps the rest; with nobody else busy, the whole capacity.
+Inside the budget the order is EDF, not a proportional split (`edf.allot`): the earliest
+deadline gets all it can use, then the next, down to what each later job needs now to stay
+feasible; a job with slack may get nothing now. Each job's part is an exclusive floor,
+which `CpuWeights` turns into weight: the earliest run at full speed, a job that is not
+due yet gets the least weight. When the kernel still gives a job less than its part while
+it waits for CPU (measured: `cpu.stat` and `cpu.pressure`), its weight is raised step by
+step until it gets it, and the later deadline jobs are capped (`cpu.max`) at their parts
+for a few ticks, so they cannot take what it needs.
+
+Jobs that cannot fit get what CPU is left, up to the rate they need, earliest deadline
+first, so they are late by the least. Jobs whose deadline has passed or that overran
+their declared work fall back to fair share. Re-planned every tick from what was
+measured, so a job that runs faster or slower than declared is followed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from nodeagent.policy.base import Assignment, Floor, Note, Output, PolicyInput
-from nodeagent.policy.cpu import reserved, usable
-from nodeagent.policy.edf import Demand, admit, best_effort, rates
+from nodeagent.cgroupfs.values import Attribute, CpuMax
+from nodeagent.policy.base import (
+    Assignment,
+    Carry,
+    Decision,
+    Floor,
+    Note,
+    Output,
+    PolicyInput,
+)
+from nodeagent.policy.cpu import Capacity, capacity
+from nodeagent.policy.edf import Demand, admit, allot, best_effort, rank
+from nodeagent.policy.fairshare import is_active
 from nodeagent.snapshot import WorkloadState
+
+SHORT = 0.95
+"""An earlier job that got less than this part of its rate, while it waited for CPU, was
+shorted by a later one."""
+WAITED = 0.02
+"""The share of a tick with some of its tasks waiting for a CPU that counts as wanting more."""
+CAP_TICKS = 5
+"""Ticks the later jobs stay capped after a shortfall was last seen."""
+GAIN_MAX = 4.0
+"""The most a shorted job's weight is raised above its part."""
 
 
 def parallelism(w: WorkloadState, a: Assignment, cpus: int) -> float:
@@ -48,6 +81,7 @@ class Deadlines:
         settings = given.spec.deadlines
         if not settings.enabled:
             return []
+        carried = given.carried.get(self.name, {})
         now = given.snapshot.wall_time
         cpus = given.snapshot.node.cpu_count
         out: list[Output] = []
@@ -72,58 +106,143 @@ class Deadlines:
                 priority = given.spec.classes[a.workload_class].priority
                 demands[w.path] = Demand(w.path, remaining, window, job.p, priority)
 
-        capacity = max(0.0, usable(given) - sum(reserved(given).values()))
-        admitted, missed = admit(list(demands.values()), capacity)
-        allotted = rates(admitted, capacity)
-        given_rates: dict[str, float] = {}
+        cap = capacity(given, _number(carried.get("other")))
+        admitted, missed = admit(list(demands.values()), cap.cores)
+        others = [
+            w
+            for w in given.snapshot.workloads
+            if w.path not in jobs
+            and w.path in given.assignments
+            and is_active(w, given.spec.fair_share)
+        ]
+        need = settings.headroom * sum(d.rate for d in admitted)
+        budget = min(cap.cores, need) if others else cap.cores
+        parts = allot(admitted, budget, given.spec.agent.interval)
+        parts.update(best_effort(missed, max(0.0, cap.cores - sum(parts.values()))))
+        order = {d.name: i for i, d in enumerate(rank(list(demands.values())), start=1)}
+        last = carried.get("parts")
+        last_parts = {
+            p: float(v)
+            for p, v in (last.items() if isinstance(last, dict) else ())
+            if p in jobs and isinstance(v, int | float)
+        }
+        gains = _gains(jobs, last_parts, carried.get("gains"))
         for d in admitted:
-            given_rates[d.name] = min(jobs[d.name].p, allotted[d.name] * settings.headroom)
-        left = max(0.0, capacity - sum(given_rates.values()))
-        given_rates.update(best_effort(missed, left))
-        for d in admitted:
-            job = jobs[d.name]
-            rate = given_rates[d.name]
-            floor_why = (
-                f"needs {d.rate:.3f} cores ({d.work:.1f} CPU-s in {d.window:.1f} s);"
-                f" given {allotted[d.name]:.3f} x headroom {settings.headroom:g}"
-                f" = {rate:.3f} (parallelism {job.p:g})"
-            )
             out.append(
-                Floor(
-                    d.name,
-                    rate,
-                    self.name,
-                    f"deadline in {d.window:.0f} s: floor {rate:.2f} cores",
-                    (
-                        f"admitted by EDF among {len(demands)} deadline job(s) on"
-                        f" {capacity:.2f} cores (usable less reservations)",
-                        floor_why,
-                    ),
-                    exclusive=True,
+                self._floor(
+                    d,
+                    jobs[d.name],
+                    parts[d.name],
+                    gains.get(d.name, 1.0),
+                    order=order,
+                    budget=budget,
+                    cap=cap,
                 )
             )
-            out.append(self._note(job, "on-track", rate, now))
+            out.append(
+                self._note(jobs[d.name], "on-track", parts[d.name], now, order=order, cap=cap)
+            )
         for d in missed:
-            rate = given_rates[d.name]
-            if rate > 0:
+            if parts[d.name] > 0:
                 out.append(
                     Floor(
                         d.name,
-                        rate,
+                        parts[d.name],
                         self.name,
-                        f"predicted to miss: floor {rate:.2f} cores so it is late by the least",
-                        (f"needs {d.rate:.3f} cores; {left:.2f} left after the admitted jobs",),
+                        f"predicted to miss: floor {parts[d.name]:.2f} cores so it is late"
+                        " by the least",
+                        (
+                            f"EDF rank {order[d.name]} of {len(order)}; needs {d.rate:.3f}"
+                            f" cores, {cap.describe()}",
+                        ),
                         exclusive=True,
                     )
                 )
-            out.append(self._note(jobs[d.name], "predicted-miss", rate, now))
+            out.append(
+                self._note(jobs[d.name], "predicted-miss", parts[d.name], now, order=order, cap=cap)
+            )
+        caps = _caps(jobs, parts, last_parts, order, carried.get("caps"))
+        out.extend(
+            Decision(
+                path,
+                Attribute.CPU_MAX,
+                CpuMax.from_cores(max(parts.get(path, 0.0), 0.01)),
+                self.name,
+                f"capped at its EDF part {parts.get(path, 0.0):.2f} cores: an earlier deadline"
+                " got less than its own",
+                (f"held {ticks} more tick(s) after the last shortfall",),
+            )
+            for path, ticks in sorted(caps.items())
+        )
+        out.append(
+            Carry(
+                self.name,
+                {
+                    "other": cap.other,
+                    "parts": dict(sorted(parts.items())),
+                    "caps": caps,
+                    "gains": {p: g for p, g in sorted(gains.items()) if g > 1.0},
+                },
+            )
+        )
         return out
 
-    def _note(self, job: _Job, status: str, rate: float | None, now: float) -> Note:
+    def _floor(
+        self,
+        d: Demand,
+        job: _Job,
+        part: float,
+        gain: float,
+        *,
+        order: Mapping[str, int],
+        budget: float,
+        cap: Capacity,
+    ) -> Floor:
+        why = (
+            "all it can use (its parallelism)"
+            if part >= job.p - 1e-6
+            else "what is left after earlier deadlines"
+            if part > d.rate
+            else "nothing now: earlier deadlines come first and it can still finish later"
+            if part <= 1e-6
+            else "what it needs now to stay on time"
+        )
+        cores = min(job.p, part * gain)
+        trace = [
+            f"admitted by EDF on {cap.describe()}",
+            f"needs {d.rate:.3f} cores on average ({d.work:.1f} CPU-s in {d.window:.1f} s);"
+            f" the deadline jobs' budget is {budget:.2f} cores,"
+            f" handed out earliest deadline first: {part:.2f}, {why} (parallelism {job.p:g})",
+        ]
+        if cores > part:
+            trace.append(
+                f"weighted as {cores:.2f} cores (x{gain:.2f}): the kernel gave it less than"
+                " its part while it waited for CPU"
+            )
+        return Floor(
+            d.name,
+            cores,
+            self.name,
+            f"EDF rank {order[d.name]} of {len(order)}, deadline in {d.window:.0f} s:"
+            f" floor {cores:.2f} cores",
+            tuple(trace),
+            exclusive=True,
+        )
+
+    def _note(
+        self,
+        job: _Job,
+        status: str,
+        rate: float | None,
+        now: float,
+        *,
+        order: Mapping[str, int] | None = None,
+        cap: Capacity | None = None,
+    ) -> Note:
         w, a, remaining, window, p = job.w, job.a, job.remaining, job.window, job.p
         assert a.deadline is not None
         required = remaining / window if window > 0 and remaining > 0 else None
-        pace = rate if rate is not None else w.cpu_rate
+        pace = rate if rate else w.cpu_rate
         finish = now + remaining / pace if remaining > 0 and pace else None
         slack = window - max(0.0, remaining) / p
         message = {
@@ -137,21 +256,79 @@ class Deadlines:
             "done": "its declared work is done",
             "waiting": "holds no process yet",
         }[status]
-        return Note(
-            w.path,
-            self.name,
-            "deadline",
-            status,
-            message,
-            {
-                "deadline": a.deadline,
-                "work": a.work,
-                "remaining": remaining,
-                "required_rate": required,
-                "rate": rate,
-                "measured_rate": w.cpu_rate,
-                "parallelism": p,
-                "slack": slack,
-                "predicted_finish": finish,
-            },
-        )
+        fields: dict[str, object] = {
+            "deadline": a.deadline,
+            "work": a.work,
+            "remaining": remaining,
+            "required_rate": required,
+            "rate": rate,
+            "measured_rate": w.cpu_rate,
+            "parallelism": p,
+            "slack": slack,
+            "predicted_finish": finish,
+        }
+        if order is not None and cap is not None:
+            fields |= {
+                "rank": order.get(w.path),
+                "capacity": cap.cores,
+                "capacity_source": cap.source,
+            }
+        return Note(w.path, self.name, "deadline", status, message, fields)
+
+
+def _shorted(job: _Job, part: float | None) -> bool:
+    """It got less than its part last tick while some of its tasks waited for a CPU."""
+    rate = job.w.cpu_rate
+    return (
+        part is not None
+        and part > 0.05
+        and rate is not None
+        and rate < SHORT * part
+        and (job.w.cpu_stall or 0.0) >= WAITED
+    )
+
+
+def _gains(jobs: Mapping[str, _Job], last: Mapping[str, float], held: object) -> dict[str, float]:
+    """How much more weight each job needs than its part, for what the kernel really gives:
+    raised while a job is shorted (by the shortfall, at most x1.25 a tick, x4 in all),
+    eased back 5% a tick once it gets its part."""
+    before = held if isinstance(held, dict) else {}
+    out = {}
+    for path, job in jobs.items():
+        g = before.get(path)
+        gain = float(g) if isinstance(g, int | float) and 1.0 <= g <= GAIN_MAX else 1.0
+        part = last.get(path)
+        if _shorted(job, part):
+            assert part is not None and job.w.cpu_rate is not None
+            gain *= min(1.25, part / max(job.w.cpu_rate, 0.01))
+        else:
+            gain *= 0.95
+        out[path] = min(GAIN_MAX, max(1.0, gain))
+    return out
+
+
+def _caps(
+    jobs: Mapping[str, _Job],
+    parts: Mapping[str, float],
+    last: Mapping[str, float],
+    order: Mapping[str, int],
+    held: object,
+) -> dict[str, int]:
+    """Later jobs to cap at their part: each held CAP_TICKS ticks after the last tick an
+    earlier job was shorted (got less than its last part while it waited)."""
+    caps = {
+        p: int(t) - 1
+        for p, t in (held.items() if isinstance(held, dict) else ())
+        if p in parts and isinstance(t, int) and t > 1
+    }
+    shorted = [order[p] for p, part in last.items() if p in order and _shorted(jobs[p], part)]
+    if shorted:
+        first = min(shorted)
+        for p, r in order.items():
+            if r > first and p in parts:
+                caps[p] = CAP_TICKS
+    return dict(sorted(caps.items()))
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None

@@ -11,17 +11,23 @@ iff the maximum flow carries every job's W_j (Horn, 1974). Sizes are a handful t
 hundred jobs, so a plain augmenting-path max flow is fast enough.
 
 Admission goes in priority order, then earliest deadline first: a job is admitted when
-the set stays feasible with it; the others are predicted to miss. Rates for the admitted
-set are the constant rates W_j/D_j when those fit (every job then finishes on time at a
-steady pace and leaves the most CPU to the rest now), and otherwise the first interval of
-a feasible flow that was seeded with earliest-deadline-first front-loading.
+the set stays feasible with it; the others are predicted to miss. The rates now (`allot`)
+are EDF as priority, not a fluid share: the time until the next re-plan is one more
+interval, and the flow is seeded by handing each job, earliest deadline first, all it can
+use (its parallelism) while CPU lasts; augmenting paths then move only what a later job
+cannot do without (Dhall's case) back to it. So a job with slack gets nothing now while
+earlier deadlines can use the CPU, and the earliest run at full speed, with the margin
+for the kernel's and the measurement's noise that a steady pace at W_j/D_j lacks. Plain
+EDF would leave a job that waits for earlier ones with no slack at all when its turn
+comes, so the plan aims at windows shrunk by a common factor (`margin`): every job is
+planned to finish early by the same part of its window, as much as the set allows.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 EPS = 1e-9
 
@@ -81,19 +87,26 @@ class _Flow:
             total += amount
 
 
-def _order(demands: Sequence[Demand]) -> list[Demand]:
+def rank(demands: Sequence[Demand]) -> list[Demand]:
+    """The EDF order: priority first, then the earliest deadline."""
     return sorted(demands, key=lambda d: (-d.priority, d.window, d.name))
 
 
-def schedule(demands: Sequence[Demand], capacity: float) -> tuple[bool, dict[str, float]]:
+def schedule(
+    demands: Sequence[Demand], capacity: float, horizon: float | None = None
+) -> tuple[bool, dict[str, float]]:
     """(feasible, each job's work in the first interval / its length): a flow seeded with
-    EDF front-loading, then completed by augmenting paths."""
-    jobs = _order(demands)
+    EDF front-loading, then completed by augmenting paths. With `horizon` (the time until
+    the next re-plan), the first interval ends there, so its rates are the ones to run now."""
+    jobs = rank(demands)
     if not jobs:
         return True, {}
     if capacity <= EPS or any(d.rate > d.parallelism * (1 + EPS) for d in jobs):
         return False, {}
-    ends = sorted({d.window for d in jobs})
+    cuts = {d.window for d in jobs}
+    if horizon is not None and EPS < horizon < min(cuts) - EPS:
+        cuts.add(horizon)
+    ends = sorted(cuts)
     starts = [0.0, *ends[:-1]]
     n_j, n_i = len(jobs), len(ends)
     s, t = n_j + n_i, n_j + n_i + 1
@@ -131,7 +144,7 @@ def admit(demands: Sequence[Demand], capacity: float) -> tuple[list[Demand], lis
     the set stays feasible with it."""
     admitted: list[Demand] = []
     missed: list[Demand] = []
-    for d in _order(demands):
+    for d in rank(demands):
         if feasible([*admitted, d], capacity):
             admitted.append(d)
         else:
@@ -139,15 +152,31 @@ def admit(demands: Sequence[Demand], capacity: float) -> tuple[list[Demand], lis
     return admitted, missed
 
 
-def rates(admitted: Sequence[Demand], capacity: float) -> dict[str, float]:
-    """Rates now for a feasible set: constant rates when they fit, else a feasible flow's.
-    For a set that is not feasible (a job late already), see `best_effort`."""
-    if sum(d.rate for d in admitted) <= capacity * (1 + EPS) and all(
-        d.rate <= d.parallelism for d in admitted
-    ):
-        return {d.name: d.rate for d in admitted}
-    ok, first = schedule(admitted, capacity)
+def allot(admitted: Sequence[Demand], capacity: float, horizon: float) -> dict[str, float]:
+    """Rates for the next `horizon` seconds of a feasible set, by EDF priority: the earliest
+    deadline gets all it can use, then the next, down to what each later job needs now to
+    stay feasible. Planned to finish early: every window is shrunk by the same factor, as
+    far as the set stays feasible (`margin`), so a job that waits for earlier deadlines is
+    not left with no slack for the kernel's and the measurement's noise when its turn
+    comes. For a set that is not feasible (a job late already), see `best_effort`."""
+    ok, first = schedule(_shrunk(admitted, margin(admitted, capacity)), capacity, horizon)
     return first if ok else best_effort(admitted, capacity)
+
+
+def margin(demands: Sequence[Demand], capacity: float, least: float = 0.5) -> float:
+    """The least factor, from `least` up to 1 (to 1%), that every window can be shrunk by
+    with the set still feasible: 1 when the set has no time to spare."""
+    low, high = least, 1.0
+    if feasible(_shrunk(demands, low), capacity):
+        return low
+    while high - low > 0.01:
+        mid = (low + high) / 2
+        low, high = (low, mid) if feasible(_shrunk(demands, mid), capacity) else (mid, high)
+    return high
+
+
+def _shrunk(demands: Sequence[Demand], factor: float) -> list[Demand]:
+    return [replace(d, window=d.window * factor) for d in demands]
 
 
 def best_effort(demands: Sequence[Demand], capacity: float) -> dict[str, float]:
@@ -155,10 +184,10 @@ def best_effort(demands: Sequence[Demand], capacity: float) -> dict[str, float]:
     parallelism), in priority then deadline order while CPU lasts, so the fewest miss and
     the late ones are late by the least; CPU left over goes to them in the same order."""
     out, left = {}, capacity
-    for d in _order(demands):
+    for d in rank(demands):
         out[d.name] = max(0.0, min(d.rate, d.parallelism, left))
         left -= out[d.name]
-    for d in _order(demands):
+    for d in rank(demands):
         extra = max(0.0, min(d.parallelism - out[d.name], left))
         out[d.name] += extra
         left -= extra

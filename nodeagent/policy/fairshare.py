@@ -6,7 +6,8 @@ where s is the tenant's normalised share and F = 2^(-u/s) is Slurm's fair-share 
 with u the tenant's normalised decayed usage: a tenant that has used exactly its share
 keeps it, one that used more is pulled back. The part is split evenly across the tenant's
 active workloads, so a tenant's CPU does not grow with the number of cgroups it runs.
-Workloads with an exclusive floor (deadline jobs) are planned by it and take no part;
+Workloads with an exclusive floor (deadline jobs) are planned by it and take no part, and
+so do claimed cgroups with claimed cgroups below them (`classify.outer_claims`);
 tenants with no active workload get nothing (the kernel ignores an idle cgroup's weight).
 `CpuWeights` turns the parts into cpu.weight.
 """
@@ -17,6 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from nodeagent.policy.base import Output, PolicyInput, Share
+from nodeagent.policy.classify import outer_claims
 from nodeagent.snapshot import WorkloadState
 from nodeagent.spec.model import FairShareSettings
 
@@ -57,12 +59,14 @@ class FairShare:
         settings = given.spec.fair_share
         if not settings.enabled:
             return []
-        exclusive = {p for p, f in given.floors().items() if f.exclusive}
+        # deadline jobs are planned by their floors; outer claims by the claims below them
+        left_out = {p for p, f in given.floors().items() if f.exclusive}
+        left_out |= outer_claims(given.assignments)
         members: dict[str, list[WorkloadState]] = {}
         active: dict[str, int] = {}
         for w in given.snapshot.workloads:
             a = given.assignments.get(w.path)
-            if a is None or w.path in exclusive:
+            if a is None or w.path in left_out:
                 continue
             members.setdefault(a.tenant, []).append(w)
             if is_active(w, settings):

@@ -5,8 +5,9 @@ is (inside) a holder's cgroup but runs on a GPU that holder does not hold, or wh
 cgroup holds nothing at all, is a violation: reported as a note (shown by
 `nodeagent gpus`, written to the audit log when it starts), and with
 `gpu.on_violation: freeze` the managed workload it belongs to is frozen until the
-process is gone from the GPU, then thawed. Reservations not yet bound to a workload are
-not checked here: the daemon binds them to the cgroup whose processes show on them.
+process is gone from the GPU, then thawed. A reservation not yet bound to its container
+(the one it names, which the daemon binds once discovery shows it) covers nobody: any
+process on its GPUs is a violation.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ def violations(gpus: GpuState) -> list[tuple[GpuProcess, str, Hold | None]]:
     """(process, kind, its holder) for each process on a GPU its cgroup does not hold:
     kind 'wrong-gpu' (its cgroup holds others) or 'unassigned' (it holds none)."""
     parents = gpus.parents()
-    unbound = [h for h in gpus.holds if h.cgroup is None]
     out: list[tuple[GpuProcess, str, Hold | None]] = []
     for p in gpus.processes:
         if p.cgroup is None:
@@ -43,7 +43,7 @@ def violations(gpus: GpuState) -> list[tuple[GpuProcess, str, Hold | None]]:
         h = holder(p, gpus.holds)
         if h is not None and not h.covers(p.device_uuid, parents):
             out.append((p, "wrong-gpu", h))
-        elif h is None and not any(u.covers(p.device_uuid, parents) for u in unbound):
+        elif h is None:
             out.append((p, "unassigned", None))
     return out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from nodeagent.policy.base import Assignment
+from nodeagent.policy.classify import outer_claims
 from nodeagent.snapshot import NodeSnapshot
 
 
@@ -22,9 +23,10 @@ def tick_usage(snapshot: NodeSnapshot, assignments: Mapping[str, Assignment]) ->
     used: dict[str, float] = {}
     if not snapshot.elapsed:
         return used
+    outer = outer_claims(assignments)  # their CPU holds the claims' below them
     for w in snapshot.workloads:
         a = assignments.get(w.path)
-        if a is not None and w.cpu_rate is not None:
+        if a is not None and w.cpu_rate is not None and w.path not in outer:
             used[a.tenant] = used.get(a.tenant, 0.0) + w.cpu_rate * snapshot.elapsed
     return used
 

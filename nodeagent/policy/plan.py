@@ -2,8 +2,10 @@
 
 The plan is the whole of what the agent wants, per cgroup, with the reasons
 and the trace that `nodeagent explain` prints. Policies run in order, each seeing
-what the earlier ones said; on the same attribute the later one wins, and the
-trace says so.
+what the earlier ones said. On the same attribute one rule per attribute decides
+(`binds`): the lowest cap wins on `cpu.max`, `memory.max` and `memory.high`, a cgroup is
+frozen if any policy freezes it, and otherwise the later policy wins; the trace names the
+policy that binds.
 
 Only the workloads in the snapshot are planned: a cgroup that vanished or could
 not be read since discovery is simply absent. A cgroup a policy cannot plan is
@@ -33,6 +35,7 @@ from nodeagent.policy.base import (
     PolicyInput,
     Share,
     Skip,
+    binds,
 )
 from nodeagent.policy.classify import assign
 from nodeagent.policy.deadlines import Deadlines
@@ -220,11 +223,16 @@ class _Merge:
             self.traces[o.path].append(f"{o.policy}: {o.message}")
         elif isinstance(o, Decision):
             earlier = self.targets[o.path].get(o.attribute)
-            if earlier is not None:
+            if earlier is not None and binds(o.attribute, earlier.value, o.value):
                 self.traces[o.path].append(
-                    f"{o.policy} overrides {earlier.policy} on {o.attribute}"
+                    f"{earlier.policy}'s {o.attribute} binds: {o.policy}'s is looser"
                 )
-            self.targets[o.path][o.attribute] = Target(o.value, o.policy, o.reason)
+            else:
+                if earlier is not None:
+                    self.traces[o.path].append(
+                        f"{o.policy} overrides {earlier.policy} on {o.attribute}"
+                    )
+                self.targets[o.path][o.attribute] = Target(o.value, o.policy, o.reason)
             self.traces[o.path].extend(f"{o.policy}: {line}" for line in (*o.trace, o.reason))
         elif isinstance(o, Share | Floor):
             self.traces[o.path].extend(f"{o.policy}: {line}" for line in (*o.trace, o.reason))

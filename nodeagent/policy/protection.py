@@ -12,11 +12,14 @@ how far pressure is over the threshold, and a slow additive release):
 
 - under pressure, each victim class's CPU cap (cores, in all) shrinks by up to `step`
   of itself per tick, never below the class's `floor_cpu`; it is split evenly over the
-  class's active cgroups as cpu.max, never below a cgroup's own floor, and a tighter
-  static cap stays;
+  class's active cgroups as cpu.max (the innermost claims, as in the tenant split), never
+  below a cgroup's own floor, and a tighter static cap stays;
+- a class's first cap starts from what its cgroups used last tick (on their first tick,
+  before a rate is known, from what each may use: its cpu.max, or the node's CPUs);
 - when every victim class has sat at its floor for `freeze_after` ticks and the pressure
   persists, the busiest cgroup of the lowest-priority freezable victim class is frozen
-  (cgroup.freeze: stopped, never killed), one per `freeze_after` ticks;
+  (cgroup.freeze: stopped, never killed), one per `freeze_after` ticks; it keeps the cap
+  it had while frozen, so it is thawed under it;
 - after `calm_ticks` ticks below half the threshold, frozen cgroups are thawed first,
   last frozen first, one per tick; then caps grow by `release_step` of the usable CPUs
   per tick until they no longer bind, and are lifted (cpu.max back to the static cap or
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax, Frozen
 from nodeagent.policy.base import Carry, Decision, Floor, Note, Output, PolicyInput
+from nodeagent.policy.classify import outer_claims
 from nodeagent.policy.cpu import usable
 from nodeagent.policy.fairshare import is_active
 from nodeagent.snapshot import WorkloadState
@@ -105,6 +109,8 @@ class _Node:
         self.settings = given.spec.protection
         self.floors: dict[str, Floor] = given.floors()
         self.classes = {p: a.workload_class for p, a in given.assignments.items()}
+        self.outer = outer_claims(given.assignments)
+        """Claimed cgroups with claims below them: capped and frozen through those."""
         self.states = {w.path: w for w in given.snapshot.workloads}
         self.capacity = usable(given)
 
@@ -136,12 +142,22 @@ class _Node:
                 out[w.path] = s
         return out
 
+    def using(self, w: WorkloadState) -> float:
+        """The cores a cgroup uses, where a first cap starts: its rate; before one is
+        known (its first tick), what it may use: its cpu.max, or the node's CPUs."""
+        if w.cpu_rate is not None:
+            return w.cpu_rate
+        now = w.sample.settings.get(Attribute.CPU_MAX)
+        limit = now.cores if isinstance(now, CpuMax) else None
+        return self.capacity if limit is None else min(limit, self.capacity)
+
     def members(self, cls: WorkloadClass, exclude: Sequence[str] = ()) -> list[WorkloadState]:
         return [
             w
             for w in self.given.snapshot.workloads
             if self.classes.get(w.path) is cls
             and w.path not in exclude
+            and w.path not in self.outer
             and is_active(w, self.spec.fair_share)
         ]
 
@@ -212,8 +228,8 @@ class Protection:
         severity = min(1.0, max(0.25, worst / s.cpu_pressure - 1))
         victims = self._victims(node, state, stalling)
         for cls, members in victims.items():
-            used = sum(w.cpu_rate or 0.0 for w in members)
-            cap = state.caps.get(str(cls), max(used, node.floor(cls)))
+            start = min(node.capacity, sum(node.using(w) for w in members))
+            cap = state.caps.get(str(cls), max(start, node.floor(cls)))
             state.caps[str(cls)] = max(node.floor(cls), cap * (1 - s.step * severity))
         pinned = bool(victims) and all(state.caps[str(c)] <= node.floor(c) + 1e-9 for c in victims)
         state.pinned = state.pinned + 1 if pinned else 0
@@ -245,6 +261,14 @@ class Protection:
         period = node.settings.period_us
         out: list[Output] = []
         capped: list[str] = []
+        for path in state.frozen:  # it keeps the cap it had: thawed, it starts under it
+            if path not in state.capped or path not in node.states:
+                continue
+            capped.append(path)
+            now = node.states[path].sample.settings.get(Attribute.CPU_MAX)
+            if isinstance(now, CpuMax) and now.cores is not None:
+                why = "cap kept while frozen, so that it is thawed under it"
+                out.append(Decision(path, Attribute.CPU_MAX, now, self.name, why))
         for name, cap in sorted(state.caps.items()):
             cls = WorkloadClass(name)
             members = node.members(cls, state.frozen)

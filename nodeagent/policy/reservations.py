@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nodeagent.policy.base import Floor, Output, PolicyInput
+from nodeagent.policy.classify import outer_claims
 from nodeagent.policy.cpu import reserved
 from nodeagent.policy.fairshare import is_active
 
@@ -21,14 +22,15 @@ class Reservations:
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         out: list[Output] = []
-        exclusive = {p for p, f in given.floors().items() if f.exclusive}
+        left_out = {p for p, f in given.floors().items() if f.exclusive}
+        left_out |= outer_claims(given.assignments)  # the claims below them take it
         for cls, total in reserved(given).items():
             members = [
                 w.path
                 for w in given.snapshot.workloads
                 if (a := given.assignments.get(w.path)) is not None
                 and a.workload_class is cls
-                and w.path not in exclusive
+                and w.path not in left_out
                 and is_active(w, given.spec.fair_share)
             ]
             for path in members:

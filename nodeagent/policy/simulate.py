@@ -1,12 +1,15 @@
-"""Offline, fluid simulation of deadline jobs on a node: what the kernel's weights would
-give each job, tick by tick, under the real policies or under the kernel's default.
+"""Offline, fluid simulation of deadline jobs on a node: what the kernel would give each job,
+tick by tick, under the real policies or under the kernel's default.
 
 The benchmark (`scripts/bench deadline`) runs each job set on a real kernel three ways and
-compares the misses with what this simulation predicts for the same set. Every tick it
-builds the snapshot the sensor would (each job's CPU used so far, its threads, whether it
-still runs), runs the real `make_plan` on it, and between ticks divides the CPUs by the
-planned weights the way CFS does between busy siblings: in proportion to weight, no job
-above its parallelism, what one cannot use going to the others (water-filling).
+compares each job's finish with what this simulation predicts for the same set. Every tick
+it builds the snapshot the sensor would (each job's CPU used so far, its threads, whether
+it still runs, the node's busy share), runs the real `make_plan` on it, and between ticks
+divides the CPUs the way CFS does between busy siblings: in proportion to the planned
+weights, no job above its parallelism or its planned `cpu.max`, what one cannot use going
+to the others (water-filling). What the real run has and a fluid model would otherwise
+miss is modelled too: a job runs unmanaged (weight 100, no cap) until the first tick after
+it started (`delay`), and the agent and the rest of the node take `overhead` cores.
 """
 
 from __future__ import annotations
@@ -14,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from nodeagent.cgroupfs.values import Attribute, CpuWeight
+from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.policy.base import Assignment, Policy
-from nodeagent.policy.plan import DEFAULT_POLICIES, make_plan
+from nodeagent.policy.plan import DEFAULT_POLICIES, CgroupPlan, make_plan
 from nodeagent.snapshot import CgroupSample, NodeSnapshot, NodeState, WorkloadState
 from nodeagent.spec.model import PolicySpec, WorkloadClass
 
@@ -71,17 +74,19 @@ def water_fill(
 
 
 class _Run:
-    """One simulated run: CPU used so far, finishes, and the last tick's rates."""
+    """One simulated run: CPU used so far, finishes, the last tick's rates, the settings."""
 
-    def __init__(self, jobs: Sequence[SimJob], cpus: int, start: float) -> None:
+    def __init__(self, jobs: Sequence[SimJob], cpus: int, start: float, overhead: float) -> None:
         self.jobs = {j.name: j for j in jobs}
         self.cpus = cpus
         self.start = start
+        self.overhead = overhead
         self.used = {j.name: 0.0 for j in jobs}
         self.at_tick = dict(self.used)
         self.rates: dict[str, float | None] = dict.fromkeys(self.jobs)
         self.finish: dict[str, float] = {}
         self.weights = {j.name: 100.0 for j in jobs}
+        self.quota = {j.name: float(j.parallelism) for j in jobs}
 
     def path(self, name: str) -> str:
         return f"nodeagent.slice/{name}"
@@ -99,7 +104,9 @@ class _Run:
         }
 
     def snapshot(self, seq: int, now: float, tick: float) -> NodeSnapshot:
-        node = NodeState(self.cpus, None, 64 << 30, 32 << 30, 4096)
+        rates = [r for r in self.rates.values() if r is not None]
+        busy = min(1.0, (sum(rates) + self.overhead) / self.cpus) if seq > 1 else None
+        node = NodeState(self.cpus, busy, 64 << 30, 32 << 30, 4096)
         states = tuple(
             WorkloadState(
                 WorkloadIdentity(self.path(n), Kind.JOB, Runtime.NODEAGENT, Owner.NODEAGENT, n),
@@ -114,10 +121,21 @@ class _Run:
         )
         return NodeSnapshot(seq, self.start + now, tick if seq > 1 else None, node, states)
 
+    def settle(self, planned: Sequence[CgroupPlan]) -> None:
+        """Take the planned weights and caps, as the executor would write them."""
+        for cg in planned:
+            name, targets = cg.identity.name, cg.targets
+            w = targets.get(Attribute.CPU_WEIGHT)
+            if w is not None and isinstance(w.value, CpuWeight):
+                self.weights[name] = float(w.value.value)
+            m = targets.get(Attribute.CPU_MAX)
+            cores = m.value.cores if m is not None and isinstance(m.value, CpuMax) else None
+            self.quota[name] = float(self.jobs[name].parallelism) if cores is None else cores
+
     def advance(self, now: float, step: float) -> None:
         live = {n: w for n, w in self.weights.items() if n not in self.finish}
-        caps = {n: float(j.parallelism) for n, j in self.jobs.items()}
-        for name, rate in water_fill(live, caps, self.cpus).items():
+        caps = {n: min(float(j.parallelism), self.quota[n]) for n, j in self.jobs.items()}
+        for name, rate in water_fill(live, caps, self.cpus - self.overhead).items():
             need = self.jobs[name].work - self.used[name]
             if rate * step >= need:
                 self.finish[name] = now + need / rate
@@ -140,14 +158,23 @@ def simulate(
     step: float = 0.05,
     start: float = 1_000_000.0,
     horizon: float | None = None,
+    delay: float | None = None,
+    overhead: float = 0.0,
 ) -> list[Outcome]:
-    """Each job's finish. `policies=None` is the kernel's default: every weight 100."""
+    """Each job's finish. `policies=None` is the kernel's default: every weight 100. The
+    jobs start together; the first plan comes `delay` seconds later (default half a tick,
+    the mean wait for the next tick), and then one every `tick`."""
     horizon = horizon or 3 * max(j.deadline for j in jobs)
-    run = _Run(jobs, cpus, start)
+    run = _Run(jobs, cpus, start, overhead)
     assignments = run.assignments()
     usage: dict[str, float] = {}
     carried: Mapping[str, Mapping[str, object]] = {}
     now, seq = 0.0, 0
+    first = tick / 2 if delay is None else delay
+    for _ in range(max(0, round(first / step))):  # unmanaged until the first tick
+        run.advance(now, step)
+        now += step
+    run.measure(max(now, step))
     steps_per_tick = max(1, round(tick / step))
     while now < horizon and len(run.finish) < len(jobs):
         if policies is not None:
@@ -161,10 +188,7 @@ def simulate(
                 carried=carried,
             )
             usage, carried = dict(plan.tenant_usage), plan.carry
-            for cg in plan.cgroups:
-                w = cg.targets.get(Attribute.CPU_WEIGHT)
-                if w is not None and isinstance(w.value, CpuWeight):
-                    run.weights[cg.identity.name] = float(w.value.value)
+            run.settle(plan.cgroups)
         for _ in range(steps_per_tick):
             run.advance(now, step)
             now += step

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from nodeagent.cgroupfs.values import WEIGHT_MAX, WEIGHT_MIN, Attribute, CpuWeight
 from nodeagent.ownership import WriteMode, write_mode
 from nodeagent.policy.base import Decision, Floor, Note, Output, PolicyInput, Share
+from nodeagent.policy.classify import outer_claims
 from nodeagent.policy.cpu import usable
 from nodeagent.snapshot import WorkloadState
 
@@ -134,10 +135,11 @@ class CpuWeights:
         nodes = {p: _Node(p, c, a, 1, why) for p, (c, a, why) in targets.items()}
         if not given.spec.fair_share.hierarchy:
             return nodes
-        levels = {w.path for w in given.snapshot.levels}
+        # parents: the sensed levels, and claimed cgroups with claims below them
+        carriers = {w.path for w in given.snapshot.levels} | outer_claims(given.assignments)
         for path, (cores, active, _) in targets.items():
             for a in ancestors(path):
-                if a not in levels or a in targets:
+                if a not in carriers or a in targets:
                     break  # a level not sensed, or a workload that carries its own target
                 node = nodes.setdefault(a, _Node(a, why="the sum of the targets below it"))
                 node.cores += cores
@@ -192,9 +194,10 @@ def _split_note(
         return fraction
 
     tenants: dict[str, list[float]] = {}
+    outer = outer_claims(given.assignments)  # counted through the claims below them
     for path, (_, active, _) in targets.items():
         a = given.assignments.get(path)
-        if a is None or not active or nodes[path].weight == 0:
+        if a is None or not active or nodes[path].weight == 0 or path in outer:
             continue
         planned, expected = share(path, True), share(path, False)
         got = tenants.setdefault(a.tenant, [0.0, 0.0])

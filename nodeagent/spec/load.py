@@ -6,15 +6,18 @@ location and each semantic check can be traced back to the line and column that 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import functools
 import os
 import re
 import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import annotated_types
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import ErrorDetails
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
@@ -22,7 +25,9 @@ from nodeagent.cgroupfs.tree import split_path
 from nodeagent.cgroupfs.values import QUOTA_MAX_US, QUOTA_MIN_US
 from nodeagent.errors import NodeagentError, UnsafePath
 from nodeagent.regular_file import UnusableFile, read_regular_file
-from nodeagent.spec.model import MAX, PolicySpec
+from nodeagent.spec.glob import glob_matches
+from nodeagent.spec.model import ANY, MAX, Limits, Match, PolicySpec
+from nodeagent.spec.nesting import nesting_warnings
 
 MAX_BYTES = 1 << 20  # a real policy is a few kilobytes; this also stops a read of /dev/zero
 MIN_MEMORY = 1 << 20  # a smaller memory limit is a unit mistake (512 meant as 512Mi), not a policy
@@ -58,34 +63,51 @@ Loc = tuple[str | int, ...]
 
 @dataclass(frozen=True)
 class Problem:
-    """One thing wrong with a policy, at a 1-based line and column."""
+    """One thing wrong with a policy, at a 1-based line and column; a warning does not
+    stop the policy from being used (`validate --strict` fails on it)."""
 
     file: str
     line: int
     col: int
     message: str
+    severity: typing.Literal["error", "warning"] = "error"
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}:{self.col}: {self.message}"
+        warning = "warning: " if self.severity == "warning" else ""
+        return f"{self.file}:{self.line}:{self.col}: {warning}{self.message}"
 
 
 class PolicyError(NodeagentError):
     """The policy cannot be used; `problems` lists the first MAX_SHOWN problems found, in
-    file order, and `omitted` counts the others."""
+    file order, and `omitted` counts the others; `warnings` what is found besides."""
 
-    def __init__(self, problems: Iterable[Problem]) -> None:
+    def __init__(self, problems: Iterable[Problem], warnings: Iterable[Problem] = ()) -> None:
         found = tuple(problems)
         self.problems = found[:MAX_SHOWN]
         self.omitted = len(found) - len(self.problems)
+        self.warnings = tuple(warnings)
         lines = [str(p) for p in self.problems]
         if self.omitted:
             lines.append(f"{found[0].file}: ... and {self.omitted} more problems")
         super().__init__("\n".join(lines))
 
 
+@dataclass(frozen=True)
+class Checked:
+    """A policy that can be used, and what is questionable in it (`validate` shows both)."""
+
+    spec: PolicySpec
+    warnings: tuple[Problem, ...]
+
+
 def load_policy(path: str | os.PathLike[str]) -> PolicySpec:
     """Read and parse the policy file at `path`."""
-    return parse_policy(read_text(path, "a policy"), os.fspath(path))
+    return check_policy(path).spec
+
+
+def check_policy(path: str | os.PathLike[str]) -> Checked:
+    """Read and parse the policy file at `path`, with its warnings."""
+    return check_text(read_text(path, "a policy"), os.fspath(path))
 
 
 def read_text(path: str | os.PathLike[str], what: str) -> str:
@@ -114,6 +136,13 @@ def read_text(path: str | os.PathLike[str], what: str) -> str:
 
 def parse_policy(text: str, filename: str) -> PolicySpec:
     """Parse policy YAML held in memory; `filename` is only used in messages."""
+    return check_text(text, filename).spec
+
+
+def check_text(text: str, filename: str) -> Checked:
+    """Parse policy YAML held in memory and find every problem in one pass: when fields
+    have type errors, the checks across fields still run on every field that is valid
+    alone, so that fixing the file never takes a second round; `filename` names it."""
     report = _Report(filename)
     where, data = _compose_and_construct(text, report)
     if where is None or data is None:
@@ -133,11 +162,30 @@ def parse_policy(text: str, filename: str) -> PolicySpec:
             explained = _explain(where, error)
             if explained is not None:
                 report.add(*explained)
-        raise PolicyError(report.sorted()) from None
+        partial = _partial(PolicySpec, data)
+        with _SKIP_BROKEN:  # a check that reads a broken field without a guard of its own
+            _check_semantics(partial, where, report)
+        raise PolicyError(report.sorted(), _warnings(partial, where, filename)) from None
     _check_semantics(spec, where, report)
+    warnings = _warnings(spec, where, filename)
+    if not report.problems:  # rules are only tried on sample cgroups in a valid policy
+        found = (*warnings, *_nesting_warnings(spec, where, filename))
+        warnings = tuple(sorted(found, key=lambda p: (p.line, p.col)))
     if report.problems:
-        raise PolicyError(report.sorted())
-    return spec
+        raise PolicyError(report.sorted(), warnings)
+    return Checked(spec, warnings)
+
+
+def _nesting_warnings(spec: PolicySpec, where: _Locator, filename: str) -> list[Problem]:
+    """Rules that can claim a cgroup and one below it (see spec.nesting), at their match."""
+    out = []
+    for i, message in nesting_warnings(spec):
+        mark = where.mark(("rules", i, "match"))
+        where_ = _dotted(("rules", i, "match"))
+        out.append(
+            Problem(filename, mark.line + 1, mark.column + 1, f"{where_}: {message}", "warning")
+        )
+    return out
 
 
 class _Report:
@@ -549,8 +597,94 @@ def _listed(names: list[str], most: int = 10) -> str:
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
+class _BrokenInput(BaseException):
+    """A check read a field that failed validation: that check is skipped. A BaseException,
+    so that no `except Exception` on the way swallows it into a wrong answer."""
+
+
+class _Broken:
+    """Stands for a field that failed validation in a partial spec (see `_partial`): any use
+    of it but `is` and isinstance raises _BrokenInput."""
+
+    def _refuse(self, *_: object) -> typing.NoReturn:
+        raise _BrokenInput
+
+    __getattr__ = _refuse
+
+    def __repr__(self) -> str:
+        return "<broken>"
+
+
+# what a check may do with a value: compare, hash, test, count, iterate, format, compute
+_REFUSED = "eq ne lt le gt ge hash bool len iter contains getitem str format"
+_ARITHMETIC = "add radd sub rsub mul rmul truediv rtruediv floordiv mod rmod neg float int index"
+for _dunder in f"{_REFUSED} {_ARITHMETIC}".split():
+    setattr(_Broken, f"__{_dunder}__", _Broken._refuse)
+
+BROKEN: typing.Any = _Broken()
+_SKIP_BROKEN = contextlib.suppress(_BrokenInput)
+"""Around each check: on a partial spec, the check that reads a broken field is skipped."""
+
+
+def _partial(model: type[BaseModel], data: object) -> typing.Any:
+    """`data` as `model`, built field by field without validating the whole: a field that
+    validates alone keeps its value, one that does not (or a required one missing) is
+    BROKEN; nested models, and lists and mappings of them, are built the same way, so one
+    bad rule or limit leaves every other field to the checks across fields."""
+    if not isinstance(data, dict):
+        return BROKEN
+    values: dict[str, typing.Any] = {}
+    for name, info in model.model_fields.items():
+        key = next((k for k in (info.alias, name) if k is not None and k in data), None)
+        if key is not None:
+            values[name] = _partial_field(model, name, data[key])
+        elif info.is_required():
+            values[name] = BROKEN
+        else:
+            values[name] = info.get_default(call_default_factory=True)
+    return model.model_construct(**values)
+
+
+def _partial_field(model: type[BaseModel], name: str, raw: object) -> object:
+    info = model.model_fields[name]
+    tp, args = info.annotation, typing.get_args(info.annotation)
+    # without validators of its own (constraints such as a minimum length are checked
+    # already), a model, or a list or mapping of them, is built part by part
+    if all(isinstance(m, annotated_types.BaseMetadata) for m in info.metadata):
+        if _is_model(tp):
+            return _partial(typing.cast(type[BaseModel], tp), raw)
+        if typing.get_origin(tp) is tuple and args and _is_model(args[0]):
+            if not isinstance(raw, list):
+                return BROKEN
+            return tuple(_partial(args[0], item) for item in raw)
+        if typing.get_origin(tp) is dict and _is_model(args[1]) and isinstance(raw, dict):
+            return {key: _partial(args[1], value) for key, value in raw.items()}
+    try:
+        return _field_adapter(model, name).validate_python(raw)
+    except ValidationError:
+        return BROKEN
+
+
+def _is_model(tp: object) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
+
+
+@functools.cache
+def _field_adapter(model: type[BaseModel], name: str) -> TypeAdapter[typing.Any]:
+    """Validates one field of `model` alone, with its validators, constraints and config."""
+    info = model.model_fields[name]
+    tp: typing.Any = info.annotation
+    if info.metadata:
+        tp = typing.Annotated[(tp, *info.metadata)]
+    return TypeAdapter(tp, config=None if _is_model(tp) else model.model_config)
+
+
 def _check_semantics(spec: PolicySpec, where: _Locator, report: _Report) -> None:
-    """What the schema cannot say alone: cross references, uniqueness and safe paths."""
+    """What the schema cannot say alone: cross references, uniqueness and safe paths.
+
+    `spec` may be partial (some fields BROKEN, see `_partial`): each check stands in a
+    `with _SKIP_BROKEN:` of its own, so that only the checks whose inputs are broken are
+    skipped."""
 
     def add(loc: Loc, message: str) -> None:
         report.add(where.mark(loc), f"{_dotted(loc)}: {message}")
@@ -558,77 +692,175 @@ def _check_semantics(spec: PolicySpec, where: _Locator, report: _Report) -> None
     def line_of(loc: Loc) -> int:
         return where.mark(loc).line + 1
 
-    managed = spec.agent.managed_root
-    if not _is_relative_path(managed):
-        add(
-            ("agent", "managed_root"),
-            "must be a path relative to the cgroup root, such as nodeagent.slice, without "
-            f"'..' or empty parts, got {managed!r}",
-        )
-    parts = managed.split("/")
-    if parts[0] in _OTHERS_TREES and not any(p.endswith(".service") for p in parts[:-1]):
-        add(
-            ("agent", "managed_root"),
-            f"{managed!r} is inside {parts[0]}, which systemd or a container runtime owns;"
-            " use nodeagent.slice, or a path below nodeagent's own service cgroup with"
-            " Delegate=yes, such as system.slice/nodeagent.service/workloads",
-        )
-    if spec.agent.state_file == spec.agent.socket:
-        add(("agent", "socket"), "must not be the same path as agent.state_file")
-    tenants = [t for t in spec.tenants if t not in where.markers]
+    with _SKIP_BROKEN:
+        managed = spec.agent.managed_root
+        if not _is_relative_path(managed):
+            add(
+                ("agent", "managed_root"),
+                "must be a path relative to the cgroup root, such as nodeagent.slice, without "
+                f"'..' or empty parts, got {managed!r}",
+            )
+        parts = managed.split("/")
+        if parts[0] in _OTHERS_TREES and not any(p.endswith(".service") for p in parts[:-1]):
+            add(
+                ("agent", "managed_root"),
+                f"{managed!r} is inside {parts[0]}, which systemd or a container runtime owns;"
+                " use nodeagent.slice, or a path below nodeagent's own service cgroup with"
+                " Delegate=yes, such as system.slice/nodeagent.service/workloads",
+            )
+    with _SKIP_BROKEN:
+        if spec.agent.state_file == spec.agent.socket:
+            add(("agent", "socket"), "must not be the same path as agent.state_file")
+    tenants: list[str] = []
+    with _SKIP_BROKEN:
+        tenants = [t for t in spec.tenants if t not in where.markers]
     suggest = _Suggestions(tenants)
     first_rule: dict[str, int] = {}
-    for i, rule in enumerate(spec.rules):
-        if rule.name in first_rule:
-            first = line_of(("rules", first_rule[rule.name], "name"))
-            add(("rules", i, "name"), f"duplicate rule name {rule.name!r} (first at line {first})")
-        first_rule.setdefault(rule.name, i)
-        if rule.tenant not in spec.tenants:
-            hint = suggest(rule.tenant) or f"; tenants are {_listed(tenants)}"
-            add(("rules", i, "tenant"), f"unknown tenant {rule.tenant!r}{hint}")
-        limits = rule.limits
+    for i, rule in enumerate(_items(spec.rules)):
+        with _SKIP_BROKEN:
+            if rule.name in first_rule:
+                first = line_of(("rules", first_rule[rule.name], "name"))
+                add(
+                    ("rules", i, "name"),
+                    f"duplicate rule name {rule.name!r} (first at line {first})",
+                )
+            first_rule.setdefault(rule.name, i)
+        with _SKIP_BROKEN:
+            if rule.tenant not in spec.tenants:
+                hint = suggest(rule.tenant) or f"; tenants are {_listed(tenants)}"
+                add(("rules", i, "tenant"), f"unknown tenant {rule.tenant!r}{hint}")
+        with _SKIP_BROKEN:
+            _check_limits(rule.limits, ("rules", i, "limits"), add)
+        with _SKIP_BROKEN:
+            if (rule.deadline is None) != (rule.work is None):
+                have, lacks = ("deadline", "work") if rule.work is None else ("work", "deadline")
+                add(
+                    ("rules", i, have),
+                    f"{have} needs {lacks}: the deadline policy plans the CPU rate from both",
+                )
+    with _SKIP_BROKEN:
+        default = spec.jobs.default_tenant
+        if default is not None and default not in spec.tenants:
+            hint = suggest(default) or f"; tenants are {_listed(tenants)}"
+            add(("jobs", "default_tenant"), f"unknown tenant {default!r}{hint}")
+    for i, entry in enumerate(_items(spec.jobs.access)):
+        with _SKIP_BROKEN:
+            if not entry.users and not entry.groups:
+                add(("jobs", "access", i), "an entry needs users or groups: whom it lets in")
+        for j, tenant in enumerate(_items(entry.tenants)):
+            with _SKIP_BROKEN:
+                if tenant != ANY and tenant not in spec.tenants:
+                    hint = suggest(tenant) or f"; tenants are {_listed(tenants)} (or '*')"
+                    add(("jobs", "access", i, "tenants", j), f"unknown tenant {tenant!r}{hint}")
+    for i, power in enumerate(_items(spec.gpu.power)):
+        with _SKIP_BROKEN:
+            if (power.start is None) != (power.end is None):
+                have = "from" if power.end is None else "to"
+                add(
+                    ("gpu", "power", i, have),
+                    "a window needs both from and to (local times such as '22:00'),"
+                    f" got only {have}",
+                )
+
+
+def _check_limits(limits: Limits, at: Loc, add: typing.Callable[[Loc, str], None]) -> None:
+    """A rule's limits: memory.high not above memory.max, sizes of at least 1Mi, and a CPU
+    quota the kernel takes."""
+    with _SKIP_BROKEN:
         high, cap = limits.memory_high, limits.memory_max
         if isinstance(cap, int) and (high == MAX or (isinstance(high, int) and high > cap)):
             add(
-                ("rules", i, "limits", "memory_high"),
+                (*at, "memory_high"),
                 f"memory_high ({high if high == MAX else f'{high} bytes'}) is above"
                 f" memory_max ({cap} bytes)",
             )
-        for key, size in (("memory_max", cap), ("memory_high", high)):
+    for key in ("memory_max", "memory_high"):
+        with _SKIP_BROKEN:
+            size = getattr(limits, key)
             if isinstance(size, int) and size < MIN_MEMORY:
                 add(
-                    ("rules", i, "limits", key),
+                    (*at, key),
                     f"{size} bytes is below 1Mi; sizes are bytes unless they have a unit,"
                     " such as 512Mi",
                 )
+    with _SKIP_BROKEN:
         if isinstance(limits.cpu_max, float):
             quota = limits.cpu_max * limits.cpu_period_us
             if quota < QUOTA_MIN_US:
                 add(
-                    ("rules", i, "limits", "cpu_max"),
+                    (*at, "cpu_max"),
                     f"{limits.cpu_max} cores is less than the kernel's minimum quota of "
                     f"{QUOTA_MIN_US}us per {limits.cpu_period_us}us period",
                 )
             elif quota > QUOTA_MAX_US:
                 add(
-                    ("rules", i, "limits", "cpu_max"),
+                    (*at, "cpu_max"),
                     f"{limits.cpu_max} cores is more than the kernel's maximum quota of "
                     f"{QUOTA_MAX_US}us per period",
                 )
-        if (rule.deadline is None) != (rule.work is None):
-            have, lacks = ("deadline", "work") if rule.work is None else ("work", "deadline")
-            add(
-                ("rules", i, have),
-                f"{have} needs {lacks}: the deadline policy plans the CPU rate from both",
+
+
+def _items(values: typing.Any) -> list[typing.Any]:
+    """The items of a list field of a partial spec; none when the list itself is broken."""
+    with _SKIP_BROKEN:
+        return list(values)
+    return []
+
+
+def _warnings(spec: PolicySpec, where: _Locator, filename: str) -> tuple[Problem, ...]:
+    """What is valid but almost surely not meant: no rules, and rules that never apply."""
+    found: list[Problem] = []
+
+    def warn(loc: Loc, message: str) -> None:
+        mark = where.mark(loc)
+        found.append(Problem(filename, mark.line + 1, mark.column + 1, message, "warning"))
+
+    rules = _items(spec.rules)
+    with _SKIP_BROKEN:
+        if not spec.rules:
+            warn(
+                ("rules",),
+                "the policy has no rules: it claims no workload, and manages only the jobs"
+                " that `nodeagent exec` starts",
             )
-    default = spec.jobs.default_tenant
-    if default is not None and default not in spec.tenants:
-        hint = suggest(default) or f"; tenants are {_listed(tenants)}"
-        add(("jobs", "default_tenant"), f"unknown tenant {default!r}{hint}")
-    for i, power in enumerate(spec.gpu.power):
-        if (power.start is None) != (power.end is None):
-            have = "from" if power.end is None else "to"
-            add(
-                ("gpu", "power", i, have),
-                f"a window needs both from and to (local times such as '22:00'), got only {have}",
-            )
+    for j, later in enumerate(rules):
+        for i, earlier in enumerate(rules[:j]):
+            with _SKIP_BROKEN:
+                if _covers(earlier.match, later.match):
+                    what = "every cgroup" if _unset(earlier.match) else "every cgroup it matches"
+                    line = where.mark(("rules", i)).line + 1
+                    warn(
+                        ("rules", j, "match"),
+                        f"rules[{j}]: rule {later.name!r} never applies: rule {earlier.name!r}"
+                        f" (line {line}) comes first and matches {what} (the first match wins)",
+                    )
+                    break
+    return tuple(found)
+
+
+_GLOB_SPECIAL = re.compile(r"[*?\[\]]")
+
+
+def _unset(match: Match) -> bool:
+    return all(getattr(match, f) is None for f in Match.model_fields)
+
+
+def _covers(earlier: Match, later: Match) -> bool:
+    """Whether every cgroup `later` matches is matched by `earlier` too: each field
+    `earlier` sets, `later` sets to the same value, to a literal the glob matches, or (for
+    container_id, a prefix) to a longer id."""
+    for name in Match.model_fields:
+        want, got = getattr(earlier, name), getattr(later, name)
+        if want is None:
+            continue
+        if got is None:
+            return False
+        if name in ("path", "name"):
+            same = want == got or (not _GLOB_SPECIAL.search(got) and glob_matches(want, got))
+        elif name == "container_id":
+            same = got.startswith(want)
+        else:
+            same = want == got
+        if not same:
+            return False
+    return True

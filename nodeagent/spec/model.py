@@ -398,11 +398,61 @@ class DeadlineSettings(_Strict):
     """Required rates are multiplied by this, for the scheduler's and the measurement's noise."""
 
 
+ANY: Literal["*"] = "*"
+UID_MAX = 2**32 - 2  # (uid_t)-1 means "no id"
+_Class = Annotated[WorkloadClass, BeforeValidator(_not_bytes)]
+
+
+def _name_or_id(value: object) -> object:
+    """A user or group: a name, or a numeric id (one error, not one per kind)."""
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= UID_MAX:
+        return value
+    raise ValueError(f"must be a name or a numeric id from 0 to {UID_MAX}, got {value!r}")
+
+
+_NameOrId = Annotated[StrictStr | StrictInt, BeforeValidator(_name_or_id)]
+
+
+def _listing(value: tuple[str, ...]) -> tuple[str, ...]:
+    # checked after the items, so that a bad item is not also reported as an empty list
+    if not value:
+        raise ValueError("must list at least one name, or '*'")
+    return value
+
+
+def _class_or_any(value: str) -> str:
+    if value != ANY and value not in set(WorkloadClass):
+        names = ", ".join(c.value for c in WorkloadClass)
+        raise ValueError(f"must be a class ({names}) or '*', got {value!r}")
+    return value
+
+
+class AccessEntry(_Strict):
+    """Users and groups, and the tenants and classes they may use together."""
+
+    users: tuple[_NameOrId, ...] = ()
+    """User names or numeric uids."""
+    groups: tuple[_NameOrId, ...] = ()
+    """Group names or numeric gids: a caller in any of them (primary or supplementary)."""
+    tenants: Annotated[tuple[StrictStr, ...], AfterValidator(_listing)]
+    """Tenant names, or '*' for every tenant."""
+    classes: Annotated[
+        tuple[Annotated[StrictStr, AfterValidator(_class_or_any)], ...], AfterValidator(_listing)
+    ]
+    """Classes, or '*' for every class."""
+
+
 class JobSettings(_Strict):
-    """Defaults for `nodeagent exec`."""
+    """Defaults and limits for `nodeagent exec` and the GPU requests, and who may use what."""
 
     default_tenant: StrictStr | None = None
-    default_class: Annotated[WorkloadClass, BeforeValidator(_not_bytes)] = WorkloadClass.BATCH
+    default_class: _Class = WorkloadClass.BATCH
+    access: tuple[AccessEntry, ...] = ()
+    """Who may use which tenants and classes besides the defaults; root may use all."""
+    max_per_user: StrictInt = Field(64, ge=1, le=100_000)
+    """Jobs one uid (other than root) may run at once."""
 
 
 _CLOCK = re.compile(r"([01]\d|2[0-3]):([0-5]\d)")
@@ -451,6 +501,8 @@ class GpuSettings(_Strict):
     power: tuple[PowerCap, ...] = ()
     claim_timeout: Duration = Field(30.0, gt=0, le=3600)
     """How long GPUs granted to a request wait for its job to start before they go back."""
+    max_waiting_per_user: StrictInt = Field(16, ge=1, le=10_000)
+    """GPU requests one uid (other than root) may have waiting at once."""
 
 
 class PolicySpec(_Strict):

@@ -93,7 +93,7 @@ def test_a_missing_command_is_127(daemon: tuple[Agent, str]) -> None:
     [
         (["--tenant", "nobody"], "unknown tenant 'nobody'"),
         (["--class", "urgent"], "unknown class 'urgent'"),
-        (["--deadline", "2001-01-01T00:00:00Z", "--work", "10"], "in the past"),
+        (["--deadline", "2001-01-01T00:00:00Z", "--work", "10"], "has passed"),
         (["--deadline", "+60s", "--work", "0"], "the work must be positive"),
         (["--deadline", "+60s"], "--deadline and --work go together"),
         (["--name", "../escape"], "not a safe cgroup name"),

@@ -16,6 +16,7 @@ import errno
 import io
 import json
 import os
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from nodeagent.act import Outcome
 from nodeagent.api.server import encode
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent
+from nodeagent.discovery.registry import Registry
 from nodeagent.report import TickRecord, allocations
 
 LIMITS = {"cpu_max": 1, "memory_max": "1Gi"}
@@ -268,3 +270,48 @@ def test_interface_files_with_unexpected_content_skip_only_their_cgroup(
     for n, name in enumerate(GARBAGE):
         assert name in logged[f"{managed}/bad-{n}"], (name, logged[f"{managed}/bad-{n}"])
     assert written(record)[f"{managed}/ok"] == {"cpu.max", "memory.max"}
+
+
+CAP = 1024
+"""The cgroups discovery looks at below one user manager, as the README documents it."""
+
+
+def kernel_watches(registry: Registry) -> int:
+    """The inotify watches the kernel holds for the registry (its fdinfo, one line each)."""
+    fd = registry.fileno()
+    assert fd is not None
+    text = Path(f"/proc/self/fdinfo/{fd}").read_text()
+    return sum(line.startswith("inotify wd:") for line in text.splitlines())
+
+
+def test_a_users_delegated_subtree_costs_a_bounded_walk_and_bounded_watches(
+    cgroup_sandbox: Path,
+) -> None:
+    """Issue 12.19 on cgroupfs: uid 65534 owns its user manager's cgroup (Delegate=yes) and
+    makes plain cgroups, which can hold no workload, and more slices than the cap. Neither
+    costs watches past the cap, before or after the resync; the subtree is named once; the
+    rootless container of another user is found."""
+    root = cgroup_sandbox
+    user = root / "user.slice/user-65534.slice/user@65534.service"
+    rootless = (
+        root / f"user.slice/user-1000.slice/user@1000.service/user.slice/libpod-{'ab' * 32}.scope"
+    )
+    user.mkdir(parents=True)
+    rootless.mkdir(parents=True)
+    os.chown(user, 65534, 65534)
+
+    def as_the_user(names: list[str]) -> None:
+        argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "mkdir"]
+        subprocess.run([*argv, *(str(user / n) for n in names)], check=True)
+
+    as_the_user([f"d{i}" for i in range(300)] + [f"s{i}.slice" for i in range(CAP + 50)])
+    registry = Registry(CgroupTree(str(root)), "managed", watch=True)
+    with structlog.testing.capture_logs() as events:
+        registry.resync()
+        as_the_user([f"t{i}.slice" for i in range(100)])
+        registry.poll()
+        registry.resync()
+    assert str(rootless.relative_to(root)) in registry.workloads
+    assert kernel_watches(registry) <= CAP + 10
+    skipped = [e["cgroup"] for e in events if e["event"] == "discovery.skipped"]
+    assert skipped == [str(user.relative_to(root))]

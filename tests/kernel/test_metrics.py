@@ -1,8 +1,13 @@
 """The metrics endpoint of a real daemon (`nodeagent run`), scraped over HTTP on loopback.
 
 The values on the endpoint are the ones the agent wrote to the kernel; a workload's series
-go when its cgroup does; the scrape passes `promtool check metrics` (scripts/test installs
-promtool beside the venv's Python, from Debian's prometheus package).
+go when its cgroup does; a cgroup whose name is not UTF-8 is shown as the CLI shows it; the
+scrape passes `promtool check metrics` (scripts/test installs promtool beside the venv's
+Python, from Debian's prometheus package).
+
+The waits are keyed to the daemon's progress, not to the clock: a wait goes on while ticks
+keep completing, and fails only when the daemon exits or completes no tick for STALL
+seconds (the host is shared, and Python under TCG is slow).
 """
 
 from __future__ import annotations
@@ -11,13 +16,17 @@ import os
 import socket
 import subprocess
 import sys
+import time
+import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from helpers import Daemon, busy, read, rel, wait_for
 from prometheus_client.parser import text_string_to_metric_families
+
+from nodeagent.tables import printable
 
 PROMTOOL = Path(sys.executable).with_name("promtool")
 POLICY = """\
@@ -40,6 +49,11 @@ rules:
 """
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+STALL = 300.0
+"""Seconds without a completed tick (before it serves: without serving) after which a wait
+gives up: the daemon is stuck, not slow."""
+NOT_UTF8 = os.fsdecode(b"a-\xff\xfe")
+"""A job name that is not UTF-8: an unprivileged user can make one where a rule claims it."""
 
 
 def free_port() -> int:
@@ -49,16 +63,34 @@ def free_port() -> int:
 
 
 def fetch(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+    """The scrape, decoded as strict UTF-8; an HTTP error (a 500) raises."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
         return str(r.read().decode())
 
 
-def serving(port: int) -> bool:
+def ticks(port: int) -> float | None:
+    """The ticks completed so far, None while the daemon does not serve yet."""
     try:
-        fetch(port)
+        text = fetch(port)
+    except urllib.error.HTTPError:
+        raise
     except OSError:  # not listening yet: the daemon serves after its set-up
-        return False
-    return True
+        return None
+    return one(parse(text), "nodeagent_ticks_total", result="ok")
+
+
+def progressing(daemon: Daemon, port: int, check: Callable[[], bool], what: str) -> None:
+    """Wait for `check` while the daemon makes progress: fail when it exits, or when no
+    tick completed for STALL seconds."""
+    seen, moved = ticks(port), time.monotonic()
+    while not check():
+        log = daemon.log.read_text(errors="replace")
+        assert daemon.proc.poll() is None, f"{what}: the daemon exited\n{log}"
+        now, count = time.monotonic(), ticks(port)
+        if count != seen:
+            seen, moved = count, now
+        assert now - moved < STALL, f"{what}: no tick for {STALL:.0f} s (at {seen})\n{log}"
+        time.sleep(0.25)
 
 
 def parse(text: str) -> Samples:
@@ -91,27 +123,30 @@ def test_the_endpoint_shows_what_the_agent_wrote(
     daemon = Daemon(policy, tmp_path / "daemon.log")
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        assert wait_for(lambda: serving(port), timeout=120), daemon.log.read_text()
-        jobs = {name: managed / name for name in ("a-1", "a-2", "b-1")}
+        progressing(daemon, port, lambda: bool(ticks(port)), "the first tick")
+        jobs = {name: managed / name for name in ("a-1", "a-2", "b-1", NOT_UTF8)}
         for path in jobs.values():
             path.mkdir()
             procs.append(busy(path))
         cg = {name: rel(path) for name, path in jobs.items()}
+        shown = {name: printable(c) for name, c in cg.items()}
+        assert shown[NOT_UTF8].endswith("/a-\\xff\\xfe")
 
         def settled() -> bool:
             """Every workload measured, and the scrape agrees with the kernel's files."""
             s = parse(fetch(port))
             return all(
-                one(s, "nodeagent_workload_cpu_usage_cores", cgroup=c) is not None
-                and one(s, "nodeagent_workload_cpu_weight", cgroup=c)
+                one(s, "nodeagent_workload_cpu_usage_cores", cgroup=shown[n]) is not None
+                and one(s, "nodeagent_workload_cpu_weight", cgroup=shown[n])
                 == int(read(jobs[n], "cpu.weight"))
-                for n, c in cg.items()
+                for n in cg
             )
 
-        assert wait_for(settled, timeout=120), daemon.log.read_text()
+        progressing(daemon, port, settled, "every workload measured")
         text = fetch(port)
         s = parse(text)
         print("\n".join(line for line in text.splitlines() if "b-1" in line or "tenant_" in line))
+        print("\n".join(line for line in text.splitlines() if "\\xff" in line)[:2000])
 
         b = {"cgroup": cg["b-1"], "tenant": "b", "class": "batch", "rule": "b-jobs"}
         assert read(jobs["b-1"], "cpu.max") == "50000 100000"
@@ -144,6 +179,13 @@ def test_the_endpoint_shows_what_the_agent_wrote(
         assert ok is not None and ok >= 2
         assert one(s, "nodeagent_tick_duration_seconds_count") == ok
         assert one(s, "nodeagent_skipped_cgroups", step="sense") == 0
+        odd = {"cgroup": shown[NOT_UTF8], "tenant": "a", "rule": "a-jobs"}
+        assert one(s, "nodeagent_workload_info", **odd, status="ok") == 1
+        periods = one(s, "nodeagent_workload_cpu_periods_total", **b)
+        throttled = one(s, "nodeagent_workload_cpu_throttled_periods_total", **b)
+        assert periods is not None and throttled is not None and 0 < throttled <= periods
+        stalled = one(s, "nodeagent_workload_cpu_pressure_some_seconds_total", **b)
+        assert stalled is not None and stalled >= 0  # as of its last full read
 
         assert PROMTOOL.exists(), f"no {PROMTOOL}: run this suite with ./scripts/test kernel"
         check = subprocess.run(
@@ -156,13 +198,13 @@ def test_the_endpoint_shows_what_the_agent_wrote(
         print(f"promtool check metrics: exit {check.returncode}, no findings")
 
         # the workload goes: so do its series, and the node's counters keep what it had
-        procs.pop().kill()
-        assert wait_for(lambda: not read(jobs["b-1"], "cgroup.procs"), timeout=30)
+        procs.pop(2).kill()
+        assert wait_for(lambda: not read(jobs["b-1"], "cgroup.procs"), timeout=120)
         jobs["b-1"].rmdir()
-        assert wait_for(lambda: cg["b-1"] not in fetch(port), timeout=60), fetch(port)
+        progressing(daemon, port, lambda: cg["b-1"] not in fetch(port), "b-1's series gone")
         after = parse(fetch(port))
         assert one(after, "nodeagent_tenant_workloads", tenant="b") is None
-        assert one(after, "nodeagent_tenant_workloads", tenant="a") == 2
+        assert one(after, "nodeagent_tenant_workloads", tenant="a") == 3
         still = one(after, "nodeagent_cgroup_writes_total", attribute="cpu.max", outcome="written")
         assert still is not None and still >= 1
     finally:

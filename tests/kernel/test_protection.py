@@ -93,6 +93,7 @@ def test_a_lower_class_is_frozen_when_throttling_is_not_enough_and_thawed_after(
         assert wait_for(lambda: read(low, "cgroup.freeze") == "1", timeout=60)
         assert wait_for(lambda: "frozen 1" in read(low, "cgroup.events"), timeout=30)
         assert sleeper.poll() is None, "frozen, never killed"
+        assert quota(low) == 1.5, "it keeps its cap (the floor) while frozen"
         for q in procs[2:]:
             q.kill()
             q.wait()

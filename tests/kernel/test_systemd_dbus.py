@@ -7,6 +7,7 @@ from the VM through the cgroup mapping.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 from collections.abc import Iterator
@@ -135,23 +136,47 @@ def test_a_quota_not_rounded_to_whole_percents_changes_at_daemon_reload(
     assert read(host.outer(f"/system.slice/{unit}"), "cpu.max") != "12345 100000"
 
 
-def test_the_unit_of_a_cgroup_below_a_unit_comes_from_systemd(
+def test_the_unit_of_a_cgroup_is_systemds_answer_for_exactly_that_cgroup(
     systemd_host: SystemdHost, docker_scope: str
 ) -> None:
+    """A scope's own cgroup is its unit's; a cgroup below it, or one made by hand and named
+    after a unit that lives elsewhere, is no unit's own (issue 12 item 9)."""
     host, unit = systemd_host, docker_scope
-    (host.outer(f"/system.slice/{unit}") / "inner").mkdir()
+    named_after = f"/machine.slice/{unit}"  # the real scope is in system.slice
+    made = [host.outer(f"/system.slice/{unit}") / "inner", host.outer(named_after)]
+    neighbour = docker_name()
+    host.start_scope(neighbour, "machine.slice")  # so that machine.slice is there
     try:
+        for d in made:
+            d.mkdir()
         got = inside(
             host,
             f"""
+def refused(path):
+    try:
+        return systemd.unit_for_cgroup(path)
+    except NotTheUnit as exc:
+        return str(exc)
 out(leaf=systemd.unit_for_cgroup("/system.slice/{unit}"),
-    below=systemd.unit_for_cgroup("/system.slice/{unit}/inner"),
+    below=refused("/system.slice/{unit}/inner"),
+    named_after=refused({named_after!r}),
     connects=systemd.connects)
 """,
         )
     finally:
-        (host.outer(f"/system.slice/{unit}") / "inner").rmdir()
-    assert got == {"leaf": unit, "below": unit, "connects": 1}
+        for d in made:
+            with contextlib.suppress(FileNotFoundError):
+                d.rmdir()
+        host.systemctl("stop", neighbour, check=False)
+    nothing = "nothing is written through systemd for it"
+    assert got == {
+        "leaf": unit,
+        "below": f"cgroup /system.slice/{unit}/inner is not a unit's own cgroup: systemd has "
+        f"it inside unit {unit}, whose cgroup is /system.slice/{unit}; {nothing}",
+        "named_after": f"cgroup {named_after} is not a unit's own cgroup: systemd has it "
+        f"inside unit machine.slice, whose cgroup is /machine.slice; {nothing}",
+        "connects": 1,
+    }
 
 
 def test_a_missing_unit_is_one_line_naming_unit_and_bus(systemd_host: SystemdHost) -> None:

@@ -1,20 +1,28 @@
 """The agent manages a container scope that systemd owns, as runc does: unit properties
 over D-Bus first, then the files; the values survive `systemctl daemon-reload`, and a
-property another tool changes is put back within one tick, with an audit record."""
+property another tool changes is put back within one tick, with an audit record. Only the
+unit systemd says owns a cgroup is ever written: a user's delegated tree, and a cgroup
+merely named like a unit, never reach the system manager's units of those names."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from helpers import read, spec
+from helpers import read, sleeper, spec
+from structlog.testing import capture_logs
 from systemd_host import SystemdHost
 
 from nodeagent.act import Outcome
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute
 from nodeagent.daemon import Agent
+from nodeagent.report import allocations, explain, identities
 from nodeagent.sdbus import Systemd
 
 MIB = 1 << 20
@@ -67,3 +75,153 @@ def test_a_docker_scope_is_managed_through_systemd(
         assert "CPUQuotaPerSecUSec=340ms" in shown
     finally:
         host.systemctl("stop", unit, check=False)
+
+
+class RecordingSystemd(Systemd):
+    """The real adapter, noting which unit each cgroup was given and what was written."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.units_given: list[tuple[str, str]] = []
+        self.written: list[str] = []
+
+    def unit_for_cgroup(self, cgroup: str) -> str:
+        unit = super().unit_for_cgroup(cgroup)
+        self.units_given.append((cgroup, unit))
+        return unit
+
+    def set_unit_properties(
+        self, unit: str, properties: Mapping[str, int], *, runtime: bool = True
+    ) -> None:
+        self.written.append(unit)
+        super().set_unit_properties(unit, properties, runtime=runtime)
+
+    def freeze_unit(self, unit: str, frozen: bool) -> None:
+        self.written.append(unit)
+        super().freeze_unit(unit, frozen)
+
+
+UNTOUCHED = ("CPUWeight", "CPUQuotaPerSecUSec", "MemoryMax")
+
+
+def as_it_is(host: SystemdHost, unit: str, cgroup: Path) -> tuple[str, dict[str, str]]:
+    """A unit's resource properties and its cgroup's files (those its controllers give it:
+    one that appears later is a change too)."""
+    shown = host.systemctl("show", unit, *(f"-p{p}" for p in UNTOUCHED)).stdout
+    files = {n: read(cgroup, n) for n in ("cpu.weight", "cpu.max", "memory.max")
+             if (cgroup / n).exists()}  # fmt: skip
+    return shown, files
+
+
+def test_names_in_a_users_delegated_tree_never_reach_the_system_managers_units(
+    systemd_host: SystemdHost, tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """Issue 12 item 9, under the real systemd: a rootless-style tree below user@1000.service
+    holds a libpod-<id>.scope named after a real rootful scope and a dbus.service named after
+    the real one; system.slice holds a docker-<id>.scope made by hand, named after a real
+    scope in another slice. None of those units is written, their properties and files stay
+    as they were, and the hand-made one is refused with one line naming cgroup and unit.
+    A real docker scope beside them is still written through its own unit."""
+    host = systemd_host
+    cid = secrets.token_hex(32)
+    rootful = f"libpod-{cid}.scope"
+    elsewhere = f"docker-{secrets.token_hex(32)}.scope"
+    real_docker = f"docker-{secrets.token_hex(32)}.scope"
+    user_manager = "/user.slice/user-1000.slice/user@1000.service"
+    victims = {
+        rootful: host.start_scope(rootful, "machine.slice"),
+        elsewhere: host.start_scope(elsewhere, "other.slice"),
+        "dbus.service": host.outer("/system.slice/dbus.service"),
+    }
+    real = host.start_scope(real_docker)
+    # so that systemd gives system.slice's children the cpu and memory controllers
+    host.systemctl("set-property", "--runtime", real_docker, "CPUWeight=100", "MemoryMax=infinity")
+    # the system manager's user@1000.service, delegated, its process moved to init.scope as
+    # a user manager moves itself; below it the user's own tree, made as that user would
+    host.run("systemd-run", "--unit=user@1000.service", "--slice=user-1000.slice",
+             "-p", "Delegate=yes", "sleep", "3600")  # fmt: skip
+    manager_cg = host.outer(user_manager)
+    made: list[Path] = []
+    try:
+        (manager_cg / "init.scope").mkdir()
+        made.append(manager_cg / "init.scope")
+        for pid in read(manager_cg, "cgroup.procs").split():
+            (manager_cg / "init.scope" / "cgroup.procs").write_text(pid)
+        rootless = manager_cg / "user.slice" / rootful
+        user_dbus = manager_cg / "app.slice" / "dbus.service"
+        hand_made = host.outer(f"/system.slice/{elsewhere}")
+        for parent in (manager_cg, manager_cg / "user.slice", manager_cg / "app.slice"):
+            if parent != manager_cg:
+                parent.mkdir()
+                made.append(parent)
+            (parent / "cgroup.subtree_control").write_text("+cpu +memory")
+        for leaf in (rootless, user_dbus, hand_made):
+            leaf.mkdir()
+            made.append(leaf)
+            procs.append(sleeper(leaf))
+        before = {u: as_it_is(host, u, cg) for u, cg in victims.items()}
+
+        policy = spec(
+            "nodeagent.slice",
+            tmp_path,
+            agent={"resync_interval": 1, "systemd": {"services": "write"}},
+            fair_share={"active_threshold": 0},
+            tenants={"a": {"shares": 1}, "b": {"shares": 3}},
+            rules=[
+                {"name": "users", "match": {"path": "user.slice/*"}, "tenant": "a",
+                 "limits": {"cpu_max": 0.333}},
+                {"name": "hand-made", "match": {"path": f"system.slice/{elsewhere}"},
+                 "tenant": "a", "limits": {"cpu_max": 0.333}},
+                {"name": "docker", "match": {"path": f"system.slice/{real_docker}"},
+                 "tenant": "b", "limits": {"cpu_max": 0.5}},
+            ],
+        )  # fmt: skip
+        agent = Agent(policy, CgroupTree(str(host.cgroup)))
+        agent.systemd = RecordingSystemd(bus_address=host.system_bus_address, timeout=30)
+        agent.executor.units = agent.systemd
+        agent.prepare()
+        with capture_logs() as logs:
+            first = agent.tick()
+            time.sleep(1.1)  # a resync: every file read again, every write tried again
+            agent.tick()
+
+        claimed = {host.inner(p)[1:] for p in (rootless, user_dbus, hand_made, real)}
+        assert claimed <= {cg.path for cg in first.plan.cgroups}, "all four are claimed"
+        assert not set(agent.systemd.written) & set(victims), agent.systemd.written
+        after = {u: as_it_is(host, u, cg) for u, cg in victims.items()}
+        assert after == before, "their properties and files are as they were"
+        for cgroup, unit in agent.systemd.units_given:  # levels included (user.slice, ...)
+            owns = host.systemctl("show", unit, "-p", "ControlGroup").stdout.strip()
+            assert owns == f"ControlGroup=/{cgroup}", f"{unit} was given for {cgroup}"
+
+        # the user's tree: read-only, with the reason, in explain
+        rows = {r["cgroup"]: r for r in allocations(first)["allocations"]}
+        for leaf in (rootless, user_dbus):
+            row = rows[host.inner(leaf)[1:]]
+            assert (row["owner"], row["write"]) == ("user-systemd", "read-only"), row
+            shown = explain(first, next(i for i in identities(first) if i.path == row["cgroup"]))
+            assert {w["outcome"] for w in shown["writes"]} == {"read-only"}, shown["writes"]
+            assert all("below user@1000.service" in w["detail"] for w in shown["writes"])
+            assert read(leaf, "cpu.max") == "max 100000", "not written directly either"
+        # the hand-made one: refused once, by systemd's own answer
+        refusals = [e for e in logs if e["event"] == "systemd.not_the_unit"]
+        assert [(e["cgroup"], e["unit"]) for e in refusals] == [
+            (host.inner(hand_made), "system.slice")
+        ], refusals
+        hand_rows = [r for r in first.results if r.path == host.inner(hand_made)[1:]]
+        assert hand_rows and {r.outcome for r in hand_rows} == {Outcome.READ_ONLY}, hand_rows
+        assert "inside unit system.slice, whose cgroup is /system.slice" in hand_rows[0].detail
+        assert read(hand_made, "cpu.max") == "max 100000"
+        # and the real docker scope, through its own unit
+        assert read(real, "cpu.max") == "50000 100000"
+        assert real_docker in agent.systemd.written
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        procs.clear()
+        for d in reversed(made):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        for unit in (rootful, elsewhere, real_docker, "user@1000.service"):
+            host.systemctl("stop", unit, check=False)

@@ -4,22 +4,28 @@ all of them, then the files; without D-Bus, read-only or direct as the operator 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import shutil
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from builders import docker, snapshot
+from builders import CID, docker, snapshot
+from dbus_stub import Manager, serving
 from structlog.testing import capture_logs
 
+from nodeagent import act
 from nodeagent.act import Executor, Outcome
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, MemoryLimit
+from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, MemoryLimit
+from nodeagent.discovery.layouts import classify
+from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
+from nodeagent.ownership import WriteMode, parent_identity, write_mode
 from nodeagent.policy.base import Assignment
-from nodeagent.policy.plan import make_plan
-from nodeagent.sdbus import NoBus
-from nodeagent.snapshot import CgroupSample, WorkloadState
-from nodeagent.spec.model import Limits, PolicySpec, WithoutBus, WorkloadClass
+from nodeagent.policy.plan import CgroupPlan, Plan, Target, make_plan
+from nodeagent.sdbus import NoBus, Systemd
+from nodeagent.snapshot import CgroupSample, NodeSnapshot, WorkloadState
+from nodeagent.spec.model import AgentSettings, Limits, PolicySpec, WithoutBus, WorkloadClass
 
 SCOPE = docker()
 POLICY = PolicySpec.model_validate({"version": 1, "tenants": {"a": {"shares": 1}}})
@@ -121,3 +127,177 @@ def test_without_d_bus_the_operator_chooses(
     assert [e["event"] for e in logs if e["event"].startswith("systemd")] == [
         "systemd.unreachable"
     ], "said once, not once a write"
+
+
+# -- the real adapter (nodeagent.sdbus.Systemd) against a recording stub of systemd's manager
+# (tests/unit/dbus_stub.py): which unit gets a write is systemd's answer, never a path's name
+
+UID = 1000
+USER_MANAGER = f"user.slice/user-{UID}.slice/user@{UID}.service"
+ROOTFUL = f"machine.slice/libpod-{CID}.scope"
+ROOTLESS = f"{USER_MANAGER}/user.slice/libpod-{CID}.scope"  # the same name, in a user's tree
+USER_SSHD = f"{USER_MANAGER}/app.slice/sshd.service"  # a user "service" named as a system one
+SYSTEM_UNITS = {
+    "-.slice": "/",
+    "system.slice": "/system.slice",
+    "machine.slice": "/machine.slice",
+    "user.slice": "/user.slice",
+    f"user-{UID}.slice": f"/user.slice/user-{UID}.slice",
+    f"user@{UID}.service": f"/{USER_MANAGER}",
+    "sshd.service": "/system.slice/sshd.service",
+    f"libpod-{CID}.scope": f"/{ROOTFUL}",
+    f"docker-{CID}.scope": f"/other.slice/docker-{CID}.scope",  # a real scope, elsewhere
+    "other.slice": "/other.slice",
+}
+AGENT = AgentSettings.model_validate({"systemd": {"services": "write"}})
+
+
+@pytest.fixture
+def manager(tmp_path: Path) -> Iterator[tuple[Manager, Systemd]]:
+    stub = Manager(dict(SYSTEM_UNITS))
+    with serving(str(tmp_path / "bus"), stub):
+        yield stub, Systemd(f"unix:path={tmp_path}/bus", str(tmp_path / "private"), timeout=5)
+
+
+def make_cgroup(root: Path, path: str) -> None:
+    d = root / path
+    d.mkdir(parents=True)
+    for name, text in {"cgroup.procs": "", "cpu.weight": "100\n", "cgroup.freeze": "0\n",
+                       "memory.current": "4096\n"}.items():  # fmt: skip
+        (d / name).write_text(text)
+
+
+def weigh_and_freeze(*paths: str) -> tuple[Plan, NodeSnapshot]:
+    """cpu.weight 500 and a freeze for each cgroup, written as its classification says."""
+    identities = [classify(p, "nodeagent.slice") or parent_identity(p, "nodeagent.slice")
+                  for p in paths]  # fmt: skip
+    targets = {
+        Attribute.CPU_WEIGHT: Target(CpuWeight(500), "test", "weighed"),
+        Attribute.FREEZE: Target(Frozen(True), "test", "frozen"),
+    }
+    settings = {Attribute.CPU_WEIGHT: CpuWeight(100), Attribute.FREEZE: Frozen(False)}
+    plan = Plan(7, 0.0, tuple(CgroupPlan(i, None, targets, (), write=write_mode(i, AGENT))
+                              for i in identities), {})  # fmt: skip
+    states = [WorkloadState(i, CgroupSample(populated=True, settings=settings), 1.0)
+              for i in identities]  # fmt: skip
+    return plan, snapshot(states)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [ROOTLESS, USER_SSHD, f"{USER_MANAGER}/user.slice"],
+    ids=["rootless podman", "a user's sshd.service", "the user manager's user.slice"],
+)
+def test_nothing_below_a_user_manager_goes_to_the_system_manager(
+    tmp_path: Path, manager: tuple[Manager, Systemd], path: str
+) -> None:
+    stub, systemd = manager
+    make_cgroup(tmp_path / "cg", path)
+    plan, snap = weigh_and_freeze(path)
+    writes: list[tuple[str, ...]] = []
+    executor = Executor(CgroupTree(str(tmp_path / "cg")), lambda *a: writes.append(a),
+                        units=systemd)  # fmt: skip
+    results = executor.apply(plan, snap)
+    assert stub.writes() == [], "no SetUnitProperties or FreezeUnit to the system manager"
+    assert writes == []
+    assert {r.outcome for r in results} == {Outcome.READ_ONLY}
+    assert all(f"user@{UID}.service" in r.detail for r in results), results
+    assert (tmp_path / "cg" / path / "cpu.weight").read_text() == "100\n"
+
+
+def test_a_cgroup_named_after_a_unit_elsewhere_is_refused_once_and_remembered(
+    tmp_path: Path, manager: tuple[Manager, Systemd]
+) -> None:
+    """system.slice/docker-<id>.scope made by hand, while the real scope of that name lives in
+    other.slice: systemd says the cgroup is system.slice's, so nothing is written to either."""
+    stub, systemd = manager
+    root = tmp_path / "cg"
+    hand_made = f"system.slice/docker-{CID}.scope"
+    make_cgroup(root, hand_made)
+    plan, snap = weigh_and_freeze(hand_made)
+    assert plan.cgroups[0].write is WriteMode.SYSTEMD
+    executor = Executor(CgroupTree(str(root)), lambda *a: None, units=systemd)
+    with capture_logs() as logs:
+        first = executor.apply(plan, snap)
+        second = executor.apply(plan, replace(snap))
+    assert stub.writes() == [], "no write to docker-<id>.scope in other.slice, nor system.slice"
+    assert {r.outcome for r in first + second} == {Outcome.READ_ONLY}
+    detail = first[0].detail
+    assert f"/{hand_made}" in detail and "system.slice" in detail, detail
+    refused = [e for e in logs if e["log_level"] in ("warning", "error")]
+    assert len(refused) == 1, "one line, not one per write or per tick"
+    assert refused[0]["cgroup"] == f"/{hand_made}" and refused[0]["unit"] == "system.slice"
+    assert stub.members().count("GetUnitByControlGroup") == 1, "the answer is kept"
+
+    # the cgroup goes and a real scope of that name takes its place: systemd is asked again
+    # (made beside it first, so that it has another inode, as every new cgroup has)
+    make_cgroup(root, hand_made + ".new")
+    shutil.rmtree(root / hand_made)
+    (root / (hand_made + ".new")).rename(root / hand_made)
+    stub.units[f"docker-{CID}.scope"] = f"/{hand_made}"
+    third = executor.apply(plan, replace(snap))
+    assert stub.members().count("GetUnitByControlGroup") == 2
+    assert [c.member for c in stub.writes()] == ["SetUnitProperties", "FreezeUnit"]
+    assert {c.body[0] for c in stub.writes()} == {f"docker-{CID}.scope"}
+    assert {r.outcome for r in third} == {Outcome.WRITTEN}
+
+
+def test_a_cgroup_below_its_unit_is_not_that_unit(
+    tmp_path: Path, manager: tuple[Manager, Systemd]
+) -> None:
+    stub, systemd = manager
+    root = tmp_path / "cg"
+    inner = f"{ROOTFUL}/container"  # a workload's own child, never the scope itself
+    make_cgroup(root, inner)
+    identity = WorkloadIdentity(inner, Kind.CONTAINER, Runtime.PODMAN, Owner.SYSTEMD, "x")
+    plan, snap = weigh_and_freeze(ROOTFUL)
+    plan = replace(plan, cgroups=(replace(plan.cgroups[0], identity=identity),))
+    snap = replace(snap, workloads=(replace(snap.workloads[0], identity=identity),))
+    results = Executor(CgroupTree(str(root)), lambda *a: None, units=systemd).apply(plan, snap)
+    assert stub.writes() == []
+    assert {r.outcome for r in results} == {Outcome.READ_ONLY}
+    assert f"libpod-{CID}.scope" in results[0].detail
+
+
+def test_the_user_manager_itself_is_the_system_managers_unit_and_written_through_it(
+    tmp_path: Path, manager: tuple[Manager, Systemd]
+) -> None:
+    stub, systemd = manager
+    make_cgroup(tmp_path / "cg", USER_MANAGER)
+    plan, snap = weigh_and_freeze(USER_MANAGER)
+    results = Executor(CgroupTree(str(tmp_path / "cg")), lambda *a: None,
+                       units=systemd).apply(plan, snap)  # fmt: skip
+    assert {(c.member, c.body[0]) for c in stub.writes()} == {
+        ("SetUnitProperties", f"user@{UID}.service"),
+        ("FreezeUnit", f"user@{UID}.service"),
+    }
+    assert {r.outcome for r in results} == {Outcome.WRITTEN}
+
+
+def test_the_units_of_cgroups_that_are_gone_are_forgotten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(act, "_SWEEP_MIN", 4)
+    root = tmp_path / "cg"
+    paths = [f"system.slice/docker-{n:064x}.scope" for n in range(8)]
+    for p in paths:
+        make_cgroup(root, p)
+    asked: list[str] = []
+
+    class Units:
+        def unit_for_cgroup(self, cgroup: str) -> str:
+            asked.append(cgroup)
+            return cgroup.rsplit("/", 1)[-1]
+
+    tree = CgroupTree(str(root))
+    verified = act._VerifiedUnits(tree)
+    for p in paths[:3]:
+        with tree.open(p) as d:
+            assert verified.unit(d, Units()) == p.rsplit("/", 1)[-1]
+    for p in paths[:3]:
+        shutil.rmtree(root / p)
+    for p in paths[3:]:  # the fourth entry sweeps the three that are gone
+        with tree.open(p) as d:
+            verified.unit(d, Units())
+    assert set(verified._known) == set(paths[3:]), "the gone ones dropped, the live ones kept"
+    assert asked == paths, "each asked once"

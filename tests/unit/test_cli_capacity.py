@@ -41,23 +41,27 @@ def test_help_teaches(runner: CliRunner) -> None:
 
 
 def test_json_with_servers(runner: CliRunner) -> None:
+    """Versioned, with a kind, and every figure's unit in its key (issue 13, item 23: the
+    keys said `_s` for some figures and nothing for others)."""
     result = runner.invoke(main, [*EXAMPLE, "--servers", "9", "--json"])
     assert result.exit_code == 0, result.output
     got = json.loads(result.stdout)
     q = mmc(300.0, 40.0, 9)
     assert got == {
+        "apiVersion": "nodeagent/v1",
+        "kind": "CapacityPlan",
         "model": "M/M/c",
-        "arrival_rate_per_s": 300.0,
-        "service_rate_per_s": 40.0,
+        "arrival_rate_per_second": 300.0,
+        "service_rate_per_second": 40.0,
         "servers": 9,
-        "target_wait_s": None,
+        "target_wait_seconds": None,
         "offered_load_erlangs": 7.5,
-        "utilisation": q.utilisation,
-        "p_wait": q.p_wait,
-        "mean_wait_s": q.mean_wait,
-        "mean_response_s": q.mean_response,
-        "mean_queue_length": q.mean_queue_length,
-        "p_wait_exceeds_target": None,
+        "utilisation_fraction": q.utilisation,
+        "p_wait_fraction": q.p_wait,
+        "mean_wait_seconds": q.mean_wait,
+        "mean_response_seconds": q.mean_response,
+        "mean_queue_length_requests": q.mean_queue_length,
+        "p_wait_exceeds_target_fraction": None,
     }
 
 
@@ -65,9 +69,11 @@ def test_json_with_a_target_wait(runner: CliRunner) -> None:
     result = runner.invoke(main, [*EXAMPLE, "--target-wait", "10ms", "--json"])
     assert result.exit_code == 0, result.output
     got = json.loads(result.stdout)
-    assert (got["servers"], got["target_wait_s"]) == (9, 0.01)
-    assert got["mean_wait_s"] == pytest.approx(0.008486, rel=1e-3)
-    assert got["p_wait_exceeds_target"] == pytest.approx(mmc(300.0, 40.0, 9).wait_exceeds(0.01))
+    assert (got["servers"], got["target_wait_seconds"]) == (9, 0.01)
+    assert got["mean_wait_seconds"] == pytest.approx(0.008486, rel=1e-3)
+    assert got["p_wait_exceeds_target_fraction"] == pytest.approx(
+        mmc(300.0, 40.0, 9).wait_exceeds(0.01)
+    )
 
 
 def test_table(runner: CliRunner) -> None:

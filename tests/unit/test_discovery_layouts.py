@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nodeagent.discovery.layouts import classify
+from nodeagent.discovery.layouts import classify, delegated_root
+from nodeagent.discovery.scan import descends
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
 
 ROOT = "nodeagent.slice"
@@ -44,11 +45,11 @@ def pod(owner: Owner, qos: QosTier, uid: str = UID) -> WorkloadIdentity:
     return WorkloadIdentity("", Kind.POD, Runtime.KUBELET, owner, f"pod-{uid}", None, uid, qos)
 
 
-def service(unit: str) -> WorkloadIdentity:
-    return WorkloadIdentity("", Kind.SERVICE, Runtime.SYSTEMD, Owner.SYSTEMD, unit)
+def service(unit: str, owner: Owner = Owner.SYSTEMD) -> WorkloadIdentity:
+    return WorkloadIdentity("", Kind.SERVICE, Runtime.SYSTEMD, owner, unit)
 
 
-SD, FS = Owner.SYSTEMD, Owner.CGROUPFS
+SD, FS, USER = Owner.SYSTEMD, Owner.CGROUPFS, Owner.USER_SYSTEMD
 G, B, BE = QosTier.GUARANTEED, QosTier.BURSTABLE, QosTier.BESTEFFORT
 
 WORKLOADS: list[tuple[str, WorkloadIdentity]] = [
@@ -62,14 +63,15 @@ WORKLOADS: list[tuple[str, WorkloadIdentity]] = [
         f"machine.slice/machine-libpod_pod_{PODID}.slice/libpod-{CID}.scope",
         container(Runtime.PODMAN, SD),
     ),
+    # rootless: the user's own manager owns it, not the system manager (issue 12 item 9)
     (
         f"user.slice/user-1000.slice/user@1000.service/user.slice/libpod-{CID}.scope",
-        container(Runtime.PODMAN, SD),
+        container(Runtime.PODMAN, USER),
     ),
     (
         "user.slice/user-1000.slice/user@1000.service/user.slice/"
         f"user-libpod_pod_{PODID}.slice/libpod-{CID}.scope",
-        container(Runtime.PODMAN, SD),
+        container(Runtime.PODMAN, USER),
     ),
     (f"libpod_parent/libpod-{CID}", container(Runtime.PODMAN, FS)),
     (f"libpod_parent/{PODID}/libpod-{CID}", container(Runtime.PODMAN, FS)),
@@ -119,7 +121,7 @@ WORKLOADS: list[tuple[str, WorkloadIdentity]] = [
     ),
     (
         "user.slice/user-1000.slice/user@1000.service/app.slice/dbus-broker.service",
-        service("dbus-broker.service"),
+        service("dbus-broker.service", USER),
     ),
     ("custom.service", service("custom.service")),
     (
@@ -346,6 +348,37 @@ def test_classify_is_total_on_well_formed_paths(path: str, root: str) -> None:
         if ident.kind is Kind.CONTAINER:
             assert ident.container_id is not None
             assert ident.name == ident.container_id[:12]
+
+
+def reached(path: str, root: str) -> bool:
+    """Whether the scan descends through every cgroup above `path` (it starts at the root)."""
+    parts = path.split("/")
+    above = ["/".join(parts[:n]) for n in range(1, len(parts))]
+    return all(descends(classify(a, root), a, root) for a in above)
+
+
+@pytest.mark.parametrize(("path", "expected"), WORKLOADS, ids=[p for p, _ in WORKLOADS])
+def test_the_scan_reaches_every_layout(path: str, expected: WorkloadIdentity) -> None:
+    assert reached(path, ROOT)
+
+
+@given(path=_paths, root=st.sampled_from([ROOT, "system.slice/nodeagent.service/workloads"]))
+def test_the_scan_reaches_every_workload_classify_names(path: str, root: str) -> None:
+    if classify(path, root) is not None:
+        assert reached(path, root)
+
+
+def test_a_users_delegated_subtree_starts_at_the_user_manager() -> None:
+    user = "user.slice/user-1000.slice/user@1000.service"
+    assert delegated_root(user) == user
+    assert delegated_root(f"{user}/app.slice/x.scope") == user
+    for outside in (
+        "user.slice/user-1000.slice",
+        f"{user}x/a.slice",
+        "system.slice/user@1000.service",
+    ):
+        assert delegated_root(outside) is None
+    assert delegated_root("user.slice/user-1000.slice/user@1001.service/a.slice") is None
 
 
 @given(job=_component)

@@ -266,7 +266,7 @@ def test_reserve_output_reaches_docker_as_its_gpus(
         record,
     )
     (hold,) = service.ledger.holds()
-    assert argv[0] == "run" and argv[-1] == "img"
+    assert argv[0] == "run" and argv[-1] == "img"  # docker create takes the same arguments
     assert docker_gpu_ids(argv) == list(hold.uuids) == [UUIDS[1], UUIDS[3]][:count]
 
 
@@ -277,9 +277,11 @@ def test_the_readme_recipe_runs(
     env, record = fake_docker
     readme = (REPO / "README.md").read_text()
     recipes = set(
-        re.findall(r"docker run \$\(nodeagent gpus reserve --name [^)`]*\) [A-Z]+", readme)
+        re.findall(
+            r"docker (?:run|create) \$\(nodeagent gpus reserve --name [^)`]*\) [A-Z]+", readme
+        )
     )
-    assert recipes, "the README shows docker run $(nodeagent gpus reserve ...)"
+    assert recipes, "the README shows docker create $(nodeagent gpus reserve ...)"
     for recipe in sorted(recipes):
         argv = through_sh(recipe, env | {"NODEAGENT_SOCKET": sock}, record)
         (hold,) = service.ledger.holds()

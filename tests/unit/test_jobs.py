@@ -3,15 +3,19 @@ kernel in tests/kernel/test_exec.py)."""
 
 from __future__ import annotations
 
+import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_api import ALICE, AlwaysAlive, daemon
 
+from nodeagent.api.bodies import parse
 from nodeagent.api.peer import Peer
 from nodeagent.api.server import ApiBadRequest, ApiError, ApiForbidden
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.jobs import Job, Jobs, check_name
+from nodeagent.jobs import Job, Jobs, Pidfd, StartBody, check_name
 from nodeagent.spec.model import PolicySpec, WorkloadClass
 
 SPEC = PolicySpec.model_validate(
@@ -33,11 +37,16 @@ def jobs(tmp_path: Path) -> Jobs:
         (proc / str(pid) / "status").write_text(
             f"Name:\tsh\nPPid:\t{ppid}\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n"
         )
-    return Jobs(CgroupTree(str(tmp_path)), lambda *a: None, str(proc))
+    jobs = Jobs(CgroupTree(str(tmp_path)), lambda *a: None, str(proc))
+    jobs.open_process = lambda pid: AlwaysAlive()  # type: ignore[assignment,return-value]
+    return jobs
 
 
 def check(jobs: Jobs, **body: Any) -> Job:
-    return jobs._check({"name": "j", "pid": 4001, **body}, CALLER, SPEC, NOW)
+    request = parse(StartBody, {"name": "j", "pid": 4001, **body})
+    job, process = jobs._check(request, CALLER, SPEC, NOW)
+    process.close()
+    return job
 
 
 def test_a_plain_request_takes_the_policy_defaults(jobs: Jobs) -> None:
@@ -55,30 +64,50 @@ def test_a_plain_request_takes_the_policy_defaults(jobs: Jobs) -> None:
             ApiBadRequest,
             "unknown tenant 'reserch'; did you mean 'research'?",
         ),
-        ({"class": "urgent"}, ApiBadRequest, "unknown class 'urgent'"),
-        ({"deadline": NOW - 5, "work": 10}, ApiBadRequest, "5 s in the past"),
+        (
+            {"class": "urgent"},
+            ApiBadRequest,
+            "^class: unknown class 'urgent' [(]classes: inference,",
+        ),
+        (
+            {"deadline": NOW - 5, "work": 10},
+            ApiBadRequest,
+            "^the deadline 2027-01-15T07:59:55Z has passed [(]now 2027-01-15T08:00:00Z[)]$",
+        ),
+        ({"deadline": 1e-300, "work": 10}, ApiBadRequest, "^the deadline 1970-01-01T00:00:00Z has"),
+        ({"deadline": 10**401, "work": 10}, ApiBadRequest, "^deadline: must be a number, got 1000"),
+        ({"deadline": 1e300, "work": 10}, ApiBadRequest, "^deadline: must be below 253402300800"),
         ({"deadline": NOW + 5}, ApiBadRequest, "a deadline needs the work"),
-        ({"deadline": NOW + 5, "work": -1}, ApiBadRequest, "work must be positive"),
-        ({"deadline": NOW + 5, "work": True}, ApiBadRequest, "work must be a number"),
-        ({"memory": 4096}, ApiBadRequest, "below 1Mi"),
+        ({"deadline": NOW + 5, "work": -1}, ApiBadRequest, "^work: must be above 0, got -1$"),
+        ({"deadline": NOW + 5, "work": True}, ApiBadRequest, "^work: must be a number, got True"),
+        ({"memory": 4096}, ApiBadRequest, "^memory: must be at least 1048576, got 4096$"),
+        ({"cpus": -1}, ApiBadRequest, "^cpus: must be above 0"),
+        ({"cpus": 1e300}, ApiBadRequest, "^cpus: must be at most 100000"),
+        ({"tenant": ["x"]}, ApiBadRequest, r"^tenant: must be a string, got \['x'\]$"),
         ({"name": "../x"}, ApiBadRequest, "not a safe cgroup name"),
+        ({"name": "io.max"}, ApiBadRequest, "not named like a cgroup interface file"),
+        ({"name": "x" * 60_000}, ApiBadRequest, "not a safe cgroup name"),
+        ({"surprise": 1}, ApiBadRequest, "^unknown field 'surprise'$"),
         ({"pid": 4002}, ApiForbidden, "not a child of the calling process"),
         ({"pid": 4003}, ApiForbidden, "not a child of the calling process"),  # another uid's
         ({"pid": 999_999}, ApiForbidden, "not a child"),
-        ({"pid": "4001"}, ApiBadRequest, "pid must be a process id"),
+        ({"pid": "4001"}, ApiBadRequest, "^pid: must be a whole number, got '4001'$"),
+        ({"pid": 1}, ApiBadRequest, "^pid: must be at least 2, got 1$"),
     ],
 )
 def test_bad_requests_are_refused_with_one_line(
     jobs: Jobs, body: dict[str, Any], error: type[ApiError], message: str
 ) -> None:
-    with pytest.raises(error, match=message.replace("?", r"\?").replace("(", r"\(")):
+    pattern = message if message.startswith("^") or ".*" in message else re.escape(message)
+    with pytest.raises(error, match=pattern) as info:
         check(jobs, **body)
+    assert "\n" not in str(info.value) and len(str(info.value)) < 400
 
 
 def test_no_tenant_anywhere_is_refused(jobs: Jobs) -> None:
     bare = SPEC.model_copy(update={"jobs": SPEC.jobs.model_copy(update={"default_tenant": None})})
     with pytest.raises(ApiBadRequest, match="no tenant: pass --tenant"):
-        jobs._check({"name": "j", "pid": 4001}, CALLER, bare, NOW)
+        jobs._check(StartBody(name="j", pid=4001), CALLER, bare, NOW)
 
 
 @pytest.mark.parametrize("name", ["train-1", "a", "x.y_z@1+2", "A" * 63])
@@ -87,7 +116,11 @@ def test_safe_names(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["", ".", "..", ".hidden", "-x", "a/b", "a\nb", "A" * 64, "x.slice", "y.service"]
+    "name",
+    [
+        *["", ".", "..", ".hidden", "-x", "a/b", "a\nb", "A" * 64, "x.slice", "y.service"],
+        *["io.max", "cpuset.cpus", "memory.oom.group", "cgroup.procs", "hugetlb.2MB.max"],
+    ],
 )
 def test_unsafe_names(name: str) -> None:
     with pytest.raises(ApiBadRequest):
@@ -97,3 +130,53 @@ def test_unsafe_names(name: str) -> None:
 def test_records_round_trip_through_json(jobs: Jobs) -> None:
     job = check(jobs, deadline=NOW + 60, work=30, cpus=2, memory=1 << 30)
     assert Job.from_json(job.to_json()) == job
+
+
+class EndsDuringTheMove:
+    """A pidfd whose process is reaped between the daemon's check and its move (and whose
+    pid then names a stranger's process)."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def alive(self) -> bool:
+        self.asked += 1
+        return self.asked < 3  # alive when checked and just before the write, not after
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_pid_reused_during_the_move_is_not_left_in_the_job(tmp_path: Path) -> None:
+    d = daemon(tmp_path)
+    (d.root / "cgroup.procs").write_text("")
+    d.agent.jobs.open_process = lambda pid: EndsDuringTheMove()  # type: ignore[assignment,return-value]
+    pid = d.child(ALICE)
+    e = d.refused(ALICE, "POST", "/v1/jobs", {"name": "j", "pid": pid})
+    assert isinstance(e, ApiForbidden) and str(e) == f"process {pid} ended while it was being moved"
+    assert d.jobs() == []
+    assert (d.root / "cgroup.procs").read_text() == str(pid), "moved out, to the root"
+
+
+def test_a_pid_that_ends_before_the_move_is_never_written(tmp_path: Path) -> None:
+    d = daemon(tmp_path)
+    gone = EndsDuringTheMove()
+    gone.asked = 1  # alive when checked, gone before the write
+    d.agent.jobs.open_process = lambda pid: gone  # type: ignore[assignment,return-value]
+    e = d.refused(ALICE, "POST", "/v1/jobs", {"name": "j", "pid": d.child(ALICE)})
+    assert isinstance(e, ApiForbidden) and "ended before it could be moved" in str(e)
+    assert d.jobs() == []
+
+
+def test_the_pidfd_is_of_the_real_process(tmp_path: Path) -> None:
+    """The stand-ins aside: a real child is alive until reaped, then its pidfd says so."""
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        process = Pidfd(child.pid)
+        assert process.alive()
+        child.kill()
+        child.wait()
+        assert not process.alive()
+        process.close()
+    finally:
+        child.kill()

@@ -1,17 +1,19 @@
-"""Deadline feasibility on several CPUs: exact where global EDF is not, and rates that
-actually meet the deadlines when the set is feasible."""
+"""Deadline feasibility on several CPUs: exact where global EDF is not, and EDF-priority
+rates that actually meet the deadlines when the set is feasible."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodeagent.policy.edf import Demand, admit, feasible, rates, schedule
+from nodeagent.policy.edf import Demand, admit, allot, feasible, margin, schedule
 
 
 def run(demands: list[Demand], capacity: float, steps: int = 400) -> dict[str, float]:
-    """Fluid execution, re-planned every step with `rates`: each job's finish time."""
+    """Fluid execution, re-planned every step with `allot`: each job's finish time."""
     left = {d.name: d.work for d in demands}
     deadline = {d.name: d.window for d in demands}
     by_name = {d.name: d for d in demands}
@@ -23,7 +25,7 @@ def run(demands: list[Demand], capacity: float, steps: int = 400) -> dict[str, f
             Demand(n, w, max(deadline[n] - now, 1e-9), by_name[n].parallelism, by_name[n].priority)
             for n, w in left.items()
         ]
-        r = rates(live, capacity)
+        r = allot(live, capacity, dt)
         assert sum(r.values()) <= capacity * (1 + 1e-6)
         for n in list(left):
             assert r.get(n, 0.0) <= by_name[n].parallelism * (1 + 1e-6)
@@ -40,7 +42,11 @@ def test_dhall_global_edf_would_miss_but_the_set_is_feasible() -> None:
     all along."""
     jobs = [Demand("a", 0.2, 1, 1), Demand("b", 0.2, 1, 1), Demand("long", 1.0, 1.05, 1)]
     assert feasible(jobs, 2)
-    assert rates(jobs, 2)["long"] == pytest.approx(1 / 1.05)
+    # in the next 0.1 s the long one needs at least what one CPU cannot make up after
+    # (0.05 CPU-s), and it is the tightest, so it gets a CPU to itself
+    now = allot(jobs, 2, 0.1)
+    assert now["long"] >= 0.5
+    assert sum(now.values()) == pytest.approx(2.0)
     finish = run(jobs, 2)
     assert all(finish[d.name] <= d.window * 1.01 for d in jobs)
 
@@ -48,7 +54,33 @@ def test_dhall_global_edf_would_miss_but_the_set_is_feasible() -> None:
 def test_front_loading_when_constant_rates_do_not_fit() -> None:
     jobs = [Demand("early", 10, 10, 1), Demand("late", 1, 100, 1)]
     assert feasible(jobs, 1)
-    assert rates(jobs, 1) == {"early": pytest.approx(1.0), "late": pytest.approx(0.0)}
+    assert allot(jobs, 1, 1.0) == {"early": pytest.approx(1.0), "late": pytest.approx(0.0)}
+
+
+def test_earliest_deadlines_run_at_full_speed_a_later_one_waits() -> None:
+    """The set of issue 15 (seed 23): 1.78 of 2 cores at a steady pace, which a fluid split
+    meets with no margin. EDF runs j1 and j0 on a CPU each; j2 takes j1's CPU when it is
+    done and finishes near 39 s, 37 s early."""
+    jobs = [Demand("j0", 32.2, 36, 1), Demand("j1", 18.8, 31, 1), Demand("j2", 20.2, 76, 1)]
+    assert allot(jobs, 2, 1.0) == {
+        "j0": pytest.approx(1.0),
+        "j1": pytest.approx(1.0),
+        "j2": pytest.approx(0.0),
+    }
+    finish = run(jobs, 2, steps=760)
+    assert finish["j1"] == pytest.approx(18.8, abs=0.2)
+    assert finish["j0"] == pytest.approx(32.2, abs=0.2)
+    assert finish["j2"] == pytest.approx(39.0, abs=0.3)
+
+
+def test_a_set_only_strict_ordering_meets() -> None:
+    """2.1 cores at a steady pace on 2 CPUs (no fluid split can do it); EDF meets it."""
+    jobs = [Demand("a", 8, 10, 1), Demand("b", 8, 10, 1), Demand("c", 12, 24, 1)]
+    assert sum(d.rate for d in jobs) > 2
+    assert feasible(jobs, 2)
+    assert allot(jobs, 2, 1.0)["c"] == pytest.approx(0.0)
+    finish = run(jobs, 2, steps=480)
+    assert all(finish[d.name] <= 0.92 * d.window for d in jobs), finish  # early, all three
 
 
 def test_parallelism_bounds_what_capacity_could_give() -> None:
@@ -89,13 +121,26 @@ demands = st.lists(
 )
 
 
+def just_feasible(jobs: list[Demand], capacity: float) -> list[Demand]:
+    """The same jobs with every window stretched by the least factor (to 1%) that makes the
+    set feasible: feasible examples, many of them tight, instead of filtering at random."""
+    low, high = 0.01, 1.0
+    while not feasible([replace(d, window=d.window * high) for d in jobs], capacity):
+        low, high = high, high * 2
+    while high / low > 1.01:
+        mid = (low + high) / 2
+        ok = feasible([replace(d, window=d.window * mid) for d in jobs], capacity)
+        low, high = (low, mid) if ok else (mid, high)
+    return [replace(d, window=d.window * high) for d in jobs]
+
+
 @settings(max_examples=150, deadline=None)
 @given(demands, st.sampled_from([1.0, 2.0, 4.0]))
 def test_a_feasible_set_meets_every_deadline_when_run_at_its_rates(
-    jobs: list[Demand], capacity: float
+    drawn: list[Demand], capacity: float
 ) -> None:
-    if not feasible(jobs, capacity):
-        return
+    jobs = just_feasible(drawn, capacity)
+    assert feasible(jobs, capacity)
     finish = run(jobs, capacity)
     step = max(d.window for d in jobs) / 400
     for d in jobs:
@@ -131,3 +176,13 @@ def test_admitted_sets_are_feasible_and_nothing_feasible_is_left_out(
     assert len(admitted) + len(missed) == len(jobs)
     for d in missed:
         assert not feasible([*admitted, d], capacity)
+
+
+def test_the_margin_is_the_most_every_window_can_shrink() -> None:
+    """j0 needs 32.2 CPU-s on one thread by 36 s: no plan can finish it before 32.2 s, so
+    the windows shrink to about 32.2/36; a set with room shrinks to the least (0.5)."""
+    tight = [Demand("j0", 32.2, 36, 1), Demand("j1", 18.8, 31, 1), Demand("j2", 20.2, 76, 1)]
+    assert margin(tight, 2) == pytest.approx(32.2 / 36, abs=0.01)
+    assert margin([Demand("easy", 1, 100, 1)], 2) == 0.5
+    infeasible = [Demand("x", 10, 5, 1)]
+    assert margin(infeasible, 2) == 1.0

@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
-from nodeagent.policy.base import Decision, Note, PolicyInput, Share
+from nodeagent.policy.base import Decision, Floor, Note, PolicyInput, Share
 from nodeagent.policy.fairshare import FairShare, is_active
 from nodeagent.policy.plan import make_plan
 from nodeagent.policy.weights import CpuWeights
 from nodeagent.snapshot import CgroupSample, WorkloadState
-from nodeagent.spec.model import FairShareSettings, Tenant
+from nodeagent.spec.model import FairShareSettings, PolicySpec, Tenant
 
 
 def weights(given_: PolicyInput) -> dict[str, int]:
@@ -291,3 +291,47 @@ def test_a_weight_within_the_deadband_is_kept(current: int, expected: int) -> No
 def test_a_zero_deadband_always_writes_the_target() -> None:
     workloads = [_with_weight(TWO_TO_ONE[0], 332), *TWO_TO_ONE[1:]]
     assert decide(workloads, {"a": 2, "b": 1}, deadband=0)["nodeagent.slice/a-1"] == 333
+
+
+def test_a_pod_claimed_with_its_containers_counts_once_in_usage_shares_and_reservations() -> None:
+    """Issue 13.12: the pod's CPU holds its containers'; counting both doubled the tenant's
+    usage and split its part (and a class reservation) over a third 'workload'."""
+    from builders import CID, CID2, POD_UID, k8s_container
+
+    from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
+    from nodeagent.policy.history import tick_usage
+    from nodeagent.policy.reservations import Reservations
+
+    pod_path = f"kubepods/burstable/pod{POD_UID}"
+    pod = WorkloadIdentity(
+        pod_path, Kind.POD, Runtime.KUBELET, Owner.CGROUPFS, "pod", None, POD_UID, QosTier.BURSTABLE
+    )
+    leaves = [
+        workload(pod, 2.0),
+        workload(k8s_container(CID), 1.0),
+        workload(k8s_container(CID2), 1.0),
+    ]
+    rules = [
+        {"name": "b", "match": {"path": "nodeagent.slice/*"}, "tenant": "b"},
+        {"name": "pods", "match": {"qos": "burstable"}, "tenant": "a", "class": "inference"},
+    ]
+    policy = PolicySpec.model_validate(
+        {
+            "version": 1,
+            "tenants": {"a": {"shares": 1}, "b": {"shares": 1}},
+            "rules": rules,
+            "classes": {"inference": {"reserved_cpu": 1}},
+        }
+    )
+    snap = snapshot([*leaves, workload("nodeagent.slice/b-1", 2.0)])
+    given_ = policy_input(snap, policy)
+    assert pod_path in given_.assignments
+    assert tick_usage(snap, given_.assignments) == {"a": 2.0, "b": 2.0}
+    shares = {s.path: s.fraction for s in FairShare().decide(given_) if isinstance(s, Share)}
+    assert pod_path not in shares
+    assert shares[k8s_container(CID).path] == pytest.approx(0.25)
+    floors = Reservations().decide(given_)
+    assert {f.path for f in floors if isinstance(f, Floor)} == {
+        k8s_container(CID).path,
+        k8s_container(CID2).path,
+    }

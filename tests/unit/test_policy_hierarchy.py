@@ -3,17 +3,25 @@ levels the agent may not write are reported with the split they cause."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from builders import CID, CID2, POD_UID, docker_cgroupfs, job, k8s_container, snapshot, workload
 
+from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
+from nodeagent.daemon import Agent
 from nodeagent.ownership import WriteMode, classify_level, parent_identity, write_mode
 from nodeagent.policy.base import Assignment
 from nodeagent.policy.plan import CgroupPlan, make_plan
+from nodeagent.report import TickRecord
 from nodeagent.snapshot import CgroupSample, WorkloadState
+from nodeagent.spec.load import load_policy
 from nodeagent.spec.model import AgentSettings, PolicySpec, WorkloadClass
+
+REPO = Path(__file__).resolve().parents[2]
 
 POLICY = PolicySpec.model_validate(
     {"version": 1, "tenants": {"a": {"shares": 2}, "b": {"shares": 1}}}
@@ -101,3 +109,75 @@ def test_without_the_hierarchy_only_workloads_are_weighted() -> None:
     assignments = {w.path: Assignment("r", w.path[16], WorkloadClass.BATCH) for w in leaves}
     w = weights({c.path: c for c in make_plan(snap, flat, {}, assignments=assignments).cgroups})
     assert set(w) == {"nodeagent.slice/a-1", "nodeagent.slice/b-1"}
+
+
+# -- a rule that claims a pod and its containers (issue 13.12) --------------------------------
+CGROUP_FILES = {
+    "cgroup.procs": "",
+    "cgroup.events": "populated 1\nfrozen 0\n",
+    "cpu.stat": "usage_usec 100\nuser_usec 60\nsystem_usec 40\n",
+    "cpu.weight": "100\n",
+    "cpu.max": "max 100000\n",
+    "memory.current": "4096\n",
+}
+
+
+POD = f"kubepods/besteffort/pod{POD_UID}"
+
+
+def besteffort_pod_tick(tmp_path: Path, spec: PolicySpec) -> TickRecord:
+    """One dry-run tick over a fixture tree: a besteffort pod with two containers, and a
+    prod job in the managed root."""
+    tree = tmp_path / "cgroup"
+    for path in [f"{POD}/{CID}", f"{POD}/{CID2}", "nodeagent.slice/prod-1"]:
+        (tree / path).mkdir(parents=True)
+    for d, _, _ in os.walk(tree):
+        for name, text in CGROUP_FILES.items():
+            (Path(d) / name).write_text(text)
+    state = str(tmp_path / "state.json")
+    spec = spec.model_copy(update={"agent": spec.agent.model_copy(update={"state_file": state})})
+    agent = Agent(spec, CgroupTree(str(tree)), dry_run=True)
+    agent.prepare()
+    return agent.tick()
+
+
+def planned_shares(record: TickRecord) -> dict[str, float]:
+    (note,) = [n for n in record.plan.notes if n.kind == "hierarchy"]
+    planned = note.fields["planned"]
+    assert isinstance(planned, dict)
+    assert sum(planned.values()) == pytest.approx(1.0, abs=0.02), note.message
+    return planned
+
+
+def test_the_shipped_policy_counts_a_besteffort_pod_once(tmp_path: Path) -> None:
+    """Issue 13.12: config/policy.yaml's `qos: besteffort` rule claimed the pod and its
+    containers, and planned tenant shares added up to 120-130%."""
+    record = besteffort_pod_tick(tmp_path, load_policy(str(REPO / "config/policy.yaml")))
+    claimed = {c.path for c in record.plan.cgroups if c.assignment is not None}
+    assert {f"{POD}/{CID}", f"{POD}/{CID2}", "nodeagent.slice/prod-1"} <= claimed
+    assert planned_shares(record) == pytest.approx({"research": 2 / 3, "prod": 1 / 3}, abs=0.02)
+
+
+def test_a_rule_claiming_a_pod_and_its_containers_counts_the_containers_only(
+    tmp_path: Path,
+) -> None:
+    """The innermost claims are the tenant's: the pod is weighted as a parent carrying its
+    containers' targets, not as a third workload of its own, and its CPU, which holds
+    theirs, is not counted in the tenant's usage a second time."""
+    spec = PolicySpec.model_validate(
+        {
+            "version": 1,
+            "tenants": {"research": {"shares": 2}, "prod": {"shares": 1}},
+            "rules": [
+                {"name": "prod", "match": {"path": "nodeagent.slice/prod-*"}, "tenant": "prod"},
+                {"name": "be", "match": {"qos": "besteffort"}, "tenant": "research"},
+            ],
+        }
+    )
+    record = besteffort_pod_tick(tmp_path, spec)
+    claimed = {c.path for c in record.plan.cgroups if c.assignment is not None}
+    assert {POD, f"{POD}/{CID}", f"{POD}/{CID2}"} <= claimed
+    assert planned_shares(record) == pytest.approx({"research": 2 / 3, "prod": 1 / 3}, abs=0.02)
+    w = weights({c.path: c for c in record.plan.cgroups})
+    assert w[f"{POD}/{CID}"] == w[f"{POD}/{CID2}"]
+    assert w["kubepods"] == pytest.approx(2 * w["nodeagent.slice"], rel=0.05), "2:1 at the top"

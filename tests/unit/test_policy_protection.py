@@ -36,11 +36,12 @@ def tick(
     stall: float,
     carried: Mapping[str, Mapping[str, object]],
     kernel: Mapping[str, Mapping[Attribute, object]] | None = None,
+    used: float | None = 1.6,
 ) -> Plan:
     """One tick on 4 CPUs: the inference cgroup stalls `stall` of the time, batch and
-    training each use 1.6 cores."""
+    training each use `used` cores (None: not known yet, as on the first tick)."""
     states = []
-    for path, rate, s in ((INFER, 0.5, stall), (BATCH, 1.6, 0.0), (TRAIN, 1.6, 0.0)):
+    for path, rate, s in ((INFER, 0.5, stall), (BATCH, used, 0.0), (TRAIN, used, 0.0)):
         settings = dict((kernel or {}).get(path, {}))
         sample = CgroupSample(populated=True, cpu_usage_us=1, settings=settings)  # type: ignore[arg-type]
         states.append(WorkloadState(job(path), sample, rate, 0.0, s))
@@ -147,3 +148,78 @@ def test_turning_protection_off_gives_everything_back() -> None:
         cg = next(c for c in plan.cgroups if c.path == path)
         assert cg.targets[Attribute.CPU_MAX].value == CpuMax(None)
     assert next(n for n in plan.notes if n.kind == "protection").status == "idle"
+
+
+def reason(plan: Plan, path: str, attribute: Attribute) -> str | None:
+    t = next(c for c in plan.cgroups if c.path == path).targets.get(attribute)
+    return None if t is None else t.reason
+
+
+@pytest.mark.parametrize(
+    ("kernel", "start"),
+    [
+        ({}, 4.0),  # no limit: the node's 4 CPUs
+        ({Attribute.CPU_MAX: CpuMax(100_000)}, 1.0),  # its current limit, 1 core
+    ],
+)
+def test_the_first_throttle_starts_from_what_the_class_may_use_when_usage_is_unknown(
+    kernel: Mapping[Attribute, object], start: float
+) -> None:
+    """Issue 13.15: on the first tick no usage is known, and the first cap went straight
+    to the floor (0.2 here). It shrinks by one step (50% here) from the current limit, or
+    from the node's CPUs when there is none, as it does from known usage."""
+    plan = tick(0.4, {}, {BATCH: kernel, TRAIN: kernel}, used=None)
+    assert cap(plan, BATCH) == pytest.approx(start * 0.5)
+    assert cap(plan, TRAIN) == pytest.approx(start * 0.5)
+    plan = tick(0.4, plan.carry, used=None)
+    assert cap(plan, BATCH) == pytest.approx(max(0.2, start * 0.25)), "then a step a tick"
+
+
+def test_a_frozen_cgroup_keeps_its_cap_and_no_reason_says_the_pressure_is_gone() -> None:
+    """Issue 13.16: the tick that froze batch also lifted its cap "because pressure is
+    gone". A frozen cgroup keeps the cap it had, so it is thawed under it."""
+    carried: Mapping[str, Mapping[str, object]] = {}
+    at_floor = {BATCH: {Attribute.CPU_MAX: CpuMax(20_000)}}
+    for _ in range(3):
+        carried = tick(0.4, carried, at_floor).carry
+    plan = tick(0.4, carried, at_floor)  # freeze_after reached
+    assert frozen(plan, BATCH) is True
+    assert cap(plan, BATCH) == pytest.approx(0.2), "kept while frozen"
+    why = reason(plan, BATCH, Attribute.CPU_MAX) or ""
+    assert "pressure is gone" not in why and "frozen" in why, why
+    kernel = {BATCH: {Attribute.CPU_MAX: CpuMax(20_000), Attribute.FREEZE: Frozen(True)}}
+    plan = tick(0.4, plan.carry, kernel)
+    assert cap(plan, BATCH) == pytest.approx(0.2), "and on every tick it stays frozen"
+
+
+def test_a_pod_claimed_with_its_containers_is_capped_through_them() -> None:
+    """Issue 13.12's nesting, in the protection controller: a class cap split over a pod
+    and its two containers capped the pod at a third of it, and counted its usage twice."""
+    from builders import CID, CID2, POD_UID, k8s_container
+
+    from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
+
+    pod = WorkloadIdentity(
+        f"kubepods/burstable/pod{POD_UID}",
+        Kind.POD,
+        Runtime.KUBELET,
+        Owner.CGROUPFS,
+        "pod",
+        None,
+        POD_UID,
+        QosTier.BURSTABLE,
+    )
+    ctrs = [k8s_container(CID), k8s_container(CID2)]
+    assigned = {INFER: ASSIGNED[INFER]} | {
+        w.path: Assignment("be", "a", WorkloadClass.BATCH) for w in (pod, *ctrs)
+    }
+    sample = CgroupSample(populated=True, cpu_usage_us=1)
+    states = [WorkloadState(job(INFER), sample, 0.5, 0.0, 0.4)]
+    states += [
+        WorkloadState(w, sample, r, 0.0, 0.0) for w, r in ((pod, 2.0), *((c, 1.0) for c in ctrs))
+    ]
+    snap = snapshot(states)
+    snap = replace(snap, node=replace(snap.node, cpu_count=4))
+    plan = make_plan(snap, POLICY, {}, [Protection()], assignments=assigned, carried={})
+    assert cap(plan, pod.path) is None
+    assert [cap(plan, c.path) for c in ctrs] == pytest.approx([0.5, 0.5]), "2 cores, a step down"

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from dbus_stub import Call, Manager, serving
 from hypothesis import given
 from hypothesis import strategies as st
+from jeepney import HeaderFields, MessageType
+from jeepney.low_level import Endianness, Header, Message
 
 from nodeagent.cgroupfs.unitprops import (
     UINT64_MAX,
@@ -189,3 +192,148 @@ def test_bad_properties_are_refused_before_any_call(
         systemd.set_unit_properties(DOCKER_SCOPE, props)
     assert one_line(exc).endswith(f"on {DOCKER_SCOPE}: {problem}")
     assert not isinstance(exc.value, NoBus)
+
+
+# -- a recording stub of systemd's manager (tests/unit/dbus_stub.py): what is asked, and when --
+
+
+def _reply(serial: int, signature: str, body: tuple[object, ...]) -> bytearray:
+    """A well-formed method return to call `serial`, as bytes a test may then spoil."""
+    fields = {HeaderFields.reply_serial: serial, HeaderFields.signature: signature}
+    header = Header(Endianness.little, MessageType.method_return, 0, 1, 0, 999, fields)
+    return bytearray(Message(header, body).serialise())
+
+
+def _bad_endianness(serial: int) -> bytes:
+    return b"X" + bytes(_reply(serial, "o", ("/a",)))[1:]
+
+
+def _bad_message_type(serial: int) -> bytes:
+    raw = _reply(serial, "o", ("/a",))
+    raw[1] = 9  # no such message type
+    return bytes(raw)
+
+
+def _string_past_its_end(serial: int) -> bytes:
+    raw = _reply(serial, "o", ("/org/freedesktop/systemd1/unit/x",))
+    body = len(raw) - (4 + len("/org/freedesktop/systemd1/unit/x") + 1)
+    raw[body : body + 4] = (10_000).to_bytes(4, "little")  # a length beyond the message
+    return bytes(raw)
+
+
+def _number_cut_short(serial: int) -> bytes:
+    raw = _reply(serial, "u", (5,))
+    raw[4:8] = (2).to_bytes(4, "little")  # a uint32 body of 2 bytes
+    return bytes(raw[:-2])
+
+
+def _bad_signature(serial: int) -> bytes:
+    raw = _reply(serial, "o", ("/a",))
+    at = raw.index(b"\x01o\x00")  # the signature field's value: 'o' becomes '('
+    raw[at + 1] = ord("(")
+    return bytes(raw)
+
+
+def _wrong_shape(serial: int) -> bytes:
+    return bytes(_reply(serial, "ss", ("/a", "/b")))  # GetUnit answers one object path
+
+
+def _too_big(serial: int) -> bytes:
+    raw = _reply(serial, "o", ("/a",))
+    raw[4:8] = (1 << 31).to_bytes(4, "little")  # a 2 GiB body: over D-Bus's 128 MiB limit
+    return bytes(raw)
+
+
+MALFORMED = {
+    "bad endianness": _bad_endianness,
+    "no such message type": _bad_message_type,
+    "a string past the message's end": _string_past_its_end,
+    "a number cut short": _number_cut_short,
+    "a signature that does not parse": _bad_signature,
+    "a reply of the wrong shape": _wrong_shape,
+    "a body over D-Bus's limit": _too_big,
+}
+
+
+@pytest.fixture
+def manager() -> Manager:
+    return Manager({"-.slice": "/", "system.slice": "/system.slice",
+                    DOCKER_SCOPE: f"/system.slice/{DOCKER_SCOPE}"})  # fmt: skip
+
+
+@pytest.fixture
+def stub(tmp_path: Path, manager: Manager) -> Iterator[tuple[Manager, str]]:
+    path = str(tmp_path / "bus")
+    with serving(path, manager):
+        yield manager, path
+
+
+@pytest.mark.parametrize("spoil", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_reply_closes_the_connection_and_the_next_call_reconnects(
+    stub: tuple[Manager, str], tmp_path: Path, spoil: Callable[[int], bytes]
+) -> None:
+    manager, bus = stub
+    spoiled: list[int] = []
+
+    def once(call: Call) -> bytes | None:
+        if call.member == "GetUnit" and not spoiled:
+            spoiled.append(call.serial)
+            return spoil(call.serial)
+        return None
+
+    manager.override = once
+    systemd = Systemd(f"unix:path={bus}", str(tmp_path / "private"), timeout=5)
+    with pytest.raises(SystemdBusError) as exc:
+        systemd.unit_property(DOCKER_SCOPE, "CPUWeight")
+    assert one_line(exc).startswith(
+        f"cannot read CPUWeight of {DOCKER_SCOPE}: systemd on the system bus {bus} sent "
+        "a malformed message ("
+    ), "a SystemdBusError that names the unit and the bus"
+    assert str(exc.value).endswith("); connection closed")
+    assert not isinstance(exc.value, NoBus)
+    assert systemd.via is None, "the half-read connection is gone"
+    assert systemd.unit_property(DOCKER_SCOPE, "CPUWeight") == 100, "the next call works"
+    assert systemd.connects == 2
+    systemd.set_unit_properties(DOCKER_SCOPE, {"CPUWeight": 200})
+    assert systemd.connects == 2, "and the new connection is kept"
+    assert manager.members()[-1] == "SetUnitProperties"
+
+
+def test_a_malformed_hello_is_a_bus_that_cannot_be_used(
+    stub: tuple[Manager, str], tmp_path: Path
+) -> None:
+    manager, bus = stub
+    manager.override = lambda call: _bad_endianness(call.serial) if call.member == "Hello" else None
+    systemd = Systemd(f"unix:path={bus}", str(tmp_path / "private"), timeout=5)
+    with pytest.raises(NoBus) as exc:
+        systemd.unit_property(DOCKER_SCOPE, "CPUWeight")
+    assert f"the system bus {bus}: a malformed message (" in one_line(exc)
+    manager.override = None
+    assert systemd.unit_property(DOCKER_SCOPE, "CPUWeight") == 100
+
+
+def test_the_unit_of_a_cgroup_is_what_systemd_says_owns_exactly_that_cgroup(
+    stub: tuple[Manager, str], tmp_path: Path
+) -> None:
+    manager, bus = stub
+    manager.units["user@1000.service"] = "/user.slice/user-1000.slice/user@1000.service"
+    systemd = Systemd(f"unix:path={bus}", str(tmp_path / "private"), timeout=5)
+    assert systemd.unit_for_cgroup(f"system.slice/{DOCKER_SCOPE}") == DOCKER_SCOPE
+    assert manager.members()[0] == "GetUnitByControlGroup", "asked, not read off the path"
+    refused = {
+        # named like a system unit, in a user's delegated tree
+        f"user.slice/user-1000.slice/user@1000.service/app.slice/{DOCKER_SCOPE}": (
+            "user@1000.service", "/user.slice/user-1000.slice/user@1000.service"),
+        # below a unit: the unit's own business
+        f"system.slice/{DOCKER_SCOPE}/inner": (DOCKER_SCOPE, f"/system.slice/{DOCKER_SCOPE}"),
+        # a directory made by hand, named as a unit that does not own it
+        "system.slice/sshd.service": ("system.slice", "/system.slice"),
+    }  # fmt: skip
+    for path, (unit, its_cgroup) in refused.items():
+        with pytest.raises(NodeagentError) as exc:
+            systemd.unit_for_cgroup(path)
+        assert one_line(exc) == (
+            f"cgroup /{path} is not a unit's own cgroup: systemd has it inside unit {unit}, "
+            f"whose cgroup is {its_cgroup}; nothing is written through systemd for it"
+        )
+        assert not isinstance(exc.value, SystemdBusError), "systemd answered: not a bus fault"

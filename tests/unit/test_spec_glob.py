@@ -108,5 +108,5 @@ def test_workloads_with_a_hostile_pattern_classifies_the_rest(tmp_path: Path) ->
         main, ["workloads", "--cgroup-root", str(root), "--config", str(config), "--json"]
     )
     assert result.exit_code == 0, result.output
-    tenants = {r["cgroup"]: r["tenant"] for r in json.loads(result.stdout)}
+    tenants = {r["cgroup"]: r["tenant"] for r in json.loads(result.stdout)["items"]}
     assert tenants == {"nodeagent.slice/research-train": "research", "nodeagent.slice/[[[job": None}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import tempfile
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from nodeagent.spec.load import (
     MAX_SHOWN,
     PolicyError,
     Problem,
+    check_text,
     load_policy,
     parse_policy,
 )
@@ -495,11 +497,12 @@ def check_outcome(load: object, filename: str) -> None:
         spec = load()
     except PolicyError as e:
         assert e.problems
-        for p in e.problems:
+        for p in (*e.problems, *e.warnings):
             assert p.file == filename
             assert p.line >= 1
             assert p.col >= 1
             assert p.message
+            assert "<broken>" not in p.message  # a partial spec's stand-in never shows
     else:
         assert isinstance(spec, PolicySpec)
 
@@ -780,3 +783,134 @@ def test_shipped_example_names_a_default_tenant_for_exec() -> None:
     assert spec.jobs.default_tenant in spec.tenants
     assert spec.classes[WorkloadClass.INFERENCE].protect
     assert spec.classes[WorkloadClass.INFERENCE].reserved_cpu == (0.2, True)
+
+
+# Every problem in one round (issue 13, item 18)
+
+TWO_ROUNDS = """\
+version: 1
+agent:
+  interval: soon
+tenants:
+  research: {shares: 2}
+  prod: {shares: many}
+rules:
+  - name: jobs
+    match: {kind: job}
+    tenant: reserch
+    limits: {cpu_max: 0.001}
+  - name: jobs
+    match: {runtime: dockr}
+    tenant: prod
+    limits: {memory_max: 1Gi, memory_high: 2Gi}
+"""
+
+
+def test_type_errors_do_not_hide_the_checks_across_fields() -> None:
+    """The unknown tenant, the duplicate rule, the tiny quota and memory_high above
+    memory_max were reported only once the type errors were fixed: a second round."""
+    assert problems(TWO_ROUNDS) == [
+        "p.yaml:3:13: agent.interval: expected a duration such as 500ms, 30s, 5m or 1h, got 'soon'",
+        "p.yaml:6:18: tenants.prod.shares: must be a number, got 'many'",
+        "p.yaml:10:13: rules[0].tenant: unknown tenant 'reserch'; did you mean 'research'?",
+        "p.yaml:11:23: rules[0].limits.cpu_max: 0.001 cores is less than the kernel's minimum"
+        " quota of 1000us per 100000us period",
+        "p.yaml:12:11: rules[1].name: duplicate rule name 'jobs' (first at line 8)",
+        "p.yaml:13:22: rules[1].match.runtime: must be 'docker', 'containerd', 'crio', 'podman',"
+        " 'systemd', 'nodeagent' or 'kubelet', got 'dockr'; did you mean 'docker'?",
+        "p.yaml:15:44: rules[1].limits.memory_high: memory_high (2147483648 bytes) is above"
+        " memory_max (1073741824 bytes)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "gone", "kept"),
+    [
+        # the tenants are broken: no tenant can be called unknown; the rules are still checked
+        (("  research: {shares: 2}\n  prod: {shares: many}\n", "  - 5\n"), "unknown tenant",
+         "duplicate rule name"),
+        # one rule's limits are broken: its own limit checks go, the other rule's stay
+        (("limits: {cpu_max: 0.001}", "limits: [1]"), "minimum quota", "memory_high (2147483648"),
+        # a tenant that is not a string is a type error, not an unknown tenant
+        (("tenant: reserch", "tenant: [reserch]"), "unknown tenant", "minimum quota"),
+        # a broken name is a type error, and no duplicate of anything
+        (("  - name: jobs\n    match: {runtime", "  - name: {a: 1}\n    match: {runtime"),
+         "duplicate rule name", "memory_high (2147483648"),
+        # the whole rules list broken: the other checks still run
+        (("rules:\n", "rules: 5\nx:\n"), "duplicate rule name", "agent.interval"),
+    ],
+)  # fmt: skip
+def test_a_broken_field_skips_only_the_checks_that_read_it(
+    change: tuple[str, str], gone: str, kept: str
+) -> None:
+    old, new = change
+    assert old in TWO_ROUNDS
+    found = "\n".join(problems(TWO_ROUNDS.replace(old, new, 1)))
+    assert gone not in found
+    assert kept in found
+    assert "<broken>" not in found
+
+
+def warnings_of(text: str) -> list[str]:
+    """The warnings of `text`, but for nesting claims (tests/unit/test_spec_nesting.py)."""
+    found = check_text(text, "p.yaml").warnings
+    return [str(w) for w in found if not re.match(r"rules\[\d+\]\.match: ", w.message)]
+
+
+def test_a_policy_without_rules_is_valid_with_a_warning() -> None:
+    warning = (
+        "warning: the policy has no rules: it claims no workload, and manages only the jobs"
+        " that `nodeagent exec` starts"
+    )
+    assert warnings_of(HEAD) == [f"p.yaml:1:1: {warning}"]
+    assert warnings_of(HEAD + "rules: []\n") == [f"p.yaml:5:8: {warning}"]
+    assert warnings_of(HEAD + "rules: [{name: a, match: {}, tenant: prod}]\n") == []
+
+
+@pytest.mark.parametrize(
+    ("earlier", "later", "shadowed"),
+    [
+        ("{}", "{kind: job}", True),
+        ("{kind: job}", "{kind: job, path: 'nodeagent.slice/x'}", True),
+        ("{path: 'nodeagent.slice/*'}", "{path: nodeagent.slice/train}", True),
+        ("{name: 'train-?'}", "{name: train-1, runtime: nodeagent}", True),
+        ("{container_id: 4f1c}", "{container_id: 4f1c2a9b}", True),
+        ("{qos: besteffort}", "{qos: besteffort}", True),
+        # not decided without matching one glob against another: no warning
+        ("{path: 'nodeagent.slice/*'}", "{path: 'nodeagent.slice/t*'}", False),
+        ("{container_id: 4f1c2a9b}", "{container_id: 4f1c}", False),
+        ("{kind: job}", "{kind: container}", False),
+        ("{kind: job, runtime: docker}", "{kind: job}", False),
+        ("{path: 'nodeagent.slice/*'}", "{name: train}", False),
+    ],
+)
+def test_a_rule_an_earlier_one_shadows_is_warned_about(
+    earlier: str, later: str, shadowed: bool
+) -> None:
+    text = HEAD + (
+        f"rules:\n  - {{name: first, match: {earlier}, tenant: prod}}\n"
+        f"  - {{name: second, match: {later}, tenant: research}}\n"
+    )
+    matches = "every cgroup" if earlier == "{}" else "every cgroup it matches"
+    assert warnings_of(text) == (
+        [
+            f"p.yaml:7:27: warning: rules[1]: rule 'second' never applies: rule 'first'"
+            f" (line 6) comes first and matches {matches} (the first match wins)"
+        ]
+        if shadowed
+        else []
+    )
+
+
+def test_a_rejected_policy_carries_its_warnings_too() -> None:
+    text = HEAD.replace("shares: 1", "shares: x") + (
+        "rules:\n  - {name: all, match: {}, tenant: prod}\n"
+        "  - {name: jobs, match: {kind: job}, tenant: prod}\n"
+    )
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text, "p.yaml")
+    assert [str(p) for p in info.value.problems] == [
+        "p.yaml:4:18: tenants.prod.shares: must be a number, got 'x'"
+    ]
+    assert [w.line for w in info.value.warnings] == [7]
+    assert "rule 'jobs' never applies" in info.value.warnings[0].message

@@ -1,0 +1,80 @@
+"""`nodeagent validate`: every problem in a policy file, in one round."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from nodeagent.cli.common import json_option
+from nodeagent.cli.output import counted, document, echo_json
+
+if TYPE_CHECKING:
+    from nodeagent.spec.load import Problem
+
+
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=True))
+@click.option("--strict", is_flag=True, help="Fail (exit 1) on warnings too.")
+@json_option
+def validate(file: str, strict: bool, as_json: bool) -> None:
+    """Check a policy FILE; print FILE:LINE:COL: message for every problem.
+
+    Every problem is found in one round: a field with a type error does not hide
+    the unknown tenant, the duplicate rule or the bad limit elsewhere. Warnings
+    (FILE:LINE:COL: warning: ...) are for what is valid but almost surely not
+    meant: a policy without rules, a rule that never applies because an earlier
+    one matches everything it matches.
+
+    Exits 0 when the file is valid (warnings or not, unless --strict), 1 otherwise.
+    With --json, the same as one JSON object (kind PolicyCheck) on stdout.
+    """
+    from nodeagent.spec.load import PolicyError, check_policy
+
+    spec = None
+    try:
+        checked = check_policy(file)
+    except PolicyError as e:
+        problems, omitted = sorted((*e.problems, *e.warnings), key=_where), e.omitted
+    else:
+        spec, problems, omitted = checked.spec, list(checked.warnings), 0
+    failed = spec is None or (strict and bool(problems))
+    if as_json:
+        echo_json(_check_document(file, spec is not None and not failed, spec, problems, omitted))
+    else:
+        lines = [str(p) for p in problems]
+        if omitted:
+            lines.append(f"{file}: ... and {omitted} more problems")
+        if lines:
+            click.echo("\n".join(lines), err=True)
+        if spec is not None and not failed:
+            found = f"{counted(len(spec.tenants), 'tenant')}, {counted(len(spec.rules), 'rule')}"
+            warned = f"; {counted(len(problems), 'warning')}" if problems else ""
+            click.echo(f"{file}: ok ({found}{warned})")
+    if failed:
+        sys.exit(1)
+
+
+def _where(p: Problem) -> tuple[int, int]:
+    return p.line, p.col
+
+
+def _check_document(
+    file: str, valid: bool, spec: Any, problems: Sequence[Problem], omitted: int
+) -> dict[str, Any]:
+    return document(
+        "PolicyCheck",
+        {
+            "file": file,
+            "valid": valid,
+            "tenants": None if spec is None else len(spec.tenants),
+            "rules": None if spec is None else len(spec.rules),
+            "problems": [
+                {"line": p.line, "column": p.col, "severity": p.severity, "message": p.message}
+                for p in problems
+            ],
+            "omitted_problems": omitted,
+        },
+    )

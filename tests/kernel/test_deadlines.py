@@ -1,0 +1,96 @@
+"""Deadlines by EDF priority on a real kernel: three single-threaded jobs that only strict
+ordering meets are all met, and the one due last never takes CPU the earlier ones need.
+
+The jobs run on two CPUs whatever the host has (they are pinned to two, and the rest is
+reserved for the system in the policy), so the test means the same in the 2-CPU VM and on
+a larger native host.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from helpers import ROOT, running, spawn, spec, usage_us, wait_for
+
+from nodeagent.cgroupfs.values import Attribute
+
+BURN = str(Path(__file__).parents[2] / "scripts" / "burn")
+# At a steady pace the set needs 0.8 + 0.8 + 0.5 = 2.1 cores of 2: a proportional split
+# misses. EDF runs a and b on a CPU each (done at 12 s), then c on the first CPU free
+# (done near 30 s): each meets its deadline with seconds to spare.
+JOBS = {"a": (12.0, 15.0), "b": (12.0, 15.0), "c": (18.0, 36.0)}  # CPU-s, deadline in s
+
+
+def test_three_jobs_only_strict_ordering_meets_are_all_met(
+    managed: str, tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    two = sorted(os.sched_getaffinity(0))[:2]
+    cpus = os.cpu_count() or 2
+    start = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=20)  # after the agent is up
+    paths = {n: Path(ROOT, managed, f"d-{n}") for n in JOBS}
+    for p in paths.values():
+        p.mkdir()
+
+    def rule(name: str) -> dict[str, Any]:
+        work, due = JOBS[name]
+        when = (start + dt.timedelta(seconds=due)).isoformat()
+        return {"name": name, "match": {"name": f"d-{name}"}, "tenant": "t",
+                "class": "training", "deadline": when, "work": work}  # fmt: skip
+
+    policy = spec(
+        managed,
+        tmp_path,
+        agent={"interval": 1},
+        tenants={"t": {"shares": 1}},
+        node={"reserved_cpu": cpus - 2},  # plan on the two CPUs the jobs are pinned to
+        rules=[rule(n) for n in JOBS],
+    )
+    with running(policy) as agent:
+        wait = (start - dt.datetime.now(dt.UTC)).total_seconds()
+        assert wait > 0, "the agent took longer than 20 s to start"
+        time.sleep(wait)
+        t0 = time.time()
+        pinned = ["taskset", "-c", ",".join(map(str, two)), "python3", "-S", BURN]
+        for n, (work, _) in JOBS.items():
+            procs.append(spawn(paths[n], [*pinned, str(work)]))
+        ends: dict[str, float] = {}
+
+        def wait_for_exit(name: str, p: subprocess.Popen[bytes]) -> None:
+            p.wait()
+            ends[name] = time.time() - t0
+
+        waiters = [
+            threading.Thread(target=wait_for_exit, args=(n, p))
+            for n, p in zip(JOBS, procs[-3:], strict=True)
+        ]
+        for w in waiters:
+            w.start()
+        # the agent has planned them: c, due last, has the least weight
+        assert wait_for(lambda: agent.last is not None and _ranked(agent, managed), timeout=10)
+        c_before, c_at = usage_us(paths["c"]), time.time()
+        assert wait_for(lambda: bool(ends), timeout=60), "neither a nor b finished in 60 s"
+        c_rate = (usage_us(paths["c"]) - c_before) / 1e6 / (time.time() - c_at)
+        for w in waiters:
+            w.join(timeout=120)
+    print(f"finished: {ends}; c used {c_rate:.3f} cores while a and b ran")
+    assert c_rate < 0.1, f"c took {c_rate:.2f} cores that a and b needed"
+    for n, (_, due) in JOBS.items():
+        assert n in ends, f"job {n} did not finish"
+        assert ends[n] <= due, f"job {n} finished at {ends[n]:.1f} s, deadline {due:.0f} s"
+
+
+def _ranked(agent: Any, managed: str) -> bool:
+    """The last tick planned the three jobs, c with the least weight."""
+    weights = {}
+    for cg in agent.last.plan.cgroups:
+        name = cg.path.rsplit("/", 1)[-1]
+        target = cg.targets.get(Attribute.CPU_WEIGHT)
+        if cg.path.startswith(managed) and name.startswith("d-") and target is not None:
+            weights[name] = target.value.value
+    return len(weights) == 3 and weights["d-c"] < min(weights["d-a"], weights["d-b"])

@@ -1,0 +1,105 @@
+"""Another user's GPUs on a real kernel (issue 12, items 1 and 2): root runs a job with a
+GPU through the real `nodeagent exec`, and holds a granted request; the real unprivileged
+uid 65534 (nobody, in the socket's group), calling through setpriv and curl, can neither
+release that job's GPU by name, nor read, cancel or claim root's request. The GPUs are a
+simulated node (a labelled fake from config/gpus/; no GPU here); the cgroups, processes,
+peer credentials and uids are real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import rel, running, spec, wait_for
+
+from nodeagent.api import client
+from nodeagent.daemon import Agent
+
+REPO = Path(__file__).resolve().parents[2]
+NODE = str(REPO / "config" / "gpus" / "4x-a100-two-nvlink-pairs.yaml")
+GROUP = 4242  # the socket's group: a gid no user on the node has
+NOBODY = 65534
+
+
+@pytest.fixture
+def daemon(cgroup_sandbox: Path, tmp_path: Path) -> Iterator[tuple[Agent, Path]]:
+    run = Path(tempfile.mkdtemp(prefix="nodeagent-gpus-", dir="/run"))
+    run.chmod(0o755)
+    sock = run / "api" / "nodeagent.sock"
+    policy = spec(
+        rel(cgroup_sandbox) + "/managed",
+        tmp_path,
+        agent={"socket": str(sock), "socket_group": str(GROUP), "interval": 0.5},
+        tenants={"research": {"shares": 1}},
+        jobs={"default_tenant": "research"},
+        gpu={"simulate": NODE},
+    )
+    try:
+        with running(policy) as a:
+            yield a, sock
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def as_nobody(sock: Path, method: str, path: str, body: str | None = None) -> tuple[int, str]:
+    """One API call as uid 65534 in the socket's group, through curl: (status, body). In
+    `body`, $CHILD is the pid of a child of the calling process (a sleep it started)."""
+    curl = f"curl -sS --max-time 30 --unix-socket {sock} -X {method} -w '\\n%{{http_code}}'"
+    if body is not None:
+        curl += " -H 'Content-Type: application/json' -d \"$BODY\""
+    fill = 'BODY=$(printf %s "$0" | sed "s/[$]CHILD/$CHILD/")'
+    script = f"sleep 60 </dev/null >/dev/null 2>&1 & CHILD=$!; {fill}; exec {curl} http://localhost{path}"
+    argv = ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY)]
+    argv += ["--groups", str(GROUP), "sh", "-c", script, body or ""]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=60)
+    out, _, code = done.stdout.rpartition("\n")
+    return int(code or 0), out + done.stderr
+
+
+def test_another_uid_can_neither_release_nor_claim_roots_gpus(daemon: tuple[Agent, Path]) -> None:
+    a, sock = daemon
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "NVIDIA_"))}
+    job = subprocess.Popen(
+        ["nodeagent", "exec", "--socket", str(sock), "--name", "train", "--gpus", "1", "--",
+         "sleep", "300"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        holds = lambda: {(h.owner, str(h.kind)) for h in a.gpus.ledger.holds()}  # noqa: E731
+        assert wait_for(lambda: ("train", "job") in holds(), timeout=120), job.stderr
+        granted = client.post(str(sock), "/v1/gpus/requests", {"name": "held", "count": 1})
+        assert isinstance(granted, dict) and granted["status"] == "granted"
+        rid = granted["id"]
+
+        # item 1: the running job's GPU is not released by name, by anyone but its end
+        status, out = as_nobody(sock, "DELETE", "/v1/gpus/reservations", '{"name": "train"}')
+        assert status == 409 and "only reservations are released by name" in out, out
+        # and what is left does not reach 4 GPUs: nobody's request for all of them waits
+        status, out = as_nobody(sock, "POST", "/v1/gpus/requests", '{"name": "all", "count": 4}')
+        assert status == 200 and json.loads(out)["status"] == "waiting", out
+
+        # item 2: root's granted request is root's alone
+        status, out = as_nobody(sock, "GET", f"/v1/gpus/requests?id={rid}")
+        assert status == 403 and "belongs to uid 0" in out, out
+        status, out = as_nobody(sock, "DELETE", "/v1/gpus/requests", json.dumps({"id": rid}))
+        assert status == 403, out
+        claim = {"name": "steal", "pid": "$CHILD", "gpu_request": rid}
+        body = json.dumps(claim).replace('"$CHILD"', "$CHILD")
+        status, out = as_nobody(sock, "POST", "/v1/jobs", body)
+        assert status == 403 and "belongs to uid 0" in out, out
+
+        assert {("train", "job"), ("held", "request")} <= holds()
+        assert {h.uid for h in a.gpus.ledger.holds() if h.owner in ("train", "held")} == {0}
+        assert not any(j["name"] == "steal" for j in a.jobs.dump())
+    finally:
+        job.send_signal(signal.SIGTERM)
+        job.communicate(timeout=60)
+    assert wait_for(lambda: ("train", "job") not in holds(), timeout=30), "its end frees it"

@@ -1,0 +1,157 @@
+"""A daemon on a plain directory tree, called through its routes as several users.
+
+The cgroup root is a plain directory (a stand-in: no kernel here), whose mkdir also makes
+the interface files a job's start writes; /proc for the jobs' pid checks is a plain tree
+of status files; the GPUs are a simulated node (a labelled fake, written per test); the
+callers are Peer records as SO_PEERCRED would give them. Each call goes through the same
+route handler the API server runs, so an error is the ApiError (and status) the client
+would get, and anything else would have been a 500.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nodeagent.api.peer import Peer
+from nodeagent.api.server import ApiError, Request
+from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.daemon import Agent
+from nodeagent.spec.model import PolicySpec
+
+ROOT = Peer(pid=3000, uid=0, gid=0, groups=frozenset())
+ALICE = Peer(pid=4000, uid=1000, gid=1000, groups=frozenset({1000}))
+BOB = Peer(pid=5000, uid=1001, gid=1001, groups=frozenset({1001}))
+CID = "4f1c2a9be7d3" + "0123456789abcdef" * 3 + "0123"
+FILES = {"cgroup.procs": "", "cpu.max": "max 100000", "memory.max": "max", "cgroup.events": ""}
+
+GPUS = """\
+gpus:
+  - {index: 0, uuid: GPU-00000000-0000-0000-0000-000000000000, name: Sim, memory: 80Gi,
+     numa_node: 0, cpus: 0-3, pci_bus_id: '00000000:17:00.0'}
+  - {index: 1, uuid: GPU-11111111-1111-1111-1111-111111111111, name: Sim, memory: 80Gi,
+     numa_node: 0, cpus: 0-3, pci_bus_id: '00000000:65:00.0'}
+links:
+  - {gpus: [0, 1], pcie: NODE, nvlinks: 12}
+"""
+
+
+class FilesTree(CgroupTree):
+    """A plain directory as the cgroup root: a new cgroup gets the files a job's start
+    writes, as the kernel would make them."""
+
+    def mkdir(self, path: str) -> bool:
+        made = super().mkdir(path)
+        if made:
+            for name, text in FILES.items():
+                Path(self.root, path, name).write_text(text)
+        return made
+
+
+class AlwaysAlive:
+    """A stand-in for a pidfd: the fake /proc's processes never end."""
+
+    def alive(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Daemon:
+    agent: Agent
+    root: Path
+    proc: Path
+    _next_pid: int = 0
+
+    def call(
+        self,
+        peer: Peer,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        query: Mapping[str, str] | None = None,
+    ) -> Any:
+        handler = self.agent.routes()[path][method]
+        return handler(Request(method, path, dict(query or {}), peer, dict(body or {})))
+
+    def refused(self, peer: Peer, method: str, path: str, body: Any = None, **kw: Any) -> ApiError:
+        """The ApiError a call must end in (a 4xx, never anything else)."""
+        try:
+            got = self.call(peer, method, path, body, **kw)
+        except ApiError as e:
+            return e
+        raise AssertionError(f"{method} {path} {body} as uid {peer.uid} was accepted: {got}")
+
+    def child(self, peer: Peer) -> int:
+        """A pid that /proc says is a child of the calling process, of its uid."""
+        self._next_pid += 1
+        pid = peer.pid + self._next_pid
+        (self.proc / str(pid)).mkdir(parents=True)
+        (self.proc / str(pid) / "status").write_text(
+            f"Name:\tsh\nPPid:\t{peer.pid}\nUid:\t{peer.uid}\t{peer.uid}\t{peer.uid}\t{peer.uid}\n"
+        )
+        return pid
+
+    def ask(self, peer: Peer, name: str, count: int = 1, **body: Any) -> Any:
+        return self.call(peer, "POST", "/v1/gpus/requests", {"name": name, "count": count, **body})
+
+    def start(self, peer: Peer, name: str, **body: Any) -> Any:
+        """Start a job as `peer` (with a GPU grant when gpu_request is given)."""
+        return self.call(peer, "POST", "/v1/jobs", {"name": name, "pid": self.child(peer), **body})
+
+    def exit(self, name: str) -> None:
+        """The job's command has exited: its cgroup is empty (the stand-in: no procs left)."""
+        (self.root / "nodeagent.slice" / name / "cgroup.procs").write_text("")
+
+    def holds(self) -> list[tuple[str, str]]:
+        return sorted((str(h.owner), str(h.kind)) for h in self.agent.gpus.ledger.holds())
+
+    def jobs(self) -> list[str]:
+        return sorted(j["name"] for j in self.call(ROOT, "GET", "/v1/jobs")["jobs"])
+
+
+def daemon(tmp_path: Path, policy: Mapping[str, Any] | None = None, gpus: str = GPUS) -> Daemon:
+    """A daemon with tenants research and prod (research the default), on a 2-GPU node."""
+    root = tmp_path / "cgroup"
+    (root / "nodeagent.slice").mkdir(parents=True)
+    node = tmp_path / "gpus.yaml"
+    node.write_text(textwrap.dedent(gpus))
+    given = dict(policy or {})
+    spec = PolicySpec.model_validate(
+        {
+            "version": 1,
+            "agent": {"state_file": str(tmp_path / "state.json"), **given.pop("agent", {})},
+            "tenants": {"research": {"shares": 1}, "prod": {"shares": 1}},
+            "jobs": {"default_tenant": "research", **given.pop("jobs", {})},
+            "gpu": {"simulate": str(node), **given.pop("gpu", {})},
+            **given,
+        }
+    )
+    agent = Agent(spec, FilesTree(str(root)))
+    proc = tmp_path / "proc"
+    proc.mkdir(exist_ok=True)
+    agent.jobs.proc_root = str(proc)
+    agent.jobs.open_process = lambda pid: AlwaysAlive()  # type: ignore[assignment,return-value]
+    agent.tick()  # reads the GPUs
+    assert agent.gpus.state is not None, "the simulated GPUs were read"
+    return Daemon(agent, root, proc)
+
+
+def restart(d: Daemon) -> Daemon:
+    """The same daemon started again on its state file."""
+    agent = Agent(d.agent.spec, FilesTree(str(d.root)))
+    agent.jobs.proc_root = str(d.proc)
+    agent.jobs.open_process = lambda pid: AlwaysAlive()  # type: ignore[assignment,return-value]
+    agent.tick()
+    return Daemon(agent, d.root, d.proc, d._next_pid)
+
+
+def mkdirs(root: Path, *paths: str) -> None:
+    for p in paths:
+        os.makedirs(root / p, exist_ok=True)

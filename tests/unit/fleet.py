@@ -1,0 +1,206 @@
+"""Three agents scraped as Prometheus scrapes them, as promtool's input series.
+
+In-process collectors fed hand-built ticks (ticks.py), each scraped every SCRAPE seconds
+for STEPS scrapes on promtool's clock (which starts at 0): each scrape's exposition text
+parsed back, labelled with job and instance as Prometheus labels what it scrapes, and
+each target's `up`. A series gone from a scrape gets a staleness marker, as Prometheus
+writes one.
+
+- node-a ticks throughout, and nothing goes wrong;
+- node-b stalls at STALL: its loop completes no more ticks while its endpoint answers with
+  the last one (a loop hung in a kernel read). Before that its cpu.weight writes fail
+  from FAIL; a deadline is missed at MISS; a reload fails at RELOAD; its GPUs run
+  processes no hold covers;
+- node-c stops answering at DOWN (up 0, its series stale).
+
+Every agent runs the same workloads (a deadline job, a stalling inference pod that has
+batch throttled, a job on a GPU), so every dashboard panel has data from each that is up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from ticks import A1, B1, DUE, GPU_NODE, K8S, record, state, with_deadline
+
+from nodeagent.cgroupfs.parse import Psi, PsiLine
+from nodeagent.cgroupfs.values import Attribute
+from nodeagent.gpu.model import GpuState
+from nodeagent.gpu.simulated import load_simulated
+from nodeagent.metrics.collector import Reload, TickCollector
+from nodeagent.report import TickRecord
+from nodeagent.sense.gpus import GpuSensor
+from nodeagent.snapshot import WorkloadState
+
+PROMTOOL = Path(sys.executable).with_name("promtool")
+JOB = "nodeagent"
+A, B, C = "node-a:9400", "node-b:9400", "node-c:9400"
+SCRAPE = 15
+"""Seconds between scrapes, and between ticks: agent.interval is SCRAPE too."""
+STEPS = 61
+"""Scrapes 0..60: 15 minutes."""
+END = (STEPS - 1) * SCRAPE
+FAIL, MISS, STALL, RELOAD, DOWN = 10, 12, 20, 25, 30
+"""The scrapes at which node-b's writes start failing, its deadline is missed, it stalls
+(its last tick is at STALL - 1), its reload fails; and at which node-c goes down."""
+
+
+POLICY = with_deadline("1970-01-01T00:30:00+00:00", 3000)
+"""The deadline job's due 15 minutes after the last scrape, with more work than it can do."""
+
+
+def at(step: int) -> str:
+    """A scrape's time, as promtool's eval_time takes it."""
+    return f"{step * SCRAPE}s"
+
+
+@dataclass
+class _Node:
+    instance: str
+    collector: TickCollector = field(init=False)
+    misses: int = 0
+    reload: Reload = (True, 0.0)
+
+    def __post_init__(self) -> None:
+        self.collector = TickCollector(
+            lambda: self.misses, reload=lambda: self.reload, interval=lambda: float(SCRAPE)
+        )
+
+
+def _grown(w: WorkloadState, step: int) -> WorkloadState:
+    """`w` after `step` ticks at its rate, stall and throttling: the kernel's totals moved
+    (100 ms CFS periods; memory pressure 1% of the time)."""
+    s, t = w.sample, step * SCRAPE
+    stall, throttled = w.cpu_stall or 0.0, w.throttled_fraction or 0.0
+
+    def psi(p: Psi | None, share: float) -> Psi | None:
+        if p is None:
+            return None
+
+        def line(x: PsiLine | None, part: float) -> PsiLine | None:
+            return None if x is None else replace(x, total_us=x.total_us + int(part * t * 1e6))
+
+        some = line(p.some, share)
+        assert some is not None
+        return Psi(some, line(p.full, share / 2))
+
+    assert s.cpu_usage_us is not None and s.cpu_nr_periods is not None
+    assert s.cpu_nr_throttled is not None and s.cpu_throttled_us is not None
+    sample = replace(
+        s,
+        cpu_usage_us=s.cpu_usage_us + int((w.cpu_rate or 0.0) * t * 1e6),
+        cpu_nr_periods=s.cpu_nr_periods + 10 * t,
+        cpu_nr_throttled=s.cpu_nr_throttled + int(throttled * 10 * t),
+        cpu_throttled_us=s.cpu_throttled_us + int(throttled * t * 1e6),
+        cpu_psi=psi(s.cpu_psi, stall),
+        memory_psi=psi(s.memory_psi, 0.01),
+    )
+    return replace(w, sample=sample)
+
+
+def _tick(step: int, gpus: GpuState, failing: Sequence[Attribute] = ()) -> TickRecord:
+    workloads = [state(K8S, 0.5, stall=0.4), state(DUE, 1.0, used_s=20.0)]
+    workloads += [state(A1, 3.0), state(B1, 3.0)]
+    return record(
+        [_grown(w, step) for w in workloads],
+        failing=failing,
+        policy=POLICY,
+        seq=step + 1,
+        wall_time=step * SCRAPE,
+        gpus=gpus,
+    )
+
+
+Series = dict[str, list[float | None]]
+
+
+def _scraped(node: _Node, step: int, series: Series) -> None:
+    registry = CollectorRegistry()
+    registry.register(node.collector)
+    text = generate_latest(registry).decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = {**s.labels, "job": JOB, "instance": node.instance}
+            series.setdefault(_notation(s.name, labels), [None] * STEPS)[step] = s.value
+
+
+def _notation(name: str, labels: Mapping[str, str]) -> str:
+    inner = ", ".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
+    return f"{name}{{{inner}}}"
+
+
+def _values(points: list[float | None]) -> str:
+    """promtool's series values: a sample, `stale` where one went, `_` where none is."""
+    out, last = [], None
+    for v in points:
+        if v is None:
+            out.append("stale" if last is not None else "_")
+        elif math.isnan(v):
+            out.append("NaN")
+        elif math.isinf(v):
+            out.append("Inf" if v > 0 else "-Inf")
+        else:
+            out.append(repr(v))
+        last = v
+    return " ".join(out)
+
+
+def input_series(tmp: Path) -> list[dict[str, str]]:
+    """The three agents' scrapes, as promtool's input_series."""
+    (tmp / "gpus.yaml").write_text(GPU_NODE)
+    backend = load_simulated(tmp / "gpus.yaml")
+    violating = GpuSensor(backend).read(())
+    assert violating is not None and violating.processes
+    clean = replace(violating, processes=())
+    nodes = {i: _Node(i) for i in (A, B, C)}
+    for node in nodes.values():
+        node.collector.watch_gpus(backend)
+    series: Series = {}
+    for step in range(STEPS):
+        b = nodes[B]
+        if step < STALL:
+            failing = (Attribute.CPU_WEIGHT,) if step >= FAIL else ()
+            b.collector.observe(_tick(step, violating, failing))
+        b.misses, b.reload = int(step >= MISS), (step < RELOAD, 0.0)
+        for node in (nodes[A], nodes[C]):
+            node.collector.observe(_tick(step, clean))
+        for node in nodes.values():
+            up = node.instance != C or step < DOWN
+            if up:
+                _scraped(node, step, series)
+            labels = {"job": JOB, "instance": node.instance}
+            series.setdefault(_notation("up", labels), [None] * STEPS)[step] = int(up)
+    return [{"series": name, "values": _values(points)} for name, points in sorted(series.items())]
+
+
+def promtool_test(
+    tmp: Path,
+    series: list[dict[str, str]],
+    test: Mapping[str, Any],
+    rule_files: Sequence[Path] = (),
+) -> str:
+    """Run one promtool test group over `series` (input_series'); its output, on success."""
+    assert PROMTOOL.exists(), f"no {PROMTOOL}: ./scripts/test installs it"
+    group = {"name": "fleet", "interval": f"{SCRAPE}s", "input_series": series}
+    spec = {
+        "rule_files": [str(p) for p in rule_files],
+        "evaluation_interval": f"{SCRAPE}s",
+        "tests": [{**group, **test}],
+    }
+    path = tmp / "test.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False, width=1 << 20))
+    run = subprocess.run(
+        [str(PROMTOOL), "test", "rules", str(path)], capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
