@@ -134,6 +134,8 @@ class Agent:
         """Workloads with a failed write last tick: written again even on an unchanged plan."""
         self._needs_key: object = None
         self._needs_value: dict[str, Needs] = {}
+        self._refused: set[tuple[str, str]] = set()
+        """(cgroup, what a rule refused) said already."""
         self._claimed_key: object = None
         self._claimed_value: tuple[
             dict[str, Assignment],
@@ -297,11 +299,26 @@ class Agent:
         key = (tuple(identities), tuple(jobs.items()), id(self.spec))
         if key != self._claimed_key:
             assignments = {**assign(identities, self.spec), **jobs}
+            self._say_refused(assignments)
             managed = [i for i in identities if i.path in assignments]
             modes = {i.path: write_mode(i, self.spec.agent) for i in managed}
             self._claimed_value = (assignments, managed, self._levels(managed), modes)
             self._claimed_key = key
         return self._claimed_value
+
+    def _say_refused(self, assignments: Mapping[str, Assignment]) -> None:
+        """A label or annotation that asked for what its rule does not allow: said once per
+        cgroup and value (and shown by workloads, allocations and explain)."""
+        now = {(path, x) for path, a in assignments.items() for x in a.refused}
+        for path, refused in sorted(now - self._refused):
+            log.warning(
+                "rule.value_refused",
+                cgroup=path,
+                rule=assignments[path].rule,
+                refused=refused,
+                action="the rule's own tenant, class or deadline applies",
+            )
+        self._refused = now
 
     def _needs(
         self, assignments: Mapping[str, Assignment], managed: list[WorkloadIdentity]

@@ -34,8 +34,8 @@ from benchkit import Bench, percentile
 from inotify_simple import INotify, flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernel"))
-import runtimes as rt  # noqa: E402
-from conftest import CGROUP_ROOT  # noqa: E402
+import runtimes as rt
+from conftest import CGROUP_ROOT
 
 MANAGED = "nodeagent-bench.slice"
 CPU_MAX = "50000 100000"
@@ -104,8 +104,10 @@ def wait_log(log: Path, needle: str, proc: subprocess.Popen[bytes], timeout: flo
         time.sleep(0.01)
 
 
-def case(bench: Bench, runtimes: rt.Runtimes | None, name: str, state: Path,
-         match: dict[str, object], docker: str | None, runs: int) -> None:  # fmt: skip
+def case(
+    bench: Bench, runtimes: rt.Runtimes | None, name: str, state: Path, *,
+    match: dict[str, object], docker: str | None, runs: int,
+) -> None:  # fmt: skip
     config = state / f"{name}.yaml"
     config.write_text(yaml.safe_dump(policy(state, match, docker)))
     log = state / f"{name}.log"
@@ -153,9 +155,10 @@ def case(bench: Bench, runtimes: rt.Runtimes | None, name: str, state: Path,
 def main() -> None:
     with Bench("container-start", __doc__, options) as bench:
         runs = bench.args.runs
-        with tempfile.TemporaryDirectory() as tmp, rt.started(
-            rt.InVm(), CGROUP_ROOT, docker_only=True
-        ) as runtimes:
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            rt.started(rt.InVm(), CGROUP_ROOT, docker_only=True) as runtimes,
+        ):
             state = Path(tmp)
             bench.figures["dockerd_start_s"] = round(runtimes.started["dockerd"], 2)
             runtimes.run_docker("warm-up")  # docker/ exists, the image is unpacked once
@@ -163,9 +166,11 @@ def main() -> None:
             bench.say(f"cgroup made -> first cpu.max write, {runs} containers per case"
                       f" ({os.cpu_count()} CPUs)")  # fmt: skip
             docker = runtimes.paths.docker
-            case(bench, runtimes, "no lookup", state, {"runtime": "docker"}, None, runs)
-            case(bench, runtimes, "lookup", state, {"labels": {"bench": "start"}}, docker, runs)
-            case(bench, None, "mkdir only", state, {"kind": "job"}, None, runs)
+            no_lookup = {"runtime": "docker"}
+            case(bench, runtimes, "no lookup", state, match=no_lookup, docker=None, runs=runs)
+            lookup = {"labels": {"bench": "start"}}
+            case(bench, runtimes, "lookup", state, match=lookup, docker=docker, runs=runs)
+            case(bench, None, "mkdir only", state, match={"kind": "job"}, docker=None, runs=runs)
 
 
 if __name__ == "__main__":

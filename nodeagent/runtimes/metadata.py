@@ -26,6 +26,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 import structlog
 
@@ -93,9 +94,14 @@ class RuntimeMetadata:
         by_name: Mapping[str, Adapter],
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        budget: float = LOOKUP_BUDGET_S,
+        say: bool = True,
     ) -> None:
         self.adapters = dict(by_name)
         self.clock, self.wall = clock, wall
+        self.budget = budget
+        self.say = say
+        """Log the runtimes' state changes (the daemon); a CLI shows them per row instead."""
         self._entries: dict[tuple[str, str], _Entry] = {}
         self._down: dict[str, _Down] = {}
         self._events: dict[str, tuple[float, float]] = {}
@@ -106,8 +112,8 @@ class RuntimeMetadata:
         """Calls made to runtimes (for the tests and the benchmark)."""
 
     @classmethod
-    def from_settings(cls, settings: RuntimeSettings) -> RuntimeMetadata:
-        return cls(adapters(settings))
+    def from_settings(cls, settings: RuntimeSettings, **options: Any) -> RuntimeMetadata:
+        return cls(adapters(settings), **options)
 
     def close(self) -> None:
         for a in self.adapters.values():
@@ -150,7 +156,7 @@ class RuntimeMetadata:
         appear (the fast path), asked about again even when known (a container restarted
         under the same id)."""
         now = self.clock()
-        budget_end = now + LOOKUP_BUDGET_S
+        budget_end = now + self.budget
         self._follow_events(now)
         out: list[WorkloadIdentity] = []
         live: set[tuple[str, str]] = set()
@@ -236,30 +242,32 @@ class RuntimeMetadata:
         problem = f"{runtime}'s answer was refused: {reason}"
         if target not in self._refused:
             self._refused.add(target)
-            log.warning(
-                "runtime.answer_refused",
-                runtime=runtime,
-                socket=adapter.socket,
-                container=key[:64],
-                reason=reason,
-                action="this container keeps its path identity; rules that need metadata skip it",
-            )
+            if self.say:
+                log.warning(
+                    "runtime.answer_refused",
+                    runtime=runtime,
+                    socket=adapter.socket,
+                    container=key[:64],
+                    reason=reason,
+                    action="it keeps its path identity; rules that need metadata skip it",
+                )
         return self._keep(target, _Entry(None, problem))
 
     def _went_down(self, runtime: str, adapter: Adapter, reason: str, now: float) -> None:
         down = self._down.get(runtime)
         text = f"{runtime} does not answer: {reason}"
         if down is None:
-            log.warning(
-                "runtime.unavailable",
-                runtime=runtime,
-                socket=adapter.socket,
-                error=reason,
-                action=(
-                    "its containers keep their path identity and what it said before; rules"
-                    f" that need metadata skip its new ones; asking again every {RETRY_S:g} s"
-                ),
-            )
+            if self.say:
+                log.warning(
+                    "runtime.unavailable",
+                    runtime=runtime,
+                    socket=adapter.socket,
+                    error=reason,
+                    action=(
+                        "its containers keep their path identity and what it said before; rules"
+                        f" that need metadata skip its new ones; asking again every {RETRY_S:g} s"
+                    ),
+                )
             self._down[runtime] = _Down(text, now, now + RETRY_S)
         else:
             down.reason, down.retry_at = text, now + RETRY_S
@@ -268,13 +276,14 @@ class RuntimeMetadata:
         down = self._down.pop(runtime, None)
         if down is None:
             return
-        log.info(
-            "runtime.available",
-            runtime=runtime,
-            socket=adapter.socket,
-            after_s=round(now - down.since, 1),
-            action="asking it again about each of its containers (its events were missed)",
-        )
+        if self.say:
+            log.info(
+                "runtime.available",
+                runtime=runtime,
+                socket=adapter.socket,
+                after_s=round(now - down.since, 1),
+                action="asking it again about each of its containers (its events were missed)",
+            )
         self._events.pop(runtime, None)
         for key, entry in list(self._entries.items()):
             if key[0] == runtime and key not in self._refused:

@@ -18,6 +18,7 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -272,8 +273,20 @@ class Tenant(_Strict):
     shares: Shares
 
 
+LabelKey = Annotated[StrictStr, Field(min_length=1, max_length=1024)]
+LabelGlobs = Annotated[dict[LabelKey, Glob], Field(min_length=1, max_length=64)]
+"""Label (or annotation) key -> glob on its value: every key must be there and match."""
+
+CONTAINER_META = ("container_name", "image", "labels")
+POD_META = ("namespace", "pod_name", "pod_labels", "pod_annotations")
+
+
 class Match(_Strict):
-    """All given fields must match. `path` and `name` are shell globs; the rest compare exactly."""
+    """All given fields must match. `path`, `name`, `container_name`, `image`, `namespace`,
+    `pod_name` and the values of `labels`, `pod_labels` and `pod_annotations` are shell
+    globs; the rest compare exactly. The metadata keys (container_name to pod_annotations)
+    are what the workload's runtime says: a workload whose runtime said nothing does not
+    match them."""
 
     path: Glob | None = None
     name: Glob | None = None
@@ -283,6 +296,60 @@ class Match(_Strict):
     qos: Annotated[QosTier, BeforeValidator(_not_bytes)] | None = None
     pod_uid: StrictStr | None = None
     container_id: StrictStr | None = None
+    container_name: Glob | None = None
+    image: Glob | None = None
+    labels: LabelGlobs | None = None
+    namespace: Glob | None = None
+    pod_name: Glob | None = None
+    pod_labels: LabelGlobs | None = None
+    pod_annotations: LabelGlobs | None = None
+
+    @property
+    def needs_metadata(self) -> bool:
+        return any(getattr(self, k) is not None for k in (*CONTAINER_META, *POD_META))
+
+
+class MetaSource(_Strict):
+    """Where a rule reads a tenant or a class from: exactly one label or annotation."""
+
+    label: LabelKey | None = None
+    """The container's own label."""
+    pod_label: LabelKey | None = None
+    annotation: LabelKey | None = None
+    """The container's own annotation (CRI, podman)."""
+    pod_annotation: LabelKey | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> MetaSource:
+        given = [
+            k for k in ("label", "pod_label", "annotation", "pod_annotation") if getattr(self, k)
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "needs exactly one of label, pod_label, annotation, pod_annotation"
+                + (f", got {', '.join(given)}" if given else "")
+            )
+        return self
+
+    @property
+    def source(self) -> tuple[str, str]:
+        """(which: label, pod_label, annotation or pod_annotation; the key)."""
+        for which in ("label", "pod_label", "annotation", "pod_annotation"):
+            key = getattr(self, which)
+            if key is not None:
+                return which, key
+        raise AssertionError("validated: one source")
+
+
+class TenantFrom(MetaSource):
+    allowed: tuple[StrictStr, ...] = ()
+    """The only tenants this rule may give: any other value falls back to the rule's own
+    `tenant`, and is reported."""
+
+
+class ClassFrom(MetaSource):
+    allowed: tuple[Annotated[WorkloadClass, BeforeValidator(_not_bytes)], ...] = ()
+    """The only classes this rule may give: any other value falls back to its `class`."""
 
 
 class Limits(_Strict):
@@ -311,6 +378,12 @@ class Rule(_Strict):
     """When the work must be done: an ISO 8601 time with a UTC offset."""
     work: Duration | None = Field(None, gt=0)
     """CPU-seconds the work needs in all, counted from the cgroup's creation."""
+    tenant_from: TenantFrom | None = None
+    """Take the tenant from a label or annotation, among `allowed` only."""
+    class_from: ClassFrom | None = None
+    deadline_from_annotations: StrictBool = False
+    """A workload (its pod, or itself) annotated nodeagent.io/deadline (a time) and
+    nodeagent.io/work (CPU duration) is a deadline job."""
 
 
 class MemoryProtection(enum.StrEnum):

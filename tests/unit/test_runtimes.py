@@ -241,3 +241,66 @@ def test_services_and_jobs_are_not_asked(docker: StandInDocker) -> None:
     )
     meta = cache(docker, Clock())
     assert meta.attach([svc]) == [svc] and meta.lookups == 0
+
+
+# -- what operators see --------------------------------------------------------------------------
+
+
+def test_workloads_shows_the_runtimes_names_and_why_a_rule_did_not_match(
+    docker: StandInDocker, tmp_path: Path
+) -> None:
+    from click.testing import CliRunner
+
+    from nodeagent.cli import main
+
+    root = tmp_path / "cgroup"
+    for cid in (A, B):
+        (root / "docker" / cid).mkdir(parents=True)
+    for d in (root, root / "docker", root / "docker" / A, root / "docker" / B):
+        (d / "cgroup.procs").write_text("")
+    docker.answers[A] = container(A, "web-1", "nginx:1.25", {"team": "a"})
+    docker.answers[B] = container(B, "x", "i", {f"k{n}": "v" for n in range(10_000)})
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        f"version: 1\nagent: {{runtimes: {{docker: {docker.path}}}}}\n"
+        "tenants: {a: {shares: 1}}\n"
+        "rules:\n"
+        "  - {name: team-a, match: {labels: {team: a}}, tenant: a}\n"
+        "  - {name: docker, match: {runtime: docker}, tenant: a, class: besteffort}\n"
+    )
+    args = ["workloads", "--cgroup-root", str(root), "--config", str(policy), "--wide"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:3] == ["CGROUP", "NAME", "IMAGE"]
+    web = next(line for line in lines if A in line)
+    assert web.split()[1:3] == ["web-1", "nginx:1.25"] and web.split()[-3:] == ["a", "batch", "ok"]
+    hostile = next(line for line in lines if B in line)
+    assert (
+        "besteffort  ok; rule team-a needs runtime metadata: docker's answer was refused:"
+        in hostile
+    )
+    assert "10000 labels, more than 1024" in hostile
+    as_json = CliRunner().invoke(main, [*args[:-1], "--json"])
+    rows = {r["cgroup"]: r for r in __import__("json").loads(as_json.stdout)["items"]}
+    row = rows[f"docker/{A}"]
+    assert row["metadata"]["labels"] == {"team": "a"} and row["matched"] == ["labels.team=a"]
+
+
+def test_explain_says_what_the_runtime_said_and_what_matched() -> None:
+    from nodeagent.cli.inspection import explain_text
+
+    data = {
+        "cgroup": f"docker/{A}", "kind": "container", "runtime": "docker", "owner": "cgroupfs",
+        "write": "direct", "rule": "team-a", "tenant": "a", "class": "batch", "cpu_rate": 0.5,
+        "tick": 3, "dry_run": False, "values": {}, "sensed": {}, "trace": [], "writes": [],
+        "container_name": "web-1", "image": "nginx:1.25", "namespace": None, "pod": None,
+        "matched": ["labels.team=a"], "refused": ["label t='big' is not a tenant rule ..."],
+    }  # fmt: skip
+    from nodeagent.tables import SHOWN
+
+    data["values"] = {a: {"current": None, "target": None} for a in SHOWN}
+    text = explain_text(data)
+    assert "  runtime says: web-1 (nginx:1.25)" in text
+    assert "  rule team-a matched: labels.team=a" in text
+    assert "  refused: label t='big' is not a tenant rule ..." in text
