@@ -48,6 +48,7 @@ from nodeagent.policy.plan import Plan, make_plan
 from nodeagent.policy.protection import stall
 from nodeagent.policy.weights import ancestors
 from nodeagent.report import TickRecord, allocations, explain, find, identities
+from nodeagent.runtimes.metadata import RuntimeMetadata
 from nodeagent.sdbus import Systemd
 from nodeagent.sense.cgroup_files import NO_NEEDS, Needs
 from nodeagent.sense.node import NodeSensor
@@ -86,6 +87,8 @@ class Agent:
         self.config_path = config_path
         self.proc_root = proc_root
         self.registry = Registry(tree, spec.agent.managed_root)
+        # what the container runtimes say about their containers (names, images, labels, pods)
+        self.runtimes = RuntimeMetadata.from_settings(spec.agent.runtimes)
         # rates over shorter windows than half a tick are noise (cpu.stat moves in scheduler ticks)
         self.sensor = Sensor(
             tree,
@@ -110,8 +113,8 @@ class Agent:
             self._exists,
             lambda: self.registry.workloads.values(),  # noqa: PLW0108 - a resync replaces the dict
         )
+        # Kubernetes mode: the kubelet's PodResources and the API server's watch
         self.kube = _kubernetes(spec)
-        """Kubernetes mode: the kubelet's PodResources and the API server's watch."""
         self.jobs = Jobs(tree, audit_write, proc_root, on_end=self.gpus.release_job)
         self.carry: dict[str, Mapping[str, object]] = {}
         """The policies' state for their next tick (the protection controller's)."""
@@ -136,6 +139,8 @@ class Agent:
         """Workloads with a failed write last tick: written again even on an unchanged plan."""
         self._needs_key: object = None
         self._needs_value: dict[str, Needs] = {}
+        self._refused: set[tuple[str, str]] = set()
+        """(cgroup, what a rule refused) said already."""
         self._claimed_key: object = None
         self._claimed_value: tuple[
             dict[str, Assignment],
@@ -152,8 +157,8 @@ class Agent:
         """The last plan's assignments, for as long as it is made again (same cgroups)."""
         self.stop = threading.Event()
         self.reload_requested = threading.Event()
+        # for agent.reload_on_change: the policy file as it was last loaded
         self.policy_file = None if config_path is None else FileWatch(config_path)
-        """For `agent.reload_on_change`: the policy file as it was last loaded."""
         self.last_reload = (True, time.time())
         """Whether the last reload applied the file, and when the policy in force was loaded
         (for the metrics; the start-up load counts as a reload that applied)."""
@@ -172,12 +177,8 @@ class Agent:
         return spec.model_copy(update={"agent": agent})
 
     def _pods(self) -> PodDirectory:
-        """What is known of this node's pods (Kubernetes mode); problems reported once."""
-        if self.kube is None:
-            return EMPTY
-        pods = self.kube.pods()
-        self.kube.check_owners(self.spec, pods)
-        return pods
+        """The API server's view of this node's pods (Kubernetes mode, when watched)."""
+        return EMPTY if self.kube is None else self.kube.pods()
 
     def _levels(self, managed: list[WorkloadIdentity]) -> list[WorkloadIdentity]:
         """The parents of the claimed workloads, up to (not including) the root, for the
@@ -251,7 +252,7 @@ class Agent:
         for path in jobs.keys() - self.registry.workloads.keys():
             self.registry.track(path)  # started since inotify last spoke
         # only workloads a rule or exec claims are sensed: the rest are left alone
-        identities = self.registry.identities()
+        identities = self.runtimes.attach(self.registry.identities())
         assignments, managed, levels, modes = self._claimed(identities, jobs)
         snapshot = self.sensor.snapshot(
             managed,
@@ -322,11 +323,26 @@ class Agent:
         key = (tuple(identities), tuple(jobs.items()), id(self.spec), pods.version)
         if key != self._claimed_key:
             assignments = {**assign(identities, self.spec, pods), **jobs}
+            self._say_refused(assignments)
             managed = [i for i in identities if i.path in assignments]
             modes = {i.path: write_mode(i, self.spec.agent) for i in managed}
             self._claimed_value = (assignments, managed, self._levels(managed), modes)
             self._claimed_key = key
         return self._claimed_value
+
+    def _say_refused(self, assignments: Mapping[str, Assignment]) -> None:
+        """A label or annotation that asked for what its rule does not allow: said once per
+        cgroup and value (and shown by workloads, allocations and explain)."""
+        now = {(path, x) for path, a in assignments.items() for x in a.refused}
+        for path, refused in sorted(now - self._refused):
+            log.warning(
+                "rule.value_refused",
+                cgroup=path,
+                rule=assignments[path].rule,
+                refused=refused,
+                action="the rule's own tenant, class or deadline applies",
+            )
+        self._refused = now
 
     def _needs(
         self, assignments: Mapping[str, Assignment], managed: list[WorkloadIdentity]
@@ -479,6 +495,9 @@ class Agent:
                 action="keeping the last good policy; restart nodeagent to apply these",
             )
             return
+        if spec.agent.runtimes != self.spec.agent.runtimes:
+            self.runtimes.close()
+            self.runtimes = RuntimeMetadata.from_settings(spec.agent.runtimes)
         self.spec = spec
         self.sensor.min_window = spec.agent.interval / 2
         self.sensor.verify_every = spec.agent.resync_interval
@@ -634,7 +653,9 @@ class Agent:
     def fast_path(self, paths: list[str]) -> None:
         """Apply new workloads' own caps and their tenant's weight now, before the next
         full tick (policy.newcomer explains what it sets)."""
-        identities = [self.registry.workloads[p] for p in paths if p in self.registry.workloads]
+        found = [self.registry.workloads[p] for p in paths if p in self.registry.workloads]
+        # the runtime's answer is part of the fast path: a rule on labels applies at once
+        identities = self.runtimes.attach(found, complete=False, new=True)
         jobs = self.jobs.assignments()
         assignments = {**assign(identities, self.spec, self._pods()), **jobs}
         last = self.last

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from nodeagent.runtimes.model import ContainerMeta
+
 
 class Runtime(enum.StrEnum):
     DOCKER = "docker"
@@ -48,7 +50,9 @@ class QosTier(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class WorkloadIdentity:
-    """What discovery learned about one cgroup from its place in the tree alone.
+    """What discovery learned about one cgroup from its place in the tree alone, and what
+    its runtime said about it (`meta`, added by nodeagent.runtimes.metadata before the
+    policies see it; `meta_problem` says why there is none).
 
     `path` is relative to the cgroup root, '/'-separated, with no leading slash.
     """
@@ -61,3 +65,5 @@ class WorkloadIdentity:
     container_id: str | None = None
     pod_uid: str | None = None
     qos: QosTier | None = None
+    meta: ContainerMeta | None = None
+    meta_problem: str | None = None

@@ -1,6 +1,7 @@
 """Which GPUs each container holds, as the device plugin assigned them: the kubelet's
 PodResources answer (namespace, pod and container names, device ids) joined to the
-containers' cgroups through what the agent knows of the pods (uid, container ids).
+containers' cgroups through what the agent knows of them: the names CRI gave each container
+(agent.runtimes), or the API server's watch (pod uid and container ids).
 
 The result is one Hold of kind "pod" per container, with its cgroup, so that GPU
 verification (a process on a GPU its pod was not given), power classes and the metrics
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from nodeagent.gpu.model import GpuState, Hold, HoldKind
 from nodeagent.identity import Kind, WorkloadIdentity
+from nodeagent.kube.owners import with_api_view
 from nodeagent.kube.podresources import ContainerDevices
 from nodeagent.kube.pods import PodDirectory
 from nodeagent.spec.glob import glob_matches
@@ -44,11 +46,16 @@ def join(
     """`classes`: the class of each claimed workload's cgroup, for the power caps."""
     index = {d.uuid: d.index for d in gpus.devices}
     index |= {m.uuid: d.index for d in gpus.devices for m in d.mig_devices}
-    cgroups = {
-        (i.pod_uid, i.container_id): i.path
-        for i in identities
-        if i.kind is Kind.CONTAINER and i.pod_uid and i.container_id
-    }
+    cgroups: dict[tuple[str, str, str], str] = {}
+    known: set[tuple[str, str]] = set()
+    for i in identities:
+        v = with_api_view(i, pods)  # what the API server says, else what CRI said
+        pod = v.meta.pod if v.meta is not None else None
+        if pod is None:
+            continue
+        known.add((pod.namespace, pod.name))
+        if v.kind is Kind.CONTAINER and v.meta is not None and v.meta.name is not None:
+            cgroups[(pod.namespace, pod.name, v.meta.name)] = v.path
     holds, unjoined = [], []
     for c in listing:
         uuids = tuple(
@@ -59,7 +66,16 @@ def join(
         )
         if not uuids:
             continue
-        cgroup, why = _cgroup(c, pods, cgroups)
+        cgroup = cgroups.get((c.namespace, c.pod, c.container))
+        why = (
+            ""
+            if cgroup is not None
+            else (
+                f"no cgroup of container {c.container!r} is known yet"
+                if (c.namespace, c.pod) in known
+                else "the pod is not known yet (neither CRI nor the API server's watch names it)"
+            )
+        )
         if why:
             unjoined.append(f"{owner(c)} holds {', '.join(uuids)}: {why}")
         foreign = [u for u in uuids if u not in index]
@@ -76,18 +92,3 @@ def join(
             )
         )
     return Joined(tuple(holds), tuple(unjoined))
-
-
-def _cgroup(
-    c: ContainerDevices, pods: PodDirectory, cgroups: Mapping[tuple[str, str], str]
-) -> tuple[str | None, str]:
-    pod = pods.by_name(c.namespace, c.pod)
-    if pod is None:
-        return None, "the pod is not known yet (no API server watch or CRI answer names it)"
-    ids = [cid for cid, name in pod.containers.items() if name == c.container]
-    if not ids:
-        return None, f"pod {pod.uid} has no started container {c.container!r} yet"
-    found = [cgroups[(pod.uid, cid)] for cid in ids if (pod.uid, cid) in cgroups]
-    if not found:
-        return None, f"no cgroup of container {ids[0][:12]} in pod {pod.uid} is known"
-    return found[-1], ""

@@ -5,8 +5,8 @@ and annotations as they are now, namespaces' labels), and what the loop asks of 
 PodResources is asked again when the node's pod containers change (a pod started or went)
 and every REFRESH seconds otherwise; a kubelet that does not answer in time costs a tick
 at most `kubernetes.pod_resources_timeout`, is logged once, and the last good answer
-stands. Problems with a pod (a refused tenant claim, a bad deadline annotation, GPUs that
-cannot be tied to a cgroup) are logged once each, as warnings in the audit stream.
+stands. GPUs that cannot be tied to a cgroup are logged once each, as warnings in the
+audit stream (a pod's refused tenant claim is the rule's `refused`, logged by the loop).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from nodeagent.gpu.model import GpuState, Hold
 from nodeagent.identity import Kind, WorkloadIdentity
 from nodeagent.kube import gpus
 from nodeagent.kube.apiwatch import ApiWatch, in_cluster
-from nodeagent.kube.owners import pod_owner
 from nodeagent.kube.podresources import ContainerDevices, PodResourcesClient, PodResourcesError
 from nodeagent.kube.pods import EMPTY, PodDirectory
 from nodeagent.kube.publish import Publisher
@@ -72,7 +71,6 @@ class KubernetesNode:
         self._asked: tuple[float, object] = (-REFRESH, None)
         self._failing: str | None = None
         self._said: set[str] = set()
-        self._checked: object = None
 
     def start(self) -> None:
         if self.api is not None:
@@ -118,20 +116,6 @@ class KubernetesNode:
         if self._failing is not None:
             log.info("kubernetes.pod_resources_recovered")
             self._failing = None
-
-    def check_owners(self, spec: PolicySpec, pods: PodDirectory) -> None:
-        """Report each pod's refused claims and unreadable annotations, once each."""
-        if (id(spec), pods.version) == self._checked:
-            return
-        self._checked = (id(spec), pods.version)
-        problems = [
-            p
-            for pod in pods.pods.values()
-            for p in pod_owner(
-                pod, pods.namespaces.get(pod.namespace), spec.kubernetes, spec.tenants
-            ).problems
-        ]
-        self._once("kubernetes.pod_refused", problems)
 
     def publish(self, state: GpuState | None, spec: PolicySpec) -> None:
         """Tell the scheduler what the node has (publish in the policy)."""

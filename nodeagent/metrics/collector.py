@@ -33,7 +33,7 @@ from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, Memo
 from nodeagent.errors import one_line
 from nodeagent.gpu.backend import GpuBackend
 from nodeagent.identity import WorkloadIdentity
-from nodeagent.metrics.families import FAMILIES, WORKLOAD, Scrape
+from nodeagent.metrics.families import FAMILIES, RUNTIME_NAME_MAX, WORKLOAD, Scrape
 from nodeagent.metrics.gpus import GpuMetrics
 from nodeagent.policy.base import Assignment, Note, describe
 from nodeagent.policy.plan import CgroupPlan
@@ -249,7 +249,7 @@ def _loop(out: Scrape, seen: _Seen, misses: int) -> None:
 
 def _labels(identity: WorkloadIdentity, assignment: Assignment | None) -> tuple[str, ...]:
     d = describe(identity, assignment)
-    return tuple(str(d[k] or "") for k in WORKLOAD)
+    return tuple(str(d[k] or "")[:RUNTIME_NAME_MAX] for k in WORKLOAD)
 
 
 def _info(out: Scrape, identity: WorkloadIdentity, labels: tuple[str, ...], status: str) -> None:

@@ -26,7 +26,7 @@ from nodeagent.cgroupfs.values import QUOTA_MAX_US, QUOTA_MIN_US
 from nodeagent.errors import NodeagentError, UnsafePath
 from nodeagent.regular_file import UnusableFile, read_regular_file
 from nodeagent.spec.glob import glob_matches
-from nodeagent.spec.model import ANY, MAX, AgentMode, Limits, Match, PolicySpec
+from nodeagent.spec.model import ANY, MAX, AgentMode, Limits, Match, PolicySpec, Rule
 from nodeagent.spec.nesting import nesting_warnings
 
 MAX_BYTES = 1 << 20  # a real policy is a few kilobytes; this also stops a read of /dev/zero
@@ -730,14 +730,11 @@ def _check_semantics(spec: PolicySpec, where: _Locator, report: _Report) -> None
                 hint = suggest(rule.tenant) or f"; tenants are {_listed(tenants)}"
                 add(("rules", i, "tenant"), f"unknown tenant {rule.tenant!r}{hint}")
         with _SKIP_BROKEN:
-            _check_limits(rule.limits, ("rules", i, "limits"), add)
+            _check_rule(
+                rule, i, spec, lambda t: suggest(t) or f"; tenants are {_listed(tenants)}", add
+            )
         with _SKIP_BROKEN:
-            if (rule.deadline is None) != (rule.work is None):
-                have, lacks = ("deadline", "work") if rule.work is None else ("work", "deadline")
-                add(
-                    ("rules", i, have),
-                    f"{have} needs {lacks}: the deadline policy plans the CPU rate from both",
-                )
+            _check_limits(rule.limits, ("rules", i, "limits"), add)
     with _SKIP_BROKEN:
         default = spec.jobs.default_tenant
         if default is not None and default not in spec.tenants:
@@ -767,6 +764,44 @@ def _check_power(spec: PolicySpec, add: typing.Callable[[Loc, str], None]) -> No
                     "a window needs both from and to (local times such as '22:00'),"
                     f" got only {have}",
                 )
+
+
+def _check_rule(
+    rule: Rule,
+    i: int,
+    spec: PolicySpec,
+    hint: typing.Callable[[str], str],
+    add: typing.Callable[[Loc, str], None],
+) -> None:
+    """A deadline needs its work; tenant_from and class_from list what they may give, and
+    tenant_from only tenants of the policy; a rule's own deadline leaves the annotations
+    unread."""
+    at = ("rules", i)
+    with _SKIP_BROKEN:
+        if (rule.deadline is None) != (rule.work is None):
+            have, lacks = ("deadline", "work") if rule.work is None else ("work", "deadline")
+            add(
+                ("rules", i, have),
+                f"{have} needs {lacks}: the deadline policy plans the CPU rate from both",
+            )
+    for key in ("tenant_from", "class_from"):
+        with _SKIP_BROKEN:
+            source = getattr(rule, key)
+            if source is not None and not source.allowed and not source.kubernetes:
+                what = "tenants" if key == "tenant_from" else "classes"
+                add((*at, key), f"needs allowed: the {what} this rule may give (at least one)")
+    with _SKIP_BROKEN:
+        if rule.tenant_from is not None:
+            for j, tenant in enumerate(_items(rule.tenant_from.allowed)):
+                if tenant not in spec.tenants:
+                    where = ("rules", i, "tenant_from", "allowed", j)
+                    add(where, f"unknown tenant {tenant!r}{hint(tenant)}")
+    with _SKIP_BROKEN:
+        if rule.deadline_from_annotations and rule.deadline is not None:
+            add(
+                ("rules", i, "deadline_from_annotations"),
+                "the rule gives a deadline itself: annotations would never be read",
+            )
 
 
 def _check_limits(limits: Limits, at: Loc, add: typing.Callable[[Loc, str], None]) -> None:

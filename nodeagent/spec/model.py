@@ -18,6 +18,7 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -225,6 +226,22 @@ class AgentMode(enum.StrEnum):
     refused."""
 
 
+class RuntimeSettings(_Strict):
+    """Where each container runtime answers, for the metadata rules match on (names, images,
+    labels, pods); `null` turns a runtime's lookups off. Read-only, each call within `timeout`."""
+
+    docker: SocketPath | None = "/run/docker.sock"
+    podman: SocketPath | None = "/run/podman/podman.sock"
+    """The socket of `podman system service`; without it, what `podman_storage` keeps."""
+    podman_storage: HostPath | None = "/var/lib/containers/storage"
+    """podman's store (graphroot), read when its API socket is absent: names and images only."""
+    containerd: SocketPath | None = "/run/containerd/containerd.sock"
+    """Its CRI plugin (Kubernetes pods)."""
+    crio: SocketPath | None = "/var/run/crio/crio.sock"
+    timeout: Duration = Field(0.2, ge=0.01, le=5)
+    """The deadline of each lookup (all its calls together)."""
+
+
 class AgentSettings(_Strict):
     """How the daemon runs: its tick, where it keeps state, and which subtree it owns."""
 
@@ -249,6 +266,7 @@ class AgentSettings(_Strict):
     kubelet_levels: _Permission = Permission.READ_ONLY
     """kubepods and the QoS tiers: the kubelet rewrites their weights about every minute,
     so by default the agent leaves them to it (see the README)."""
+    runtimes: RuntimeSettings = RuntimeSettings()
 
 
 class FairShareSettings(_Strict):
@@ -268,8 +286,20 @@ class Tenant(_Strict):
     shares: Shares
 
 
+LabelKey = Annotated[StrictStr, Field(min_length=1, max_length=1024)]
+LabelGlobs = Annotated[dict[LabelKey, Glob], Field(min_length=1, max_length=64)]
+"""Label (or annotation) key -> glob on its value: every key must be there and match."""
+
+CONTAINER_META = ("container_name", "image", "labels")
+POD_META = ("namespace", "pod_name", "pod_labels", "pod_annotations")
+
+
 class Match(_Strict):
-    """All given fields must match. `path` and `name` are shell globs; the rest compare exactly."""
+    """All given fields must match. `path`, `name`, `container_name`, `image`, `namespace`,
+    `pod_name` and the values of `labels`, `pod_labels` and `pod_annotations` are shell
+    globs; the rest compare exactly. The metadata keys (container_name to pod_annotations)
+    are what the workload's runtime says: a workload whose runtime said nothing does not
+    match them."""
 
     path: Glob | None = None
     name: Glob | None = None
@@ -279,6 +309,62 @@ class Match(_Strict):
     qos: Annotated[QosTier, BeforeValidator(_not_bytes)] | None = None
     pod_uid: StrictStr | None = None
     container_id: StrictStr | None = None
+    container_name: Glob | None = None
+    image: Glob | None = None
+    labels: LabelGlobs | None = None
+    namespace: Glob | None = None
+    pod_name: Glob | None = None
+    pod_labels: LabelGlobs | None = None
+    pod_annotations: LabelGlobs | None = None
+
+    @property
+    def needs_metadata(self) -> bool:
+        return any(getattr(self, k) is not None for k in (*CONTAINER_META, *POD_META))
+
+
+class MetaSource(_Strict):
+    """Where a rule reads a tenant or a class from: exactly one label or annotation."""
+
+    label: LabelKey | None = None
+    """The container's own label."""
+    pod_label: LabelKey | None = None
+    annotation: LabelKey | None = None
+    """The container's own annotation (CRI, podman)."""
+    pod_annotation: LabelKey | None = None
+    kubernetes: StrictBool = False
+    """Kubernetes mode: as the `kubernetes` section says (a tenant from the pod's
+    namespace, a class from `kubernetes.class_from`); `allowed` is not needed."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> MetaSource:
+        keys = ("label", "pod_label", "annotation", "pod_annotation", "kubernetes")
+        given = [k for k in keys if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(
+                "needs exactly one of label, pod_label, annotation, pod_annotation, kubernetes"
+                + (f", got {', '.join(given)}" if given else "")
+            )
+        return self
+
+    @property
+    def source(self) -> tuple[str, str]:
+        """(which: label, pod_label, annotation or pod_annotation; the key)."""
+        for which in ("label", "pod_label", "annotation", "pod_annotation"):
+            key = getattr(self, which)
+            if key is not None:
+                return which, key
+        raise AssertionError("validated: one source")
+
+
+class TenantFrom(MetaSource):
+    allowed: tuple[StrictStr, ...] = ()
+    """The only tenants this rule may give: any other value falls back to the rule's own
+    `tenant`, and is reported."""
+
+
+class ClassFrom(MetaSource):
+    allowed: tuple[Annotated[WorkloadClass, BeforeValidator(_not_bytes)], ...] = ()
+    """The only classes this rule may give: any other value falls back to its `class`."""
 
 
 class Limits(_Strict):
@@ -307,14 +393,12 @@ class Rule(_Strict):
     """When the work must be done: an ISO 8601 time with a UTC offset."""
     work: Duration | None = Field(None, gt=0)
     """CPU-seconds the work needs in all, counted from the cgroup's creation."""
-    tenant_from: Literal["kubernetes"] | None = None
-    """kubernetes: a pod's tenant from its namespace (`kubernetes.namespaces`,
-    `kubernetes.tenant_label`, claims through nodeagent.io/tenant); `tenant` is the
-    fallback for a namespace no entry names."""
-    class_from: Literal["kubernetes"] | None = None
-    """kubernetes: a pod's class from `kubernetes.class_from`, and its deadline and work
-    from the nodeagent.io/deadline and nodeagent.io/work annotations; `class`,
-    `deadline` and `work` are the fallbacks."""
+    tenant_from: TenantFrom | None = None
+    """Take the tenant from a label or annotation, among `allowed` only."""
+    class_from: ClassFrom | None = None
+    deadline_from_annotations: StrictBool = False
+    """A workload (its pod, or itself) annotated nodeagent.io/deadline (a time) and
+    nodeagent.io/work (CPU duration) is a deadline job."""
 
 
 class MemoryProtection(enum.StrEnum):

@@ -128,7 +128,7 @@ def test_an_edit_on_the_api_server_reassigns_the_pod(
                            "namespaces": {"research-*": "research"}},
             "tenants": {"research": {"shares": 1}, "nlp": {"shares": 1}},
             "rules": [{"name": "pods", "match": {"kind": "container"}, "tenant": "research",
-                       "tenant_from": "kubernetes", "class_from": "kubernetes"}],
+                       "tenant_from": {"kubernetes": True}, "class_from": {"kubernetes": True}}],
         }
     )  # fmt: skip
     (first,) = assign([CONTAINER], spec, watch.directory()).values()

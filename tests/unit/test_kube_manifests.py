@@ -189,7 +189,7 @@ def test_each_path_the_agent_opens_is_the_hosts(
     opened = {
         "cgroup root": pod.arg("--cgroup-root"),
         "proc root": pod.arg("--proc-root"),
-        "CRI socket": CRI_SOCKET,
+        "CRI socket": policy.agent.runtimes.containerd or "",
         "pod resources socket": policy.kubernetes.pod_resources_socket,
         "system bus": SYSTEM_BUS_ADDRESS.removeprefix("unix:path="),
         "state file": policy.agent.state_file,

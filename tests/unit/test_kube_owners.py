@@ -1,15 +1,18 @@
 """Who a pod belongs to (nodeagent.kube.owners): the tenant from its namespace (globs, or
 a namespace label), a claim through nodeagent.io/tenant allowed only where the namespace
 allows it (any other refused and reported), the class from the pod's annotations and
-labels with the fallbacks the policy lists, and its deadline from annotations."""
+labels with the fallbacks the policy lists; and, through the rules, CRI pods (metadata as
+the runtime gave it) and the API server's later edits winning over CRI."""
 
 from __future__ import annotations
 
 import pytest
 
-from nodeagent.identity import QosTier
-from nodeagent.kube.owners import pod_owner
-from nodeagent.kube.pods import Pod
+from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
+from nodeagent.kube.owners import PodView, pod_class, pod_tenant
+from nodeagent.kube.pods import Pod, PodDirectory
+from nodeagent.policy.classify import assign
+from nodeagent.runtimes.model import ContainerMeta, PodMeta, labels
 from nodeagent.spec.model import PolicySpec, WorkloadClass
 
 SPEC = PolicySpec.model_validate(
@@ -39,13 +42,14 @@ SPEC = PolicySpec.model_validate(
 K = SPEC.kubernetes
 
 
-def pod(namespace: str = "research-nlp", **kw: object) -> Pod:
-    return Pod(uid="u1", namespace=namespace, name="p", **kw)  # type: ignore[arg-type]
+def pod(namespace: str = "research-nlp", **kw: object) -> PodView:
+    meta = {"labels": {}, "annotations": {}, **kw}
+    return PodView(namespace=namespace, name="p", **meta)  # type: ignore[arg-type]
 
 
-def owner(p: Pod, ns_labels: dict[str, str] | None = None) -> tuple[object, ...]:
-    o = pod_owner(p, ns_labels, K, SPEC.tenants)
-    return (o.tenant, o.workload_class, o.problems)
+def owner(p: PodView, ns_labels: dict[str, str] | None = None) -> tuple[object, ...]:
+    tenant, refused = pod_tenant(p, ns_labels, K, SPEC.tenants)
+    return (tenant, pod_class(p, K), () if refused is None else (refused,))
 
 
 def test_the_tenant_comes_from_the_namespace() -> None:
@@ -107,28 +111,71 @@ def test_the_class_comes_from_the_first_source_that_gives_one(
     assert owner(pod(**meta))[1] == expected
 
 
-def test_the_deadline_and_work_come_from_annotations() -> None:
-    o = pod_owner(pod(annotations={"nodeagent.io/deadline": "2026-12-01T18:00:00Z",
-                                   "nodeagent.io/work": "2h"}), None, K, SPEC.tenants)  # fmt: skip
-    assert (o.deadline, o.work, o.problems) == (1796148000.0, 7200.0, ())
+UID = "6f1d2c3b-4a5e-4f60-8b7a-9c0d1e2f3a4b"
+CID = "a1" * 32
+RULES = {
+    "agent": {"mode": "kubernetes"},
+    "kubernetes": {"namespaces": {"research-*": "research",
+                                  "prod-*": {"tenant": "prod", "allow": ["research"]}}},
+    "tenants": {"research": {"shares": 1}, "prod": {"shares": 1}, "ops": {"shares": 1}},
+    "rules": [{"name": "pods", "match": {"kind": "container"}, "tenant": "ops",
+               "tenant_from": {"kubernetes": True}, "class_from": {"kubernetes": True},
+               "deadline_from_annotations": True}],
+}  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("annotations", "problem"),
-    [
-        ({"nodeagent.io/deadline": "2026-12-01T18:00:00Z"},
-         "pod research-nlp/p: nodeagent.io/deadline needs nodeagent.io/work; its deadline is"
-         " ignored"),
-        ({"nodeagent.io/deadline": "tomorrow", "nodeagent.io/work": "2h"},
-         "pod research-nlp/p: "),
-        ({"nodeagent.io/deadline": "2026-12-01T18:00:00Z", "nodeagent.io/work": "0s"},
-         "pod research-nlp/p: nodeagent.io/work must be more than 0; its deadline is ignored"),
-    ],
-)  # fmt: skip
-def test_a_bad_deadline_annotation_is_reported_and_ignored(
-    annotations: dict[str, str], problem: str
-) -> None:
-    o = pod_owner(pod(annotations=annotations), None, K, SPEC.tenants)
-    assert (o.deadline, o.work) == (None, None)
-    (found,) = o.problems
-    assert found.startswith(problem) and found.endswith("; its deadline is ignored"), found
+def cri_container(namespace: str, annotations: dict[str, str]) -> WorkloadIdentity:
+    """A pod's container as discovery and the CRI adapter give it: the pod's namespace,
+    name, uid, labels and annotations as the kubelet copied them onto its sandbox."""
+    pod_meta = PodMeta(namespace, "train-0", UID, labels({}), labels(annotations))
+    return WorkloadIdentity(
+        f"kubepods/burstable/pod{UID}/{CID}", Kind.CONTAINER, Runtime.CONTAINERD,
+        Owner.CGROUPFS, CID[:12], container_id=CID, pod_uid=UID, qos=QosTier.BURSTABLE,
+        meta=ContainerMeta("containerd", name="trainer", pod=pod_meta),
+    )  # fmt: skip
+
+
+def test_cri_pods_get_their_tenant_from_the_namespace_and_class_and_deadline_from_annotations(
+) -> None:  # fmt: skip
+    spec = PolicySpec.model_validate({"version": 1, **RULES})
+    w = cri_container("research-nlp", {"nodeagent.io/class": "training",
+                                       "nodeagent.io/deadline": "2026-12-01T18:00:00Z",
+                                       "nodeagent.io/work": "2h"})  # fmt: skip
+    (a,) = assign([w], spec).values()
+    assert (a.tenant, a.workload_class, a.deadline, a.work, a.refused) == (
+        "research",
+        WorkloadClass.TRAINING,
+        1796148000.0,
+        7200.0,
+        (),
+    )
+
+
+def test_a_cri_pod_claiming_a_tenant_its_namespace_may_not_use_is_refused() -> None:
+    spec = PolicySpec.model_validate({"version": 1, **RULES})
+    allowed = cri_container("prod-serving", {"nodeagent.io/tenant": "research"})
+    refused = cri_container("research-nlp", {"nodeagent.io/tenant": "prod"})
+    (a,) = assign([allowed], spec).values()
+    assert (a.tenant, a.refused) == ("research", ())
+    (b,) = assign([refused], spec).values()
+    assert (b.tenant, b.refused) == ("research", (
+        "pod research-nlp/train-0 claims tenant 'prod', which namespace research-nlp may not"
+        " use (it may: research); refused",
+    ))  # fmt: skip
+
+
+def test_the_api_servers_later_edit_wins_over_what_cri_said_at_creation() -> None:
+    spec = PolicySpec.model_validate({"version": 1, **RULES})
+    w = cri_container("research-nlp", {"nodeagent.io/class": "batch"})
+    edited = Pod(UID, "research-nlp", "train-0", annotations={"nodeagent.io/class": "inference"},
+                 containers={CID: "trainer"})  # fmt: skip
+    (a,) = assign([w], spec, PodDirectory({UID: edited}, {}, 1)).values()
+    assert a.workload_class is WorkloadClass.INFERENCE
+    (b,) = assign([w], spec).values()
+    assert b.workload_class is WorkloadClass.BATCH
+
+
+def test_a_namespace_no_entry_names_leaves_the_rules_own_tenant() -> None:
+    spec = PolicySpec.model_validate({"version": 1, **RULES})
+    (a,) = assign([cri_container("default", {})], spec).values()
+    assert (a.tenant, a.workload_class, a.refused) == ("ops", WorkloadClass.BATCH, ())

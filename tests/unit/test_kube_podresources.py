@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 import yaml
 from kube_standins import ApiServerStandIn, KubeletStandIn, kubelet, load, namespace, pod
 from kubernetes import client as kube_client
@@ -34,6 +35,7 @@ from nodeagent.gpu.service import GpuService
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.kube.node import KubernetesNode
 from nodeagent.kube.podresources import PodResourcesClient, PodResourcesError
+from nodeagent.sense.gpus import GpuSensor
 from nodeagent.spec.model import ApiServerSettings, PolicySpec
 
 PAIRS = REPO / "config/gpus/4x-a100-two-nvlink-pairs.yaml"
@@ -130,8 +132,8 @@ def policy(tmp_path: Path, socket: str) -> PolicySpec:
             },
             "tenants": {"research": {"shares": 1}, "prod": {"shares": 1}},
             "rules": [{"name": "pods", "match": {"kind": "container", "runtime": "containerd"},
-                       "tenant": "research", "tenant_from": "kubernetes",
-                       "class_from": "kubernetes"}],
+                       "tenant": "research", "tenant_from": {"kubernetes": True},
+                       "class_from": {"kubernetes": True}}],
         }
     )  # fmt: skip
 
@@ -273,9 +275,9 @@ def test_gpus_the_kubelet_cannot_tie_to_a_cgroup_are_not_checked_and_said_once(
             n.fields["device"] in GPU[:3]] == []  # fmt: skip
     assert [e["message"] for e in events] == [
         f"pod:research-nlp/train-llm-0/trainer holds {GPU[0]}, {GPU[1]}: the pod is not known"
-        " yet (no API server watch or CRI answer names it)",
+        " yet (neither CRI nor the API server's watch names it)",
         f"pod:prod-serving/infer-7d9f5c-qz8mw/server holds {GPU[2]}: the pod is not known"
-        " yet (no API server watch or CRI answer names it)",
+        " yet (neither CRI nor the API server's watch names it)",
     ]
 
 
@@ -321,12 +323,9 @@ def test_gpus_reserve_is_refused_with_one_line_saying_why(kube_daemon: str) -> N
 
 
 def test_a_pod_claiming_a_tenant_its_namespace_may_not_use_is_refused_and_reported_once(
-    agent: tuple[Agent, Any], api: ApiServerStandIn, monkeypatch: pytest.MonkeyPatch
+    agent: tuple[Agent, Any], api: ApiServerStandIn
 ) -> None:
     a, _ = agent
-    events: list[dict[str, object]] = []
-    monkeypatch.setattr("nodeagent.kube.node.audit_warning",
-                        lambda event, **f: events.append({"event": event, **f}))  # fmt: skip
     a.tick()
     api.put("pods", pod("infer-7d9f5c-qz8mw", "prod-serving", INFER_UID, {"server": SERVER},
                         qos="Guaranteed", labels={"nodeagent.io/class": "inference"},
@@ -336,12 +335,43 @@ def test_a_pod_claiming_a_tenant_its_namespace_may_not_use_is_refused_and_report
     while not a.kube.pods().pods[INFER_UID].annotations:
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    records = [a.tick(), a.tick()]
+    with structlog.testing.capture_logs() as logs:
+        records = [a.tick(), a.tick()]
     assert {r.assignments[CGROUP[SERVER]].tenant for r in records} == {"prod"}
-    assert events == [
-        {
-            "event": "kubernetes.pod_refused",
-            "message": "pod prod-serving/infer-7d9f5c-qz8mw claims tenant 'research', which"
-            " namespace prod-serving may not use (it may: prod); refused",
-        }
+    assert [(e["cgroup"], e["refused"]) for e in logs if e["event"] == "rule.value_refused"] == [
+        (CGROUP[SERVER], "pod prod-serving/infer-7d9f5c-qz8mw claims tenant 'research', which"
+         " namespace prod-serving may not use (it may: prod); refused")
+    ]  # fmt: skip
+
+
+def test_without_the_watch_the_names_cri_gave_join_the_gpus(tmp_path: Path) -> None:
+    """CRI names each container and its pod (agent.runtimes): enough to tie the kubelet's
+    answer to the cgroups, with no API server at all."""
+    from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
+    from nodeagent.kube.gpus import join
+    from nodeagent.kube.pods import EMPTY
+    from nodeagent.runtimes.model import ContainerMeta, PodMeta
+
+    def container(cid: str, name: str, pod_name: str, ns: str, uid: str) -> WorkloadIdentity:
+        return WorkloadIdentity(CGROUP[cid], Kind.CONTAINER, Runtime.CONTAINERD, Owner.CGROUPFS,
+                                cid[:12], container_id=cid, pod_uid=uid, qos=QosTier.BURSTABLE,
+                                meta=ContainerMeta("containerd", name=name,
+                                                   pod=PodMeta(ns, pod_name, uid)))  # fmt: skip
+
+    identities = [
+        container(TRAINER, "trainer", "train-llm-0", "research-nlp", TRAIN_UID),
+        container(SHIPPER, "log-shipper", "train-llm-0", "research-nlp", TRAIN_UID),
+        container(SERVER, "server", "infer-7d9f5c-qz8mw", "prod-serving", INFER_UID),
     ]
+    gpus = load_simulated(str(PAIRS))
+    state = GpuSensor(gpus).read(())
+    assert state is not None
+    with kubelet(tmp_path, load("podresources.json")) as k:
+        listing = PodResourcesClient(k.socket, 5).list()
+    joined = join(listing, EMPTY, identities, gpu_resources=("nvidia.com/gpu",), gpus=state,
+                  classes={})  # fmt: skip
+    assert {h.owner: (h.cgroup, h.indices) for h in joined.holds} == {
+        "pod:research-nlp/train-llm-0/trainer": (CGROUP[TRAINER], (0, 1)),
+        "pod:prod-serving/infer-7d9f5c-qz8mw/server": (CGROUP[SERVER], (2,)),
+    }
+    assert joined.unjoined == ()
