@@ -34,6 +34,7 @@ REFRESH = 10.0
 
 PREFIX = "nodeagent.io/"
 NRT_API = ("topology.node.k8s.io", "v1alpha2", "noderesourcetopologies")
+MANAGED_BY = "app.kubernetes.io/managed-by"
 _BAD = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -154,7 +155,7 @@ def node_resource_topology(
         out_zones.append({"name": f"node-{numa}", "type": "Node", "resources": resources})
     metadata: dict[str, Any] = {
         "name": node,
-        "labels": {"app.kubernetes.io/managed-by": "nodeagent"},
+        "labels": {MANAGED_BY: "nodeagent"},
     }
     if state.simulated:
         metadata["annotations"] = {"nodeagent.io/simulated": "true"}
@@ -260,6 +261,13 @@ class Publisher:
                 raise
             api.create_cluster_custom_object(group, version, plural, body)
         else:
+            producer = (current["metadata"].get("labels") or {}).get(MANAGED_BY)
+            if producer != "nodeagent":
+                raise NodeagentError(
+                    f"NodeResourceTopology {node} has another producer ({MANAGED_BY}:"
+                    f" {producer or 'not set'}): left as it is; turn"
+                    " publish.node_resource_topology off, or that producer"
+                )
             version_now = current["metadata"]["resourceVersion"]
             replaced = {**body, "metadata": {**body["metadata"], "resourceVersion": version_now}}
             api.replace_cluster_custom_object(group, version, plural, node, replaced)

@@ -151,3 +151,30 @@ def test_the_object_is_created_then_replaced_through_the_api_server(tmp_path: Pa
 def test_the_readme_shows_the_labels_as_written() -> None:
     shown = (SHOWN / "4x-a100-two-nvlink-pairs").read_text().split("\n", 2)[2]
     assert f"```\n{shown}```" in (REPO / "README.md").read_text()
+
+
+def test_an_object_another_producer_keeps_is_left_alone_and_said_once(tmp_path: Path) -> None:
+    spec = PolicySpec.model_validate(
+        {"version": 1, "agent": {"mode": "kubernetes"}, "tenants": {"a": {"shares": 1}},
+         "publish": {"node_resource_topology": True}}
+    )  # fmt: skip
+    with ApiServerStandIn() as api, kubelet(tmp_path, load("podresources.json")) as k:
+        api.nodes["gpu-1"] = node("gpu-1", "9d2f0c1e-0000-4000-8000-000000000001")
+        theirs = {"apiVersion": "topology.node.k8s.io/v1alpha2", "kind": "NodeResourceTopology",
+                  "metadata": {"name": "gpu-1", "resourceVersion": "7",
+                               "labels": {"app.kubernetes.io/managed-by": "nfd-topology-updater"}},
+                  "zones": []}  # fmt: skip
+        api.topologies["gpu-1"] = theirs
+        client = kube_client.ApiClient(kube_client.Configuration(host=api.url))
+        publisher = Publisher(PodResourcesClient(k.socket, 5), client, "gpu-1", lambda: ())
+        pairs = state(REPO / "config/gpus/4x-a100-two-nvlink-pairs.yaml")
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(2):
+                publisher._published_at = -1e9
+                publisher.publish(pairs, spec)
+    assert api.topologies["gpu-1"] is theirs and api.writes == []
+    assert [e["error"] for e in logs if e["event"] == "publish.failed"] == [
+        "NodeResourceTopology gpu-1 has another producer (app.kubernetes.io/managed-by:"
+        " nfd-topology-updater): left as it is; turn publish.node_resource_topology off, or"
+        " that producer"
+    ]
