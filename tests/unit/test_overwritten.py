@@ -19,6 +19,7 @@ from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.daemon import Agent
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.metrics.collector import TickCollector
+from nodeagent.report import TickRecord
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
 from nodeagent.spec.model import PolicySpec
@@ -70,6 +71,16 @@ def agent(tree: CgroupTree, tmp_path: Path) -> Agent:
     return a
 
 
+def tick(a: Agent) -> TickRecord:
+    """A tick with the pod's containers busy: their usage moves (an idle workload takes no
+    part in the split, and its pod then has no weight to keep)."""
+    for path in CONTAINERS:
+        stat = Path(a.tree.root, path, "cpu.stat")
+        usage = int(stat.read_text().split()[1]) + 10_000_000
+        stat.write_text(f"usage_usec {usage}\nuser_usec {usage}\nsystem_usec 0\n")
+    return a.tick()
+
+
 def weight(tree: CgroupTree, path: str) -> str:
     return Path(tree.root, path, "cpu.weight").read_text().strip()
 
@@ -79,21 +90,21 @@ def test_a_weight_the_kubelet_writes_back_is_counted_each_time(
 ) -> None:
     a = agent(tree, tmp_path)
     collector = TickCollector()
-    first = a.tick()
+    first = tick(a)
     collector.observe(first)
     written = weight(tree, POD)
     assert written != KUBELET_WEIGHT.strip(), "the pod is weighted for the tenants' split"
     assert first.snapshot.overwritten == ()
     # the kubelet puts its own value back (it does so about every minute) ...
     Path(tree.root, POD, "cpu.weight").write_text(KUBELET_WEIGHT)
-    second = a.tick()  # levels are read every tick
+    second = tick(a)  # levels are read every tick
     collector.observe(second)
     assert second.snapshot.overwritten == ((POD, Attribute.CPU_WEIGHT),)
     assert weight(tree, POD) == written, "and the agent puts its value back"
     # ... and again: each overwrite counts once
     Path(tree.root, POD, "cpu.weight").write_text(KUBELET_WEIGHT)
-    collector.observe(a.tick())
-    collector.observe(a.tick())  # nothing changed since the agent's own write
+    collector.observe(tick(a))
+    collector.observe(tick(a))  # nothing changed since the agent's own write
     text = "".join(f"{s.name}{s.labels} {s.value}\n" for m in collector.collect() for s in
                    m.samples if s.name == "nodeagent_cgroup_overwritten_total")  # fmt: skip
     assert "nodeagent_cgroup_overwritten_total{'attribute': 'cpu.weight'} 2.0" in text
