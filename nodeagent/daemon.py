@@ -496,6 +496,7 @@ class Agent:
                 "tick": None if record is None else record.snapshot.seq,
                 "workloads": len(self.registry.workloads),
                 "deadline_misses": self.notes.deadline_misses,
+                "runtimes": self.runtimes.status(),
             }
 
         def allocs(_: Request) -> object:
