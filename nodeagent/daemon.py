@@ -215,6 +215,7 @@ class Agent:
             return {}
         self.jobs.load(saved.jobs, self.spec.agent.managed_root)
         self.gpus.ledger.load(saved.gpus, self._kept_hold, time.monotonic(), time.time())
+        self.gpus.ledger.load_history(saved.gpu_history)
         self.carry = {k: dict(v) for k, v in saved.carry.items()}
         elapsed = time.time() - saved.saved_at
         return decay(saved.tenant_usage, elapsed, self.spec.fair_share.half_life)
@@ -348,7 +349,9 @@ class Agent:
         self, assignments: Mapping[str, Assignment], managed: list[WorkloadIdentity]
     ) -> dict[str, Needs]:
         """What each workload's lean read adds to its usage, for the policies in use:
-        memory.current only while a memory.max waits for usage to fit."""
+        memory.current only while a memory.max waits for usage to fit; cgroup.events for
+        exec's jobs and every deadline job (a deadline job that starts or ends is seen at
+        once, not at its next full read)."""
         key = (id(assignments), frozenset(self._held_back))
         if key == self._needs_key:
             return self._needs_value
@@ -358,7 +361,7 @@ class Agent:
             a = assignments[i.path]
             cls = classes[a.workload_class]
             need = Needs(
-                events=a.rule.startswith("exec:"),
+                events=a.rule.startswith("exec:") or a.deadline is not None,
                 memory=i.path in self._held_back,
                 pressure=cls.protect or cls.reserved_cpu is not None or a.deadline is not None,
                 threads=a.deadline is not None,
@@ -454,8 +457,14 @@ class Agent:
         self._saved_at = now
         try:
             wall = time.time()
+            ledger = self.gpus.ledger
             saved = state.SavedState(
-                wall, self.usage, self.jobs.dump(), self.carry, self.gpus.ledger.dump(now, wall)
+                wall,
+                self.usage,
+                self.jobs.dump(),
+                self.carry,
+                ledger.dump(now, wall),
+                ledger.history(),
             )
             state.save(self.spec.agent.state_file, saved)
         except Exception as e:  # saving must never take the loop, or an API call, down
@@ -526,6 +535,7 @@ class Agent:
                 "tick": None if record is None else record.snapshot.seq,
                 "workloads": len(self.registry.workloads),
                 "deadline_misses": self.notes.deadline_misses,
+                "runtimes": self.runtimes.status(),
             }
 
         def allocs(_: Request) -> object:

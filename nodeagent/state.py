@@ -40,6 +40,8 @@ class SavedState:
     gpus: Sequence[Any] = ()
     """GPU holds of jobs and reservations (nodeagent.gpu.ledger.HoldRecord); checked one by
     one when restored."""
+    gpu_history: Mapping[str, Any] = field(default_factory=dict)
+    """Per class, how long its last jobs held their GPUs; checked when restored."""
 
 
 def _usable_usage(value: float) -> bool:
@@ -62,6 +64,7 @@ def save(path: str, state: SavedState) -> None:
             "jobs": list(state.jobs),
             "carry": dict(state.carry),
             "gpus": list(state.gpus),
+            "gpu_history": dict(state.gpu_history),
         },
         sort_keys=True,
         allow_nan=False,
@@ -133,6 +136,9 @@ def load(path: str, tenants: Collection[str] | None = None) -> SavedState | None
         gpus = data.get("gpus", [])
         if not isinstance(gpus, list):
             raise ValueError("gpus must be a list")
-        return SavedState(saved_at, usage, tuple(jobs), carry, tuple(gpus))
+        history = data.get("gpu_history", {})  # absent in files written before it
+        if not isinstance(history, dict):
+            raise ValueError("gpu_history must be an object")
+        return SavedState(saved_at, usage, tuple(jobs), carry, tuple(gpus), history)
     except (KeyError, ValueError) as e:
         raise NodeagentError(f"state file {path} is malformed: {e}") from e

@@ -126,7 +126,8 @@ def case(
                 leaf = f"new-{i}"
                 (parent / leaf).mkdir()
             else:
-                leaf = runtimes.run_docker(f"bench-{name}-{i}", "--label", "bench=start").id
+                tag = name.replace(" ", "-")
+                leaf = runtimes.run_docker(f"bench-{tag}-{i}", "--label", "bench=start").id
             made.append(leaf)
             deadline = time.monotonic() + 60
             while leaf not in writes(log) and time.monotonic() < deadline:

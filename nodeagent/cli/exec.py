@@ -286,6 +286,8 @@ def exec_cmd(
             "class": workload_class,
             "tenant": tenant,
             "deadline": when,
+            "work": cpu_seconds,  # with the deadline and CPUs: how long it should hold them
+            "cpus": cpus,
         }
         timeout = _value("--gpu-timeout", parse_duration, gpu_timeout)
         grant = _wait_for_gpus(socket, {k: v for k, v in want.items() if v is not None}, timeout)

@@ -17,10 +17,17 @@ name, by the uid that made them or root. A reservation names its container; the 
 binds it to that container's cgroup once discovery shows it and releases it when the
 cgroup goes, or it lapses after its time to live.
 
+Durations: a request carries the duration its job declared (deadline, work and CPUs), or
+its class's recent holds give one (gpu_durations, kept here and in the state file); its
+hold records when it is expected back. Placement sees those moments, and a request that
+already waits may wait up to `gpu.patience` of its expected duration for a better set
+expected free by then (policy.placement).
+
 The queue is served in full only when that can change its answer (a hold released or
-lapsed, the GPUs changed): otherwise every waiting request was tried against the holds as
-they are, and only a new request can fit. Times are the monotonic clock's, so a step of
-the wall clock lapses nothing; the state file keeps Unix times, converted at dump and load.
+lapsed, the GPUs changed, a request waiting for a better set): otherwise every waiting
+request was tried against the holds as they are, and only a new request can fit. Times
+are the monotonic clock's, so a step of the wall clock lapses nothing; the state file keeps
+Unix times, converted at dump and load.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
 import structlog
-from pydantic import Field, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 
 from nodeagent.api.bodies import (
     Body,
@@ -49,6 +56,7 @@ from nodeagent.api.bodies import (
     problem,
 )
 from nodeagent.gpu.model import Hold, HoldKind
+from nodeagent.policy import gpu_durations
 from nodeagent.policy.placement import GpuRequest, Holdings, NodeGpus, Placement, Refusal, place
 from nodeagent.spec.model import WorkloadClass
 
@@ -92,6 +100,10 @@ class Waiting:
     asked: float
     seen: float
     reason: str = ""
+    expected: float | None = None
+    """Seconds its job is expected to hold the GPUs; None: unknown."""
+    held_back: float | None = None
+    """When it first passed over a set to wait for a better one."""
 
     def key(self) -> tuple[int, float, float, float, str]:
         """Its place in the queue (sorted ascending)."""
@@ -125,16 +137,23 @@ def closest_cpus(node: NodeGpus, indices: Iterable[int]) -> tuple[int, ...]:
     return tuple(sorted({c for d in node.devices if d.index in wanted for c in d.cpus}))
 
 
-def holdings(holds: Iterable[Hold]) -> Holdings:
+def holdings(holds: Iterable[Hold], now: float | None = None) -> Holdings:
+    """What the holds take; with `now`, also when each held GPU is expected back."""
     exclusive: set[str] = set()
     shared: dict[str, int] = {}
-    for h in holds:
+    listed = tuple(holds)
+    for h in listed:
         if h.shared_memory is None:
             exclusive.update(h.uuids)
         else:
             for u in h.uuids:
                 shared[u] = shared.get(u, 0) + h.shared_memory
-    return Holdings(frozenset(exclusive), shared)
+    if now is None:
+        return Holdings(frozenset(exclusive), shared)
+    back = gpu_durations.releases(
+        (h.uuids, None if h.expected_end is None else h.expected_end - now) for h in listed
+    )
+    return Holdings(frozenset(exclusive), shared, back)
 
 
 def _mine(uid: int, owner: int) -> bool:
@@ -161,6 +180,20 @@ class HoldRecord(Body):
     uid: Uid = 0
     tenant: Text | None = None
     container: Container | None = None
+    since: Instant | None = None
+    """Unix time."""
+    expected_end: Instant | None = None
+    """Unix time."""
+
+
+_Seconds = Annotated[float, Field(gt=0, le=10 * 365 * 86400)]
+_HISTORY = TypeAdapter(
+    dict[
+        Annotated[WorkloadClass, Field(strict=False)],
+        Annotated[list[_Seconds], Field(max_length=gpu_durations.HISTORY)],
+    ]
+)
+"""The classes' hold durations as the state file keeps them."""
 
 
 class GpuLedger:
@@ -178,6 +211,8 @@ class GpuLedger:
         self._stale = True
         """Something was freed (or the GPUs changed) since the whole queue was last tried."""
         self._served: NodeGpus | None = None
+        self._history: dict[str, list[float]] = {}
+        """Per class: how long its last jobs held their GPUs, oldest first."""
         self._lock = threading.Lock()
 
     # --- asking -----------------------------------------------------------------------
@@ -197,7 +232,12 @@ class GpuLedger:
         now: float,
         claim_timeout: float,
         max_waiting: int,
+        declared: float | None = None,
+        patience: float = gpu_durations.PATIENCE,
     ) -> Answer:
+        """A request for GPUs: granted now if a set fits, else waiting. `declared`: what its
+        job declared of its duration (else its class's recent holds say); `patience`:
+        gpu.patience, for it and the others waiting."""
         with self._lock:
             self._check_name(owner)
             if uid != 0 and self._waiting_uids[uid] >= max_waiting:
@@ -206,15 +246,18 @@ class GpuLedger:
                     " gpu.max_waiting_per_user allows; cancel one or wait"
                 )
             rid = new_id()
+            expected = gpu_durations.expected_duration(
+                declared, self._history.get(workload_class, [])
+            )
             w = Waiting(
                 rid, owner, uid, tenant, request, priority, deadline, fairness,
-                workload_class, now, now,
+                workload_class, now, now, expected=expected,
             )  # fmt: skip
             self._add(w)
             if self._stale or node != self._served:
-                self._serve(node, now, claim_timeout)
+                self._serve(node, now, claim_timeout, patience)
             else:  # every other waiter was tried against these holds: only this one can fit
-                self._try([w], node, now, claim_timeout)
+                self._try([w], node, now, claim_timeout, patience)
             answer = self._answer(rid)
             assert answer is not None, "just asked: granted or waiting"
             return answer
@@ -324,12 +367,17 @@ class GpuLedger:
         with self._lock:
             return self._pop(self._reservation(owner, uid).id)
 
-    def release_job(self, hold_id: str, uid: int) -> Hold | None:
-        """A job's end: exactly its own hold, never another kind or another uid's."""
+    def release_job(self, hold_id: str, uid: int, now: float | None = None) -> Hold | None:
+        """A job's end: exactly its own hold, never another kind or another uid's. With
+        `now`, how long it held the GPUs joins its class's history."""
         with self._lock:
             hold = self._holds.get(hold_id)
             if hold is None or hold.kind is not HoldKind.JOB or hold.uid != uid:
                 return None
+            if now is not None and hold.since is not None and hold.workload_class is not None:
+                recent = self._history.setdefault(hold.workload_class, [])
+                recent.append(max(now - hold.since, 1e-3))
+                del recent[: -gpu_durations.HISTORY]
             return self._pop(hold_id)
 
     def drop(self, hold_id: str) -> Hold | None:
@@ -339,7 +387,13 @@ class GpuLedger:
 
     # --- the loop ---------------------------------------------------------------------
 
-    def step(self, node: NodeGpus | None, now: float, claim_timeout: float) -> list[Hold]:
+    def step(
+        self,
+        node: NodeGpus | None,
+        now: float,
+        claim_timeout: float,
+        patience: float = gpu_durations.PATIENCE,
+    ) -> list[Hold]:
         """Lapse unclaimed holds and stale waiters, then serve the queue if that can change
         anything; the lapsed holds."""
         with self._lock:
@@ -353,7 +407,7 @@ class GpuLedger:
             ]:
                 del self._granted[rid]
             if node is not None and self._waiting and (self._stale or node != self._served):
-                self._serve(node, now, claim_timeout)
+                self._serve(node, now, claim_timeout, patience)
             return lapsed
 
     def bind(self, hold_id: str, cgroup: str) -> None:
@@ -393,9 +447,27 @@ class GpuLedger:
                 "uid": h.uid,
                 "tenant": h.tenant,
                 "container": h.container,
+                "since": None if h.since is None else h.since - now + wall,
+                "expected_end": None if h.expected_end is None else h.expected_end - now + wall,
             }
             out.append(record)
         return out
+
+    def history(self) -> dict[str, list[float]]:
+        """Per class, how long its last jobs held their GPUs (for the state file)."""
+        with self._lock:
+            return {c: list(v) for c, v in self._history.items()}
+
+    def load_history(self, saved: Mapping[str, Any]) -> None:
+        """Restore the classes' hold durations; a malformed history is dropped with a
+        warning (estimates then start again from the next jobs)."""
+        try:
+            checked = _HISTORY.validate_python(saved)
+        except ValidationError as e:
+            log.warning("state.gpu_history_dropped", error=problem(e))
+            return
+        with self._lock:
+            self._history = {str(c): list(v) for c, v in checked.items()}
 
     def load(
         self,
@@ -430,6 +502,10 @@ class GpuLedger:
                 uid=record.uid,
                 tenant=record.tenant,
                 container=record.container,
+                since=None if record.since is None else record.since - wall + now,
+                expected_end=None
+                if record.expected_end is None
+                else record.expected_end - wall + now,
             )
             kept = keep(hold)
             if kept is None:
@@ -486,29 +562,45 @@ class GpuLedger:
         del self._order[bisect.bisect_left(self._order, w.key())]
         return w
 
-    def _serve(self, node: NodeGpus, now: float, claim_timeout: float) -> None:
-        self._try([self._waiting[k[-1]] for k in self._order], node, now, claim_timeout)
+    def _serve(self, node: NodeGpus, now: float, claim_timeout: float, patience: float) -> None:
         self._stale, self._served = False, node
+        self._try([self._waiting[k[-1]] for k in self._order], node, now, claim_timeout, patience)
 
-    def _try(self, waiting: list[Waiting], node: NodeGpus, now: float, timeout: float) -> None:
+    def _try(
+        self, waiting: list[Waiting], node: NodeGpus, now: float, timeout: float, patience: float
+    ) -> None:
         """Grant what fits, in queue order; a request shaped like one refused since the last
-        grant is refused for the same reason without placing it again."""
-        held = holdings(self._holds.values())
-        refused: dict[GpuRequest, str] = {}
+        grant is refused for the same reason without placing it again. One that passes a
+        set over for a better one keeps the queue stale: it is tried again next step, with
+        less patience left."""
+        held = holdings(self._holds.values(), now)
+        refused: dict[GpuRequest, Refusal] = {}
         for w in waiting:
-            why = refused.get(w.request)
-            if why is None:
-                result = place(w.request, node, held)
-                if isinstance(result, Placement):
-                    self._grant(w, result, node, now + timeout)
-                    held = holdings(self._holds.values())
-                    refused.clear()
-                    continue
-                why = refused[w.request] = result.reason
-            if w.reason != why:
-                self._waiting[w.id] = replace(w, reason=why)
+            request = self._told(w, now, patience)
+            result = refused.get(request) or place(request, node, held)
+            if isinstance(result, Placement):
+                self._grant(w, result, node, now, now + timeout)
+                held = holdings(self._holds.values(), now)
+                refused.clear()
+                continue
+            refused[request] = result
+            if result.better_in is not None:
+                self._stale = True
+            held_back = now if result.better_in is not None and w.held_back is None else w.held_back
+            if (w.reason, w.held_back) != (result.reason, held_back):
+                self._waiting[w.id] = replace(w, reason=result.reason, held_back=held_back)
 
-    def _grant(self, w: Waiting, result: Placement, node: NodeGpus, until: float) -> None:
+    @staticmethod
+    def _told(w: Waiting, now: float, patience: float) -> GpuRequest:
+        """The request as placement gets it: its expected duration, and for one that already
+        waited (asked before now) its patience left."""
+        waited = 0.0 if w.held_back is None else now - w.held_back
+        left = gpu_durations.patience(patience, w.expected, waited) if w.asked < now else 0.0
+        return replace(w.request, expected_duration=w.expected, patience=left)
+
+    def _grant(
+        self, w: Waiting, result: Placement, node: NodeGpus, now: float, until: float
+    ) -> None:
         hold = Hold(
             owner=w.owner,
             kind=HoldKind.REQUEST,
@@ -521,6 +613,8 @@ class GpuLedger:
             id=new_id(),
             uid=w.uid,
             tenant=w.tenant,
+            since=now,
+            expected_end=None if w.expected is None else now + w.expected,
         )
         self._drop(w.id)
         self._holds[hold.id] = hold

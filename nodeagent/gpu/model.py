@@ -223,6 +223,12 @@ class Hold:
     tenant: str | None = None
     container: str | None = None
     """A reservation's container, as named when it was made (an id or a workload name)."""
+    since: float | None = None
+    """When it was granted, on the monotonic clock (the state file: Unix time)."""
+    expected_end: float | None = None
+    """When its job is expected to give the GPUs back, on the monotonic clock (the state
+    file: Unix time), from the job's deadline and work or its class's recent holds; None:
+    unknown."""
 
     def covers(self, device_uuid: str, parents: Mapping[str, str]) -> bool:
         """Whether a process on `device_uuid` (a GPU or a MIG device) is on these GPUs."""

@@ -22,6 +22,7 @@ from nodeagent.api.bodies import (
     Body,
     Classed,
     Container,
+    Cpus,
     GpuCount,
     GpuMemory,
     Instant,
@@ -29,6 +30,7 @@ from nodeagent.api.bodies import (
     Name,
     Text,
     Token,
+    Work,
     check_future,
     parse,
 )
@@ -50,6 +52,7 @@ from nodeagent.gpu.report import read_report
 from nodeagent.identity import Kind, WorkloadIdentity
 from nodeagent.logs import audit_event
 from nodeagent.policy.gpu_checks import violations, within
+from nodeagent.policy.gpu_durations import declared_duration
 from nodeagent.policy.placement import GpuRequest, NodeGpus, Refusal, impossible, node_gpus
 from nodeagent.policy.plan import Plan
 from nodeagent.sense.gpus import GpuSensor
@@ -119,9 +122,12 @@ class _Want(Classed):
 
 
 class AskBody(_Want):
-    """POST /v1/gpus/requests."""
+    """POST /v1/gpus/requests. The job's deadline orders the queue; with its work and CPUs
+    it also says how long the job is expected to hold the GPUs."""
 
     deadline: Instant | None = None
+    work: Work | None = None
+    cpus: Cpus | None = None
 
 
 class ReserveBody(_Want):
@@ -201,7 +207,8 @@ class GpuService:
                     uuids=list(h.uuids),
                     reason=f"its workload {h.cgroup} is gone",
                 )
-        for h in self.ledger.step(node_of(state), now, self._spec().gpu.claim_timeout):
+        gpu = self._spec().gpu
+        for h in self.ledger.step(node_of(state), now, gpu.claim_timeout, gpu.patience):
             audit_event(
                 "gpu.released", owner=h.owner, uuids=list(h.uuids), reason="not claimed in time"
             )
@@ -294,7 +301,7 @@ class GpuService:
         """A job has ended: its own hold goes back, and nothing else."""
         if job.gpu_hold is None:
             return
-        hold = self.ledger.release_job(job.gpu_hold, job.uid)
+        hold = self.ledger.release_job(job.gpu_hold, job.uid, time.monotonic())
         if hold is not None:
             audit_event(
                 "gpu.released", owner=hold.owner, uuids=list(hold.uuids), reason="its job ended"
@@ -348,7 +355,9 @@ class GpuService:
         want = body.request()
         refuse_impossible(want, self._node())
         tenant, cls = tenant_and_class(spec, request.peer, body.tenant, body.workload_class)
-        check_future(body.deadline, time.time())
+        wall = time.time()
+        check_future(body.deadline, wall)
+        due = None if body.deadline is None else body.deadline - wall
         try:
             answer = self.ledger.ask(
                 body.name,
@@ -363,6 +372,8 @@ class GpuService:
                 now=time.monotonic(),
                 claim_timeout=spec.gpu.claim_timeout,
                 max_waiting=spec.gpu.max_waiting_per_user,
+                declared=declared_duration(due, body.work, body.cpus),
+                patience=spec.gpu.patience,
             )
         except LedgerError as e:
             raise _api(e) from None

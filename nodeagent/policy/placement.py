@@ -12,19 +12,35 @@ weights (PCIe path from 10 across sockets to 50 under one switch, plus 100 per N
 plus a bonus for each GPU on the NUMA nodes of the job's CPUs. NVSwitch peers count as
 NVLink-connected, as the topology says they are.
 
-The search is exact (every set, with a branch-and-bound cut) and leftover-aware: among
-the sets with the best score it takes the one that breaks the fewest NVLinks to GPUs that
-stay free, then the one that leaves the best sets of 16, 8, 4 and 2 GPUs for the next
-requests, then the one taken from the most broken-up part of the PCIe tree, then the
-lowest indices. So a single GPU never splits an NVLink pair while a
-GPU whose partner is taken is free, which go-gpuallocator does (it takes the first GPU).
+The search is exact (every set, with a branch-and-bound cut) and looks past the request
+itself. A multi-GPU set is the best of itself plus the best partition of the other
+eligible GPUs into sets of its size (go-gpuallocator's idea, on up to PARTITION_MAX
+GPUs), and of those the best-scoring one: on a DGX-1 with one quad free, two pairs of
+NV1 and NV2 (220 each) rather than the NV2 pair under one switch (250) that leaves an NV1
+pair (150) for the next job; never a worse set than go-gpuallocator's best effort, which
+takes the best set of such a partition. A single GPU is the one that leaves the best
+pairs (the best partition of the free GPUs into pairs), so it never splits an NVLink pair
+while a GPU whose partner is taken is free and never leaves worse pairs than
+go-gpuallocator, which takes the first GPU. Ties then go to the set whose holding for the
+job's expected duration delays least the moments the node's best blocks are wholly free
+(when durations are known), that breaks the fewest NVLinks to GPUs that stay free, that
+leaves the best sets of 16, 8, 4 and 2 GPUs, that is taken from the most broken-up part of
+the PCIe tree, then to the lowest indices.
+
+Durations: a request may carry its expected duration and a patience, and the holdings
+when each held GPU is expected back (from the jobs' deadlines and work, or their classes'
+recent holds; the caller's estimates, never read from a clock here). A request with
+patience waits, rather than take a set now, when a set scoring at least PATIENCE_GAIN of
+the node's best for its size more is expected free within that patience.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cache, cached_property
+from itertools import combinations
 
 from nodeagent.gpu.model import Device, GpuState, Link, PcieLevel, Topology
 
@@ -46,6 +62,19 @@ are the ones that fragmentation starves."""
 MAX_LEFTOVER_CHECKS = 64
 """Tied sets whose leftovers are compared; past that (a node with no structure at all,
 where every set scores alike) the lowest indices win."""
+PARTITION_MAX = 8
+"""Eligible GPUs up to which a multi-GPU set is chosen with the best partition of the rest
+in view; past that (a 16-GPU NVSwitch node, where every partition scores alike) by its
+own score."""
+PATIENCE_GAIN = 0.1
+"""How much more (a share of the node's best for the size) a set expected free within a
+request's patience must score than the best set now for the request to wait for it."""
+BLOCK_SHARE = 0.85
+"""Sets of 2, 4, 8 and 16 GPUs that score at least this share of the best for their size
+are the blocks whose free moments the duration-aware tie-break keeps early."""
+MAX_BLOCKS = 32
+"""Blocks kept per size, the best first: a fabric where every set scores alike has
+thousands."""
 
 
 def pair_score(link: Link) -> int:
@@ -63,6 +92,10 @@ class GpuRequest:
     """Take MIG instances of this profile (such as 1g.10gb) instead of whole GPUs."""
     cpu_numa_nodes: frozenset[int] = frozenset()
     """NUMA nodes of the job's CPUs; GPUs there score NUMA_SCORE more. Empty: unknown."""
+    expected_duration: float | None = None
+    """Seconds the job is expected to hold its GPUs; None: unknown."""
+    patience: float = 0.0
+    """Seconds it may still wait for a better set expected free by then (0: none)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +105,9 @@ class Holdings:
     exclusive: frozenset[str] = frozenset()
     shared: Mapping[str, int] = field(default_factory=dict)
     """Bytes promised to shared jobs, per GPU UUID."""
+    release: Mapping[str, float] = field(default_factory=dict)
+    """Seconds until each held GPU is expected back (its last holder's expected end); a
+    held GPU not listed: unknown."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +152,42 @@ class NodeGpus:
             pool = [p for p, d in enumerate(self.devices) if not d.mig_enabled]
             self._best[k] = _search(pool, k, self.weights, [0] * len(self.devices), False)[0]
         return self._best[k]
+
+    def partitions(self, k: int) -> Partitions:
+        """Best partitions into sets of k by this node's weights, memoised for its life."""
+        if k not in self._partitions:
+            self._partitions[k] = Partitions(self.weights, k)
+        return self._partitions[k]
+
+    @cached_property
+    def _partitions(self) -> dict[int, Partitions]:
+        return {}
+
+    @cached_property
+    def blocks(self) -> tuple[tuple[frozenset[int], float], ...]:
+        """The node's best sets of 2, 4, 8 and 16 whole GPUs (positions), each with its
+        score as a share of the best for its size: at least BLOCK_SHARE, at most
+        MAX_BLOCKS per size, the whole node as one block at its own size."""
+        whole = [p for p, d in enumerate(self.devices) if not d.mig_enabled]
+        out: list[tuple[frozenset[int], float]] = []
+        for k in LEFTOVER_SIZES:
+            best = self.best_possible(k)
+            if k > len(whole) or best <= 0 or math.comb(len(whole), k) > 2_000:
+                continue
+            scored = sorted(
+                ((set_score(c, self.weights), c) for c in combinations(whole, k)),
+                key=lambda sc: -sc[0],
+            )
+            out += [
+                (frozenset(c), v / best) for v, c in scored[:MAX_BLOCKS] if v >= BLOCK_SHARE * best
+            ]
+        return tuple(out)
+
+
+def set_score(s: Iterable[int], weights: Sequence[Sequence[int]]) -> int:
+    """The sum of the pair scores of a set of positions."""
+    members = tuple(s)
+    return sum(weights[a][b] for i, a in enumerate(members) for b in members[i + 1 :])
 
 
 def node_gpus(state: GpuState) -> NodeGpus:
@@ -164,9 +236,11 @@ class Placement:
 
 @dataclass(frozen=True)
 class Refusal:
-    """No set fits now: the request waits."""
+    """No set fits now, or a better one is expected soon: the request waits."""
 
     reason: str
+    better_in: float | None = None
+    """Seconds until the better set it waits for is expected free; None: no set fits."""
 
 
 def place(request: GpuRequest, node: NodeGpus, held: Holdings) -> Placement | Refusal:
@@ -177,10 +251,91 @@ def place(request: GpuRequest, node: NodeGpus, held: Holdings) -> Placement | Re
     if refusal is not None:
         return refusal
     bonus = numa_bonus(request, node)
-    best, ties = _search(pool, request.count, node.weights, bonus, True)
+    best, score, ties, partition = _candidates(request, node, pool, bonus)
+    waiting = _worth_waiting(request, node, held, pool, bonus=bonus, best=best)
+    if waiting is not None:
+        return waiting
     chosen, why = _break_ties(request, node, held, ties, whole_free(node, held))
-    return describe(
-        request, node, chosen, f"score {best}, the best now{why}{_passed(request, node, held)}"
+    now = f"score {best}, the best now" if score == best else f"score {score}{partition}"
+    return describe(request, node, chosen, f"{now}{why}{_passed(request, node, held)}")
+
+
+def _candidates(
+    request: GpuRequest, node: NodeGpus, pool: list[int], bonus: list[int]
+) -> tuple[int, int, list[tuple[int, ...]], str]:
+    """The best score now; the sets to choose from and their score; why, if that is less.
+
+    For several whole GPUs out of at most PARTITION_MAX, the sets that score best with the
+    best partition of the rest of the pool into sets of the same size, and of those the
+    best-scoring ones; otherwise the best-scoring sets."""
+    k = request.count
+    best, ties = _search(pool, k, node.weights, bonus, True)
+    if k < 2 or request.shared or not k < len(pool) <= PARTITION_MAX:
+        return best, best, ties, ""
+    partitions = node.partitions(k)
+    everyone = _mask(pool)
+    scored = []
+    for s in combinations(pool, k):
+        own = set_score(s, node.weights) + sum(bonus[p] for p in s)
+        scored.append((own + partitions.best(everyone & ~_mask(s))[0], own, s))
+    top = max(total for total, _, _ in scored)
+    score = max(own for total, own, _ in scored if total == top)
+    sets = [s for total, own, s in scored if total == top and own == score]
+    if score == best:
+        return best, score, sets, ""
+    greedy = partitions.best(everyone & ~_mask(ties[0]))[0]
+    return (
+        best,
+        score,
+        sets,
+        (
+            f": the best set now scores {best}, but the other eligible GPUs split as best into "
+            f"sets of {k} would score {greedy} after it and {top - score} after this one"
+        ),
+    )
+
+
+def _worth_waiting(
+    request: GpuRequest,
+    node: NodeGpus,
+    held: Holdings,
+    pool: list[int],
+    *,
+    bonus: list[int],
+    best: int,
+) -> Refusal | None:
+    """A refusal when a set expected free within the request's patience would score
+    PATIENCE_GAIN of the node's best for its size more than the best set now."""
+    k = request.count
+    if request.patience <= 0 or k < 2 or request.shared:
+        return None
+    soon = [
+        p for p, d in enumerate(node.devices) if p in pool or _back_within(request, node, held, d)
+    ]
+    if len(soon) == len(pool):
+        return None
+    later, sets = _search(soon, k, node.weights, bonus, False)
+    if later < best + PATIENCE_GAIN * node.best_possible(k):
+        return None
+    back = max(held.release[node.devices[p].uuid] for p in sets[0] if p not in pool)
+    return Refusal(
+        f"waits for GPUs {', '.join(str(i) for i in _indices(node, sets[0]))}: expected free "
+        f"within {back:.0f}s, they score {later} against {best} for the best set now "
+        f"(patience left {request.patience:.0f}s)",
+        better_in=back,
+    )
+
+
+def _back_within(request: GpuRequest, node: NodeGpus, held: Holdings, d: Device) -> bool:
+    """Held now, expected back within the request's patience, and fit for it then."""
+    back = held.release.get(d.uuid)
+    return (
+        back is not None
+        and back <= request.patience
+        and d.healthy
+        and not d.mig_enabled
+        and d.uuid not in node.busy
+        and (request.memory is None or (d.memory_total or 0) >= request.memory)
     )
 
 
@@ -297,15 +452,19 @@ def _break_ties(
 ) -> tuple[tuple[int, ...], str]:
     """The tied set to take, and why it beat the others (empty when it had no rival).
 
-    In order: for shared jobs, fewer GPUs opened that held no shared work; fewer NVLinks
-    cut between the GPUs taken from the free pool and those left in it; the best sets left
-    for 16, 8, 4 and 2 GPUs; the least PCIe affinity cut (taking GPUs from a part of the
-    node that is already broken up); for shared jobs, the least memory left over (best
-    fit); the lowest indices.
+    In order: for shared jobs, fewer GPUs opened that held no shared work; for one GPU,
+    the best pairs left (the best partition of the GPUs left free into pairs); with an
+    expected duration, the least delay to the moments the node's blocks are wholly free;
+    fewer NVLinks cut between the GPUs taken from the free pool and those left in it; the
+    best sets left for 16, 8, 4 and 2 GPUs; the least PCIe affinity cut (taking GPUs from a
+    part of the node that is already broken up); for shared jobs, the least memory left
+    over (best fit); the lowest indices.
     """
     if len(ties) == 1:
         return ties[0], ""
     free_set = set(free)
+    pairs = node.partitions(2)
+    everyone = _mask(free)
 
     def cut(s: tuple[int, ...], matrix: list[list[int]]) -> int:
         left = free_set.difference(s)
@@ -317,18 +476,24 @@ def _break_ties(
     def slack(s: tuple[int, ...]) -> int:
         return sum(free_memory(node, held, node.devices[p]) for p in s)
 
-    def first(s: tuple[int, ...]) -> tuple[int, int]:
-        return (fresh(s) if request.shared else 0, cut(s, node.nvlinks))
+    def pairs_left(s: tuple[int, ...]) -> int:
+        return pairs.best(everyone & ~_mask(s))[0] if request.count == 1 else 0
 
-    keyed = sorted(ties, key=lambda s: (first(s), _indices(node, s)))
+    def first(s: tuple[int, ...]) -> tuple[int, int]:
+        return (fresh(s) if request.shared else 0, -pairs_left(s))
+
+    keyed = sorted(ties, key=lambda s: (first(s), cut(s, node.nvlinks), _indices(node, s)))
     rivals = [s for s in keyed if first(s) == first(keyed[0])][:MAX_LEFTOVER_CHECKS]
     leftovers = _Leftovers(node, free)
+    delay = _Delay(request, node, held)
 
     def rest(s: tuple[int, ...]) -> tuple[object, ...]:
         # A size no longer possible scores -1, so that a set leaving more GPUs free (a
         # shared job beside a busy GPU's process) is not taken for one leaving better ones.
         left = dict(leftovers.after(s))
         return (
+            delay(s),
+            cut(s, node.nvlinks),
             tuple(-left.get(k, -1) for k in LEFTOVER_SIZES),
             cut(s, node.pcie_affinity),
             slack(s) if request.shared else 0,
@@ -339,11 +504,99 @@ def _break_ties(
     parts = [f"{len(ties)} sets tie on score"]
     if request.shared:
         parts.append(f"{fresh(best)} GPU(s) opened for shared work")
+    if request.count == 1 and len(free_set.difference(best)) >= 2:
+        parts.append(f"leaves pairs {pairs_left(best)}")
+    if request.expected_duration is not None and len({delay(s) for s in rivals}) > 1:
+        parts.append(
+            f"its {request.expected_duration:.0f}s expected hold delays the node's best "
+            "blocks least"
+        )
     parts.append(f"{cut(best, node.nvlinks)} NVLinks to free GPUs cut")
     left = leftovers.after(best)
     if left:
         parts.append("leaves best " + ", ".join(f"{k}-GPU set {score}" for k, score in left))
     return best, "; " + "; ".join(parts)
+
+
+class _Delay:
+    """How much holding a set for the request's expected duration e delays the node's
+    blocks: for each block it touches, exp(-F/e) - exp(-F'/e), where F is when the block is
+    expected to be wholly free (now if it is, never if a holder's end is unknown or a GPU
+    is lost) and F' the same with the set held for e, weighted by the block's score share.
+    A block busy much longer than e costs next to nothing to join; a free one costs most;
+    so a job goes where its end lines up with its neighbours' and blocks free together."""
+
+    def __init__(self, request: GpuRequest, node: NodeGpus, held: Holdings) -> None:
+        self._e = request.expected_duration
+        self._blocks = node.blocks if self._e is not None and self._e > 0 else ()
+        self._until = [_until(node, held, d) for d in node.devices]
+
+    def __call__(self, s: tuple[int, ...]) -> float:
+        e = self._e
+        if not self._blocks or e is None:
+            return 0.0
+        taken = set(s)
+        cost = 0.0
+        for block, share in self._blocks:
+            if taken.isdisjoint(block):
+                continue
+            before = max(self._until[p] for p in block)
+            if before < e:
+                cost += share * (math.exp(-before / e) - math.exp(-1.0))
+        return round(cost, 9)
+
+
+def _until(node: NodeGpus, held: Holdings, d: Device) -> float:
+    """Seconds until a GPU is expected free for whole-GPU work: 0 if it is, its release if
+    held and known, infinity when unknown or when it is lost, in MIG mode or busy."""
+    if not d.healthy or d.mig_enabled or d.uuid in node.busy:
+        return math.inf
+    if d.uuid not in held.exclusive and held.shared.get(d.uuid, 0) == 0:
+        return 0.0
+    return held.release.get(d.uuid, math.inf)
+
+
+def _mask(positions: Iterable[int]) -> int:
+    out = 0
+    for p in positions:
+        out |= 1 << p
+    return out
+
+
+class Partitions:
+    """Best partitions of sets of positions (bitmasks) into sets of k and at most one
+    smaller set of what is left over (go-gpuallocator's padding), scored by their pairs;
+    memoised, so that the many rests one decision compares share their work. Ties go to
+    the first found, the lowest position always in the next set (go-gpuallocator's
+    enumeration order)."""
+
+    def __init__(self, weights: Sequence[Sequence[int]], k: int) -> None:
+        self._w = weights
+        self._k = k
+        self._best = cache(self._search)
+
+    def best(self, mask: int) -> tuple[int, tuple[tuple[int, ...], ...]]:
+        """The best total score of such a partition of `mask`, and its full-size sets."""
+        return self._best(mask, False)
+
+    def _search(self, mask: int, padded: bool) -> tuple[int, tuple[tuple[int, ...], ...]]:
+        members = [p for p in range(mask.bit_length()) if mask >> p & 1]
+        if not members:
+            return 0, ()
+        first, others = members[0], members[1:]
+        remainder = len(members) % self._k
+        sizes = [(self._k, padded)] + ([(remainder, True)] if remainder and not padded else [])
+        top: tuple[int, tuple[tuple[int, ...], ...]] = (-1, ())
+        for size, pad in sizes:
+            for more in combinations(others, size - 1):
+                s = (first, *more)
+                below, sets = self._best(mask & ~_mask(s), pad)
+                if below < 0:
+                    continue
+                total = set_score(s, self._w) + below
+                if total > top[0]:
+                    top = (total, ((s,) if size == self._k else ()) + sets)
+        return top
 
 
 def _indices(node: NodeGpus, s: Iterable[int]) -> tuple[int, ...]:

@@ -10,20 +10,19 @@ only when its far end is the peer GPU, so NVSwitch peers get no NVLink credit.
 
 from __future__ import annotations
 
-from functools import cache
-from itertools import combinations
-
 from nodeagent.policy.placement import (
     NVLINK_SCORE,
     PCIE_SCORE,
     GpuRequest,
     Holdings,
     NodeGpus,
+    Partitions,
     Placement,
     Refusal,
     describe,
     eligible,
     place,
+    set_score,
 )
 
 
@@ -61,30 +60,6 @@ def _reference_weight(node: NodeGpus, a: int, b: int) -> int:
 
 def _best_set_of_best_partition(n: int, k: int, w: list[list[int]]) -> tuple[int, ...]:
     """go-gpuallocator's search, as a memoised recursion instead of its enumeration: the
-    lowest GPU left goes into a full set, or into the one padded set of n % k GPUs."""
-    remainder = n % k
-
-    def score(s: tuple[int, ...]) -> int:
-        return sum(w[a][b] for i, a in enumerate(s) for b in s[i + 1 :])
-
-    @cache
-    def best(mask: int, padded: bool) -> tuple[int, tuple[tuple[int, ...], ...]]:
-        if mask == 0:
-            return (0, ()) if padded or remainder == 0 else (-1, ())
-        members = [i for i in range(n) if mask >> i & 1]
-        first, rest = members[0], members[1:]
-        top: tuple[int, tuple[tuple[int, ...], ...]] = (-1, ())
-        sizes = [(k, padded)] + ([(remainder, True)] if remainder and not padded else [])
-        for size, pad in sizes:
-            for others in combinations(rest, size - 1):
-                s = (first, *others)
-                sub_score, sub_sets = best(mask & ~sum(1 << i for i in s), pad)
-                if sub_score < 0:
-                    continue
-                total = score(s) + sub_score
-                if total > top[0]:
-                    top = (total, ((s,) if size == k else ()) + sub_sets)
-        return top
-
-    _, sets = best((1 << n) - 1, False)
-    return max(sets, key=score)
+    best partition into sets of k (and one padded set), then its best set."""
+    _, sets = Partitions(w, k).best((1 << n) - 1)
+    return max(sets, key=lambda s: set_score(s, w))

@@ -290,9 +290,17 @@ class RuntimeMetadata:
                 self._entries[key] = replace(entry, ask_at=now)
 
     def _follow_events(self, now: float) -> None:
-        """Ask again about the containers the runtimes' events say changed (renames)."""
+        """Ask again about the containers the runtimes' events say changed (renames); and
+        ask a runtime that is down about one of its containers once its retry is due, so
+        that it is found back even when nothing new needs it."""
         for runtime, adapter in self.adapters.items():
-            if runtime in self._down or not any(k[0] == runtime for k in self._entries):
+            known = [k for k, e in self._entries.items() if k[0] == runtime and e.meta]
+            if not known:
+                continue
+            down = self._down.get(runtime)
+            if down is not None:
+                if now >= down.retry_at:
+                    self._ask(known[0], self._entries[known[0]], now + self.budget)
                 continue
             cursor = self._events.get(runtime)
             wall = self.wall()

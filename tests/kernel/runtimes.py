@@ -403,6 +403,7 @@ class Runtimes:
     """Seconds each daemon took to answer."""
     containers: list[Container] = field(default_factory=list)
     pods: list[str] = field(default_factory=list)
+    _launch: dict[str, tuple[list[str], Mapping[str, str], str]] = field(default_factory=dict)
 
     @property
     def driver(self) -> str:
@@ -462,7 +463,17 @@ class Runtimes:
         self._start("podman-api", service, self.podman_env, self.paths.podman)
         self._import_images()
 
+    def stop_daemon(self, name: str) -> None:
+        """Stop one daemon (dockerd keeps its containers: --live-restore)."""
+        self.place.stop_daemon(name)
+        self.place.file(self._launch[name][2]).unlink(missing_ok=True)
+
+    def start_daemon(self, name: str) -> None:
+        """Start a daemon stopped by stop_daemon again, as it was started."""
+        self._start(name, *self._launch[name])
+
     def _start(self, name: str, argv: list[str], env: Mapping[str, str], socket: str) -> None:
+        self._launch[name] = (argv, env, socket)
         t0 = time.monotonic()
         self.place.daemon(name, argv, env)
         deadline = t0 + START_TIMEOUT_S
@@ -489,7 +500,7 @@ class Runtimes:
                     inside_tar, IMAGE)  # fmt: skip
         if docker_only:
             return
-        self.podman("import", "--change", 'CMD=["sleep", "3600"]', "--change", "ENV=PATH=/bin",
+        self.podman("import", "--change", 'CMD ["sleep", "3600"]', "--change", "ENV PATH=/bin",
                     inside_tar, IMAGE)  # fmt: skip
         archive = oci_archive(
             layer, {IMAGE: ["sleep", "3600"], PAUSE_IMAGE: ["sleep", "2147483647"]}
@@ -558,9 +569,11 @@ class Runtimes:
         return root / rel
 
     def run_docker(self, name: str, *options: str, command: tuple[str, ...] = ()) -> Container:
+        # the VM's kernel has AppArmor on, and Debian's docker.io leaves apparmor_parser out
         cid = self.docker(
-            "run", "-d", "--name", name, "--network", "none", *options, IMAGE, *command
-        )
+            "run", "-d", "--name", name, "--network", "none",
+            "--security-opt", "apparmor=unconfined", *options, IMAGE, *command,
+        )  # fmt: skip
         container = Container("docker", cid, name, self.cgroup_of("docker", cid))
         self.containers.append(container)
         return container
@@ -572,6 +585,28 @@ class Runtimes:
         container = Container("podman", cid, name, self.cgroup_of("podman", cid))
         self.containers.append(container)
         return container
+
+    def exec(self, c: Container, *argv: str) -> int:
+        """Run argv inside the container (its cgroup); its exit status."""
+        if c.runtime == "docker":
+            cli = [DOCKER, "-H", f"unix://{self.paths.docker}", "exec", c.id]
+            return self.place.run(*cli, *argv, check=False).returncode
+        if c.runtime == "podman":
+            cli = [PODMAN, "exec", c.id]
+            return self.place.run(*cli, *argv, check=False, env=self.podman_env).returncode
+        cri = self.cri()
+        try:
+            return cri.exec_sync(c.id, list(argv))
+        finally:
+            cri.close()
+
+    def remove(self, c: Container) -> None:
+        if c.runtime == "docker":
+            self.docker("rm", "-f", c.id, check=False)
+        elif c.runtime == "podman":
+            self.podman("rm", "-f", "-t", "0", c.id, check=False)
+        if c in self.containers:
+            self.containers.remove(c)
 
     def remove_containers(self) -> None:
         for c in reversed(self.containers):
@@ -591,6 +626,14 @@ class Runtimes:
         finally:
             cri.close()
         self.pods.clear()
+
+    def remove_pod(self, pod: Pod) -> None:
+        cri = self.cri()
+        try:
+            cri.remove_pod(pod.sandbox_id)
+        finally:
+            cri.close()
+        self.pods.remove(pod.sandbox_id)
 
     def pod_parent(self, uid: str) -> str:
         """The cgroup_parent the kubelet gives a burstable pod under this driver."""
@@ -675,7 +718,7 @@ class Cri:
         }
         config = pb.PodSandboxConfig(
             metadata=pb.PodSandboxMetadata(name=name, uid=uid, namespace=namespace, attempt=0),
-            hostname=name,
+            # no hostname: with the node's network there is no UTS namespace to set it in
             labels=kubelet_labels,
             annotations=dict(annotations),
             linux=pb.LinuxPodSandboxConfig(
@@ -714,6 +757,11 @@ class Cri:
             self.stub.StartContainer(pb.StartContainerRequest(container_id=cid), timeout=timeout)
             ids[cname] = cid
         return Pod(uid, sandbox, ids)
+
+    def exec_sync(self, container_id: str, cmd: list[str]) -> int:
+        pb = self.pb
+        request = pb.ExecSyncRequest(container_id=container_id, cmd=cmd, timeout=120)
+        return int(self.stub.ExecSync(request, timeout=COMMAND_TIMEOUT_S).exit_code)
 
     def remove_pod(self, sandbox: str) -> None:
         pb, timeout = self.pb, COMMAND_TIMEOUT_S

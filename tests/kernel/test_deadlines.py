@@ -35,7 +35,7 @@ def test_three_jobs_only_strict_ordering_meets_are_all_met(
     start = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=20)  # after the agent is up
     paths = {n: Path(ROOT, managed, f"d-{n}") for n in JOBS}
     for p in paths.values():
-        p.mkdir()
+        p.mkdir(parents=True)
 
     def rule(name: str) -> dict[str, Any]:
         work, due = JOBS[name]

@@ -37,6 +37,8 @@ CASES: list[tuple[str, str, dict[str, Any], str]] = [
     ("POST", "/v1/gpus/requests", {"name": "x", "shared": "yes"}, "shared: must be true or"),
     ("POST", "/v1/gpus/requests", {"name": "x", "mig": "a" * 999}, "mig: must be a MIG profile"),
     ("POST", "/v1/gpus/requests", {"name": "x", "shared": True}, "needs the memory it uses"),
+    ("POST", "/v1/gpus/requests", {"name": "x", "work": -1}, "work: must be above 0"),
+    ("POST", "/v1/gpus/requests", {"name": "x", "cpus": 1e300}, "cpus: must be at most"),
     ("DELETE", "/v1/gpus/requests", {"id": 5}, "id: must be a string"),
     ("POST", "/v1/gpus/reservations", {"name": "w", "ttl": [1]}, "ttl: "),
     ("POST", "/v1/gpus/reservations", {"name": "w", "ttl": "10y"}, "ttl: expected a duration"),

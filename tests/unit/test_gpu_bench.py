@@ -81,3 +81,67 @@ def test_clairvoyant_bound_skips_mig_and_large_nodes(bench: ModuleType) -> None:
         starts: dict[int, float] = {}
         bench.replay(nodes[name], jobs, bench.place, starts)
         assert bench.clairvoyant(nodes[name], jobs, starts, 0) is None
+
+
+@pytest.mark.parametrize("durations", ["class", "declared", "exact", "none"])
+def test_every_job_runs_once_whatever_placement_knows_of_durations(
+    bench: ModuleType, durations: str
+) -> None:
+    node = dict(bench.shipped())["dgx1-v100-hybrid-cube-mesh"]
+    jobs = bench.trace(node, 80, 5, 0.9)
+    knows = bench.Knowledge(durations, 1.0, bench.declarations(jobs, 5, 0.5))
+    seen: list[GpuRequest] = []
+
+    def recording(request: GpuRequest, n: NodeGpus, h: Holdings) -> Placement | Refusal:
+        seen.append(request)
+        return bench.place(request, n, h)
+
+    r = bench.replay(node, jobs, recording, None, knows)
+    assert (r["jobs"], r["held_at_end"]) == (80, 0)
+    told = [q.expected_duration for q in seen]
+    if durations == "none":
+        assert set(told) == {None} and r["waited_for_a_better_set"] == 0
+    else:
+        assert any(t is not None for t in told)
+    if durations == "exact":
+        assert {t for t in told if t is not None} <= {j.duration for j in jobs}
+
+
+def test_declared_durations_are_seeded_and_off_by_their_error(bench: ModuleType) -> None:
+    (_, node), *_ = bench.shipped()
+    jobs = bench.trace(node, 400, 7, 0.8)
+    declared = bench.declarations(jobs, 7, 0.5)
+    assert declared == bench.declarations(jobs, 7, 0.5)
+    assert bench.declarations(jobs, 7, 0.0) == {j.id: j.duration for j in jobs}
+    ratios = sorted(declared[j.id] / j.duration for j in jobs)
+    assert 0.8 < ratios[len(ratios) // 2] < 1.25  # a log-normal error around the truth
+    assert ratios[0] < 0.6 and ratios[-1] > 1.6
+
+
+def test_the_baselines_are_told_nothing_and_placement_only_what_it_asks(bench: ModuleType) -> None:
+    """A job asking on arrival has no patience: only one already waiting may wait more."""
+    node = dict(bench.shipped())["8x-l40s-pcie-dual-socket"]
+    jobs = bench.trace(node, 120, 11, 0.9)
+    knows = bench.Knowledge("exact", 1.0, {})
+    calls: list[GpuRequest] = []
+
+    def recording(request: GpuRequest, n: NodeGpus, h: Holdings) -> Placement | Refusal:
+        calls.append(request)
+        return bench.place(request, n, h)
+
+    bench.replay(node, jobs, recording, None, knows)
+    firsts: dict[tuple[int, float], GpuRequest] = {}
+    for request in calls:
+        assert request.expected_duration is not None
+        firsts.setdefault((request.count, request.expected_duration), request)
+    assert all(q.patience == 0 for q in firsts.values())
+    assert any(q.patience > 0 for q in calls)
+    told: list[GpuRequest] = []
+
+    def baseline(request: GpuRequest, n: NodeGpus, h: Holdings) -> Placement | Refusal:
+        told.append(request)
+        assert not h.release
+        return bench.best_effort(request, n, h)
+
+    bench.replay(node, jobs, baseline)
+    assert {(q.expected_duration, q.patience) for q in told} == {(None, 0.0)}

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from nodeagent.gpu.ledger import Answer, GpuLedger, holdings
+from nodeagent.gpu.model import Hold
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.policy.placement import GpuRequest, NodeGpus, Refusal
 
@@ -117,3 +118,105 @@ def test_holds_round_trip_through_the_state_file(node: NodeGpus) -> None:
     (restored,) = again.holds()
     assert restored.until == pytest.approx(64.0)
     assert replace(restored, until=hold.until) == hold
+
+
+def start(ledger: GpuLedger, node: NodeGpus, owner: str, count: int, **kw: object) -> Hold:
+    """Ask, be granted and claim: a job holding its GPUs."""
+    got = answer(ledger, node, owner, count, **kw)
+    assert got.status == "granted", got
+    return ledger.claim(
+        got.id, uid=1000, owner=owner, cgroup=f"j/{owner}", tenant="research",
+        workload_class=str(kw.get("workload_class", "batch")),
+    )  # fmt: skip
+
+
+def test_a_declared_duration_says_when_the_hold_is_expected_back(node: NodeGpus) -> None:
+    ledger = GpuLedger()
+    hold = start(ledger, node, "a", 2, now=100.0, declared=600.0)
+    assert (hold.since, hold.expected_end) == (100.0, 700.0)
+    assert holdings(ledger.holds(), now=200.0).release == dict.fromkeys(hold.uuids, 500.0)
+    assert holdings(ledger.holds()).release == {}  # without a clock, nothing is known
+    # past its expected end a job is running late: when it ends is unknown again
+    assert holdings(ledger.holds(), now=800.0).release == {}
+
+
+def test_a_class_s_recent_holds_estimate_a_job_that_declares_nothing(node: NodeGpus) -> None:
+    ledger = GpuLedger()
+    first = start(ledger, node, "a", 1, now=0.0)
+    assert first.expected_end is None  # nothing known yet
+    assert ledger.release_job(first.id, 1000, now=40.0) == first
+    assert ledger.history() == {"batch": [40.0]}
+    second = start(ledger, node, "b", 1, now=100.0)
+    assert second.expected_end == 140.0
+    other = start(ledger, node, "c", 1, now=100.0, workload_class="training")
+    assert other.expected_end is None  # another class's history says nothing of it
+
+
+def test_a_waiting_request_waits_within_its_patience_for_a_better_set(node: NodeGpus) -> None:
+    """4x A100 (pairs 0-1 and 2-3 of 12 NVLinks): with GPUs 0 and 2 free and GPU 1 expected
+    back in 2 s, a waiting 2-GPU job waits for the pair 0-1 rather than take 0 and 2 (one
+    PCIe hop across sockets); without patience, or once it runs out, it takes them."""
+
+    def scene(patience: float) -> tuple[GpuLedger, dict[str, Hold], str]:
+        ledger = GpuLedger()
+        jobs = {
+            name: start(ledger, node, name, 1, now=0.0, declared=declared)
+            for name, declared in (("j0", None), ("j1", 5.0), ("j2", None), ("j3", None))
+        }
+        assert [jobs[n].indices for n in ("j0", "j1", "j2", "j3")] == [(0,), (1,), (2,), (3,)]
+        asked = answer(ledger, node, "r", 2, now=1.0, declared=50.0, patience=patience)
+        assert asked.status == "waiting"
+        for name in ("j0", "j2"):
+            ledger.release_job(jobs[name].id, 1000, now=3.0)
+        ledger.step(node, now=3.0, claim_timeout=30, patience=patience)
+        return ledger, jobs, asked.id
+
+    def granted(ledger: GpuLedger) -> tuple[int, ...] | None:
+        return next((a.hold.indices for a in ledger._granted.values() if a.hold), None)
+
+    ledger, jobs, _ = scene(patience=0.0)
+    assert granted(ledger) == (0, 2)
+    ledger, jobs, rid = scene(patience=1.0)
+    assert granted(ledger) is None
+    (w,) = ledger.queue()
+    assert w.held_back == 3.0
+    assert w.reason.startswith("waits for GPUs 0, 1: expected free within 2s")
+    assert ledger.status(rid, 1000, now=4.0).status == "waiting"
+    ledger.step(node, now=4.0, claim_timeout=30)  # tried again: nothing was released
+    assert granted(ledger) is None
+    ledger.release_job(jobs["j1"].id, 1000, now=5.0)
+    ledger.step(node, now=5.0, claim_timeout=30)
+    assert granted(ledger) == (0, 1)
+    # GPU 1's job runs late: past its expected end nobody knows when it ends, so the
+    # request stops waiting for it at the next step and takes what is free
+    ledger, jobs, rid = scene(patience=1.0)
+    assert ledger.status(rid, 1000, now=6.0).status == "waiting"
+    ledger.step(node, now=6.0, claim_timeout=30)
+    assert granted(ledger) == (0, 2)
+
+
+def test_durations_survive_the_state_file(node: NodeGpus) -> None:
+    ledger = GpuLedger()
+    hold = start(ledger, node, "a", 1, now=10.0, declared=100.0)
+    done = start(ledger, node, "b", 1, now=10.0)
+    ledger.release_job(done.id, 1000, now=30.0)
+    again = GpuLedger()
+    again.load(ledger.dump(40.0, 1e9), keep=lambda h: h, now=7.0, wall=1e9 + 3)
+    again.load_history(ledger.history())
+    (restored,) = again.holds()
+    assert (restored.since, restored.expected_end) == pytest.approx((-26.0, 74.0))
+    assert replace(restored, since=hold.since, expected_end=hold.expected_end) == hold
+    assert again.history() == {"batch": [20.0]}
+
+
+@pytest.mark.parametrize(
+    "saved",
+    [{"batch": [-1.0]}, {"batch": "x"}, {"nosuchclass": [1.0]}, {"batch": [1.0] * 21}, []],
+)
+def test_a_malformed_history_is_dropped_with_a_warning(
+    saved: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ledger = GpuLedger()
+    ledger.load_history(saved)  # type: ignore[arg-type]
+    assert ledger.history() == {}
+    assert "state.gpu_history_dropped" in capsys.readouterr().out

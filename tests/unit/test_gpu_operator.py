@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -328,3 +329,23 @@ def test_place_beside_a_daemon_without_gpus_reads_the_gpus_itself() -> None:
             "(NVML found no GPUs)): holds not considered)"
         )
     shutil.rmtree(where, ignore_errors=True)
+
+
+# --- issue 18.7: durations ------------------------------------------------------------
+
+
+def test_a_request_s_deadline_work_and_cpus_say_when_its_gpus_come_back(
+    daemon: tuple[GpuService, str],
+) -> None:
+    """What `exec --gpus 1 --deadline +1h --work 1800 --cpus 2` asks: 1800 CPU-seconds on 2
+    CPUs end in 900 s, before the deadline; the grant's hold expects its GPU back then."""
+    service, sock = daemon
+    before = time.monotonic()
+    got = ask(sock, "train", count=1, deadline=time.time() + 3600, work=1800, cpus=2)
+    assert got["status"] == "granted"
+    (hold,) = service.ledger.holds()
+    assert hold.since is not None and hold.expected_end is not None
+    assert before <= hold.since <= time.monotonic()
+    assert hold.expected_end - hold.since == pytest.approx(900.0)
+    with pytest.raises(ApiRefused, match="work"):
+        ask(sock, "bad", count=1, work=-1)

@@ -304,3 +304,27 @@ def test_explain_says_what_the_runtime_said_and_what_matched() -> None:
     assert "  runtime says: web-1 (nginx:1.25)" in text
     assert "  rule team-a matched: labels.team=a" in text
     assert "  refused: label t='big' is not a tenant rule ..." in text
+
+
+def test_a_runtime_down_is_found_back_even_when_nothing_new_needs_it(
+    docker: StandInDocker,
+) -> None:
+    """Every container known already: only the events poll asks, and it must not stop
+    asking while the runtime is down (the kernel test of a dockerd restart found it did)."""
+    docker.answers[A] = container(A, "web", "img", {})
+    clock = Clock()
+    meta = cache(docker, clock)
+    with structlog.testing.capture_logs() as logs:
+        meta.attach([ident(A)])
+        clock.t += 2
+        meta.attach([ident(A)])  # sets the events cursor
+        docker.hang_all = True
+        clock.t += 2
+        meta.attach([ident(A)])  # the events poll times out: down
+        docker.hang_all = False
+        for _ in range(3):
+            clock.t += RETRY_S
+            meta.attach([ident(A)])
+    assert meta.status()["docker"]["answering"]
+    events = [e["event"] for e in logs if e["event"].startswith("runtime.")]
+    assert events == ["runtime.unavailable", "runtime.available"], events

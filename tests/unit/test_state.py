@@ -33,6 +33,19 @@ def test_round_trip(tmp_path: Path) -> None:
     assert json.loads(path.read_text())["version"] == state.VERSION
 
 
+def test_the_gpu_history_round_trips_and_older_files_have_none(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    saved = SavedState(1.0, {}, gpu_history={"training": [3600.0, 5400.0]})
+    state.save(str(path), saved)
+    assert state.load(str(path)) == saved
+    state.save(str(path), OLD)
+    raw = json.loads(path.read_text())
+    del raw["gpu_history"]
+    path.write_text(json.dumps(raw))
+    loaded = state.load(str(path))
+    assert loaded is not None and loaded.gpu_history == {}
+
+
 def test_save_creates_the_directory(tmp_path: Path) -> None:
     path = tmp_path / "var" / "lib" / "nodeagent" / "state.json"
     state.save(str(path), OLD)
@@ -144,6 +157,10 @@ def test_missing_file_is_none(tmp_path: Path) -> None:
         (b'{"version": 1, "saved_at": 1.0, "tenant_usage": {"a": Infinity}}', "finite"),
         (b'{"version": 1, "saved_at": 1.0, "tenant_usage": {"a": "lots"}}', "malformed"),
         (b'{"version": 1, "saved_at": "yesterday", "tenant_usage": {}}', "malformed"),
+        (
+            b'{"version": 1, "saved_at": 1.0, "tenant_usage": {}, "gpu_history": []}',
+            "gpu_history must be an object",
+        ),
     ],
 )
 def test_bad_files_are_one_line_errors_naming_the_file(

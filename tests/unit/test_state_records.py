@@ -177,3 +177,19 @@ def test_a_step_of_the_wall_clock_lapses_no_grant_and_drops_no_waiter(
         "waiting"
     )
     assert d.holds() == [("first", "request")]
+
+
+def test_a_hold_s_expected_end_and_the_classes_hold_durations_survive_restarts(d: Daemon) -> None:
+    """Issue 18.7: what placement is told of durations is not lost on a restart."""
+    grant = d.ask(ALICE, "train", deadline=time.time() + 3600, work=1800, cpus=2)
+    d.start(ALICE, "train", gpu_request=grant["id"])
+    again = restart(d)
+    (hold,) = again.agent.gpus.ledger.holds()
+    assert hold.since is not None and hold.expected_end is not None
+    assert hold.expected_end - hold.since == pytest.approx(900.0, abs=1.0)
+    again.exit("train")
+    again.call(ALICE, "DELETE", "/v1/jobs", {"name": "train", "exit_status": 0})
+    history = again.agent.gpus.ledger.history()
+    assert list(history) == [hold.workload_class] and len(history[str(hold.workload_class)]) == 1
+    again.agent.save_state()
+    assert restart(again).agent.gpus.ledger.history() == history
