@@ -31,10 +31,11 @@ from nodeagent.changes import NoteLog, ProblemLog
 from nodeagent.discovery.registry import Registry
 from nodeagent.errors import NodeagentError, one_line
 from nodeagent.gpu.backend import open_backend
-from nodeagent.gpu.model import Hold, HoldKind
+from nodeagent.gpu.model import GpuState, Hold, HoldKind
 from nodeagent.gpu.service import GpuService, environment
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.jobs import Jobs
+from nodeagent.kube.pods import EMPTY, PodDirectory
 from nodeagent.logs import audit_write
 from nodeagent.originals import Originals
 from nodeagent.ownership import WriteMode, parent_identity, write_mode
@@ -48,17 +49,20 @@ from nodeagent.policy.plan import Plan, make_plan
 from nodeagent.policy.protection import stall
 from nodeagent.policy.weights import ancestors
 from nodeagent.report import TickRecord, allocations, explain, find, identities
+from nodeagent.runtimes.metadata import RuntimeMetadata
 from nodeagent.sdbus import Systemd
 from nodeagent.sense.cgroup_files import NO_NEEDS, Needs
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
 from nodeagent.slurm import SlurmJobs
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
+from nodeagent.spec.filewatch import FileWatch
 from nodeagent.spec.load import PolicyError, load_policy
-from nodeagent.spec.model import AgentSettings, PolicySpec
+from nodeagent.spec.model import AgentMode, AgentSettings, PolicySpec
 from nodeagent.wakeup import Flag, Wakeup
 
 if TYPE_CHECKING:
+    from nodeagent.kube.node import KubernetesNode
     from nodeagent.metrics.server import MetricsServer
 
 log = structlog.get_logger("nodeagent")
@@ -84,8 +88,12 @@ class Agent:
         self.tree = tree
         self.dry_run = dry_run
         self.config_path = config_path
+        # for agent.reload_on_change: the policy file as it was last loaded
+        self.policy_file = None if config_path is None else FileWatch(config_path)
         self.proc_root = proc_root
         self.registry = Registry(tree, spec.agent.managed_root)
+        # what the container runtimes say about their containers (names, images, labels, pods)
+        self.runtimes = RuntimeMetadata.from_settings(spec.agent.runtimes)
         # rates over shorter windows than half a tick are noise (cpu.stat moves in scheduler ticks)
         self.sensor = Sensor(
             tree,
@@ -112,6 +120,8 @@ class Agent:
             self._exists,
             lambda: self.registry.workloads.values(),  # noqa: PLW0108 - a resync replaces the dict
         )
+        # Kubernetes mode: the kubelet's PodResources and the API server's watch
+        self.kube = _kubernetes(spec)
         self.jobs = Jobs(tree, audit_write, proc_root, on_end=self.gpus.release_job)
         self.carry: dict[str, Mapping[str, object]] = {}
         """The policies' state for their next tick (the protection controller's)."""
@@ -151,6 +161,8 @@ class Agent:
         claimed, what was sensed, the last plan's assignments)."""
         self._needs_key: object = None
         self._needs_value: dict[str, Needs] = {}
+        self._refused: set[tuple[str, str]] = set()
+        """(cgroup, what a rule refused) said already."""
         self._claimed_key: object = None
         self._claimed_value: tuple[
             dict[str, Assignment],
@@ -178,6 +190,10 @@ class Agent:
             message = str(first.get("ctx", {}).get("error", first["msg"]))
             raise NodeagentError(f"{option}: {message}") from None
         return spec.model_copy(update={"agent": agent})
+
+    def _pods(self) -> PodDirectory:
+        """The API server's view of this node's pods (Kubernetes mode, when watched)."""
+        return EMPTY if self.kube is None else self.kube.pods()
 
     def _levels(self, managed: list[WorkloadIdentity]) -> list[WorkloadIdentity]:
         """The parents of the claimed workloads, up to (not including) the root, for the
@@ -243,6 +259,8 @@ class Agent:
             leave_managed_path(self.tree, root, self.proc_root, audit_write)
             ensure_managed_root(self.tree, root, CONTROLLERS, audit_write)
         self.registry.resync()
+        if self.kube is not None:
+            self.kube.start()
 
     def tick(self) -> TickRecord:
         started = time.monotonic()
@@ -252,7 +270,9 @@ class Agent:
         for path in jobs.keys() - self.registry.workloads.keys():
             self.registry.track(path)  # started since inotify last spoke
         # only workloads a rule or exec claims are sensed: the rest are left alone
-        identities = self.slurm.enrich(self.registry.identities(), self.spec.agent.slurm)
+        identities = self.runtimes.attach(
+            self.slurm.enrich(self.registry.identities(), self.spec.agent.slurm)
+        )
         assignments, managed, levels, modes = self._claimed(identities, jobs)
         snapshot = self.sensor.snapshot(
             managed,
@@ -267,11 +287,21 @@ class Agent:
             self.registry.forget(path)
         if not self.dry_run:
             self.jobs.reap(snapshot)
+        kube = self.kube
+        pods = None
+        if kube is not None:
+            spec = self.spec
+
+            def pods(state: GpuState) -> tuple[Hold, ...]:
+                return kube.gpu_holds(state, spec, identities, assignments)
+
         snapshot = replace(
             snapshot,
-            gpus=self.gpus.sense(time.monotonic()),
+            gpus=self.gpus.sense(time.monotonic(), pods),
             local_seconds=_local_seconds(snapshot.wall_time),
         )
+        if kube is not None:
+            kube.publish(snapshot.gpus, self.spec)
         plan, same = self._plan(snapshot, assignments, started)
         # an unchanged plan was applied already: only what was read afresh can differ, and
         # what failed to be written last time is tried again
@@ -309,14 +339,30 @@ class Agent:
     ]:
         """Who the rules and the jobs claim, their parents and write modes: worked out again
         only when the workloads, the jobs or the policy change (a steady tick skips it)."""
-        key = (tuple(identities), tuple(jobs.items()), id(self.spec))
+        pods = self._pods()
+        key = (tuple(identities), tuple(jobs.items()), id(self.spec), pods.version)
         if key != self._claimed_key:
-            assignments = {**assign(identities, self.spec), **jobs}
+            assignments = {**assign(identities, self.spec, pods), **jobs}
+            self._say_refused(assignments)
             managed = [i for i in identities if i.path in assignments]
             modes = {i.path: write_mode(i, self.spec.agent) for i in managed}
             self._claimed_value = (assignments, managed, self._levels(managed), modes)
             self._claimed_key = key
         return self._claimed_value
+
+    def _say_refused(self, assignments: Mapping[str, Assignment]) -> None:
+        """A label or annotation that asked for what its rule does not allow: said once per
+        cgroup and value (and shown by workloads, allocations and explain)."""
+        now = {(path, x) for path, a in assignments.items() for x in a.refused}
+        for path, refused in sorted(now - self._refused):
+            log.warning(
+                "rule.value_refused",
+                cgroup=path,
+                rule=assignments[path].rule,
+                refused=refused,
+                action="the rule's own tenant, class or deadline applies",
+            )
+        self._refused = now
 
     def _needs(
         self, assignments: Mapping[str, Assignment], managed: list[WorkloadIdentity]
@@ -465,6 +511,12 @@ class Agent:
         changed = [k for k in fixed if getattr(spec.agent, k) != getattr(self.spec.agent, k)]
         if spec.gpu.simulate != self.spec.gpu.simulate:
             changed.append("gpu.simulate")
+        if spec.agent.mode != self.spec.agent.mode:
+            changed.append("agent.mode")
+        if spec.kubernetes.model_dump(include=_KUBE_FIXED) != self.spec.kubernetes.model_dump(
+            include=_KUBE_FIXED
+        ):
+            changed.append("kubernetes (sockets, node name, API server)")
         if changed:
             log.error(
                 "policy.needs_restart",
@@ -472,6 +524,9 @@ class Agent:
                 action="keeping the last good policy; restart nodeagent to apply these",
             )
             return
+        if spec.agent.runtimes != self.spec.agent.runtimes:
+            self.runtimes.close()
+            self.runtimes = RuntimeMetadata.from_settings(spec.agent.runtimes)
         self.spec = spec
         self.sensor.min_window = spec.agent.interval / 2
         self.sensor.verify_every = spec.agent.resync_interval
@@ -501,6 +556,7 @@ class Agent:
                 "workloads": len(self.registry.workloads),
                 "slurm_problem": self.slurm.problem,
                 "deadline_misses": self.notes.deadline_misses,
+                "runtimes": self.runtimes.status(),
             }
 
         def allocs(_: Request) -> object:
@@ -590,7 +646,7 @@ class Agent:
                 if alive and watchdog_sec and now >= next_ping:
                     sdnotify.watchdog()
                     next_ping = now + watchdog_sec / 2
-                if self.reload_requested.is_set():
+                if self._policy_file_changed() or self.reload_requested.is_set():
                     self.reload_requested.clear()
                     _guarded("policy.reload_failed", self.reload)
                 if now >= next_resync:
@@ -608,6 +664,8 @@ class Agent:
         if self._stop_signal is not None:
             log.info("stopping", signal=signal.Signals(self._stop_signal).name)
         sdnotify.stopping()
+        if self.kube is not None:
+            self.kube.close()
         if not self.dry_run:
             self.save_state()
         return ok
@@ -627,6 +685,12 @@ class Agent:
         self.originals.forget(record.snapshot.vanished)
         if self.originals.added and not self.dry_run:
             self.save_state()
+
+    def _policy_file_changed(self) -> bool:
+        """With `agent.reload_on_change`, whether the policy file is a new one since the
+        last look (a ConfigMap's update swaps it in whole)."""
+        watch = self.policy_file
+        return self.spec.agent.reload_on_change and watch is not None and watch.changed()
 
     def _wait_for_cgroup_events(self, timeout: float) -> bool:
         """Sleep until timeout, a wake-up (a signal, a stop from another thread), or until
@@ -651,12 +715,14 @@ class Agent:
     def fast_path(self, paths: list[str]) -> None:
         """Apply new workloads' own caps and their tenant's weight now, before the next
         full tick (policy.newcomer explains what it sets)."""
-        identities = self.slurm.enrich(
+        found = self.slurm.enrich(
             (self.registry.workloads[p] for p in paths if p in self.registry.workloads),
             self.spec.agent.slurm,
         )
+        # the runtime's answer is part of the fast path: a rule on labels applies at once
+        identities = self.runtimes.attach(found, complete=False, new=True)
         jobs = self.jobs.assignments()
-        assignments = {**assign(identities, self.spec), **jobs}
+        assignments = {**assign(identities, self.spec, self._pods()), **jobs}
         last = self.last
         node = last.snapshot.node if last is not None else self.sensor.node.read()
         plan, snapshot = plan_newcomers(
@@ -689,6 +755,16 @@ class Agent:
 
 
 T = TypeVar("T")
+_KUBE_FIXED = {"node_name", "pod_resources_socket", "pod_resources_timeout", "api_server"}
+
+
+def _kubernetes(spec: PolicySpec) -> KubernetesNode | None:
+    """The Kubernetes side in `agent.mode: kubernetes`; its libraries load only then."""
+    if spec.agent.mode is not AgentMode.KUBERNETES:
+        return None
+    from nodeagent.kube.node import KubernetesNode  # noqa: PLC0415
+
+    return KubernetesNode(spec)
 
 
 def _usage_shares(usage: Mapping[str, float]) -> tuple[tuple[str, float], ...]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from nodeagent.runtimes.model import ContainerMeta
+
 
 class Runtime(enum.StrEnum):
     DOCKER = "docker"
@@ -52,8 +54,10 @@ class QosTier(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class WorkloadIdentity:
-    """What discovery learned about one cgroup from its place in the tree, and, for a
-    Slurm job, the account Slurm itself reports for it (nodeagent.slurm).
+    """What discovery learned about one cgroup from its place in the tree; for a Slurm
+    job, the account Slurm itself reports for it (nodeagent.slurm); and what its runtime
+    said about it (`meta`, added by nodeagent.runtimes.metadata before the policies see it;
+    `meta_problem` says why there is none).
 
     `path` is relative to the cgroup root, '/'-separated, with no leading slash.
     """
@@ -70,3 +74,5 @@ class WorkloadIdentity:
     """A Slurm job's id (its cgroup is job_<id>)."""
     account: str | None = None
     """A Slurm job's account, as Slurm records it; None until Slurm has answered."""
+    meta: ContainerMeta | None = None
+    meta_problem: str | None = None

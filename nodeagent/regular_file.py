@@ -1,4 +1,5 @@
-"""Read a small file that must be a regular file, without ever blocking on one that is not.
+"""Read a small file that must be a regular file, without ever blocking on one that is not;
+and replace a file atomically.
 
 The policy and the state file are named by the operator. A FIFO there would block open()
 until a writer comes (a daemon wedged in its SIGHUP reload), /dev/zero never ends, and a
@@ -9,8 +10,10 @@ swapped in between cannot block either.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+import tempfile
 
 from nodeagent.errors import NodeagentError
 
@@ -55,3 +58,26 @@ def read_regular_file(path: str, limit: int) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def write_atomically(path: str, text: str, *, prefix: str = ".nodeagent-") -> None:
+    """Replace the file at `path` with `text` whole: a temp file in the same directory
+    (hidden, so that directory's readers skip it), fsynced, renamed over the old one, and
+    the directory fsynced, so that a crash leaves the old file or the new one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=prefix, dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

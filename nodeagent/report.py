@@ -257,7 +257,8 @@ def find(
     candidates: Sequence[WorkloadIdentity], query: str, cgroup_root: str
 ) -> list[WorkloadIdentity]:
     """Workloads a user's argument names: a path (relative or absolute, also with the short
-    ids the tables show), a name or an id prefix."""
+    ids the tables show), a name (the runtime's too: a container's, `namespace/pod`,
+    `namespace/pod/container`) or an id prefix."""
     q = query.strip()
     if q.startswith(cgroup_root.rstrip("/") + "/"):
         q = q[len(cgroup_root.rstrip("/")) + 1 :]
@@ -271,7 +272,18 @@ def find(
         i
         for i in candidates
         if i.name == q
+        or q in _runtime_names(i)
         or (i.container_id or "").startswith(q)
         or i.path.endswith("/" + q)
         or short_ids(i.path).endswith("/" + q)
     ]
+
+
+def _runtime_names(i: WorkloadIdentity) -> tuple[str, ...]:
+    meta = i.meta
+    if meta is None:
+        return ()
+    if meta.pod is None:
+        return () if meta.name is None else (meta.name,)
+    pod = f"{meta.pod.namespace}/{meta.pod.name}"
+    return (pod,) if meta.name is None else (f"{pod}/{meta.name}",)

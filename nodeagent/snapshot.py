@@ -98,3 +98,6 @@ class NodeSnapshot:
     local_seconds: float | None = None
     """Seconds since local midnight at `wall_time`, for daily windows (policies read no
     clock and no time zone)."""
+    overwritten: tuple[tuple[str, Attribute], ...] = ()
+    """(cgroup, attribute) read this tick with a value other than the one the agent last
+    wrote there: another writer (the kubelet, systemd, an operator) changed it since."""

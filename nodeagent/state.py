@@ -10,17 +10,15 @@ directory is fsynced, so a crash leaves either the old file or the new one.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import tempfile
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent.errors import NodeagentError
-from nodeagent.regular_file import UnusableFile, read_regular_file
+from nodeagent.regular_file import UnusableFile, read_regular_file, write_atomically
 
 VERSION = 1
 # What a valid policy can need, twice over: its tenant names fit in the policy's 1 MiB, and
@@ -77,26 +75,7 @@ def save(path: str, state: SavedState) -> None:
     )
     if len(body) > MAX_BYTES:
         raise NodeagentError(f"refusing to save {path}: larger than {MAX_BYTES >> 20} MiB")
-    fd, tmp = tempfile.mkstemp(prefix=".state-", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+    write_atomically(path, body, prefix=".state-")
 
 
 def _number(value: object, what: str) -> float:

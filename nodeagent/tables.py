@@ -8,8 +8,8 @@ control characters (which a terminal would obey). Everything shown goes through 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 from nodeagent.cgroupfs.values import Attribute
 
@@ -139,3 +139,14 @@ def size(value: str | None) -> str | None:
         if n >= factor:
             return f"{n // factor}{unit}" if n % factor == 0 else f"{n / factor:.1f}{unit}"
     return str(n)
+
+
+def workload_name(row: Mapping[str, Any]) -> str | None:
+    """The name the runtime gave a workload: `namespace/pod/container` for a pod's container
+    (`namespace/pod` for the pod itself and its sandbox), else the container's name; None
+    when the runtime said nothing."""
+    container = row.get("container_name")
+    if row.get("namespace") is not None and row.get("pod") is not None:
+        pod = f"{row['namespace']}/{row['pod']}"
+        return pod if container is None else f"{pod}/{container}"
+    return container if isinstance(container, str) else None

@@ -15,6 +15,9 @@
 #                           (TCG, no KVM) with OUTDIR as its only writable host directory.
 #                           Returns CMD's exit status. Sets ON_CGROUP2_WHERE to "natively" or
 #                           "in a VM on kernel <release>".
+#   ensure_runtimes         Debian's container runtimes (containerd, runc, podman, crun, docker.io)
+#                           installed on the host's filesystem for the VM's tests, with nothing
+#                           started and no service enabled on the host (see the function)
 #
 # Environment knobs:
 #   NODEAGENT_FORCE_VM=1          use the VM even when the host has cgroup v2
@@ -37,6 +40,11 @@ NODEAGENT_VNG_SPEC=${NODEAGENT_VNG_SPEC:-virtme-ng==1.42}
 # systemd and dbus: the kernel suite boots a real systemd with a system bus inside the VM
 # (tests/kernel/systemd_host.py); the guest runs the host's own files.
 NODEAGENT_VM_APT_PACKAGES=(qemu-system-x86 busybox-static binutils file kmod python3-venv systemd dbus)
+# The container runtimes the kernel suite starts inside the VM (tests/kernel/runtimes.py); never
+# started on the host, whose cgroups are not v2 and belong to the machine.
+NODEAGENT_RUNTIME_APT_PACKAGES=(containerd runc podman crun conmon docker.io iptables tini)
+NODEAGENT_RUNTIME_UNITS=(containerd.service docker.service docker.socket podman.service podman.socket
+  podman-restart.service podman-auto-update.service podman-auto-update.timer podman-clean-transient.service cni-dhcp.service cni-dhcp.socket)
 ON_CGROUP2_WHERE=
 VM_KERNEL=
 _NODEAGENT_APT_UPDATED=
@@ -225,6 +233,38 @@ ensure_vm_tools() {
     echo "$NODEAGENT_VNG_SPEC" >"$stamp"
   fi
   _setup_unlock
+}
+
+# ensure_runtimes: installs NODEAGENT_RUNTIME_APT_PACKAGES (only what is missing) with a
+# /usr/sbin/policy-rc.d that exits 101 for the install, so that no maintainer script starts a
+# runtime on the host, then disables every unit they enabled (`systemctl --root=/`, offline: no
+# systemd is asked). An existing policy-rc.d is put back as it was.
+ensure_runtimes() {
+  local missing policy=/usr/sbin/policy-rc.d saved= rc=0
+  mapfile -t missing < <(_apt_missing "${NODEAGENT_RUNTIME_APT_PACKAGES[@]}")
+  ((${#missing[@]})) || return 0
+  _setup_lock
+  note "installing the container runtimes for the VM's tests (never started on this host)..."
+  if [[ -e $policy ]]; then
+    saved=$(mktemp "${TMPDIR:-/tmp}/nodeagent-policy-rc.XXXXXX")
+    cp -p "$policy" "$saved"
+  fi
+  printf '#!/bin/sh\n# nodeagent scripts/lib.sh: start no service while the runtimes install\nexit 101\n' >"$policy"
+  chmod 0755 "$policy"
+  apt_install "${NODEAGENT_RUNTIME_APT_PACKAGES[@]}" || rc=$?
+  if [[ -n $saved ]]; then
+    cp -p "$saved" "$policy" && rm -f "$saved"
+  else
+    rm -f "$policy"
+  fi
+  local unit
+  if ((rc == 0)) && command -v systemctl >/dev/null; then
+    for unit in "${NODEAGENT_RUNTIME_UNITS[@]}"; do
+      systemctl --root=/ --quiet disable "$unit" >/dev/null 2>&1 || true
+    done
+  fi
+  _setup_unlock
+  return "$rc"
 }
 
 # on_cgroup2 OUTDIR CMD...: see the header. CMD's words are joined with spaces into one bash string.

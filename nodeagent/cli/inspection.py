@@ -30,6 +30,7 @@ from nodeagent.tables import (
     short_ids,
     size,
     table,
+    workload_name,
     yes_no,
 )
 
@@ -131,20 +132,28 @@ def allocations_table(
     workload holds GPUs; `width`: reasons, then paths, cut to fit."""
     allocated = data["allocations"]
     gpus = wide or any(a.get("gpus") for a in allocated)
+    named = any(_name_image(a) for a in allocated)
     rows = []
     for a in allocated:
         row = [
             (a["cgroup"] if wide else short_ids(a["cgroup"])) + _mode(a),
+            *((_name_image(a),) if named else ()),
             a["tenant"],
             a["class"],
             *(_setting(a, str(attribute)) for attribute in SHOWN),
             ",".join(map(str, a.get("gpus") or [])) or None,
             cores(a["cpu_rate"]),
-            a["reason"]
-            if a.get("status", "ok") == "ok"
-            else f"{a['status'].upper()}: {a['problem']}",
+            "; ".join(
+                [
+                    a["reason"]
+                    if a.get("status", "ok") == "ok"
+                    else f"{a['status'].upper()}: {a['problem']}",
+                    *(f"REFUSED {x}" for x in a.get("refused") or ()),
+                ]
+            ),
         ]
-        rows.append(row if gpus else row[:7] + row[8:])
+        at = 7 + named  # the GPUS column
+        rows.append(row if gpus else row[:at] + row[at + 1 :])
     mode = " (dry run: nothing written)" if data["dry_run"] else ""
     levels = sum(1 for a in allocated if a.get("level"))
     found = counted(len(rows) - levels, "workload") + (
@@ -158,13 +167,24 @@ def allocations_table(
         tail += "\n\ndeadline jobs (misses so far: " + str(data.get("deadline_misses", "?")) + ")\n"
         tail += deadlines_table(jobs, data["time"], width=width, wide=wide)
     headers = [
-        "CGROUP", "TENANT", "CLASS", "CPU.WEIGHT", "CPU.MAX", "MEM.MAX", "MEM.HIGH", "GPUS",
-        "CPU", "REASON",
+        "CGROUP", "NAME", "TENANT", "CLASS", "CPU.WEIGHT", "CPU.MAX", "MEM.MAX", "MEM.HIGH",
+        "GPUS", "CPU", "REASON",
     ]  # fmt: skip
     if not gpus:
         headers.remove("GPUS")
+    if not named:
+        headers.remove("NAME")
     cut: list[tuple[int, Keep]] = [(len(headers) - 1, "head"), (0, "tail")]
+    cut += [(1, "tail")] if named else []
     return printable(head) + "\n" + table(headers, rows, width=width, cut=cut) + tail
+
+
+def _name_image(row: Mapping[str, Any]) -> str | None:
+    """The runtime's name for a workload, and its image: `web-1 (nginx:1.25)`."""
+    name, image = workload_name(row), row.get("image")
+    if name is None:
+        return image
+    return name if image is None else f"{name} ({image})"
 
 
 def _seconds(value: float | None) -> str | None:
@@ -232,7 +252,9 @@ def explain(cgroup: str, socket: str, as_json: bool) -> None:
     """The policy trace that produced CGROUP's values.
 
     CGROUP is a path relative to the cgroup root, an absolute path, a workload
-    name or a container-id prefix.
+    name, the runtime's name for it (a container's name, namespace/pod or
+    namespace/pod/container) or a container-id prefix. The answer says what the
+    runtime said about it and which of that its rule matched.
     """
     data = client.get(socket, "/v1/explain", {"cgroup": cgroup})
     if as_json:
@@ -262,6 +284,20 @@ def _claim(data: Mapping[str, Any]) -> str:
     return "no rule claims it"
 
 
+def _explain_metadata(data: Mapping[str, Any]) -> list[str]:
+    """What the runtime said, and which of it the rule matched (or refused)."""
+    lines = []
+    named = _name_image(data)
+    if named is not None:
+        lines.append(f"  runtime says: {named}")
+    if data.get("metadata_problem"):
+        lines.append(f"  no runtime metadata: {data['metadata_problem']}")
+    if data.get("matched"):
+        lines.append(f"  rule {data['rule']} matched: {', '.join(data['matched'])}")
+    lines.extend(f"  refused: {x}" for x in data.get("refused") or ())
+    return lines
+
+
 def _sensed(key: str, value: object) -> str:
     """A figure the sensors read, in its unit: sizes, cores, shares, yes or no."""
     if isinstance(value, bool):
@@ -289,6 +325,7 @@ def explain_text(data: Mapping[str, Any]) -> str:
         + ("" if data.get("write") in (None, "direct") else f", {data['write']}")
         + ")",
         f"  {_claim(data)}",
+        *_explain_metadata(data),
         f"  cpu now: {cores(data['cpu_rate'])} cores   (tick {data['tick']}"
         + (", dry run" if data["dry_run"] else "")
         + ")",
@@ -362,7 +399,8 @@ def workloads(
     from nodeagent.discovery.registry import Registry
     from nodeagent.ownership import write_mode
     from nodeagent.policy.base import describe
-    from nodeagent.policy.classify import assign, nested_warnings
+    from nodeagent.policy.classify import assign, nested_warnings, unmatched_for_metadata
+    from nodeagent.runtimes.metadata import RuntimeMetadata
     from nodeagent.sense.cgroup_files import probe
     from nodeagent.slurm import SlurmJobs
     from nodeagent.spec.model import AgentSettings
@@ -384,6 +422,12 @@ def workloads(
             " their accounts, and rules with `account:` do not claim them",
             err=True,
         )
+    # what the runtimes say (read-only, each lookup within agent.runtimes.timeout)
+    runtimes = RuntimeMetadata.from_settings(agent_settings.runtimes, budget=5.0, say=False)
+    try:
+        found = runtimes.attach(found)
+    finally:
+        runtimes.close()
     assigned = assign(found, spec) if spec else {}
     for warning in nested_warnings(assigned):
         click.echo(f"warning: {warning}", err=True)
@@ -393,8 +437,14 @@ def workloads(
         # claimed workloads are read as the sensor would, so one it would skip shows here
         problem = probe(tree, i.path, page) if i.path in assigned else None
         row = describe(i, assigned.get(i.path), write_mode(i, agent_settings))
+        unmatched = unmatched_for_metadata(i, spec) if spec else []
         rows.append(
-            {**row, "status": "ok" if problem is None else "unreadable", "problem": problem}
+            {
+                **row,
+                "status": "ok" if problem is None else "unreadable",
+                "problem": problem,
+                "unmatched": unmatched,
+            }
         )
     rows += [
         {"cgroup": path, "status": "unreadable", "problem": why}
@@ -412,10 +462,15 @@ def workloads_table(
     """What discovery found; `wide` adds the id, pod UID and QoS columns and keeps ids whole
     (else they are short, in the path too); `width`: statuses, paths and owners cut to fit."""
     extra = ("ID", "POD", "QOS") if wide else ()
-    headers = ("CGROUP", "KIND", "RUNTIME", "OWNER", *extra, "TENANT", "CLASS", "STATUS")
+    named = any(workload_name(r) or r.get("image") for r in rows)
+    names = ("NAME", "IMAGE") if named else ()
+    headers = (
+        "CGROUP", *names, "KIND", "RUNTIME", "OWNER", *extra, "TENANT", "CLASS", "STATUS",
+    )  # fmt: skip
     body = [
         (
             r["cgroup"] if wide else short_ids(r["cgroup"]),
+            *((workload_name(r), r.get("image")) if named else ()),
             r.get("kind"),
             r.get("runtime"),
             None if "owner" not in r else f"{r['owner']}" + _mode(r),
@@ -426,9 +481,17 @@ def workloads_table(
             ),
             r.get("tenant"),
             r.get("class"),
-            r["status"] if r["problem"] is None else f"{r['status']}: {r['problem']}",
+            _workload_status(r),
         )
         for r in rows
     ]
-    cut: list[tuple[int, Keep]] = [(len(headers) - 1, "head"), (0, "tail"), (3, "head")]
+    cut: list[tuple[int, Keep]] = [(len(headers) - 1, "head"), (0, "tail")]
+    cut += [(2, "tail"), (1, "tail"), (5, "head")] if named else [(3, "head")]
     return table(headers, body, width=width, cut=cut)
+
+
+def _workload_status(r: Mapping[str, Any]) -> str:
+    """ok or unreadable, then what a rule refused and the rules that need metadata it lacks."""
+    status = r["status"] if r["problem"] is None else f"{r['status']}: {r['problem']}"
+    said = [*(f"refused {x}" for x in r.get("refused") or ()), *(r.get("unmatched") or ())]
+    return "; ".join([status, *said])

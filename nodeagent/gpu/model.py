@@ -189,6 +189,9 @@ class HoldKind(enum.StrEnum):
     """A running job's GPUs, released when that job ends."""
     RESERVATION = "reservation"
     """GPUs held for a container started elsewhere; released by name or when it goes."""
+    POD = "pod"
+    """Kubernetes mode: a container's GPUs as the device plugin gave them, read from the
+    kubelet each tick; never in the ledger, never saved, never made into an environment."""
 
 
 @dataclass(frozen=True, slots=True)

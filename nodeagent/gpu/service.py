@@ -56,7 +56,7 @@ from nodeagent.policy.gpu_durations import declared_duration
 from nodeagent.policy.placement import GpuRequest, NodeGpus, Refusal, impossible, node_gpus
 from nodeagent.policy.plan import Plan
 from nodeagent.sense.gpus import GpuSensor
-from nodeagent.spec.model import PolicySpec
+from nodeagent.spec.model import AgentMode, PolicySpec
 from nodeagent.spec.units import parse_duration
 
 if TYPE_CHECKING:
@@ -180,13 +180,23 @@ class GpuService:
         self.state: GpuState | None = None
         self._power_failed: dict[str, str] = {}
         self._ambiguous: dict[str, tuple[str, ...]] = {}
+        self.pod_holds: tuple[Hold, ...] = ()
+        """Kubernetes mode: the GPUs the device plugin gave each container (kind pod), from
+        the kubelet, beside the ledger's (which stays empty in that mode)."""
 
     # --- the loop ---------------------------------------------------------------------
 
-    def sense(self, now: float) -> GpuState | None:
+    def holds(self) -> tuple[Hold, ...]:
+        return self.ledger.holds() + self.pod_holds
+
+    def sense(
+        self, now: float, pods: Callable[[GpuState], tuple[Hold, ...]] | None = None
+    ) -> GpuState | None:
         """Read the GPUs; bind reservations to their containers, release those whose
-        container is gone; lapse and grant. `now` is the monotonic clock."""
+        container is gone; lapse and grant. `now` is the monotonic clock. `pods`: in
+        Kubernetes mode, the pods' holds on the GPUs just read."""
         state = self.sensor.read(self.ledger.holds())
+        self.pod_holds = () if state is None or pods is None else pods(state)
         self._bind()
         for h in self.ledger.holds():
             gone = h.kind is HoldKind.RESERVATION and h.cgroup and not self._exists(h.cgroup)
@@ -208,7 +218,7 @@ class GpuService:
                 state.topology,
                 state.telemetry,
                 state.processes,
-                self.ledger.holds(),
+                self.holds(),
                 state.source,
                 state.simulated,
             )
@@ -313,7 +323,7 @@ class GpuService:
     def _place(self, request: Request) -> object:
         """`gpus place` against the live holds: read-only, nothing reserved."""
         node = self._node()
-        held = holdings(self.ledger.holds())
+        held = holdings(self.holds())
         try:
             return answer(
                 from_query(request.query),
@@ -333,7 +343,15 @@ class GpuService:
             raise ApiNotFound(f"this node has no GPUs the agent can use ({why})")
         return node
 
+    def _refuse_in_kubernetes(self, what: str) -> None:
+        if self._spec().agent.mode is AgentMode.KUBERNETES:
+            raise ApiBadRequest(
+                f"{what} is refused: agent.mode is kubernetes, where the kubelet's device"
+                " plugin assigns GPUs; request nvidia.com/gpu in a pod spec instead"
+            )
+
     def _ask(self, request: Request) -> object:
+        self._refuse_in_kubernetes("nodeagent exec --gpus")
         body = parse(AskBody, request.body)
         spec = self._spec()
         want = body.request()
@@ -387,6 +405,7 @@ class GpuService:
         return {"cancelled": True}
 
     def _reserve(self, request: Request) -> object:
+        self._refuse_in_kubernetes("nodeagent gpus reserve")
         body = parse(ReserveBody, request.body)
         want = body.request()
         refuse_impossible(want, self._node())
@@ -452,7 +471,7 @@ class GpuService:
     def _report(self, request: Request) -> object:
         state = self.state
         report = read_report(self.backend)
-        holds = self.ledger.holds()
+        holds = self.holds()
         found = violations(state) if state is not None else []
         for gpu in report["gpus"]:
             gpu["assigned"] = [
@@ -499,10 +518,10 @@ class GpuService:
 
     def cgroup_gpus(self) -> dict[str, tuple[int, ...]]:
         """GPU indices per workload cgroup, for allocations."""
-        return {h.cgroup: h.indices for h in self.ledger.holds() if h.cgroup is not None}
+        return {h.cgroup: h.indices for h in self.holds() if h.cgroup is not None}
 
     def holder_of(self, cgroup: str) -> Hold | None:
         return next(
-            (h for h in self.ledger.holds() if h.cgroup is not None and within(cgroup, h.cgroup)),
+            (h for h in self.holds() if h.cgroup is not None and within(cgroup, h.cgroup)),
             None,
         )

@@ -33,7 +33,7 @@ from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, Memo
 from nodeagent.errors import one_line
 from nodeagent.gpu.backend import GpuBackend
 from nodeagent.identity import WorkloadIdentity
-from nodeagent.metrics.families import FAMILIES, WORKLOAD, Scrape
+from nodeagent.metrics.families import FAMILIES, RUNTIME_NAME_MAX, WORKLOAD, Scrape
 from nodeagent.metrics.gpus import GpuMetrics
 from nodeagent.policy.base import Assignment, Note, describe
 from nodeagent.policy.plan import CgroupPlan
@@ -80,6 +80,7 @@ class _Seen:
     duration_sum: float
     writes: Counts
     workload_writes: Mapping[str, Counts]
+    overwritten: Mapping[str, int]
 
 
 Reload = tuple[bool, float]
@@ -113,6 +114,7 @@ class TickCollector(Collector):
             {(str(a), str(Outcome.FAILED)): 0 for a in Attribute}
         )
         """From 0 for every attribute's failures: increase() misses a counter's first step."""
+        self._overwritten: Counter[str] = Counter({str(a): 0 for a in Attribute})
         self._workload_writes: dict[str, Counter[tuple[str, str]]] = {}
         self._gpus: GpuMetrics | None = None
         self._failed: dict[str, str] = {}
@@ -142,6 +144,7 @@ class TickCollector(Collector):
                 key = (str(r.attribute), str(r.outcome))
                 self._writes[key] += 1
                 self._workload_writes.setdefault(r.path, Counter())[key] += 1
+            self._overwritten.update(str(a) for _, a in record.snapshot.overwritten)
             self._record = record
 
     def describe(self) -> Iterator[Metric]:
@@ -156,6 +159,7 @@ class TickCollector(Collector):
                 self._duration_sum,
                 dict(self._writes),
                 {p: dict(c) for p, c in self._workload_writes.items()},
+                dict(self._overwritten),
             )
         out, failed = Scrape(), dict[str, str]()
         _isolated(out, failed, "series:agent", self._agent)
@@ -223,6 +227,8 @@ def _loop(out: Scrape, seen: _Seen, misses: int) -> None:
     out.histogram("nodeagent_tick_duration_seconds", buckets, seen.duration_sum)
     for (attribute, outcome), n in sorted(seen.writes.items()):
         out.add("nodeagent_cgroup_writes_total", (attribute, outcome), n)
+    for attribute, n in sorted(seen.overwritten.items()):
+        out.add("nodeagent_cgroup_overwritten_total", (attribute,), n)
     out.add("nodeagent_deadline_misses_total", (), misses)
     record = seen.record
     if record is None:
@@ -243,7 +249,7 @@ def _loop(out: Scrape, seen: _Seen, misses: int) -> None:
 
 def _labels(identity: WorkloadIdentity, assignment: Assignment | None) -> tuple[str, ...]:
     d = describe(identity, assignment)
-    return tuple(str(d[k] or "") for k in WORKLOAD)
+    return tuple(str(d[k] or "")[:RUNTIME_NAME_MAX] for k in WORKLOAD)
 
 
 def _info(out: Scrape, identity: WorkloadIdentity, labels: tuple[str, ...], status: str) -> None:

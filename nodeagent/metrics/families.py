@@ -2,7 +2,8 @@
 
 Names follow koordlet's: a `nodeagent_` prefix, the unit last (`_cores`, `_bytes`,
 `_seconds`, `_ratio` for 0..1), `_total` on counters. A workload's series carry
-WORKLOAD's labels; an unset label (a job has no container id) is the empty string. Label
+WORKLOAD's labels; an unset label (a job has no container id, a workload whose runtime said
+nothing no container_name) is the empty string. Label
 values are shown as the CLI's tables show them, always valid UTF-8: a byte of a cgroup name
 that is not UTF-8 reads `\\xff`, a control character `\\n` or `\\x1b`.
 """
@@ -22,7 +23,13 @@ from prometheus_client.core import (
 
 from nodeagent.tables import printable
 
-WORKLOAD = ("cgroup", "tenant", "class", "rule", "container_id", "pod_uid")
+WORKLOAD = (
+    "cgroup", "tenant", "class", "rule", "container_id", "pod_uid", "container_name",
+    "namespace", "pod",
+)  # fmt: skip
+"""The runtime's names (container_name, namespace, pod) follow from the cgroup: they add no
+series, and each value is cut to RUNTIME_NAME_MAX characters."""
+RUNTIME_NAME_MAX = 128
 GPU = ("gpu", "uuid")
 """A GPU's index and UUID, on every GPU series: the workloads' join the GPUs' on them."""
 
@@ -105,6 +112,13 @@ FAMILIES: tuple[Family, ...] = (
         " vanished, unreachable (memory.max above usage) or failed.",
         "attribute",
         "outcome",
+    ),
+    _f(
+        "nodeagent_cgroup_overwritten_total",
+        "counter",
+        "Values nodeagent wrote that a later read found changed by another writer (the"
+        " kubelet, systemd, an operator): a fight over a cgroup shows here.",
+        "attribute",
     ),
     _f("nodeagent_node_cpu_cores", "gauge", "CPUs on the node."),
     _f("nodeagent_node_cpu_busy_ratio", "gauge", "Busy share of all CPUs over the last tick."),

@@ -43,6 +43,12 @@ class Assignment:
     """CPU-seconds the work needs in all, counted from the cgroup's creation."""
     cpus: float | None = None
     """At most this many CPUs at once (its parallelism), when declared."""
+    matched: tuple[str, ...] = ()
+    """The runtime metadata the rule matched on (`labels.team=a`), and where the tenant,
+    class or deadline came from, for `explain`."""
+    refused: tuple[str, ...] = ()
+    """Values a label or annotation asked for that the rule does not allow (or could not
+    read): the rule's own were used instead. Reported by `workloads`, `allocations`, the log."""
 
 
 def describe(
@@ -67,6 +73,22 @@ def describe(
         "rule": None if a is None else a.rule,
         "tenant": None if a is None else a.tenant,
         "class": None if a is None else str(a.workload_class),
+        **_metadata(i),
+        "matched": [] if a is None else list(a.matched),
+        "refused": [] if a is None else list(a.refused),
+    }
+
+
+def _metadata(i: WorkloadIdentity) -> dict[str, object]:
+    """What the runtime said (names, image, labels, pod), or why it said nothing."""
+    meta, pod = i.meta, i.meta.pod if i.meta is not None else None
+    return {
+        "container_name": None if meta is None else meta.name,
+        "image": None if meta is None else meta.image,
+        "namespace": None if pod is None else pod.namespace,
+        "pod": None if pod is None else pod.name,
+        "metadata": None if meta is None else meta.to_json(),
+        "metadata_problem": i.meta_problem,
     }
 
 

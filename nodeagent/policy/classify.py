@@ -1,16 +1,47 @@
-"""Map workloads to tenants through the policy's rules: first match wins."""
+"""Map workloads to tenants through the policy's rules: first match wins.
+
+Rules match on the path's identity and on what the runtime said (`WorkloadIdentity.meta`,
+sensed and frozen before this pure code runs). A rule may take the tenant or the class from a
+label or annotation, but only among the values it allows; anything else falls back to the
+rule's own and is reported (`Assignment.refused`), so a pod cannot promote itself.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import replace
 
-from nodeagent.identity import WorkloadIdentity
+from nodeagent.identity import Kind, WorkloadIdentity
+from nodeagent.kube.owners import pod_class, pod_tenant, view, with_api_view
+from nodeagent.kube.pods import PodDirectory
 from nodeagent.policy.base import Assignment
+from nodeagent.runtimes.model import ContainerMeta
 from nodeagent.spec.glob import glob_matches
-from nodeagent.spec.model import Match, PolicySpec
+from nodeagent.spec.model import (
+    CONTAINER_META,
+    POD_META,
+    Match,
+    MetaSource,
+    PolicySpec,
+    Rule,
+    WorkloadClass,
+)
+from nodeagent.spec.units import parse_duration
+from nodeagent.spec.when import parse_instant
+
+DEADLINE_ANNOTATION = "nodeagent.io/deadline"
+WORK_ANNOTATION = "nodeagent.io/work"
 
 
-def matches(match: Match, w: WorkloadIdentity) -> bool:
+def matches(match: Match, w: WorkloadIdentity, assume_meta: bool = False) -> bool:
+    """Whether `w` matches every key of `match`. `assume_meta`: a workload without runtime
+    metadata is taken to match the metadata keys it could have (for checks of the rules
+    alone, such as validate's nesting warnings)."""
+    return _match(match, w, assume_meta) is not None
+
+
+def _match(match: Match, w: WorkloadIdentity, assume_meta: bool = False) -> tuple[str, ...] | None:
+    """The metadata terms that matched (empty without metadata keys), or None: no match."""
     checks = (
         match.path is None or glob_matches(match.path, w.path),
         match.name is None or glob_matches(match.name, w.name),
@@ -23,24 +54,225 @@ def matches(match: Match, w: WorkloadIdentity) -> bool:
         or (w.container_id is not None and w.container_id.startswith(match.container_id)),
         match.account is None or (w.account is not None and glob_matches(match.account, w.account)),
     )
-    return all(checks)
+    if not all(checks):
+        return None
+    if not match.needs_metadata:
+        return ()
+    if w.meta is None:
+        if not assume_meta:
+            return None
+        own = any(getattr(match, k) is not None for k in CONTAINER_META)
+        return None if own and w.kind is Kind.POD else ()
+    if w.meta.sandbox:
+        return None  # a pod's sandbox ("pause") is its plumbing, not its work
+    return _meta_terms(match, w.meta)
 
 
-def assign(workloads: Iterable[WorkloadIdentity], spec: PolicySpec) -> dict[str, Assignment]:
-    """Assignments by cgroup path; workloads that no rule matches are left out (left alone)."""
+def _meta_terms(match: Match, meta: ContainerMeta) -> tuple[str, ...] | None:
+    terms: list[str] = []
+
+    def one(key: str, pattern: str | None, value: str | None) -> bool:
+        if pattern is None:
+            return True
+        if value is None or not glob_matches(pattern, value):
+            return False
+        terms.append(f"{key}={show(value)}")
+        return True
+
+    def every(key: str, patterns: Mapping[str, str] | None, values: Mapping[str, str]) -> bool:
+        for k, pattern in (patterns or {}).items():
+            value = values.get(k)
+            if value is None or not glob_matches(pattern, value):
+                return False
+            terms.append(f"{key}.{k}={show(value)}")
+        return True
+
+    if match.labels is not None and meta.incomplete is not None:
+        return None
+    pod = meta.pod
+    if pod is None and any(getattr(match, k) is not None for k in POD_META):
+        return None
+    ok = (
+        one("container_name", match.container_name, meta.name)
+        and one("image", match.image, meta.image)
+        and every("labels", match.labels, meta.labels)
+        and (
+            pod is None
+            or (
+                one("namespace", match.namespace, pod.namespace)
+                and one("pod_name", match.pod_name, pod.name)
+                and every("pod_labels", match.pod_labels, pod.labels)
+                and every("pod_annotations", match.pod_annotations, pod.annotations)
+            )
+        )
+    )
+    return tuple(terms) if ok else None
+
+
+def show(value: str, most: int = 64) -> str:
+    """A label value as a report shows it: printable, at most `most` characters."""
+    text = value if value.isprintable() else value.encode("unicode_escape").decode("ascii")
+    return text if len(text) <= most else text[: most - 3] + "..."
+
+
+_SOURCE_NAMES = {
+    "label": "label",
+    "pod_label": "pod label",
+    "annotation": "annotation",
+    "pod_annotation": "pod annotation",
+}
+
+
+def _read(source: MetaSource, meta: ContainerMeta | None) -> tuple[str, str | None]:
+    """(how to name the source, its value or None)."""
+    which, key = source.source
+    where = f"{_SOURCE_NAMES[which]} {key}"
+    if meta is None:
+        return where, None
+    pod = meta.pod
+    values: Mapping[str, str] = {
+        "label": meta.labels,
+        "annotation": meta.annotations,
+        "pod_label": pod.labels if pod is not None else {},
+        "pod_annotation": pod.annotations if pod is not None else {},
+    }[which]
+    return where, values.get(key)
+
+
+def _annotation(meta: ContainerMeta | None, key: str) -> str | None:
+    """A pod's annotation, else the container's own."""
+    if meta is None:
+        return None
+    if meta.pod is not None and key in meta.pod.annotations:
+        return meta.pod.annotations[key]
+    return meta.annotations.get(key)
+
+
+def _assignment(
+    rule: Rule, w: WorkloadIdentity, terms: tuple[str, ...], spec: PolicySpec,
+    pods: PodDirectory | None,
+) -> Assignment:  # fmt: skip
+    matched, refused = list(terms), []
+    tenant, cls = rule.tenant, rule.workload_class
+    pod = view(w, pods) if _kubernetes(rule) else None
+    if rule.tenant_from is not None and rule.tenant_from.kubernetes:
+        if pod is not None:
+            ns_labels = pods.namespaces.get(pod.namespace) if pods is not None else None
+            given, claim = pod_tenant(pod, ns_labels, spec.kubernetes, spec.tenants)
+            if given is not None:
+                tenant = given
+                matched.append(f"tenant {given} from namespace {pod.namespace}")
+            if claim is not None:
+                refused.append(claim)
+    elif rule.tenant_from is not None:
+        where, value = _read(rule.tenant_from, w.meta)
+        allowed = rule.tenant_from.allowed
+        if value is not None and value in allowed:
+            tenant = value
+            matched.append(f"tenant from {where}={show(value)}")
+        elif value is not None:
+            refused.append(
+                f"{where}={show(value)!r} is not a tenant rule {rule.name} may give"
+                f" ({', '.join(allowed)}): tenant {rule.tenant}, the rule's own"
+            )
+    if rule.class_from is not None and rule.class_from.kubernetes:
+        found = None if pod is None else pod_class(pod, spec.kubernetes)
+        if found is not None:
+            cls = found
+            matched.append(f"class {found} from the pod (kubernetes.class_from)")
+    elif rule.class_from is not None:
+        where, value = _read(rule.class_from, w.meta)
+        choices = [str(c) for c in rule.class_from.allowed]
+        if value is not None and value in choices:
+            cls = WorkloadClass(value)
+            matched.append(f"class from {where}={value}")
+        elif value is not None:
+            refused.append(
+                f"{where}={show(value)!r} is not a class rule {rule.name} may give"
+                f" ({', '.join(choices)}): class {rule.workload_class}, the rule's own"
+            )
+    deadline, work = rule.deadline, rule.work
+    if rule.deadline_from_annotations and deadline is None:
+        deadline, work = _annotated_deadline(w.meta, matched, refused)
+    return Assignment(
+        rule.name,
+        tenant,
+        cls,
+        rule.limits,
+        deadline=deadline,
+        work=work,
+        matched=tuple(matched),
+        refused=tuple(refused),
+    )
+
+
+def _annotated_deadline(
+    meta: ContainerMeta | None, matched: list[str], refused: list[str]
+) -> tuple[float | None, float | None]:
+    when, work = _annotation(meta, DEADLINE_ANNOTATION), _annotation(meta, WORK_ANNOTATION)
+    if when is None and work is None:
+        return None, None
+    if when is None or work is None:
+        lacks = DEADLINE_ANNOTATION if when is None else WORK_ANNOTATION
+        refused.append(f"a deadline needs both annotations; {lacks} is missing: no deadline")
+        return None, None
+    try:
+        deadline = parse_instant(when)
+        cpu = parse_duration(work)
+        if not cpu > 0:
+            raise ValueError("must be more than 0")
+    except (ValueError, TypeError) as e:
+        refused.append(f"annotations {DEADLINE_ANNOTATION}/{WORK_ANNOTATION}: {e}: no deadline")
+        return None, None
+    matched.append(f"deadline from annotations {DEADLINE_ANNOTATION}={show(when)}")
+    return deadline, cpu
+
+
+def _kubernetes(rule: Rule) -> bool:
+    return any(s is not None and s.kubernetes for s in (rule.tenant_from, rule.class_from))
+
+
+def assign(
+    workloads: Iterable[WorkloadIdentity], spec: PolicySpec, pods: PodDirectory | None = None
+) -> dict[str, Assignment]:
+    """Assignments by cgroup path; workloads that no rule matches are left out (left alone).
+    `pods`: the API server's view of the node's pods (Kubernetes mode), which wins over
+    what CRI said at their creation."""
     out: dict[str, Assignment] = {}
     for w in workloads:
+        w = with_api_view(w, pods)  # noqa: PLW2901
         for rule in spec.rules:
-            if matches(rule.match, w):
-                out[w.path] = Assignment(
-                    rule.name,
-                    rule.tenant,
-                    rule.workload_class,
-                    rule.limits,
-                    deadline=rule.deadline,
-                    work=rule.work,
-                )
+            terms = _match(rule.match, w)
+            if terms is not None:
+                out[w.path] = _assignment(rule, w, terms, spec, pods)
                 break
+    return out
+
+
+def unmatched_for_metadata(w: WorkloadIdentity, spec: PolicySpec) -> list[str]:
+    """The rules, before the one that claims `w` (or all), that need runtime metadata `w`
+    has not got: said by `workloads`, so that an operator sees why a rule did not match."""
+    if w.meta is not None:
+        return [
+            f"rule {r.name}: labels unknown ({w.meta.incomplete})"
+            for r in _before_claim(w, spec)
+            if r.match.labels is not None and w.meta.incomplete is not None
+            and matches(r.match, replace(w, meta=None), assume_meta=True)
+        ]  # fmt: skip
+    why = w.meta_problem or "no runtime metadata"
+    return [
+        f"rule {r.name} needs runtime metadata: {why}"
+        for r in _before_claim(w, spec)
+        if r.match.needs_metadata and matches(r.match, w, assume_meta=True)
+    ]
+
+
+def _before_claim(w: WorkloadIdentity, spec: PolicySpec) -> list[Rule]:
+    out = []
+    for rule in spec.rules:
+        if matches(rule.match, w):
+            break
+        out.append(rule)
     return out
 
 

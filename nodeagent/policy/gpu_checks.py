@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nodeagent.cgroupfs.values import Attribute, Frozen
-from nodeagent.gpu.model import GpuProcess, GpuState, Hold
+from nodeagent.gpu.model import GpuProcess, GpuState, Hold, HoldKind
 from nodeagent.policy.base import Carry, Decision, Note, Output, PolicyInput
 from nodeagent.spec.model import ViolationAction
 
@@ -36,6 +36,9 @@ def violations(gpus: GpuState) -> list[tuple[GpuProcess, str, Hold | None]]:
     """(process, kind, its holder) for each process on a GPU its cgroup does not hold:
     kind 'wrong-gpu' (its cgroup holds others) or 'unassigned' (it holds none)."""
     parents = gpus.parents()
+    # a pod's GPUs not yet tied to its cgroup (Kubernetes mode, the pod not known yet): a
+    # process on them may be that pod's, so it is not judged until the pod is known
+    untied = [h for h in gpus.holds if h.kind is HoldKind.POD and h.cgroup is None]
     out: list[tuple[GpuProcess, str, Hold | None]] = []
     for p in gpus.processes:
         if p.cgroup is None:
@@ -43,7 +46,7 @@ def violations(gpus: GpuState) -> list[tuple[GpuProcess, str, Hold | None]]:
         h = holder(p, gpus.holds)
         if h is not None and not h.covers(p.device_uuid, parents):
             out.append((p, "wrong-gpu", h))
-        elif h is None:
+        elif h is None and not any(u.covers(p.device_uuid, parents) for u in untied):
             out.append((p, "unassigned", None))
     return out
 

@@ -79,9 +79,15 @@ class Sensor:
         self.fresh: frozenset[str] = frozenset()
         """The workloads whose settings the last snapshot read from the kernel, and the
         levels (read every tick)."""
+        self._written: dict[str, dict[Attribute, Value]] = {}
+        """What the agent last wrote to each cgroup (workloads and levels), to tell when a
+        full read finds another writer's value there (`NodeSnapshot.overwritten`)."""
+        self._overwritten: list[tuple[str, Attribute]] = []
 
     def learn(self, path: str, attribute: Attribute, value: Value) -> None:
-        """What the agent just wrote, so the next lean read does not take it for drift."""
+        """What the agent just wrote, so the next lean read does not take it for drift,
+        and the next full read can tell whether someone else changed it since."""
+        self._written.setdefault(path, {})[attribute] = value
         known = self._known.get(path)
         if known is not None:
             self._known[path] = replace(known, settings={**known.settings, attribute: value})
@@ -190,6 +196,7 @@ class Sensor:
         self._last_mono = monotonic
         self._seq += 1
         parents = self._levels(levels, skipped)
+        overwritten = self._overwrites(read, parents)
         self.fresh = frozenset(due | {w.path for w in parents})
         return NodeSnapshot(
             self._seq,
@@ -200,7 +207,31 @@ class Sensor:
             tuple(skipped),
             tuple(vanished),
             parents,
+            overwritten=overwritten,
         )
+
+    def _overwrites(
+        self, read: set[str], parents: tuple[WorkloadState, ...]
+    ) -> tuple[tuple[str, Attribute], ...]:
+        """This snapshot's overwritten values, the levels' (read every tick) included;
+        what was written to cgroups no longer sensed is forgotten."""
+        for w in parents:
+            self._found(w.path, w.sample.settings)
+        sensed = read | {w.path for w in parents}
+        self._written = {p: v for p, v in self._written.items() if p in sensed}
+        found, self._overwritten = tuple(self._overwritten), []
+        return found
+
+    def _found(self, path: str, settings: Mapping[Attribute, Value]) -> None:
+        """A read from the kernel: each value the agent wrote and finds changed is noted
+        once (it is written again, and learnt again, if the plan still wants it)."""
+        written = self._written.get(path)
+        if not written:
+            return
+        for attribute, value in list(written.items()):
+            if attribute in settings and settings[attribute] != value:
+                self._overwritten.append((path, attribute))
+                del written[attribute]
 
     def _note_read(self, path: str, same: bool, monotonic: float) -> None:
         """Count the reads in a row that found `path` unchanged (a full read counts as
@@ -232,6 +263,7 @@ class Sensor:
         if full or known is None:
             sample = read_sample(d, page_size, threads=needs.threads)
             self._known[path] = sample
+            self._found(path, sample.settings)
             return sample
         lean = self._lean[path] = read_lean(d, known, needs, self._lean.get(path))
         return lean.sample

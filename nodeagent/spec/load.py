@@ -27,7 +27,7 @@ from nodeagent.errors import NodeagentError, UnsafePath
 from nodeagent.identity import Owner, Runtime
 from nodeagent.regular_file import UnusableFile, read_regular_file
 from nodeagent.spec.glob import glob_matches
-from nodeagent.spec.model import ANY, MAX, Limits, Match, PolicySpec
+from nodeagent.spec.model import ANY, MAX, AgentMode, Limits, Match, PolicySpec, Rule
 from nodeagent.spec.nesting import nesting_warnings
 
 MAX_BYTES = 1 << 20  # a real policy is a few kilobytes; this also stops a read of /dev/zero
@@ -731,14 +731,11 @@ def _check_semantics(spec: PolicySpec, where: _Locator, report: _Report) -> None
                 hint = suggest(rule.tenant) or f"; tenants are {_listed(tenants)}"
                 add(("rules", i, "tenant"), f"unknown tenant {rule.tenant!r}{hint}")
         with _SKIP_BROKEN:
-            _check_limits(rule.limits, ("rules", i, "limits"), add, rule.match)
+            _check_rule(
+                rule, i, spec, lambda t: suggest(t) or f"; tenants are {_listed(tenants)}", add
+            )
         with _SKIP_BROKEN:
-            if (rule.deadline is None) != (rule.work is None):
-                have, lacks = ("deadline", "work") if rule.work is None else ("work", "deadline")
-                add(
-                    ("rules", i, have),
-                    f"{have} needs {lacks}: the deadline policy plans the CPU rate from both",
-                )
+            _check_limits(rule.limits, ("rules", i, "limits"), add, rule.match)
     with _SKIP_BROKEN:
         default = spec.jobs.default_tenant
         if default is not None and default not in spec.tenants:
@@ -753,6 +750,12 @@ def _check_semantics(spec: PolicySpec, where: _Locator, report: _Report) -> None
                 if tenant != ANY and tenant not in spec.tenants:
                     hint = suggest(tenant) or f"; tenants are {_listed(tenants)} (or '*')"
                     add(("jobs", "access", i, "tenants", j), f"unknown tenant {tenant!r}{hint}")
+    _check_power(spec, add)
+    with _SKIP_BROKEN:
+        _check_kubernetes(spec, add, suggest, tenants)
+
+
+def _check_power(spec: PolicySpec, add: typing.Callable[[Loc, str], None]) -> None:
     for i, power in enumerate(_items(spec.gpu.power)):
         with _SKIP_BROKEN:
             if (power.start is None) != (power.end is None):
@@ -762,6 +765,44 @@ def _check_semantics(spec: PolicySpec, where: _Locator, report: _Report) -> None
                     "a window needs both from and to (local times such as '22:00'),"
                     f" got only {have}",
                 )
+
+
+def _check_rule(
+    rule: Rule,
+    i: int,
+    spec: PolicySpec,
+    hint: typing.Callable[[str], str],
+    add: typing.Callable[[Loc, str], None],
+) -> None:
+    """A deadline needs its work; tenant_from and class_from list what they may give, and
+    tenant_from only tenants of the policy; a rule's own deadline leaves the annotations
+    unread."""
+    at = ("rules", i)
+    with _SKIP_BROKEN:
+        if (rule.deadline is None) != (rule.work is None):
+            have, lacks = ("deadline", "work") if rule.work is None else ("work", "deadline")
+            add(
+                ("rules", i, have),
+                f"{have} needs {lacks}: the deadline policy plans the CPU rate from both",
+            )
+    for key in ("tenant_from", "class_from"):
+        with _SKIP_BROKEN:
+            source = getattr(rule, key)
+            if source is not None and not source.allowed and not source.kubernetes:
+                what = "tenants" if key == "tenant_from" else "classes"
+                add((*at, key), f"needs allowed: the {what} this rule may give (at least one)")
+    with _SKIP_BROKEN:
+        if rule.tenant_from is not None:
+            for j, tenant in enumerate(_items(rule.tenant_from.allowed)):
+                if tenant not in spec.tenants:
+                    where = ("rules", i, "tenant_from", "allowed", j)
+                    add(where, f"unknown tenant {tenant!r}{hint(tenant)}")
+    with _SKIP_BROKEN:
+        if rule.deadline_from_annotations and rule.deadline is not None:
+            add(
+                ("rules", i, "deadline_from_annotations"),
+                "the rule gives a deadline itself: annotations would never be read",
+            )
 
 
 def _claims_slurm_jobs(match: Match) -> bool:
@@ -880,3 +921,36 @@ def _covers(earlier: Match, later: Match) -> bool:
         if not same:
             return False
     return True
+
+
+def _check_kubernetes(
+    spec: PolicySpec,
+    add: typing.Callable[[Loc, str], None],
+    suggest: _Suggestions,
+    tenants: list[str],
+) -> None:
+    """Namespaces name known tenants; each class source says where it reads from once."""
+    kube = spec.kubernetes
+    for glob, entry in kube.namespaces.items():
+        for key, tenant in (("tenant", entry.tenant), *(("allow", t) for t in entry.allow)):
+            if tenant not in spec.tenants:
+                hint = suggest(tenant) or f"; tenants are {_listed(tenants)}"
+                add(("kubernetes", "namespaces", glob, key), f"unknown tenant {tenant!r}{hint}")
+    for i, source in enumerate(kube.class_from):
+        given = [k for k in ("annotation", "label", "priority", "qos") if getattr(source, k)]
+        if len(given) != 1:
+            add(
+                ("kubernetes", "class_from", i),
+                "give exactly one of annotation, label, priority or qos"
+                + (f", got {' and '.join(given)}" if given else ""),
+            )
+        elif source.values is not None and given[0] not in ("annotation", "label"):
+            add(("kubernetes", "class_from", i, "values"), "values go with an annotation or label")
+    for key in ("node_features", "node_resource_topology"):
+        if getattr(spec.publish, key) and spec.agent.mode is not AgentMode.KUBERNETES:
+            add(("publish", key), "publishing to the cluster needs agent.mode: kubernetes")
+    if kube.api_server.watch is False and kube.tenant_label is not None:
+        add(
+            ("kubernetes", "tenant_label"),
+            "namespace labels are read through the API server: set kubernetes.api_server.watch",
+        )

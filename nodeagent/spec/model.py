@@ -248,8 +248,37 @@ class SlurmSettings(_Strict):
     retry_interval: Duration = Field(30.0, ge=1, le=3600)
 
 
+class AgentMode(enum.StrEnum):
+    HOST = "host"
+    KUBERNETES = "kubernetes"
+    """Beside the kubelet and the GPU device plugin: GPUs are the device plugin's to hand
+    out (read from the kubelet's PodResources API), and `exec` and `gpus reserve` are
+    refused."""
+
+
+class RuntimeSettings(_Strict):
+    """Where each container runtime answers, for the metadata rules match on (names, images,
+    labels, pods); `null` turns a runtime's lookups off. Read-only, each call within `timeout`."""
+
+    docker: SocketPath | None = "/run/docker.sock"
+    podman: SocketPath | None = "/run/podman/podman.sock"
+    """The socket of `podman system service`; without it, what `podman_storage` keeps."""
+    podman_storage: HostPath | None = "/var/lib/containers/storage"
+    """podman's store (graphroot), read when its API socket is absent: names and images only."""
+    containerd: SocketPath | None = "/run/containerd/containerd.sock"
+    """Its CRI plugin (Kubernetes pods)."""
+    crio: SocketPath | None = "/var/run/crio/crio.sock"
+    timeout: Duration = Field(0.2, ge=0.01, le=5)
+    """The deadline of each lookup (all its calls together)."""
+
+
 class AgentSettings(_Strict):
     """How the daemon runs: its tick, where it keeps state, and which subtree it owns."""
+
+    mode: Annotated[AgentMode, BeforeValidator(_not_bytes)] = AgentMode.HOST
+    reload_on_change: StrictBool = False
+    """Reload the policy when its file changes (a mounted ConfigMap's update), as on
+    SIGHUP; the file is looked at once a tick."""
 
     interval: Duration = Field(1.0, ge=0.05, le=3600)
     resync_interval: Duration = Field(30.0, ge=1, le=86400)
@@ -268,6 +297,7 @@ class AgentSettings(_Strict):
     """kubepods and the QoS tiers: the kubelet rewrites their weights about every minute,
     so by default the agent leaves them to it (see the README)."""
     slurm: SlurmSettings = SlurmSettings()
+    runtimes: RuntimeSettings = RuntimeSettings()
 
 
 class FairShareSettings(_Strict):
@@ -287,9 +317,20 @@ class Tenant(_Strict):
     shares: Shares
 
 
+LabelKey = Annotated[StrictStr, Field(min_length=1, max_length=1024)]
+LabelGlobs = Annotated[dict[LabelKey, Glob], Field(min_length=1, max_length=64)]
+"""Label (or annotation) key -> glob on its value: every key must be there and match."""
+
+CONTAINER_META = ("container_name", "image", "labels")
+POD_META = ("namespace", "pod_name", "pod_labels", "pod_annotations")
+
+
 class Match(_Strict):
-    """All given fields must match. `path`, `name` and `account` are shell globs; the rest
-    compare exactly."""
+    """All given fields must match. `path`, `name`, `account`, `container_name`, `image`,
+    `namespace`, `pod_name` and the values of `labels`, `pod_labels` and `pod_annotations`
+    are shell globs; the rest compare exactly. The metadata keys (container_name to
+    pod_annotations) are what the workload's runtime says: a workload whose runtime said
+    nothing does not match them."""
 
     path: Glob | None = None
     name: Glob | None = None
@@ -302,6 +343,62 @@ class Match(_Strict):
     account: Glob | None = None
     """A Slurm job's account, as Slurm reports it: a rule with one never matches a job
     Slurm has not answered for (nor anything but a Slurm job)."""
+    container_name: Glob | None = None
+    image: Glob | None = None
+    labels: LabelGlobs | None = None
+    namespace: Glob | None = None
+    pod_name: Glob | None = None
+    pod_labels: LabelGlobs | None = None
+    pod_annotations: LabelGlobs | None = None
+
+    @property
+    def needs_metadata(self) -> bool:
+        return any(getattr(self, k) is not None for k in (*CONTAINER_META, *POD_META))
+
+
+class MetaSource(_Strict):
+    """Where a rule reads a tenant or a class from: exactly one label or annotation."""
+
+    label: LabelKey | None = None
+    """The container's own label."""
+    pod_label: LabelKey | None = None
+    annotation: LabelKey | None = None
+    """The container's own annotation (CRI, podman)."""
+    pod_annotation: LabelKey | None = None
+    kubernetes: StrictBool = False
+    """Kubernetes mode: as the `kubernetes` section says (a tenant from the pod's
+    namespace, a class from `kubernetes.class_from`); `allowed` is not needed."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> MetaSource:
+        keys = ("label", "pod_label", "annotation", "pod_annotation", "kubernetes")
+        given = [k for k in keys if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(
+                "needs exactly one of label, pod_label, annotation, pod_annotation, kubernetes"
+                + (f", got {', '.join(given)}" if given else "")
+            )
+        return self
+
+    @property
+    def source(self) -> tuple[str, str]:
+        """(which: label, pod_label, annotation or pod_annotation; the key)."""
+        for which in ("label", "pod_label", "annotation", "pod_annotation"):
+            key = getattr(self, which)
+            if key is not None:
+                return which, key
+        raise AssertionError("validated: one source")
+
+
+class TenantFrom(MetaSource):
+    allowed: tuple[StrictStr, ...] = ()
+    """The only tenants this rule may give: any other value falls back to the rule's own
+    `tenant`, and is reported."""
+
+
+class ClassFrom(MetaSource):
+    allowed: tuple[Annotated[WorkloadClass, BeforeValidator(_not_bytes)], ...] = ()
+    """The only classes this rule may give: any other value falls back to its `class`."""
 
 
 class Limits(_Strict):
@@ -330,6 +427,12 @@ class Rule(_Strict):
     """When the work must be done: an ISO 8601 time with a UTC offset."""
     work: Duration | None = Field(None, gt=0)
     """CPU-seconds the work needs in all, counted from the cgroup's creation."""
+    tenant_from: TenantFrom | None = None
+    """Take the tenant from a label or annotation, among `allowed` only."""
+    class_from: ClassFrom | None = None
+    deadline_from_annotations: StrictBool = False
+    """A workload (its pod, or itself) annotated nodeagent.io/deadline (a time) and
+    nodeagent.io/work (CPU duration) is a deadline job."""
 
 
 class MemoryProtection(enum.StrEnum):
@@ -527,6 +630,94 @@ class GpuSettings(_Strict):
     more for a set that scores clearly better and is expected free by then; 0: never."""
 
 
+class ApiServerSettings(_Strict):
+    """The Kubernetes API server, for what CRI cannot tell: pods' labels and annotations
+    as edited since their sandbox was made, and namespaces' labels. In-cluster
+    credentials (the DaemonSet's service account)."""
+
+    watch: StrictBool = False
+    timeout: Duration = Field(10.0, gt=0, le=300)
+    """Deadline on connecting and on each list; a watch that hears nothing for
+    `watch_timeout` plus this is dropped and made again."""
+    watch_timeout: Duration = Field(300.0, ge=10, le=3600)
+    """The server ends each watch after this long; it is made again from the last
+    resourceVersion seen (a 410 Gone lists afresh)."""
+
+
+def _namespace_tenant(value: object) -> object:
+    """`ml-*: research` is short for `ml-*: {tenant: research}`."""
+    return {"tenant": value} if isinstance(value, str) else value
+
+
+class NamespaceTenant(_Strict):
+    tenant: StrictStr
+    """The tenant of this namespace's pods."""
+    allow: tuple[StrictStr, ...] = ()
+    """Other tenants a pod here may claim with the nodeagent.io/tenant annotation (or
+    label); a claim of any other is refused and reported."""
+
+
+class ClassSource(_Strict):
+    """One place a pod's class may come from; `kubernetes.class_from` tries them in order
+    and the first that gives a class wins. Exactly one of annotation, label, priority
+    and qos."""
+
+    annotation: Name | None = None
+    label: Name | None = None
+    values: dict[Glob, Annotated[WorkloadClass, BeforeValidator(_not_bytes)]] | None = None
+    """For an annotation or label: its value (a glob) to a class, first match wins;
+    without it the value is a class name itself."""
+    priority: dict[StrictInt, Annotated[WorkloadClass, BeforeValidator(_not_bytes)]] | None = None
+    """The pod's priority to a class: the highest threshold at or below it."""
+    qos: dict[Annotated[QosTier, BeforeValidator(_not_bytes)], WorkloadClass] | None = None
+    """The pod's QoS class to a class."""
+
+
+_DEFAULT_CLASS_FROM = (
+    {"annotation": "nodeagent.io/class"},
+    {"label": "nodeagent.io/class"},
+    {
+        "label": "koordinator.sh/qosClass",
+        "values": {"LSE": "inference", "LSR": "inference", "LS": "inference", "BE": "besteffort"},
+    },
+    {"label": "kueue.x-k8s.io/queue-name", "values": {"*": "batch"}},
+)
+
+
+class KubernetesSettings(_Strict):
+    """Kubernetes mode (`agent.mode: kubernetes`): where the kubelet's sockets are, and who
+    a pod belongs to."""
+
+    node_name: Name | None = None
+    """This node's name; default: the NODE_NAME environment variable (the DaemonSet sets
+    it from the downward API)."""
+    pod_resources_socket: SocketPath = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    pod_resources_timeout: Duration = Field(2.0, gt=0, le=60)
+    """Deadline on each call to the kubelet's PodResources API."""
+    gpu_resources: tuple[Glob, ...] = ("nvidia.com/gpu", "nvidia.com/mig-*")
+    """Extended resources that are GPUs (their device ids are GPU or MIG UUIDs)."""
+    api_server: ApiServerSettings = ApiServerSettings()
+    namespaces: dict[Glob, Annotated[NamespaceTenant, BeforeValidator(_namespace_tenant)]] = {}
+    """Namespace globs to tenants, first match wins."""
+    tenant_label: Name | None = None
+    """A namespace label that names its tenant (read through the API server watch); it wins
+    over `namespaces`."""
+    class_from: tuple[ClassSource, ...] = tuple(
+        ClassSource.model_validate(c) for c in _DEFAULT_CLASS_FROM
+    )
+
+
+class PublishSettings(_Strict):
+    """What the node tells the cluster's scheduler."""
+
+    node_features: HostPath | None = None
+    """A node-feature-discovery features.d file to write the GPU topology labels to, such
+    as /etc/kubernetes/node-feature-discovery/features.d/nodeagent; null: none."""
+    node_resource_topology: StrictBool = False
+    """Publish a NodeResourceTopology (v1alpha2) object for this node through the API
+    server: only where no other producer (NFD's topology-updater, RTE) runs."""
+
+
 class PolicySpec(_Strict):
     version: Annotated[Literal[1], BeforeValidator(_version)]
     agent: AgentSettings = AgentSettings()
@@ -541,5 +732,7 @@ class PolicySpec(_Strict):
     deadlines: DeadlineSettings = DeadlineSettings()
     jobs: JobSettings = JobSettings()
     gpu: GpuSettings = GpuSettings()
+    kubernetes: KubernetesSettings = KubernetesSettings()
+    publish: PublishSettings = PublishSettings()
     tenants: dict[StrictStr, Tenant] = Field(min_length=1)
     rules: tuple[Rule, ...] = ()

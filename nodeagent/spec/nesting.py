@@ -40,7 +40,9 @@ def _first(spec: PolicySpec, w: WorkloadIdentity | None) -> int | None:
     """The rule that claims `w` (first match wins), by index."""
     if w is None:
         return None
-    return next((i for i, rule in enumerate(spec.rules) if matches(rule.match, w)), None)
+    return next(
+        (i for i, rule in enumerate(spec.rules) if matches(rule.match, w, assume_meta=True)), None
+    )
 
 
 def nesting_rules(spec: PolicySpec) -> dict[tuple[int, int | None], str]:

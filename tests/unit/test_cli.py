@@ -121,7 +121,7 @@ def test_an_option_missing_its_value_names_the_command(args: list[str], where: s
 def test_validate_the_shipped_example(runner: CliRunner) -> None:
     result = runner.invoke(main, ["validate", str(EXAMPLE)])
     assert result.exit_code == 0, result.output
-    assert result.stdout == f"{EXAMPLE}: ok (2 tenants, 6 rules)\n"
+    assert result.stdout == f"{EXAMPLE}: ok (2 tenants, 9 rules)\n"
 
 
 BAD = "version: 1\ntenants:\n  research:\n    shares: -2\nrules: []\n"

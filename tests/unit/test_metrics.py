@@ -115,6 +115,10 @@ def test_each_workload_shows_what_was_applied_and_measured() -> None:
         "owner": "cgroupfs",
         "qos": "burstable",
         "status": "ok",
+        # what its runtime says: nothing here (no runtime answers in a unit test)
+        "container_name": "",
+        "namespace": "",
+        "pod": "",
     }
     assert value(s, "nodeagent_workload_cpu_usage_cores", cgroup=A1) == 1.5
     assert value(s, "nodeagent_workload_cpu_usage_seconds_total", cgroup=K8S.path) == 3.0

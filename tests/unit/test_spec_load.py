@@ -54,6 +54,9 @@ def test_shipped_example_loads() -> None:
     assert [r.name for r in spec.rules] == [
         "research-training",
         "prod-jobs",
+        "shop-web",
+        "k8s-prod-inference",
+        "k8s-training",
         "docker-batch",
         "k8s-besteffort",
         "slurm-prod",
@@ -61,13 +64,24 @@ def test_shipped_example_loads() -> None:
     ]
     assert spec.rules[0].match.path == "nodeagent.slice/research-*"
     assert spec.rules[0].workload_class is WorkloadClass.TRAINING
-    docker = spec.rules[2]
+    assert spec.rules[2].match.labels == {
+        "com.docker.compose.project": "shop",
+        "com.docker.compose.service": "web*",
+    }
+    k8s = spec.rules[3]
+    assert (k8s.match.namespace, k8s.match.pod_labels) == (
+        "prod-*",
+        {"app.kubernetes.io/component": "inference"},
+    )
+    assert k8s.tenant_from is not None and k8s.tenant_from.allowed == ("prod", "research")
+    assert spec.rules[4].deadline_from_annotations
+    docker = spec.rules[5]
     assert docker.match.runtime is Runtime.DOCKER
     assert docker.limits.cpu_max == 1.5
     assert docker.limits.memory_max == 4 * 1024**3
     assert docker.limits.memory_high == 3 * 1024**3
-    assert spec.rules[3].match.qos is QosTier.BESTEFFORT
-    assert (spec.rules[4].match.runtime, spec.rules[4].match.account) == (Runtime.SLURM, "prod")
+    assert spec.rules[6].match.qos is QosTier.BESTEFFORT
+    assert (spec.rules[7].match.runtime, spec.rules[7].match.account) == (Runtime.SLURM, "prod")
 
 
 def test_shipped_example_states_the_defaults() -> None:

@@ -84,7 +84,7 @@ def test_validate_warns_on_the_old_example_and_passes_on_the_shipped_one(tmp_pat
     runner = CliRunner()
     result = runner.invoke(main, ["validate", str(old)])
     assert result.exit_code == 0, "a warning, not an error"
-    assert result.stdout == f"{old}: ok (2 tenants, 6 rules; 1 warning)\n"
+    assert result.stdout == f"{old}: ok (2 tenants, 9 rules; 1 warning)\n"
     (line,) = result.stderr.splitlines()
     assert line.startswith(f"{old}:")
     assert "warning: rules[3].match: can claim a pod" in line

@@ -1,0 +1,94 @@
+"""Which GPUs each container holds, as the device plugin assigned them: the kubelet's
+PodResources answer (namespace, pod and container names, device ids) joined to the
+containers' cgroups through what the agent knows of them: the names CRI gave each container
+(agent.runtimes), or the API server's watch (pod uid and container ids).
+
+The result is one Hold of kind "pod" per container, with its cgroup, so that GPU
+verification (a process on a GPU its pod was not given), power classes and the metrics
+treat a pod's GPUs as they treat a job's. nodeagent never tells a pod which GPUs to use:
+the device plugin did, and no Hold of kind "pod" is ever turned into an environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from nodeagent.gpu.model import GpuState, Hold, HoldKind
+from nodeagent.identity import Kind, WorkloadIdentity
+from nodeagent.kube.owners import with_api_view
+from nodeagent.kube.podresources import ContainerDevices
+from nodeagent.kube.pods import PodDirectory
+from nodeagent.spec.glob import glob_matches
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    holds: tuple[Hold, ...]
+    unjoined: tuple[str, ...]
+    """Why a container's GPUs could not be tied to its cgroup (shown once each in the log):
+    their hold has no cgroup, so its GPUs are not checked."""
+
+
+def owner(c: ContainerDevices) -> str:
+    return f"pod:{c.namespace}/{c.pod}/{c.container}"
+
+
+def join(
+    listing: Sequence[ContainerDevices],
+    pods: PodDirectory,
+    identities: Sequence[WorkloadIdentity],
+    *,
+    gpu_resources: Sequence[str],
+    gpus: GpuState,
+    classes: Mapping[str, str],
+) -> Joined:
+    """`classes`: the class of each claimed workload's cgroup, for the power caps."""
+    index = {d.uuid: d.index for d in gpus.devices}
+    index |= {m.uuid: d.index for d in gpus.devices for m in d.mig_devices}
+    cgroups: dict[tuple[str, str, str], str] = {}
+    known: set[tuple[str, str]] = set()
+    for i in identities:
+        v = with_api_view(i, pods)  # what the API server says, else what CRI said
+        pod = v.meta.pod if v.meta is not None else None
+        if pod is None:
+            continue
+        known.add((pod.namespace, pod.name))
+        if v.kind is Kind.CONTAINER and v.meta is not None and v.meta.name is not None:
+            cgroups[(pod.namespace, pod.name, v.meta.name)] = v.path
+    holds, unjoined = [], []
+    for c in listing:
+        uuids = tuple(
+            u
+            for d in c.devices
+            if any(glob_matches(g, d.resource) for g in gpu_resources)
+            for u in d.ids
+        )
+        if not uuids:
+            continue
+        cgroup = cgroups.get((c.namespace, c.pod, c.container))
+        why = (
+            ""
+            if cgroup is not None
+            else (
+                f"no cgroup of container {c.container!r} is known yet"
+                if (c.namespace, c.pod) in known
+                else "the pod is not known yet (neither CRI nor the API server's watch names it)"
+            )
+        )
+        if why:
+            unjoined.append(f"{owner(c)} holds {', '.join(uuids)}: {why}")
+        foreign = [u for u in uuids if u not in index]
+        if foreign:
+            unjoined.append(f"{owner(c)} holds {', '.join(foreign)}, which is no GPU this node has")
+        holds.append(
+            Hold(
+                owner(c),
+                HoldKind.POD,
+                tuple(sorted(uuids)),
+                tuple(sorted({index[u] for u in uuids if u in index})),
+                cgroup=cgroup,
+                workload_class=None if cgroup is None else classes.get(cgroup),
+            )
+        )
+    return Joined(tuple(holds), tuple(unjoined))

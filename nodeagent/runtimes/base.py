@@ -1,0 +1,36 @@
+"""The one interface every runtime adapter implements (as the GPU backend does for NVML).
+
+An adapter is read-only: it asks its runtime about a container (or a pod, by UID) and turns the
+answer into a checked `ContainerMeta`. Every call has a deadline. It raises `Unavailable` when
+the runtime does not answer (the whole runtime is then treated as down for a while, said once)
+and `BadAnswer` when the answer about that one container is unusable (that container gets no
+metadata; the others are not affected).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from nodeagent.runtimes.model import ContainerMeta
+
+
+class Adapter(Protocol):
+    name: str
+    """The runtime, as `agent.runtimes` and the logs name it: docker, podman, containerd, crio."""
+    socket: str
+
+    def container(self, container_id: str) -> ContainerMeta | None:
+        """The container (or a pod's sandbox) with this id, or None when the runtime does not
+        know it (gone, or made by another runtime)."""
+        ...
+
+    def pod(self, pod_uid: str) -> ContainerMeta | None:
+        """A pod's own cgroup, by the pod's UID (None: not a pod this runtime runs)."""
+        ...
+
+    def changed(self, since: float, until: float) -> set[str] | None:
+        """Ids of containers whose metadata may have changed between the two times (a rename),
+        from the runtime's events; None when the runtime's metadata never changes (CRI)."""
+        ...
+
+    def close(self) -> None: ...

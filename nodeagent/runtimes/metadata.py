@@ -1,0 +1,326 @@
+"""The sensing side of runtime metadata: ask, cache, follow events, freeze into identities.
+
+Each tick (and the fast path, for a new cgroup) hands the discovered identities to `attach`,
+which returns them with `meta` (what the runtime said) or `meta_problem` (why it said nothing).
+An identity whose answer has not changed is the same object as last time, so the daemon's
+"did anything change" checks stay cheap.
+
+- Answers are cached by runtime and container id (pods by UID) until the cgroup goes; a rename
+  seen in the runtime's events (polled at most once a second, answering at once) asks again.
+- A runtime that does not answer (no socket, refused, timed out, reset mid-answer) is down: said
+  once in the log, asked again every RETRY_S seconds, and meanwhile its new containers keep
+  their path identity only. What it said before stays (a running container's labels do not
+  change). When it answers again that is said once too, and everything it said is asked again,
+  since its events were missed.
+- An answer outside the bounds of `model` (10,000 labels, a 1 MiB value, invalid UTF-8) is
+  refused for that container alone, said once, and not asked again while the container lives.
+- A runtime that does not know a container yet (the cgroup is made before the runtime's own
+  bookkeeping is done) is asked again on the next tick, up to UNKNOWN_TRIES times.
+- All lookups of one `attach` share a budget of LOOKUP_BUDGET_S seconds: what is left over waits
+  for the next tick, so a thousand new containers cannot stall one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import structlog
+
+from nodeagent.errors import one_line
+from nodeagent.identity import Kind, Runtime, WorkloadIdentity
+from nodeagent.runtimes.base import Adapter
+from nodeagent.runtimes.model import BadAnswer, ContainerMeta, Unavailable
+from nodeagent.spec.model import RuntimeSettings
+
+log = structlog.get_logger("nodeagent.runtimes")
+
+RETRY_S = 5.0
+EVENTS_EVERY_S = 1.0
+LOOKUP_BUDGET_S = 1.0
+UNKNOWN_TRIES = 10
+_CRI = ("containerd", "crio")
+
+
+def adapters(settings: RuntimeSettings) -> dict[str, Adapter]:
+    """One adapter per runtime whose socket is set."""
+    from nodeagent.runtimes.cri import CriAdapter  # noqa: PLC0415
+    from nodeagent.runtimes.docker import DockerAdapter  # noqa: PLC0415
+    from nodeagent.runtimes.podman import PodmanAdapter  # noqa: PLC0415
+
+    out: dict[str, Adapter] = {}
+    t = settings.timeout
+    if settings.docker is not None:
+        out["docker"] = DockerAdapter(settings.docker, t)
+    if settings.podman is not None:
+        out["podman"] = PodmanAdapter(settings.podman, t, settings.podman_storage)
+    for runtime in _CRI:
+        socket = getattr(settings, runtime)
+        if socket is not None:
+            out[runtime] = CriAdapter(runtime, socket, t)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    meta: ContainerMeta | None
+    problem: str | None
+    ask_at: float | None = None
+    """When to ask again (None: never, while the cgroup lives)."""
+    tries: int = 1
+
+
+@dataclass(slots=True)
+class _Down:
+    reason: str
+    since: float
+    retry_at: float
+
+
+_BY_RUNTIME: Mapping[Runtime, str] = {
+    Runtime.DOCKER: "docker",
+    Runtime.PODMAN: "podman",
+    Runtime.CONTAINERD: "containerd",
+    Runtime.CRIO: "crio",
+}
+
+
+class RuntimeMetadata:
+    def __init__(
+        self,
+        by_name: Mapping[str, Adapter],
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        budget: float = LOOKUP_BUDGET_S,
+        say: bool = True,
+    ) -> None:
+        self.adapters = dict(by_name)
+        self.clock, self.wall = clock, wall
+        self.budget = budget
+        self.say = say
+        """Log the runtimes' state changes (the daemon); a CLI shows them per row instead."""
+        self._entries: dict[tuple[str, str], _Entry] = {}
+        self._down: dict[str, _Down] = {}
+        self._events: dict[str, tuple[float, float]] = {}
+        """Per runtime: the wall time its events were read up to, and when (monotonic)."""
+        self._attached: dict[str, WorkloadIdentity] = {}
+        self._refused: set[tuple[str, str]] = set()
+        self.lookups = 0
+        """Calls made to runtimes (for the tests and the benchmark)."""
+
+    @classmethod
+    def from_settings(cls, settings: RuntimeSettings, **options: Any) -> RuntimeMetadata:
+        return cls(adapters(settings), **options)
+
+    def close(self) -> None:
+        for a in self.adapters.values():
+            a.close()
+
+    # -- who answers for whom ----------------------------------------------------------------
+
+    def _adapter(self, identity: WorkloadIdentity) -> tuple[str, str] | None:
+        """(runtime, what to ask it for), or None for what no runtime knows (services, jobs)."""
+        if identity.kind is Kind.CONTAINER and identity.container_id is not None:
+            runtime = _BY_RUNTIME.get(identity.runtime)
+            return None if runtime is None else (runtime, identity.container_id)
+        if identity.kind is Kind.POD and identity.pod_uid is not None:
+            for runtime in _CRI:  # the pod's own cgroup: whichever CRI runtime this node has
+                a = self.adapters.get(runtime)
+                if a is not None and os.path.exists(a.socket):
+                    return runtime, "pod:" + identity.pod_uid
+            return "containerd", "pod:" + identity.pod_uid
+        return None
+
+    def status(self) -> dict[str, dict[str, object]]:
+        """Each runtime's state, for `workloads --json` and the API."""
+        out: dict[str, dict[str, object]] = {}
+        for runtime, a in self.adapters.items():
+            down = self._down.get(runtime)
+            out[runtime] = {
+                "socket": a.socket,
+                "answering": down is None,
+                "problem": None if down is None else down.reason,
+            }
+        return out
+
+    # -- the work ----------------------------------------------------------------------------
+
+    def attach(
+        self, identities: Iterable[WorkloadIdentity], complete: bool = True, new: bool = False
+    ) -> list[WorkloadIdentity]:
+        """The identities with what their runtimes say. `complete`: these are all the node's
+        workloads, so the cache forgets the others. `new`: cgroups discovery has just seen
+        appear (the fast path), asked about again even when known (a container restarted
+        under the same id)."""
+        now = self.clock()
+        budget_end = now + self.budget
+        self._follow_events(now)
+        out: list[WorkloadIdentity] = []
+        live: set[tuple[str, str]] = set()
+        for identity in identities:
+            target = self._adapter(identity)
+            if target is None:
+                out.append(identity)
+                continue
+            live.add(target)
+            entry = self._entries.get(target)
+            stale = new and entry is not None and target not in self._refused
+            if entry is None or stale or (entry.ask_at is not None and now >= entry.ask_at):
+                entry = self._ask(target, entry, budget_end)
+            out.append(self._identity(identity, entry))
+        if complete:
+            for key in [k for k in self._entries if k not in live]:
+                del self._entries[key]
+            self._refused &= live
+            paths = {i.path for i in out}
+            for path in [p for p in self._attached if p not in paths]:
+                del self._attached[path]
+        return out
+
+    def _identity(self, identity: WorkloadIdentity, entry: _Entry) -> WorkloadIdentity:
+        """The identity with the entry's answer: last time's object when nothing changed."""
+        last = self._attached.get(identity.path)
+        if (
+            last is not None
+            and last.meta == entry.meta
+            and last.meta_problem == entry.problem
+            and replace(last, meta=identity.meta, meta_problem=identity.meta_problem) == identity
+        ):
+            return last
+        made = replace(identity, meta=entry.meta, meta_problem=entry.problem)
+        self._attached[identity.path] = made
+        return made
+
+    def _ask(self, target: tuple[str, str], old: _Entry | None, budget_end: float) -> _Entry:
+        runtime, key = target
+        now = self.clock()
+        adapter = self.adapters.get(runtime)
+        if adapter is None:
+            return self._keep(
+                target, _Entry(None, f"{runtime} lookups are off (agent.runtimes.{runtime})")
+            )
+        down = self._down.get(runtime)
+        if down is not None and now < down.retry_at:
+            return old if old is not None and old.meta is not None else _Entry(None, down.reason)
+        if now >= budget_end:
+            if old is not None:
+                return old
+            return _Entry(None, "not asked yet (too many new containers this tick)", ask_at=now)
+        try:
+            self.lookups += 1
+            pod = key.startswith("pod:")
+            meta = adapter.pod(key[4:]) if pod else adapter.container(key)
+        except Unavailable as e:
+            self._went_down(runtime, adapter, one_line(e), now)
+            reason = self._down[runtime].reason
+            if old is not None and old.meta is not None:
+                return self._keep(target, replace(old, ask_at=self._down[runtime].retry_at))
+            return _Entry(None, reason)
+        except BadAnswer as e:
+            return self._refuse(target, adapter, one_line(e))
+        except Exception as e:  # an adapter's bug must not cost the tick: this container only
+            return self._refuse(target, adapter, f"{type(e).__name__}: {e}")
+        self._came_back(runtime, adapter, now)
+        if meta is None:
+            tries = 1 if old is None or old.meta is not None else old.tries + 1
+            if tries >= UNKNOWN_TRIES:
+                return self._keep(target, _Entry(None, f"{runtime} does not know it", None, tries))
+            what = f"{runtime} does not know it (yet)"
+            return self._keep(target, _Entry(None, what, now + 1.0, tries))
+        ask_at = now + RETRY_S if meta.incomplete is not None else None
+        return self._keep(target, _Entry(meta, None, ask_at))
+
+    def _keep(self, target: tuple[str, str], entry: _Entry) -> _Entry:
+        self._entries[target] = entry
+        return entry
+
+    def _refuse(self, target: tuple[str, str], adapter: Adapter, reason: str) -> _Entry:
+        runtime, key = target
+        problem = f"{runtime}'s answer was refused: {reason}"
+        if target not in self._refused:
+            self._refused.add(target)
+            if self.say:
+                log.warning(
+                    "runtime.answer_refused",
+                    runtime=runtime,
+                    socket=adapter.socket,
+                    container=key[:64],
+                    reason=reason,
+                    action="it keeps its path identity; rules that need metadata skip it",
+                )
+        return self._keep(target, _Entry(None, problem))
+
+    def _went_down(self, runtime: str, adapter: Adapter, reason: str, now: float) -> None:
+        down = self._down.get(runtime)
+        text = f"{runtime} does not answer: {reason}"
+        if down is None:
+            if self.say:
+                log.warning(
+                    "runtime.unavailable",
+                    runtime=runtime,
+                    socket=adapter.socket,
+                    error=reason,
+                    action=(
+                        "its containers keep their path identity and what it said before; rules"
+                        f" that need metadata skip its new ones; asking again every {RETRY_S:g} s"
+                    ),
+                )
+            self._down[runtime] = _Down(text, now, now + RETRY_S)
+        else:
+            down.reason, down.retry_at = text, now + RETRY_S
+
+    def _came_back(self, runtime: str, adapter: Adapter, now: float) -> None:
+        down = self._down.pop(runtime, None)
+        if down is None:
+            return
+        if self.say:
+            log.info(
+                "runtime.available",
+                runtime=runtime,
+                socket=adapter.socket,
+                after_s=round(now - down.since, 1),
+                action="asking it again about each of its containers (its events were missed)",
+            )
+        self._events.pop(runtime, None)
+        for key, entry in list(self._entries.items()):
+            if key[0] == runtime and key not in self._refused:
+                self._entries[key] = replace(entry, ask_at=now)
+
+    def _follow_events(self, now: float) -> None:
+        """Ask again about the containers the runtimes' events say changed (renames); and
+        ask a runtime that is down about one of its containers once its retry is due, so
+        that it is found back even when nothing new needs it."""
+        for runtime, adapter in self.adapters.items():
+            known = [k for k, e in self._entries.items() if k[0] == runtime and e.meta]
+            if not known:
+                continue
+            down = self._down.get(runtime)
+            if down is not None:
+                if now >= down.retry_at:
+                    self._ask(known[0], self._entries[known[0]], now + self.budget)
+                continue
+            cursor = self._events.get(runtime)
+            wall = self.wall()
+            if cursor is None:
+                self._events[runtime] = (wall, now)
+                continue
+            if now - cursor[1] < EVENTS_EVERY_S:
+                continue
+            try:
+                self.lookups += 1
+                changed = adapter.changed(cursor[0], wall)
+            except Unavailable as e:
+                self._went_down(runtime, adapter, one_line(e), now)
+                continue
+            except BadAnswer:
+                changed = None  # unreadable events: the next poll covers the same window
+                self._events[runtime] = (cursor[0], now)
+                continue
+            self._events[runtime] = (wall, now)
+            for cid in changed or ():
+                entry = self._entries.get((runtime, cid))
+                if entry is not None and (runtime, cid) not in self._refused:
+                    self._entries[(runtime, cid)] = replace(entry, ask_at=now)

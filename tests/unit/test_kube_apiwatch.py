@@ -1,0 +1,173 @@
+"""The API-server watch: this node's pods (spec.nodeName=<node>) and the namespaces,
+listed then watched from the list's resourceVersion, each event moving it on, a watch the
+server ends made again from there, and a 410 Gone answered by listing afresh. Against a
+labelled stand-in of the API server, through the real `kubernetes` client."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from kube_standins import ApiServerStandIn, namespace, pod
+from kubernetes import client as kube_client
+
+from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
+from nodeagent.kube.apiwatch import ApiWatch
+from nodeagent.policy.classify import assign
+from nodeagent.spec.model import PolicySpec
+
+UID = "6f1d2c3b-4a5e-4f60-8b7a-9c0d1e2f3a4b"
+CID = "a1" * 32
+CONTAINER = WorkloadIdentity(f"kubepods/burstable/pod{UID}/{CID}", Kind.CONTAINER,
+                             Runtime.CONTAINERD, Owner.CGROUPFS, CID[:12], container_id=CID,
+                             pod_uid=UID, qos=QosTier.BURSTABLE)  # fmt: skip
+
+
+def wait_for(check: Callable[[], object], seconds: float = 20.0) -> None:
+    end = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def server() -> Iterator[ApiServerStandIn]:
+    with ApiServerStandIn() as s:
+        s.put("namespaces", namespace("research-nlp", {"team": "nlp"}))
+        s.put("pods", pod("train-0", "research-nlp", UID, {"trainer": CID}))
+        yield s
+
+
+@pytest.fixture
+def watch(server: ApiServerStandIn) -> Iterator[ApiWatch]:
+    w = ApiWatch(kube_client.ApiClient(kube_client.Configuration(host=server.url)), "gpu-1",
+                 timeout=5, watch_timeout=30)  # fmt: skip
+    w.start()
+    assert w.pods.synced.wait(20) and w.namespaces.synced.wait(20)
+    wait_for(lambda: server.watching["pods"].is_set() and server.watching["namespaces"].is_set())
+    yield w
+    w.close()
+
+
+def pod_requests(server: ApiServerStandIn) -> list[dict[str, str]]:
+    return [q for path, q in server.requests if path == "/api/v1/pods"]
+
+
+def test_lists_only_this_nodes_pods_then_watches_from_the_lists_version(
+    server: ApiServerStandIn, watch: ApiWatch
+) -> None:
+    first, second = pod_requests(server)[:2]
+    assert first["fieldSelector"] == "spec.nodeName=gpu-1" and "watch" not in first
+    assert second["fieldSelector"] == "spec.nodeName=gpu-1"
+    assert second["watch"] == "true" and second["allowWatchBookmarks"] == "true"
+    assert second["resourceVersion"] == watch.pods.resource_version == str(server.rv)
+    directory = watch.directory()
+    (p,) = directory.pods.values()
+    assert (p.uid, p.ref, p.containers, p.qos) == (UID, "research-nlp/train-0",
+                                                   {CID: "trainer"}, QosTier.BURSTABLE)  # fmt: skip
+    assert directory.namespaces == {"research-nlp": {"team": "nlp"}}
+
+
+def test_later_label_edits_arrive_and_a_new_watch_starts_where_the_last_ended(
+    server: ApiServerStandIn, watch: ApiWatch
+) -> None:
+    before = watch.directory().version
+    server.put("pods", pod("train-0", "research-nlp", UID, {"trainer": CID},
+                           labels={"nodeagent.io/class": "inference"}), "MODIFIED")  # fmt: skip
+    wait_for(lambda: watch.directory().pods[UID].labels.get("nodeagent.io/class"))
+    assert watch.directory().version > before
+    edited = str(server.rv)
+    server.end_watch("pods")  # the server's timeoutSeconds ran out
+    wait_for(lambda: len(pod_requests(server)) == 3)
+    assert pod_requests(server)[2]["resourceVersion"] == edited
+    assert watch.pods.lists == 1, "an ended watch is made again, not listed again"
+    server.put("pods", pod("train-0", "research-nlp", UID, {"trainer": CID}), "DELETED")
+    wait_for(lambda: not watch.directory().pods)
+
+
+def test_410_gone_lists_afresh_and_watches_from_the_new_list(
+    server: ApiServerStandIn, watch: ApiWatch
+) -> None:
+    # changes the watch never sees (the server compacted its history meanwhile)
+    server.put("pods", pod("train-0", "research-nlp", UID, {"trainer": CID},
+                           annotations={"nodeagent.io/tenant": "prod"}))  # fmt: skip
+    server.put("pods", pod("serve-0", "research-nlp", "0a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d",
+                           {"server": "c3" * 32}))  # fmt: skip
+    server.expire("pods")
+    wait_for(lambda: watch.pods.lists == 2)
+    wait_for(lambda: len(watch.directory().pods) == 2)
+    assert watch.directory().pods[UID].annotations == {"nodeagent.io/tenant": "prod"}
+    lists = [q for q in pod_requests(server) if "watch" not in q]
+    assert len(lists) == 2
+    wait_for(server.watching["pods"].is_set)
+    last = pod_requests(server)[-1]
+    assert last["watch"] == "true" and last["resourceVersion"] == watch.pods.resource_version
+
+
+def test_an_unreachable_server_keeps_the_last_view(
+    server: ApiServerStandIn, watch: ApiWatch
+) -> None:
+    view = watch.directory()
+    server.server.shutdown()
+    server.server.server_close()
+    server.end_watch("pods")
+    time.sleep(0.5)
+    assert watch.directory().pods == view.pods
+
+
+def test_an_edit_on_the_api_server_reassigns_the_pod(
+    server: ApiServerStandIn, watch: ApiWatch
+) -> None:
+    """CRI gives labels as they were at sandbox creation; the watch gives later edits."""
+    spec = PolicySpec.model_validate(
+        {
+            "version": 1,
+            "agent": {"mode": "kubernetes"},
+            "kubernetes": {"api_server": {"watch": True}, "tenant_label": "nodeagent.io/tenant",
+                           "namespaces": {"research-*": "research"}},
+            "tenants": {"research": {"shares": 1}, "nlp": {"shares": 1}},
+            "rules": [{"name": "pods", "match": {"kind": "container"}, "tenant": "research",
+                       "tenant_from": {"kubernetes": True}, "class_from": {"kubernetes": True}}],
+        }
+    )  # fmt: skip
+    (first,) = assign([CONTAINER], spec, watch.directory()).values()
+    assert (first.tenant, str(first.workload_class)) == ("research", "batch")
+    server.put("pods", pod("train-0", "research-nlp", UID, {"trainer": CID},
+                           annotations={"nodeagent.io/class": "training"}), "MODIFIED")  # fmt: skip
+    server.put("namespaces", namespace("research-nlp", {"nodeagent.io/tenant": "nlp"}),
+               "MODIFIED")  # fmt: skip
+    wait_for(lambda: watch.directory().namespaces["research-nlp"].get("nodeagent.io/tenant"))
+    wait_for(lambda: watch.directory().pods[UID].annotations)
+    (now,) = assign([CONTAINER], spec, watch.directory()).values()
+    assert (now.tenant, str(now.workload_class)) == ("nlp", "training")
+
+
+def test_a_server_that_keeps_answering_410_is_not_listed_in_a_tight_loop(
+    server: ApiServerStandIn, watch: ApiWatch
+) -> None:
+    server.oldest = 10**9  # every watch is too old, even from a fresh list
+    server.end_watch("pods")
+    time.sleep(2.5)
+    # one re-list at once, then backoff (1 s, 2 s, ...): a handful, not thousands
+    assert 2 <= watch.pods.lists <= 4, watch.pods.lists
+
+
+def test_watching_without_a_node_name_is_one_line_saying_where_it_comes_from(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    from nodeagent.errors import NodeagentError
+    from nodeagent.kube.node import KubernetesNode
+
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    spec = PolicySpec.model_validate(
+        {"version": 1, "agent": {"mode": "kubernetes"}, "tenants": {"a": {"shares": 1}},
+         "kubernetes": {"api_server": {"watch": True}}}
+    )  # fmt: skip
+    with pytest.raises(NodeagentError) as info:
+        KubernetesNode(spec)
+    assert str(info.value) == (
+        "kubernetes.api_server.watch and publish.node_resource_topology need this node's"
+        " name: set NODE_NAME (the DaemonSet sets it from the downward API) or"
+        " kubernetes.node_name"
+    )

@@ -1,0 +1,330 @@
+"""Runtime adapters and the metadata cache against a STAND-IN Docker API on a Unix socket
+(tests/kernel/standin_runtime.py); the real runtimes are in tests/kernel/test_runtimes.py."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+
+from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
+from nodeagent.runtimes.docker import DockerAdapter, event_ids
+from nodeagent.runtimes.metadata import RETRY_S, RuntimeMetadata
+from nodeagent.runtimes.model import MAX_ENTRIES, BadAnswer, Unavailable, labels
+from nodeagent.runtimes.podman import NO_LABELS, PodmanAdapter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernel"))
+from standin_runtime import HANG, RESET, StandInDocker, container
+
+TIMEOUT = 0.2
+A = "a" * 64
+B = "b" * 64
+
+
+@pytest.fixture
+def docker(tmp_path: Path) -> Iterator[StandInDocker]:
+    server = StandInDocker(str(tmp_path / "docker.sock"))
+    yield server
+    server.close()
+
+
+def ident(cid: str, runtime: Runtime = Runtime.DOCKER) -> WorkloadIdentity:
+    return WorkloadIdentity(
+        f"docker/{cid}", Kind.CONTAINER, runtime, Owner.CGROUPFS, cid[:12], container_id=cid
+    )
+
+
+def test_docker_gives_name_image_and_labels(docker: StandInDocker) -> None:
+    docker.answers[A] = container(
+        A, "web-1", "nginx:1.25", {"team": "a", "com.docker.compose.project": "shop"}
+    )
+    meta = DockerAdapter(docker.path, TIMEOUT).container(A)
+    assert meta is not None
+    assert (meta.name, meta.image) == ("web-1", "nginx:1.25")
+    assert dict(meta.labels) == {"team": "a", "com.docker.compose.project": "shop"}
+    assert DockerAdapter(docker.path, TIMEOUT).container(B) is None, "404: not docker's"
+
+
+def test_cri_dockerd_containers_carry_their_pod_in_labels(docker: StandInDocker) -> None:
+    pod = {
+        "io.kubernetes.pod.namespace": "prod",
+        "io.kubernetes.pod.name": "web",
+        "io.kubernetes.pod.uid": "u1",
+    }
+    docker.answers[A] = container(A, "k8s_web", "nginx", pod)
+    meta = DockerAdapter(docker.path, TIMEOUT).container(A)
+    assert meta is not None and meta.pod is not None
+    assert (meta.pod.namespace, meta.pod.name, meta.pod.uid) == ("prod", "web", "u1")
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        (
+            container(A, "x", "i", {f"k{n}": "v" for n in range(10_000)}),
+            f"10000 labels, more than {MAX_ENTRIES}",
+        ),
+        (container(A, "x", "i", {"big": "v" * (1 << 20)}), "is 1048576 bytes"),
+        (b'{"Name": "/x", "Config": {"Labels": {"k": "\xff\xfe"}}}', "not valid UTF-8"),
+        (b'{"Name": "/x", "Config": {"Labels": {"k": "\\ud800"}}}', "not valid UTF-8"),
+        (b"not json", "not JSON"),
+        (container(A, "x", "i", {"k": 5}), "not a string"),  # type: ignore[dict-item]
+        (b"[" * 100_000, "not JSON"),
+    ],
+)
+def test_hostile_answers_are_refused_whole(
+    docker: StandInDocker, answer: object, reason: str
+) -> None:
+    docker.answers[A] = answer
+    t0 = time.monotonic()
+    with pytest.raises(BadAnswer, match=reason):
+        DockerAdapter(docker.path, TIMEOUT).container(A)
+    assert time.monotonic() - t0 < 2
+
+
+def test_an_answer_larger_than_the_limit_is_not_read(docker: StandInDocker) -> None:
+    docker.answers[A] = container(A, "x", "i", {f"k{n}": "v" * 200_000 for n in range(30)})
+    with pytest.raises(BadAnswer, match="more than 4194304"):
+        DockerAdapter(docker.path, TIMEOUT).container(A)
+
+
+@pytest.mark.parametrize("how", ["hang_all", "hang_one", "reset", "absent"])
+def test_a_runtime_that_does_not_answer_costs_one_deadline(
+    docker: StandInDocker, tmp_path: Path, how: str
+) -> None:
+    path = docker.path
+    if how == "hang_all":
+        docker.hang_all = True
+    elif how == "hang_one":
+        docker.answers[A] = HANG
+    elif how == "reset":
+        docker.answers[A] = RESET
+    else:
+        path = str(tmp_path / "nothing.sock")
+    t0 = time.monotonic()
+    with pytest.raises(Unavailable):
+        DockerAdapter(path, TIMEOUT).container(A)
+    assert time.monotonic() - t0 < TIMEOUT + 0.3
+
+
+def test_events_name_the_renamed_containers(docker: StandInDocker) -> None:
+    docker.events += [{"Type": "container", "Action": "rename", "id": A, "Actor": {"ID": A}}]
+    assert DockerAdapter(docker.path, TIMEOUT).changed(0, time.time()) == {A}
+    assert event_ids(b'{"id": "x"}\n{"Actor": {"ID": "y"}}') == {"x", "y"}
+    assert "until=" in docker.requests[-1], "a poll that answers at once, never a stream"
+
+
+def test_podman_without_its_api_reads_its_store(tmp_path: Path) -> None:
+    store = tmp_path / "storage" / "overlay-containers"
+    store.mkdir(parents=True)
+    entry = {"id": A, "names": ["p1"], "metadata": '{"image-name": "localhost/x:1", "name": "p1"}'}
+    (store / "containers.json").write_text(__import__("json").dumps([entry]))
+    adapter = PodmanAdapter(str(tmp_path / "podman.sock"), TIMEOUT, str(tmp_path / "storage"))
+    meta = adapter.container(A)
+    assert meta is not None
+    assert (meta.name, meta.image, meta.incomplete) == ("p1", "localhost/x:1", NO_LABELS)
+    assert adapter.container(B) is None
+
+
+def test_labels_are_frozen_and_sorted() -> None:
+    found = labels({"b": "2", "a": "1"})
+    assert (
+        list(found) == ["a", "b"]
+        and found["a"] == "1"
+        and hash(found) == hash(labels({"a": "1", "b": "2"}))
+    )
+
+
+# -- the cache ---------------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def cache(docker: StandInDocker, clock: Clock) -> RuntimeMetadata:
+    return RuntimeMetadata({"docker": DockerAdapter(docker.path, TIMEOUT)}, clock=clock)
+
+
+def test_answers_are_cached_and_the_same_identity_comes_back(docker: StandInDocker) -> None:
+    docker.answers[A] = container(A, "web", "img", {"team": "a"})
+    clock = Clock()
+    meta = cache(docker, clock)
+    first = meta.attach([ident(A)])
+    again = meta.attach([ident(A)])
+    assert first[0].meta is not None and first[0].meta.name == "web"
+    assert again[0] is first[0], "unchanged: the same object (cheap change checks)"
+    assert meta.lookups == 1
+
+
+def test_a_runtime_that_stops_answering_is_said_once_and_comes_back(docker: StandInDocker) -> None:
+    docker.answers[A] = container(A, "web", "img", {"team": "a"})
+    clock = Clock()
+    meta = cache(docker, clock)
+    with structlog.testing.capture_logs() as logs:
+        assert meta.attach([ident(A)])[0].meta is not None
+        docker.hang_all = True
+        fresh = meta.attach([ident(A), ident(B)])  # B is new: asked, times out
+        assert fresh[0].meta is not None, "what it said before stays"
+        assert fresh[1].meta is None and "does not answer" in (fresh[1].meta_problem or "")
+        for _ in range(5):
+            clock.t += 0.5
+            t0 = time.monotonic()
+            meta.attach([ident(A), ident(B)])
+            assert time.monotonic() - t0 < 0.05, "not asked again before RETRY_S"
+        docker.hang_all = False
+        docker.answers[B] = container(B, "db", "pg", {"team": "b"})
+        clock.t += RETRY_S
+        back = meta.attach([ident(A), ident(B)])
+    assert back[1].meta is not None and back[1].meta.name == "db", "back without a restart"
+    events = [e["event"] for e in logs if e["event"].startswith("runtime.")]
+    assert events == ["runtime.unavailable", "runtime.available"], logs
+
+
+def test_a_refused_answer_is_said_once_and_not_asked_again(docker: StandInDocker) -> None:
+    docker.answers[A] = container(A, "x", "i", {f"k{n}": "v" for n in range(10_000)})
+    docker.answers[B] = container(B, "db", "pg", {})
+    clock = Clock()
+    meta = cache(docker, clock)
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(3):
+            out = meta.attach([ident(A), ident(B)])
+            clock.t += 10
+    assert out[0].meta is None and "10000 labels" in (out[0].meta_problem or "")
+    assert out[1].meta is not None, "the rest of the node is not affected"
+    assert [e["event"] for e in logs] == ["runtime.answer_refused"]
+    assert meta.lookups == 2 + 1, "two lookups, then one events poll (the first sets its cursor)"
+
+
+def test_a_container_the_runtime_does_not_know_yet_is_asked_again(docker: StandInDocker) -> None:
+    clock = Clock()
+    meta = cache(docker, clock)
+    assert "does not know it (yet)" in (meta.attach([ident(A)])[0].meta_problem or "")
+    docker.answers[A] = container(A, "late", "i", {})
+    clock.t += 1.0
+    assert meta.attach([ident(A)])[0].meta is not None
+
+
+def test_a_rename_in_the_events_is_asked_again(docker: StandInDocker) -> None:
+    docker.answers[A] = container(A, "old", "i", {})
+    clock = Clock()
+    meta = cache(docker, clock)
+    meta.attach([ident(A)])
+    clock.t += 2
+    meta.attach([ident(A)])  # starts following events
+    docker.answers[A] = container(A, "new", "i", {})
+    docker.events.append({"Type": "container", "Action": "rename", "id": A})
+    clock.t += 2
+    meta.attach([ident(A)])  # reads the events
+    assert meta.attach([ident(A)])[0].meta.name == "new"  # type: ignore[union-attr]
+
+
+def test_vanished_containers_are_forgotten(docker: StandInDocker) -> None:
+    docker.answers[A] = container(A, "x", "i", {})
+    meta = cache(docker, Clock())
+    meta.attach([ident(A)])
+    meta.attach([])
+    assert not meta._entries and not meta._attached
+
+
+def test_services_and_jobs_are_not_asked(docker: StandInDocker) -> None:
+    svc = WorkloadIdentity(
+        "system.slice/x.service", Kind.SERVICE, Runtime.SYSTEMD, Owner.SYSTEMD, "x.service"
+    )
+    meta = cache(docker, Clock())
+    assert meta.attach([svc]) == [svc] and meta.lookups == 0
+
+
+# -- what operators see --------------------------------------------------------------------------
+
+
+def test_workloads_shows_the_runtimes_names_and_why_a_rule_did_not_match(
+    docker: StandInDocker, tmp_path: Path
+) -> None:
+    from click.testing import CliRunner
+
+    from nodeagent.cli import main
+
+    root = tmp_path / "cgroup"
+    for cid in (A, B):
+        (root / "docker" / cid).mkdir(parents=True)
+    for d in (root, root / "docker", root / "docker" / A, root / "docker" / B):
+        (d / "cgroup.procs").write_text("")
+    docker.answers[A] = container(A, "web-1", "nginx:1.25", {"team": "a"})
+    docker.answers[B] = container(B, "x", "i", {f"k{n}": "v" for n in range(10_000)})
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        f"version: 1\nagent: {{runtimes: {{docker: {docker.path}}}}}\n"
+        "tenants: {a: {shares: 1}}\n"
+        "rules:\n"
+        "  - {name: team-a, match: {labels: {team: a}}, tenant: a}\n"
+        "  - {name: docker, match: {runtime: docker}, tenant: a, class: besteffort}\n"
+    )
+    args = ["workloads", "--cgroup-root", str(root), "--config", str(policy), "--wide"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:3] == ["CGROUP", "NAME", "IMAGE"]
+    web = next(line for line in lines if A in line)
+    assert web.split()[1:3] == ["web-1", "nginx:1.25"] and web.split()[-3:] == ["a", "batch", "ok"]
+    hostile = next(line for line in lines if B in line)
+    assert (
+        "besteffort  ok; rule team-a needs runtime metadata: docker's answer was refused:"
+        in hostile
+    )
+    assert "10000 labels, more than 1024" in hostile
+    as_json = CliRunner().invoke(main, [*args[:-1], "--json"])
+    rows = {r["cgroup"]: r for r in __import__("json").loads(as_json.stdout)["items"]}
+    row = rows[f"docker/{A}"]
+    assert row["metadata"]["labels"] == {"team": "a"} and row["matched"] == ["labels.team=a"]
+
+
+def test_explain_says_what_the_runtime_said_and_what_matched() -> None:
+    from nodeagent.cli.inspection import explain_text
+
+    data = {
+        "cgroup": f"docker/{A}", "kind": "container", "runtime": "docker", "owner": "cgroupfs",
+        "write": "direct", "rule": "team-a", "tenant": "a", "class": "batch", "cpu_rate": 0.5,
+        "tick": 3, "dry_run": False, "values": {}, "sensed": {}, "trace": [], "writes": [],
+        "container_name": "web-1", "image": "nginx:1.25", "namespace": None, "pod": None,
+        "matched": ["labels.team=a"], "refused": ["label t='big' is not a tenant rule ..."],
+    }  # fmt: skip
+    from nodeagent.tables import SHOWN
+
+    data["values"] = {a: {"current": None, "target": None} for a in SHOWN}
+    text = explain_text(data)
+    assert "  runtime says: web-1 (nginx:1.25)" in text
+    assert "  rule team-a matched: labels.team=a" in text
+    assert "  refused: label t='big' is not a tenant rule ..." in text
+
+
+def test_a_runtime_down_is_found_back_even_when_nothing_new_needs_it(
+    docker: StandInDocker,
+) -> None:
+    """Every container known already: only the events poll asks, and it must not stop
+    asking while the runtime is down (the kernel test of a dockerd restart found it did)."""
+    docker.answers[A] = container(A, "web", "img", {})
+    clock = Clock()
+    meta = cache(docker, clock)
+    with structlog.testing.capture_logs() as logs:
+        meta.attach([ident(A)])
+        clock.t += 2
+        meta.attach([ident(A)])  # sets the events cursor
+        docker.hang_all = True
+        clock.t += 2
+        meta.attach([ident(A)])  # the events poll times out: down
+        docker.hang_all = False
+        for _ in range(3):
+            clock.t += RETRY_S
+            meta.attach([ident(A)])
+    assert meta.status()["docker"]["answering"]
+    events = [e["event"] for e in logs if e["event"].startswith("runtime.")]
+    assert events == ["runtime.unavailable", "runtime.available"], events
