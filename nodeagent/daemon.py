@@ -134,6 +134,9 @@ class Agent:
         self.observers: list[Callable[[TickRecord | None], None]] = []
         """Told of every tick: its record, or None when it failed (the metrics)."""
         self._lock = threading.Lock()
+        self._save_lock = threading.Lock()
+        """One save at a time: a save started later must also be renamed into place later,
+        or an API thread's save of a new job is replaced by the loop's older one."""
         self._saved_at = 0.0
         self._save_logged = -math.inf
         self._read_all = True
@@ -472,6 +475,10 @@ class Agent:
         a failure of any kind is logged, at most once per interval (a full disk, or a value
         the file cannot hold, is not logged at every tick and every exec), and retried at
         the next interval, not at the next tick: the attempt counts as the save."""
+        with self._save_lock:
+            self._save_state()
+
+    def _save_state(self) -> None:
         now = time.monotonic()
         self._saved_at = now
         try:
@@ -545,7 +552,8 @@ class Agent:
 
     def routes(self) -> Routes:
         def status(_: Request) -> object:
-            record = self.last
+            with self._lock:
+                record = self.last
             return {
                 "pid": os.getpid(),
                 "dry_run": self.dry_run,

@@ -597,6 +597,7 @@ def test_the_daemons_reload_result_and_interval(tmp_path: Path) -> None:
     )
     server = serve_metrics(agent)
     assert server is not None
+    server.cache_seconds = 0  # each scrape renders: a reload does not wait for a tick
     try:
 
         def get() -> Samples:

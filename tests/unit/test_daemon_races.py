@@ -1,0 +1,89 @@
+"""What the loop and the API threads share: a save of one never undoes the other's, and a
+miss counted from both is counted once."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from nodeagent import state
+from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.changes import NoteLog
+from nodeagent.daemon import Agent
+from nodeagent.spec.model import PolicySpec
+
+
+def _agent(tmp_path: Path) -> Agent:
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    spec = PolicySpec.model_validate(
+        {
+            "version": 1,
+            "agent": {"state_file": str(tmp_path / "state.json")},
+            "tenants": {"t": {"shares": 1}},
+            "rules": [{"name": "all", "match": {}, "tenant": "t"}],
+        }
+    )
+    return Agent(spec, CgroupTree(str(root)))
+
+
+def test_a_later_save_is_never_replaced_by_an_earlier_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop's save reads the state, then is slow to write it; meanwhile an API thread
+    saves a new job. Saves are one at a time, so the file ends with the job (before the
+    fix, the loop's older state was renamed into place last and the job was lost)."""
+    agent = _agent(tmp_path)
+    writing = threading.Event()
+    go_on = threading.Event()
+    real_save = state.save
+
+    def slow_first(path: str, saved: state.SavedState) -> None:
+        if not writing.is_set():
+            writing.set()
+            go_on.wait(10)
+        real_save(path, saved)
+
+    monkeypatch.setattr(state, "save", slow_first)
+    loop = threading.Thread(target=agent.save_state)
+    loop.start()
+    assert writing.wait(10)
+    agent.usage = {"t": 42.0}  # what changed after the loop's save had read the state
+    api = threading.Thread(target=agent.save_state)
+    api.start()
+    api.join(0.3)
+    go_on.set()
+    loop.join(10)
+    api.join(10)
+    saved = json.loads((tmp_path / "state.json").read_text())
+    assert saved["tenant_usage"] == {"t": 42.0}
+
+
+class _SlowSet(set[tuple[str | None, object]]):
+    """A set whose lookup gives the other threads their turn, as a preemption would."""
+
+    def __contains__(self, item: object) -> bool:
+        found = super().__contains__(item)
+        time.sleep(0.01)  # between the look and what the caller does with it
+        return found
+
+
+def test_a_miss_seen_by_the_loop_and_an_api_thread_at_once_counts_once() -> None:
+    notes = NoteLog()
+    notes._missed = _SlowSet()
+    barrier = threading.Barrier(8)
+
+    def miss() -> None:
+        barrier.wait()
+        notes.missed("job", 1.0)
+
+    threads = [threading.Thread(target=miss) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert notes.deadline_misses == 1
