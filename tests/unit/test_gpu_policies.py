@@ -13,6 +13,8 @@ from nodeagent.policy.base import Assignment, DeviceDecision
 from nodeagent.policy.gpu_checks import GpuChecks, violations
 from nodeagent.policy.gpu_power import GpuPower, in_force
 from nodeagent.policy.plan import make_plan
+from nodeagent.policy.protection import Protection
+from nodeagent.snapshot import CgroupSample
 from nodeagent.spec.model import PolicySpec, WorkloadClass
 
 G0, G1 = "GPU-aaaa", "GPU-bbbb"
@@ -112,3 +114,27 @@ def test_a_violation_is_one_warning_in_the_audit_stream_not_one_per_tick() -> No
     assert [(e["event"], e["log_level"], e["pid"]) for e in found] == [
         ("gpu-violation.wrong-gpu", "warning", 11)
     ]
+
+
+@pytest.mark.parametrize("order", ["protection-first", "gpu-checks-first"])
+def test_a_cgroup_protection_holds_frozen_is_not_thawed_by_gpu_checks(order: str) -> None:
+    """GPU verification froze JOB for a violation that has ended, and wants it thawed;
+    protection froze it too and still holds it. A freeze binds: the cgroup stays frozen, by
+    protection, in either order (before the merge rule, the later policy won and the cgroup
+    flapped thawed for a tick while protection's carry still held it frozen)."""
+    policy = PolicySpec.model_validate(
+        {"version": 1, "tenants": {"a": {"shares": 1}}, "gpu": {"on_violation": "freeze"}}
+    )
+    frozen = workload(JOB)
+    frozen = replace(
+        frozen, sample=CgroupSample(populated=True, settings={Attribute.FREEZE: Frozen(True)})
+    )
+    snap = replace(snapshot([frozen]), gpus=state((), (HOLD,)))
+    assignments = {JOB: Assignment("exec:job-a", "a", WorkloadClass.TRAINING)}
+    policies = [Protection(), GpuChecks()]
+    if order == "gpu-checks-first":
+        policies.reverse()
+    carried = {"protection": {"frozen": [JOB]}, "gpu-checks": {"frozen": [JOB]}}
+    plan = make_plan(snap, policy, {}, policies, assignments=assignments, carried=carried)
+    target = plan.cgroups[0].targets[Attribute.FREEZE]
+    assert (target.value, target.policy) == (Frozen(True), "protection")
