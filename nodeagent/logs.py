@@ -56,7 +56,7 @@ def configure(level: str = "info", json: bool | None = None) -> None:
             structlog.processors.TimeStamper(fmt="%Y-%m-%d %H:%M:%S", utc=False, key="ts"),
             structlog.processors.format_exc_info,  # as text, so that it is escaped too
             escape_controls,
-            structlog.dev.ConsoleRenderer(timestamp_key="ts", colors=sys.stderr.isatty()),
+            structlog.dev.ConsoleRenderer(timestamp_key="ts", colors=console_colours()),
         ]
     structlog.configure(
         processors=processors,
@@ -65,6 +65,12 @@ def configure(level: str = "info", json: bool | None = None) -> None:
         # Not cached: module-level loggers must follow a later configure() (tests, reload).
         cache_logger_on_first_use=False,
     )
+
+
+def console_colours() -> bool:
+    """Colours only on a real terminal, and never when NO_COLOR is set to anything but
+    the empty string (no-color.org)."""
+    return sys.stderr.isatty() and not os.environ.get("NO_COLOR")
 
 
 # syslog(3) priorities by structlog level name; an unknown name is logged as info

@@ -169,3 +169,20 @@ def test_no_priority_prefix_when_stderr_is_not_that_stream(
     assert line.startswith("{")
     monkeypatch.setenv("JOURNAL_STREAM", "garbage")
     assert logs.stderr_is_the_journal() is False
+
+
+@pytest.mark.parametrize(("no_color", "tty", "coloured"), [
+    (None, True, True), ("1", True, False), ("", True, True), (None, False, False),
+])  # fmt: skip
+def test_the_console_log_is_coloured_only_on_a_terminal_without_no_color(
+    monkeypatch: pytest.MonkeyPatch, no_color: str | None, tty: bool, coloured: bool
+) -> None:
+    """NO_COLOR (no-color.org) turns off the console log's colours as it does the CLI's."""
+    import sys
+
+    if no_color is None:
+        monkeypatch.delenv("NO_COLOR", raising=False)
+    else:
+        monkeypatch.setenv("NO_COLOR", no_color)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+    assert logs.console_colours() is coloured
