@@ -7,7 +7,8 @@ policies before it said this tick (`earlier`), plus what it handed itself last t
 
 - `Share`: a workload's part of the fair-share pool, the CPU left after every floor;
 - `Floor`: CPU a workload must get when it wants it (a deadline's rate, a reservation);
-- `Skip`: this one cgroup cannot be planned this tick;
+- `Skip`: this one cgroup cannot be planned this tick (the pipeline also skips the
+  cgroups a policy raises on: nodeagent.policy.plan);
 - `Note`: something to report (a deadline's progress, a throttled or frozen cgroup);
 - `Carry`: state for its own next tick (a controller's level).
 
@@ -21,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from nodeagent.cgroupfs.values import Attribute, Value, is_looser
-from nodeagent.errors import NodeagentError
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.ownership import WriteMode
 from nodeagent.snapshot import NodeSnapshot
@@ -184,10 +184,6 @@ class Carry:
 
 
 Output = Decision | Share | Floor | Skip | Note | DeviceDecision | Carry
-
-
-PLANNING_ERRORS = (ArithmeticError, ValueError, NodeagentError)
-"""What a policy's arithmetic on one workload may raise: caught per workload, as a Skip."""
 
 
 @dataclass(frozen=True, slots=True)
