@@ -33,6 +33,7 @@ from nodeagent.policy import history
 from nodeagent.policy.base import (
     Assignment,
     Carry,
+    CpuTarget,
     Decision,
     DeviceDecision,
     Floor,
@@ -52,7 +53,7 @@ from nodeagent.policy.gpu_power import GpuPower
 from nodeagent.policy.limits import StaticLimits
 from nodeagent.policy.protection import Protection
 from nodeagent.policy.reservations import Reservations
-from nodeagent.policy.weights import CpuWeights, cpu_targets
+from nodeagent.policy.weights import CpuWeights
 from nodeagent.snapshot import NodeSnapshot
 from nodeagent.spec.model import PolicySpec
 
@@ -99,15 +100,6 @@ class CgroupPlan:
 
 
 @dataclass(frozen=True, slots=True)
-class CpuTarget:
-    """The CPU a workload is meant to get: its floor plus its part of the pool."""
-
-    cores: float
-    active: bool
-    """False for an idle workload: it takes no part in its tenant's target."""
-
-
-@dataclass(frozen=True, slots=True)
 class Plan:
     seq: int
     wall_time: float
@@ -123,7 +115,7 @@ class Plan:
     """Device settings (GPU power limits)."""
     cpu_targets: Mapping[str, CpuTarget] = field(default_factory=dict)
     """The CPU each workload with a floor or a share is meant to get, which its weight
-    follows: the metrics' target shares."""
+    follows, as CpuWeights said it: the metrics' target shares."""
 
     def assignments(self) -> dict[str, Assignment]:
         return {cg.path: cg.assignment for cg in self.cgroups if cg.assignment is not None}
@@ -162,11 +154,6 @@ def make_plan(
         for o in outputs:
             merged.add(policy.name, o)
         earlier.extend(outputs)
-    final = PolicyInput(snapshot, spec, assignments, usage, tuple(earlier), carried or {})
-    try:
-        targets = {p: CpuTarget(c, a) for p, (c, a, _) in cpu_targets(final).items()}
-    except Exception:  # cpu-weights failed on the same input, and problems names it
-        targets = {}
     for path, assignment in assignments.items():
         merged.traces[path].insert(
             0,
@@ -195,7 +182,7 @@ def make_plan(
         tuple(merged.notes),
         merged.carry,
         tuple(merged.devices),
-        targets,
+        merged.cpu_targets,
     )
 
 
@@ -210,6 +197,7 @@ class _Merge:
         self.notes: list[Note] = []
         self.carry: dict[str, Mapping[str, object]] = {}
         self.devices: list[DeviceDecision] = []
+        self.cpu_targets: dict[str, CpuTarget] = {}
 
     def add(self, policy: str, o: Output) -> None:
         if isinstance(o, Carry):
@@ -242,6 +230,8 @@ class _Merge:
                     )
                 self.targets[o.path][o.attribute] = Target(o.value, o.policy, o.reason)
             self.traces[o.path].extend(f"{o.policy}: {line}" for line in (*o.trace, o.reason))
+        elif isinstance(o, CpuTarget):
+            self.cpu_targets[o.path] = o
         elif isinstance(o, Share | Floor):
             self.traces[o.path].extend(f"{o.policy}: {line}" for line in (*o.trace, o.reason))
 
