@@ -7,7 +7,9 @@ policies before it said this tick (`earlier`), plus what it handed itself last t
 
 - `Share`: a workload's part of the fair-share pool, the CPU left after every floor;
 - `Floor`: CPU a workload must get when it wants it (a deadline's rate, a reservation);
-- `Skip`: this one cgroup cannot be planned this tick;
+- `CpuTarget`: the CPU a workload is meant to get, from its floor and share;
+- `Skip`: this one cgroup cannot be planned this tick (the pipeline also skips the
+  cgroups a policy raises on: nodeagent.policy.plan);
 - `Note`: something to report (a deadline's progress, a throttled or frozen cgroup);
 - `Carry`: state for its own next tick (a controller's level).
 
@@ -21,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from nodeagent.cgroupfs.values import Attribute, Value, is_looser
-from nodeagent.errors import NodeagentError
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.ownership import WriteMode
 from nodeagent.snapshot import NodeSnapshot
@@ -138,6 +139,19 @@ class Floor:
 
 
 @dataclass(frozen=True, slots=True)
+class CpuTarget:
+    """The CPU a workload is meant to get, which its weight follows: its floor plus its
+    part of the pool (CpuWeights says it; the plan reports it, as the metrics' target)."""
+
+    path: str
+    cores: float
+    active: bool
+    """False for an idle workload: it takes no part in its tenant's target."""
+    policy: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Skip:
     """A policy could not plan one cgroup (a value out of range, say): that cgroup gets no
     targets this tick, the others are planned as usual."""
@@ -183,11 +197,7 @@ class Carry:
     state: Mapping[str, object]
 
 
-Output = Decision | Share | Floor | Skip | Note | DeviceDecision | Carry
-
-
-PLANNING_ERRORS = (ArithmeticError, ValueError, NodeagentError)
-"""What a policy's arithmetic on one workload may raise: caught per workload, as a Skip."""
+Output = Decision | Share | Floor | CpuTarget | Skip | Note | DeviceDecision | Carry
 
 
 @dataclass(frozen=True, slots=True)

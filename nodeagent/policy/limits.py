@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax, MemoryLimit, Value
-from nodeagent.policy.base import PLANNING_ERRORS, Decision, Output, PolicyInput, Skip
+from nodeagent.policy.base import Decision, Output, PolicyInput
 from nodeagent.snapshot import WorkloadState
 from nodeagent.spec.model import MAX, ClassSettings, Limits, MemoryProtection
 
@@ -38,14 +38,9 @@ class StaticLimits:
             a = given.assignments.get(w.path)
             if a is None:
                 continue
-            why = f"rule {a.rule}"
-            try:
-                out.extend(self._cpu(w, a.limits, why))
-                out.extend(
-                    self._memory(w, a.limits, given.spec.classes[a.workload_class], page, why)
-                )
-            except PLANNING_ERRORS as e:
-                out.append(Skip(w.path, self.name, f"{why}: {e}"))
+            why = f"rule {a.rule}"  # a cgroup it cannot plan is skipped by the pipeline
+            out.extend(self._cpu(w, a.limits, why))
+            out.extend(self._memory(w, a.limits, given.spec.classes[a.workload_class], page, why))
         return out
 
     def _decision(self, w: WorkloadState, attr: Attribute, value: Value, reason: str) -> Decision:

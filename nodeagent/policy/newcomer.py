@@ -18,9 +18,9 @@ from collections.abc import Mapping, Sequence
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.ownership import write_mode
-from nodeagent.policy.base import Assignment, Decision, PolicyInput
+from nodeagent.policy.base import Assignment, Decision, PolicyInput, Skip
 from nodeagent.policy.limits import StaticLimits
-from nodeagent.policy.plan import CgroupPlan, Plan, Target, as_written
+from nodeagent.policy.plan import CgroupPlan, Plan, Target, as_written, decide_isolated
 from nodeagent.policy.weights import parent
 from nodeagent.snapshot import CgroupSample, NodeSnapshot, NodeState, WorkloadState
 from nodeagent.spec.model import PolicySpec
@@ -65,10 +65,15 @@ def plan_newcomers(
     traces: dict[str, list[str]] = {
         w.path: ["fast path: a new cgroup, before the next tick"] for w in states
     }
-    for d in StaticLimits().decide(given):
+    outputs, failed = decide_isolated(StaticLimits(), given)
+    if failed is not None:
+        raise failed
+    for d in outputs:
         if isinstance(d, Decision):
             targets[d.path][d.attribute] = Target(d.value, d.policy, d.reason)
             traces[d.path].append(f"{d.policy}: {d.reason}")
+        elif isinstance(d, Skip):  # no caps it cannot plan; the next tick skips it too
+            traces[d.path].append(f"{d.policy}: skipped: {d.reason}")
     for w in states:
         a = claimed[w.path]
         found = (

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from nodeagent.cgroupfs.values import WEIGHT_MAX, WEIGHT_MIN, Attribute, CpuWeight
 from nodeagent.ownership import WriteMode, write_mode
-from nodeagent.policy.base import Decision, Floor, Note, Output, PolicyInput, Share
+from nodeagent.policy.base import CpuTarget, Decision, Floor, Note, Output, PolicyInput, Share
 from nodeagent.policy.classify import outer_claims
 from nodeagent.policy.cpu import usable
 from nodeagent.snapshot import WorkloadState
@@ -124,6 +124,10 @@ class CpuWeights:
                     tuple(trace),
                 )
             )
+        out.extend(  # the plan reports them as they are, not computed a second time
+            CpuTarget(p, cores, active, self.name, why)
+            for p, (cores, active, why) in sorted(targets.items())
+        )
         if given.spec.fair_share.hierarchy:
             out.extend(_split_note(given, targets, nodes, states))
         return out

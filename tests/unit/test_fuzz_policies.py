@@ -4,7 +4,8 @@ and a reload with any of them keeps the last good policy.
 10,000 policies per run (policy_fuzz.py: the example policy mutated as text and as data)
 through the loader in-process; a sample through the installed `nodeagent validate` (a
 process each, so fewer); and a sample through `Agent.reload`. The pytest summary says how
-many ran; `pytest --hypothesis-seed N` repeats a run.
+many ran; `pytest --hypothesis-seed N` repeats a run. The fuzzing tests are marked `fuzz`:
+`FAST=1 ./scripts/test unit` (pytest -m "not fuzz") leaves them out locally; CI runs them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import structlog
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
@@ -51,6 +53,7 @@ def parsed(text: str) -> None:
         count("parse_policy", "accepted")
 
 
+@pytest.mark.fuzz
 def test_the_loader_accepts_or_locates_every_problem() -> None:
     before = total("parse_policy")
     fuzz(DRAWN)(given(policies)(parsed))()
@@ -69,6 +72,7 @@ def test_the_loader_accepts_or_locates_every_problem() -> None:
     assert total("parse_policy") - before >= DRAWN + BATCHES * PER_BATCH
 
 
+@pytest.mark.fuzz
 def test_nodeagent_validate_accepts_or_locates_every_problem(tmp_path: Path) -> None:
     """The installed console script, as an operator runs it: exit 0 and 'ok', or exit 1 and
     only located problems on stderr; never a traceback."""
@@ -97,6 +101,7 @@ def test_nodeagent_validate_accepts_or_locates_every_problem(tmp_path: Path) -> 
     assert total("nodeagent validate") - before >= THROUGH_CLI
 
 
+@pytest.mark.fuzz
 def test_a_reload_with_any_of_them_keeps_the_last_good_policy(tmp_path: Path) -> None:
     cgroups = tmp_path / "cgroup"
     cgroups.mkdir()

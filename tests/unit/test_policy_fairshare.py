@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
-from nodeagent.policy.base import Decision, Floor, Note, PolicyInput, Share
+from nodeagent.policy.base import CpuTarget, Decision, Floor, Note, PolicyInput, Share
 from nodeagent.policy.fairshare import FairShare, is_active
 from nodeagent.policy.plan import make_plan
 from nodeagent.policy.weights import CpuWeights
@@ -29,7 +29,7 @@ def weights(given_: PolicyInput) -> dict[str, int]:
     decisions = [
         d
         for d in CpuWeights().decide(replace(given_, earlier=tuple(shares)))
-        if not isinstance(d, Note)  # the hierarchy's report
+        if not isinstance(d, Note | CpuTarget)  # the hierarchy's report, the targets
     ]
     out = {}
     for d in decisions:

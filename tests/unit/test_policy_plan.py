@@ -281,3 +281,30 @@ def test_training_protects_its_request_with_memory_low() -> None:
     assert cg.targets[Attribute.MEMORY_LOW].value == MemoryLimit(1 << 30)
     assert cg.targets[Attribute.MEMORY_MIN].value == MemoryLimit(0)
     assert Attribute.MEMORY_HIGH not in cg.targets, "no limit: memory.high is not planned"
+
+
+def test_cpu_targets_are_computed_once_and_reported_as_cpu_weights_said(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The plan's cpu_targets are CpuWeights' own (issue 14.4): not computed a second time
+    after the policies, under a bare except."""
+    from nodeagent.policy import plan as plan_module
+    from nodeagent.policy import weights
+
+    real, calls = weights.cpu_targets, []
+
+    def counted(given: PolicyInput) -> dict[str, tuple[float, bool, str]]:
+        calls.append(given)
+        return real(given)
+
+    monkeypatch.setattr(weights, "cpu_targets", counted)
+    monkeypatch.setattr(plan_module, "cpu_targets", counted, raising=False)  # where it was
+    snap = snapshot([workload("nodeagent.slice/a-1"), workload("nodeagent.slice/b-1")])
+    plan = make_plan(snap, spec({"a": 1, "b": 3}), {})
+    assert len(calls) == 1
+    (given,) = calls
+    assert {p: (t.cores, t.active) for p, t in plan.cpu_targets.items()} == {
+        p: (c, a) for p, (c, a, _) in real(given).items()
+    }
+    assert set(plan.cpu_targets) == {"nodeagent.slice/a-1", "nodeagent.slice/b-1"}
+    assert {t.policy for t in plan.cpu_targets.values()} == {"cpu-weights"}
