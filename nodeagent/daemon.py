@@ -40,22 +40,20 @@ from nodeagent.logs import audit_write
 from nodeagent.originals import Originals
 from nodeagent.ownership import WriteMode, parent_identity, write_mode
 from nodeagent.policy import history
-from nodeagent.policy.base import Assignment
+from nodeagent.policy.base import Assignment, Policy
 from nodeagent.policy.classify import assign
 from nodeagent.policy.fairshare import is_active
 from nodeagent.policy.history import decay
 from nodeagent.policy.newcomer import plan_newcomers
-from nodeagent.policy.plan import Plan, make_plan
-from nodeagent.policy.protection import stall
+from nodeagent.policy.plan import DEFAULT_POLICIES, Plan, make_plan
 from nodeagent.policy.weights import ancestors
 from nodeagent.report import TickRecord, allocations, explain, find, identities
 from nodeagent.runtimes.metadata import RuntimeMetadata
 from nodeagent.sdbus import Systemd
-from nodeagent.sense.cgroup_files import NO_NEEDS, Needs
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
 from nodeagent.slurm import SlurmJobs
-from nodeagent.snapshot import NodeSnapshot, WorkloadState
+from nodeagent.snapshot import NO_NEEDS, Needs, NodeSnapshot, WorkloadState
 from nodeagent.spec.filewatch import FileWatch
 from nodeagent.spec.load import PolicyError, load_policy
 from nodeagent.spec.model import AgentMode, AgentSettings, PolicySpec
@@ -72,6 +70,11 @@ STATE_SAVE_INTERVAL = 10.0
 
 
 class Agent:
+    policies: tuple[Policy, ...] = DEFAULT_POLICIES
+    """The policies a full tick runs, in order; what they need read every tick and when
+    their plan is stale they say themselves (`Policy.needs`, `Policy.stale`): the loop
+    knows none of them by name."""
+
     def __init__(
         self,
         spec: PolicySpec,
@@ -124,7 +127,7 @@ class Agent:
         self.kube = _kubernetes(spec)
         self.jobs = Jobs(tree, audit_write, proc_root, on_end=self.gpus.release_job)
         self.carry: dict[str, Mapping[str, object]] = {}
-        """The policies' state for their next tick (the protection controller's)."""
+        """The policies' state for their next tick, by policy name."""
         self.originals = Originals()
         """What the agent changed and the values before, for `nodeagent release`."""
         self.usage: dict[str, float] = self._restore()
@@ -370,24 +373,22 @@ class Agent:
     def _needs(
         self, assignments: Mapping[str, Assignment], managed: list[WorkloadIdentity]
     ) -> dict[str, Needs]:
-        """What each workload's lean read adds to its usage, for the policies in use:
-        memory.current only while a memory.max waits for usage to fit; cgroup.events for
-        exec's jobs and every deadline job (a deadline job that starts or ends is seen at
-        once, not at its next full read)."""
+        """What each workload's lean read adds to its usage: what the policies in use
+        declare they need of it (`Policy.needs`), what the job reaper needs (exec's jobs'
+        cgroup.events), and memory.current while the executor holds a memory.max back
+        until usage fits."""
         key = (id(assignments), frozenset(self._held_back))
         if key == self._needs_key:
             return self._needs_value
-        classes = self.spec.classes
+        spec, policies = self.spec, self.policies
         out = {}
         for i in managed:
             a = assignments[i.path]
-            cls = classes[a.workload_class]
-            need = Needs(
-                events=a.rule.startswith("exec:") or a.deadline is not None,
-                memory=i.path in self._held_back,
-                pressure=cls.protect or cls.reserved_cpu is not None or a.deadline is not None,
-                threads=a.deadline is not None,
-            )
+            need = self.jobs.needs(a)
+            if i.path in self._held_back:
+                need |= Needs(memory=True)
+            for policy in policies:
+                need |= policy.needs(a, spec)
             if need != NO_NEEDS:
                 out[i.path] = need
         self._needs_key, self._needs_value = key, out
@@ -400,10 +401,11 @@ class Agent:
         has passed; otherwise the last one again, with the usage history advanced. What
         a plan depends on: which workloads there are and which are busy, what could not
         be read, the GPUs' holders, each tenant's part of the usage history (to the percent),
-        and anything that moves every tick (deadline jobs, a protected cgroup under pressure,
-        the protection controller at work, a memory.max waiting for usage to fit)."""
+        and anything that moves every tick: a memory.max waiting for usage to fit, or what a
+        policy says makes its plan stale (`Policy.stale`, `Policy.stale_sensed`: deadline
+        jobs, a protected cgroup under pressure, the protection controller at work)."""
         spec = self.spec
-        paths, active, stalling = self._sensed(snapshot.workloads)
+        paths, active, stirred = self._sensed(snapshot.workloads)
         gpus = snapshot.gpus
         key = (
             paths,
@@ -418,8 +420,8 @@ class Agent:
         last = self.last
         moving = (
             bool(self._held_back)  # memory.max waits for usage: try it again each tick
-            or any(a.deadline is not None for a in assignments.values())
-            or self._pressure(stalling)
+            or stirred
+            or self._stale(assignments)
         )
         if last is not None and key == self._plan_key and now < self._replan_at and not moving:
             if self._assigned[0] is not last.plan.cgroups:  # kept by every plan made again
@@ -432,15 +434,23 @@ class Agent:
             )
             return again, True
         self._plan_key, self._replan_at = key, now + spec.agent.replan_interval
-        plan = make_plan(snapshot, spec, self.usage, assignments=assignments, carried=self.carry)
+        plan = make_plan(
+            snapshot,
+            spec,
+            self.usage,
+            self.policies,
+            assignments=assignments,
+            carried=self.carry,
+        )
         return plan, False
 
     def _sensed(
         self, workloads: tuple[WorkloadState, ...]
     ) -> tuple[frozenset[str], frozenset[str], bool]:
-        """What the plan's key and `_pressure` take from the workloads: their paths, the
-        active ones, and whether one stalls; worked out again only when a workload's state
-        is a new object (the sensor keeps an unchanged one) or the policy changed."""
+        """What the plan's key and its staleness take from the workloads: their paths, the
+        active ones, and whether a policy finds them stale (`Policy.stale_sensed`: one
+        stalls); worked out again only when a workload's state is a new object (the sensor
+        keeps an unchanged one) or the policy changed."""
         last_spec, last, value = self._sensed_value
         if (
             last_spec is self.spec
@@ -449,26 +459,19 @@ class Agent:
         ):
             return value
         spec = self.spec
-        threshold = spec.protection.cpu_pressure / 2
         value = (
             frozenset(w.path for w in workloads),
             frozenset(w.path for w in workloads if is_active(w, spec.fair_share)),
-            any((stall(w) or 0.0) >= threshold for w in workloads if w.sample.cpu_psi is not None),
+            any(p.stale_sensed(workloads, spec) for p in self.policies),
         )
         self._sensed_value = (spec, workloads, value)
         return value
 
-    def _pressure(self, stalling: bool) -> bool:
-        """The protection controller is at work, or a cgroup it watches stalls."""
-        carried = self.carry.get("protection", {})
-        if (
-            carried.get("caps")
-            or carried.get("frozen")
-            or carried.get("uncap")
-            or carried.get("thaw")
-        ):
-            return True
-        return stalling
+    def _stale(self, assignments: Mapping[str, Assignment]) -> bool:
+        """A policy says its carried state or the workloads it plans need a new plan next
+        tick (the protection controller at work, deadline jobs)."""
+        carry = self.carry
+        return any(p.stale(carry.get(p.name, {}), assignments) for p in self.policies)
 
     def save_state(self) -> None:
         """Save the usage history, the jobs, the holds and the carried state. Never raises:

@@ -54,7 +54,7 @@ from nodeagent.cgroupfs.values import Attribute, CpuMax, MemoryLimit
 from nodeagent.errors import NodeagentError, one_line
 from nodeagent.gpu.model import Hold, format_cpulist
 from nodeagent.policy.base import Assignment
-from nodeagent.snapshot import NodeSnapshot
+from nodeagent.snapshot import NO_NEEDS, Needs, NodeSnapshot
 from nodeagent.spec.model import Limits, PolicySpec, WorkloadClass
 
 log = structlog.get_logger("nodeagent.jobs")
@@ -95,6 +95,7 @@ class Job:
             deadline=self.deadline,
             work=self.work,
             cpus=self.cpus,
+            exec_job=True,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -417,6 +418,12 @@ class Jobs:
     def running(self) -> list[Job]:
         with self._lock:
             return list(self._jobs.values())
+
+    @staticmethod
+    def needs(assignment: Assignment) -> Needs:
+        """What `reap` reads of a workload every tick: a job's cgroup.events, so that its
+        cgroup is removed as soon as it is empty."""
+        return Needs(events=True) if assignment.exec_job else NO_NEEDS
 
     def reap(self, snapshot: NodeSnapshot) -> list[Job]:
         """Forget jobs whose cgroup is gone or empty, removing the empty cgroups."""

@@ -38,6 +38,36 @@ class CgroupSample:
 
 
 @dataclass(frozen=True, slots=True)
+class Needs:
+    """What a lean read adds to cpu.stat for one workload, because a policy in use (or
+    the loop itself) needs it every tick; the policies declare it (`Policy.needs`) and
+    the loop reads the union."""
+
+    events: bool = False
+    """cgroup.events: whether it holds processes (exec's jobs, to remove them when empty;
+    a deadline job, seen at once when it starts or ends)."""
+    memory: bool = False
+    """memory.current: a memory limit is planned from usage (never below it)."""
+    pressure: bool = False
+    """cpu.pressure: a protected class, or a floor, whose stalls throttle others."""
+    threads: bool = False
+    """cgroup.threads: a deadline job's parallelism."""
+
+    def __or__(self, other: Needs) -> Needs:
+        """What both need."""
+        return Needs(
+            self.events or other.events,
+            self.memory or other.memory,
+            self.pressure or other.pressure,
+            self.threads or other.threads,
+        )
+
+
+NO_NEEDS = Needs()
+"""Only cpu.stat: what every lean read takes."""
+
+
+@dataclass(frozen=True, slots=True)
 class WorkloadState:
     identity: WorkloadIdentity
     sample: CgroupSample

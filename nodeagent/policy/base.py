@@ -14,6 +14,12 @@ policies before it said this tick (`earlier`), plus what it handed itself last t
 - `Carry`: state for its own next tick (a controller's level).
 
 `CpuWeights` turns shares and floors into cpu.weight at the end.
+
+A policy also says what the loop must do for it, so that the loop knows no policy by
+name: which files it reads of a workload every tick (`needs`), and when its carried
+state or what was sensed means the plan must be made again next tick (`stale`,
+`stale_sensed`). Policies subclass `Policy` for the defaults (nothing every tick, never
+stale) and declare only what they need.
 """
 
 from __future__ import annotations
@@ -25,14 +31,14 @@ from typing import Protocol
 from nodeagent.cgroupfs.values import Attribute, Value, is_looser
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.ownership import WriteMode
-from nodeagent.snapshot import NodeSnapshot
+from nodeagent.snapshot import NO_NEEDS, Needs, NodeSnapshot, WorkloadState
 from nodeagent.spec.model import Limits, PolicySpec, WorkloadClass
 
 
 @dataclass(frozen=True, slots=True)
 class Assignment:
     """Who a workload belongs to and what it declared: from the rule that claimed it, or
-    from `nodeagent exec` for the jobs it started (rule `exec:<name>`)."""
+    from `nodeagent exec` for the jobs it started (rule `exec:<name>`, `exec_job`)."""
 
     rule: str
     tenant: str
@@ -50,6 +56,8 @@ class Assignment:
     refused: tuple[str, ...] = ()
     """Values a label or annotation asked for that the rule does not allow (or could not
     read): the rule's own were used instead. Reported by `workloads`, `allocations`, the log."""
+    exec_job: bool = False
+    """A job `nodeagent exec` started: the agent removes its cgroup once it is empty."""
 
 
 def describe(
@@ -245,6 +253,25 @@ def binds(attribute: Attribute, earlier: Value, later: Value) -> bool:
 
 
 class Policy(Protocol):
+    """One step of the plan. Subclass it for the defaults of everything but `decide`."""
+
     name: str
 
     def decide(self, given: PolicyInput) -> Sequence[Output]: ...
+
+    def needs(self, assignment: Assignment, spec: PolicySpec) -> Needs:
+        """What this policy reads of a workload with this assignment every tick, beyond
+        cpu.stat (a lean read keeps the rest from the workload's last full read). The loop
+        reads the union over the policies in use."""
+        return NO_NEEDS
+
+    def stale(self, carried: Mapping[str, object], assignments: Mapping[str, Assignment]) -> bool:
+        """Whether the plan must be made again next tick whatever else is unchanged: this
+        policy's own carried state (`carried`, its last Carry) says it is at work, or a
+        workload it plans moves every tick."""
+        return False
+
+    def stale_sensed(self, workloads: Sequence[WorkloadState], spec: PolicySpec) -> bool:
+        """Whether what was sensed of the workloads means the plan must be made again next
+        tick; asked again only when a workload's state or the policy file changes."""
+        return False

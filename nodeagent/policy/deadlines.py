@@ -38,12 +38,14 @@ from nodeagent.policy.base import (
     Floor,
     Note,
     Output,
+    Policy,
     PolicyInput,
 )
 from nodeagent.policy.cpu import Capacity, capacity
 from nodeagent.policy.edf import Demand, admit, allot, best_effort, rank
 from nodeagent.policy.fairshare import is_active
-from nodeagent.snapshot import WorkloadState
+from nodeagent.snapshot import NO_NEEDS, Needs, WorkloadState
+from nodeagent.spec.model import PolicySpec
 
 SHORT = 0.95
 """An earlier job that got less than this part of its rate, while it waited for CPU, was
@@ -74,8 +76,19 @@ class _Job:
     p: float
 
 
-class Deadlines:
+class Deadlines(Policy):
     name = "deadlines"
+
+    def needs(self, assignment: Assignment, spec: PolicySpec) -> Needs:
+        """A deadline job's processes and threads, every tick: one that starts or ends is
+        seen at once (not at its next full read), and it gets no more CPUs than threads."""
+        if assignment.deadline is None:
+            return NO_NEEDS
+        return Needs(events=True, threads=True)
+
+    def stale(self, carried: Mapping[str, object], assignments: Mapping[str, Assignment]) -> bool:
+        """A deadline job's rate moves every tick (its work left over its time left)."""
+        return any(a.deadline is not None for a in assignments.values())
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         settings = given.spec.deadlines

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from nodeagent.policy.base import Output, PolicyInput, Share
+from nodeagent.policy.base import Output, Policy, PolicyInput, Share
 from nodeagent.policy.classify import outer_claims
 from nodeagent.snapshot import WorkloadState
 from nodeagent.spec.model import FairShareSettings
@@ -52,7 +52,7 @@ def _parts(
     return {t: r / norm for t, r in rel.items()}
 
 
-class FairShare:
+class FairShare(Policy):
     name = "fair-share"
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:

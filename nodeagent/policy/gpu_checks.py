@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from nodeagent.cgroupfs.values import Attribute, Frozen
 from nodeagent.gpu.model import GpuProcess, GpuState, Hold, HoldKind
-from nodeagent.policy.base import Carry, Decision, Note, Output, PolicyInput
+from nodeagent.policy.base import Carry, Decision, Note, Output, Policy, PolicyInput
 from nodeagent.spec.model import ViolationAction
 
 
@@ -57,7 +57,7 @@ def _workload(cgroup: str, paths: Sequence[str]) -> str | None:
     return max(inside, key=len) if inside else None
 
 
-class GpuChecks:
+class GpuChecks(Policy):
     name = "gpu-checks"
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:

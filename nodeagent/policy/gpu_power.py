@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from nodeagent.policy.base import DeviceDecision, Output, PolicyInput
+from nodeagent.policy.base import DeviceDecision, Output, Policy, PolicyInput
 from nodeagent.spec.model import PowerCap
 
 DAY = 86_400
@@ -25,7 +25,7 @@ def in_force(cap: PowerCap, local_seconds: float | None) -> bool:
     return now >= cap.start or now < cap.end  # e.g. 22:00 to 06:00
 
 
-class GpuPower:
+class GpuPower(Policy):
     name = "gpu-power"
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax, MemoryLimit, Value
-from nodeagent.policy.base import Decision, Output, PolicyInput
+from nodeagent.policy.base import Decision, Output, Policy, PolicyInput
 from nodeagent.snapshot import WorkloadState
 from nodeagent.spec.model import MAX, ClassSettings, Limits, MemoryProtection
 
@@ -28,7 +28,7 @@ def _bytes(size: int | str) -> int | None:
     return None if size == MAX else int(size)
 
 
-class StaticLimits:
+class StaticLimits(Policy):
     name = "static-limits"
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:

@@ -35,12 +35,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax, Frozen
-from nodeagent.policy.base import Carry, Decision, Floor, Note, Output, PolicyInput
+from nodeagent.policy.base import (
+    Assignment,
+    Carry,
+    Decision,
+    Floor,
+    Note,
+    Output,
+    Policy,
+    PolicyInput,
+)
 from nodeagent.policy.classify import outer_claims
 from nodeagent.policy.cpu import usable
 from nodeagent.policy.fairshare import is_active
-from nodeagent.snapshot import WorkloadState
-from nodeagent.spec.model import MAX, WorkloadClass
+from nodeagent.snapshot import NO_NEEDS, Needs, WorkloadState
+from nodeagent.spec.model import MAX, PolicySpec, WorkloadClass
 
 
 def _strings(raw: object) -> list[str]:
@@ -166,8 +175,31 @@ def _who(stalling: Mapping[str, float]) -> str:
     return ", ".join(f"{p} ({s:.0%})" for p, s in sorted(stalling.items()))
 
 
-class Protection:
+class Protection(Policy):
     name = "protection"
+
+    def needs(self, assignment: Assignment, spec: PolicySpec) -> Needs:
+        """cpu.pressure, every tick, of the cgroups it watches: a protected class's, and
+        those with a floor (a deadline's rate, a class reservation)."""
+        cls = spec.classes[assignment.workload_class]
+        watched = cls.protect or cls.reserved_cpu is not None or assignment.deadline is not None
+        return Needs(pressure=True) if watched else NO_NEEDS
+
+    def stale(self, carried: Mapping[str, object], assignments: Mapping[str, Assignment]) -> bool:
+        """At work: a class capped or a cgroup frozen, or one still to give back."""
+        return bool(
+            carried.get("caps")
+            or carried.get("frozen")
+            or carried.get("uncap")
+            or carried.get("thaw")
+        )
+
+    def stale_sensed(self, workloads: Sequence[WorkloadState], spec: PolicySpec) -> bool:
+        """A cgroup stalls for CPU above half the threshold (where calm ends)."""
+        threshold = spec.protection.cpu_pressure / 2
+        return any(
+            (stall(w) or 0.0) >= threshold for w in workloads if w.sample.cpu_psi is not None
+        )
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         node = _Node(given)

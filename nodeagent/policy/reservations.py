@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from nodeagent.policy.base import Floor, Output, PolicyInput
+from nodeagent.policy.base import Floor, Output, Policy, PolicyInput
 from nodeagent.policy.classify import outer_claims
 from nodeagent.policy.cpu import reserved
 from nodeagent.policy.fairshare import is_active
 
 
-class Reservations:
+class Reservations(Policy):
     name = "reservations"
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:

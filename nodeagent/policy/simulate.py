@@ -99,6 +99,7 @@ class _Run:
                 j.workload_class,
                 deadline=self.start + j.deadline,
                 work=j.work,
+                exec_job=True,
             )
             for j in self.jobs.values()
         }

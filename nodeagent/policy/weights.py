@@ -35,7 +35,16 @@ from dataclasses import dataclass, field
 
 from nodeagent.cgroupfs.values import WEIGHT_MAX, WEIGHT_MIN, Attribute, CpuWeight
 from nodeagent.ownership import WriteMode, write_mode
-from nodeagent.policy.base import CpuTarget, Decision, Floor, Note, Output, PolicyInput, Share
+from nodeagent.policy.base import (
+    CpuTarget,
+    Decision,
+    Floor,
+    Note,
+    Output,
+    Policy,
+    PolicyInput,
+    Share,
+)
 from nodeagent.policy.classify import outer_claims
 from nodeagent.policy.cpu import usable
 from nodeagent.snapshot import WorkloadState
@@ -58,7 +67,7 @@ class _Node:
     trace: list[str] = field(default_factory=list)
 
 
-class CpuWeights:
+class CpuWeights(Policy):
     name = "cpu-weights"
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:

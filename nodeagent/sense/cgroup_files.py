@@ -12,7 +12,9 @@ from nodeagent.cgroupfs import parse
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupReadError, CgroupTree, CgroupVanished
 from nodeagent.cgroupfs.values import Attribute, CpuWeight, Frozen, MemoryLimit, Value
 from nodeagent.errors import one_line
-from nodeagent.snapshot import CgroupSample
+from nodeagent.snapshot import NO_NEEDS, CgroupSample, Needs
+
+__all__ = ["NO_NEEDS", "TICK_FILES", "LeanRead", "Needs", "probe", "read_lean", "read_sample"]
 
 T = TypeVar("T")
 
@@ -111,21 +113,6 @@ def read_sample(d: CgroupDir, page_size: int, *, threads: bool = False) -> Cgrou
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Needs:
-    """What a lean read adds to cpu.stat for one workload, because a policy in use needs
-    it every tick."""
-
-    events: bool = False
-    """cgroup.events: whether it holds processes (exec's jobs, to remove them when empty)."""
-    memory: bool = False
-    """memory.current: a memory limit is planned from usage (never below it)."""
-    pressure: bool = False
-    """cpu.pressure: a protected class, or a floor, whose stalls throttle others."""
-    threads: bool = False
-    """cgroup.threads: a deadline job's parallelism."""
-
-
 def read_lean(
     d: CgroupDir, known: CgroupSample, needs: Needs, last: LeanRead | None = None
 ) -> LeanRead:
@@ -165,9 +152,6 @@ class LeanRead:
     text: str
     known: CgroupSample | None
     sample: CgroupSample
-
-
-NO_NEEDS = Needs()
 
 
 def _lean(
