@@ -11,7 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import click
+from click.testing import CliRunner
 
 from nodeagent.cli import main
 
@@ -39,15 +39,11 @@ COMMANDS = [
 
 def help_text(path: list[str]) -> str:
     """What `nodeagent PATH --help` prints, at 80 columns."""
-    ctx = click.Context(main, info_name="nodeagent", terminal_width=80, max_content_width=80)
-    command: click.Command = main
-    for name in path:
-        assert isinstance(command, click.Group)
-        found = command.get_command(ctx, name)
-        assert found is not None, name
-        command = found
-        ctx = click.Context(command, info_name=name, parent=ctx, terminal_width=80)
-    return command.get_help(ctx)
+    result = CliRunner().invoke(
+        main, [*path, "--help"], prog_name="nodeagent", terminal_width=80, env={"NO_COLOR": "1"}
+    )
+    assert result.exit_code == 0, result.output
+    return result.output
 
 
 def manual_8() -> str:
