@@ -1,7 +1,7 @@
 """What every command's output shares: the --json document, counted nouns, the width
 tables fit.
 
---json is the stable interface for scripts (documented in the README): one JSON object,
+--json is the stable interface for scripts (documented in docs/commands.md): one JSON object,
 `{"apiVersion": "nodeagent/v1", "kind": KIND, ...}`, lists under `items` (kind ...List),
 and every figure with its unit in its key (`_bytes`, `_cores`, `_seconds`,
 `_timestamp_seconds` for unix times, `_fraction` for 0..1, `_percent`, `_watts`). Keys

@@ -147,7 +147,7 @@ def _warn_if_workloads_die_with_the_unit(managed_root: str, proc_root: str) -> N
             managed_root=managed_root,
             unit_cgroup=own,
             action="its workloads end whenever the agent restarts; use"
-            " system.slice/nodeagent-workloads.service/workloads (README, systemd service)",
+            " system.slice/nodeagent-workloads.service/workloads (docs/service.md)",
         )
 
 

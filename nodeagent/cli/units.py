@@ -14,7 +14,7 @@ import click
 from nodeagent.errors import NodeagentError
 
 TEMPLATE_EXECUTABLE = "/opt/nodeagent/.venv/bin/nodeagent"
-"""What systemd/nodeagent.service names; the README's install, where it is right as shipped."""
+"""What systemd/nodeagent.service names; docs/service.md's install, where it is right as shipped."""
 # install path (below the unit directory) -> the packaged file (nodeagent/units/, links to systemd/)
 FILES = {
     "nodeagent.service": "nodeagent.service",

@@ -1,7 +1,7 @@
 """A simulated node from a YAML description (config/gpus/), for machines without GPUs.
 
 Tests, the demo and the benchmarks use it. Everything it returns is marked simulated.
-The format (see the README's GPU section and the shipped files):
+The format (see docs/gpus.md and the shipped files):
 
     gpus:                       # one entry per GPU, indices 0..N-1
       - index: 0

@@ -295,7 +295,7 @@ class AgentSettings(_Strict):
     systemd: SystemdSettings = SystemdSettings()
     kubelet_levels: _Permission = Permission.READ_ONLY
     """kubepods and the QoS tiers: the kubelet rewrites their weights about every minute,
-    so by default the agent leaves them to it (see the README)."""
+    so by default the agent leaves them to it (see docs/kubernetes.md)."""
     slurm: SlurmSettings = SlurmSettings()
     runtimes: RuntimeSettings = RuntimeSettings()
 

@@ -278,7 +278,7 @@ def test_interface_files_with_unexpected_content_skip_only_their_cgroup(
 
 
 CAP = 1024
-"""The cgroups discovery looks at below one user manager, as the README documents it."""
+"""The cgroups discovery looks at below one user manager, as docs/architecture.md documents it."""
 
 
 def kernel_watches(registry: Registry) -> int:

@@ -361,7 +361,7 @@ def test_workloads_wide_shows_every_column_in_full(
 
 
 def test_shell_completion_is_there_as_documented() -> None:
-    """The README's `eval "$(_NODEAGENT_COMPLETE=bash_source nodeagent)"`."""
+    """docs/commands.md's `eval "$(_NODEAGENT_COMPLETE=bash_source nodeagent)"`."""
     proc = nodeagent(_NODEAGENT_COMPLETE="bash_source")
     assert proc.returncode == 0, proc.stderr
     assert "_nodeagent_completion()" in proc.stdout

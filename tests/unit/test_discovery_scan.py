@@ -143,7 +143,7 @@ USER = "user.slice/user-1000.slice/user@1000.service"
 OTHER = "user.slice/user-1001.slice/user@1001.service"
 ROOTLESS = f"{OTHER}/user.slice/libpod-{CID}.scope"
 CAP = 1024
-"""The cgroups looked at below one user manager, as the README documents it."""
+"""The cgroups looked at below one user manager, as docs/architecture.md documents it."""
 
 
 class _Counting(CgroupTree):

@@ -4,7 +4,7 @@ GPU 0 runs pid 31337 and GPU 2 pid 4711, neither under any hold.
 
 Busy GPUs are never handed out to exclusive requests (ask, reserve, place); `gpus place`
 asks the daemon and says when it could not; an impossible request is refused at once; the
-reserve output survives `docker run $(...)` as the README writes it, checked by a stand-in
+reserve output survives `docker run $(...)` as docs/commands.md writes it, checked by a stand-in
 `docker` that records its arguments and parses --gpus as docker's CSV reader does.
 """
 
@@ -276,13 +276,13 @@ def test_the_readme_recipe_runs(
 ) -> None:
     service, sock = daemon
     env, record = fake_docker
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "commands.md").read_text() + (REPO / "docs" / "gpus.md").read_text()
     recipes = set(
         re.findall(
             r"docker (?:run|create) \$\(nodeagent gpus reserve --name [^)`]*\) [A-Z]+", readme
         )
     )
-    assert recipes, "the README shows docker create $(nodeagent gpus reserve ...)"
+    assert recipes, "docs/commands.md shows docker create $(nodeagent gpus reserve ...)"
     for recipe in sorted(recipes):
         argv = through_sh(recipe, env | {"NODEAGENT_SOCKET": sock}, record)
         (hold,) = service.ledger.holds()

@@ -148,9 +148,9 @@ def test_the_object_is_created_then_replaced_through_the_api_server(tmp_path: Pa
     assert api.writes == [("POST", NRT_PATH), ("PUT", f"{NRT_PATH}/gpu-1")]
 
 
-def test_the_readme_shows_the_labels_as_written() -> None:
+def test_the_docs_show_the_labels_as_written() -> None:
     shown = (SHOWN / "4x-a100-two-nvlink-pairs").read_text().split("\n", 2)[2]
-    assert f"```\n{shown}```" in (REPO / "README.md").read_text()
+    assert f"```\n{shown}```" in (REPO / "docs" / "kubernetes.md").read_text()
 
 
 def test_an_object_another_producer_keeps_is_left_alone_and_said_once(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ DATA = {
 
 
 def test_the_packaged_data_are_the_sources_files() -> None:
-    """Links, so that the wheel copies the very files the README and the tests use."""
+    """Links, so that the wheel copies the very files the docs and the tests use."""
     for packaged, source in DATA.items():
         link = REPO / packaged
         assert link.is_symlink(), f"{packaged} must link to {source}"
