@@ -67,6 +67,11 @@ MEMORY = (
     (Attribute.MEMORY_LOW, "nodeagent_workload_memory_low_bytes"),
     (Attribute.MEMORY_MIN, "nodeagent_workload_memory_min_bytes"),
 )
+PRESSURE = tuple(
+    tuple(f"nodeagent_workload_{r}_pressure_{k}_seconds_total" for k in ("some", "full"))
+    for r in ("cpu", "memory")
+)
+"""The PSI totals' names: (some, full) for cpu.pressure, then memory.pressure."""
 DEADLINE_FIELDS = (
     ("deadline", "nodeagent_deadline_timestamp_seconds"),
     ("work", "nodeagent_deadline_work_cpu_seconds"),
@@ -178,14 +183,14 @@ class TickCollector(Collector):
                 self._durations[i] += 1
         present = _paths(record)
         writes = {p: c for p, c in self._workload_writes.items() if p in present}
-        counted: dict[str, Counter[tuple[str, str]]] = {}
+        counted: dict[str, dict[tuple[str, str], int]] = {}
         for r in record.results:
             key = (str(r.attribute), str(r.outcome))
             self._writes[key] += 1
             mine = counted.get(r.path)
             if mine is None:
-                mine = counted[r.path] = Counter(writes.get(r.path, {}))
-            mine[key] += 1
+                mine = counted[r.path] = dict(writes.get(r.path, {}))
+            mine[key] = mine.get(key, 0) + 1
         writes.update(counted)
         self._workload_writes = writes
         self._overwritten.update(str(a) for _, a in record.snapshot.overwritten)
@@ -430,10 +435,9 @@ def _usage(out: WorkloadPart, labels: Labels, w: WorkloadState) -> None:
     out.add("nodeagent_workload_cpu_throttled_seconds_total", labels, _seconds(s.cpu_throttled_us))
     out.add("nodeagent_workload_cpu_periods_total", labels, s.cpu_nr_periods)
     out.add("nodeagent_workload_cpu_throttled_periods_total", labels, s.cpu_nr_throttled)
-    for resource, pressure in (("cpu", s.cpu_psi), ("memory", s.memory_psi)):
+    for (some, full), pressure in zip(PRESSURE, (s.cpu_psi, s.memory_psi), strict=True):
         if pressure is not None:
-            for kind, line in (("some", pressure.some), ("full", pressure.full)):
-                name = f"nodeagent_workload_{resource}_pressure_{kind}_seconds_total"
+            for name, line in ((some, pressure.some), (full, pressure.full)):
                 out.add(name, labels, None if line is None else _seconds(line.total_us))
     for psi, name in (
         (s.cpu_psi, "nodeagent_workload_cpu_psi_some_avg10_ratio"),

@@ -488,10 +488,11 @@ def _piece(name: str, value: str) -> str:
     return f'{name}="{_escaped(value)}"'
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Layout:
     """Where a workload family's labels go once sorted by name, as both encoders write
-    them: runs of WORKLOAD's labels (by index), and the extra labels between them."""
+    them: runs of WORKLOAD's labels (by index), and the extra labels between them. One per
+    family (LAYOUTS), hashed by identity: it keys each Labels' text."""
 
     extras: tuple[str, ...]
     slots: tuple[tuple[bool, int], ...]
@@ -549,7 +550,20 @@ class Labels:
 
 
 _GO_FLOAT: Callable[[float], str] = floatToGoString
-"""A value as both encoders write it."""
+_SPECIAL = {"inf": "+Inf", "-inf": "-Inf", "nan": "NaN"}
+
+
+def _value(d: float) -> str:
+    """A float as both encoders write it (floatToGoString), without its checks where
+    Python's repr is already Go's."""
+    s = repr(d)
+    if s[-1] in "fn":
+        return _SPECIAL[s]
+    if d > 0 and s.find(".") > 6:
+        return _GO_FLOAT(d)
+    return s
+
+
 Row = tuple[Labels, tuple[str, ...], float]
 """One workload sample: its labels, the values of the family's extra labels, the value."""
 LAYOUTS = {f.name: Layout.of(f.labels) for f in FAMILIES if f.labels[: len(WORKLOAD)] == WORKLOAD}
@@ -625,7 +639,7 @@ class Rendered(Metric):
         return self._body
 
     def _lines(self, rows: Iterable[Row]) -> bytes:
-        name, layout, value = self.spec.name, self._layout, _GO_FLOAT
+        name, layout, value = self.spec.name, self._layout, _value
         return "".join(
             [f"{name}{{{labels.text(layout, extras)}}} {value(v)}\n" for labels, extras, v in rows]
         ).encode("utf-8")
