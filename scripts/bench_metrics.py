@@ -1,9 +1,11 @@
 """Benchmark of the metrics endpoint, run by `scripts/bench metrics [--json]`.
 
-For 10, 100 and 1000 workloads: the time to render one scrape (collect and encode, on the
-HTTP thread), its size, and the time `observe` holds the collector's lock on the loop's
-thread per tick. In process, from ticks planned by the real policies over synthetic
-snapshots: no cgroup is read, so it runs anywhere.
+For 10, 100 and 1000 workloads: the CPU time (of the rendering thread) and wall time to
+render one scrape as the server does (collect and encode, the text format and OpenMetrics;
+the process collector left out), a second scrape of the same tick, its size; on the loop's
+side, the time `observe` takes per tick and how long the collector's lock is held then
+(what a scrape could make a tick wait for) and by a scrape. In process, from ticks planned
+by the real policies over synthetic snapshots: no cgroup is read, so it runs anywhere.
 """
 
 from __future__ import annotations
@@ -11,15 +13,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
+from collections.abc import Callable
+from types import TracebackType
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import choose_encoder
 
 from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.parse import Psi, PsiLine
 from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, MemoryLimit
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.metrics.collector import TickCollector
+from nodeagent.metrics.server import MetricsServer
 from nodeagent.policy.classify import assign
 from nodeagent.policy.plan import make_plan
 from nodeagent.report import TickRecord
@@ -79,27 +85,80 @@ def tick(n: int, seq: int) -> TickRecord:
     return TickRecord(snap, plan, results, 0.01, False, assignments)
 
 
+class TimedLock:
+    """The collector's lock, timing how long each holder keeps it, by `phase`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.phase = "observe"
+        self.held: dict[str, list[float]] = {"observe": [], "scrape": []}
+        self._since = 0.0
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self._since = time.perf_counter()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.held[self.phase].append(time.perf_counter() - self._since)
+        self._lock.release()
+
+
+def renderer(collector: TickCollector, accept: str) -> Callable[[], bytes]:
+    """The server's own render (MetricsServer._render), without a socket or the process
+    collector."""
+    server = object.__new__(MetricsServer)
+    server._sources = (collector,)
+    server._dropped_logged = {}
+    encoder, _ = choose_encoder(accept)
+    return lambda: server._render(encoder)
+
+
+def timed(fn: Callable[[], bytes]) -> tuple[float, float, int]:
+    """CPU seconds (this thread), wall seconds, bytes."""
+    cpu, wall = time.thread_time(), time.perf_counter()
+    size = len(fn())
+    return time.thread_time() - cpu, time.perf_counter() - wall, size
+
+
 def measure(n: int) -> dict[str, float]:
     records = [tick(n, seq) for seq in range(2)]
     collector = TickCollector()
-    registry = CollectorRegistry()
-    registry.register(collector)
+    lock = TimedLock()
+    collector._lock = lock  # type: ignore[assignment]
+    text = renderer(collector, "")
+    openmetrics = renderer(collector, "application/openmetrics-text; version=1.0.0")
     observe: list[float] = []
-    render: list[float] = []
+    cpu: list[float] = []
+    wall: list[float] = []
+    again: list[float] = []
+    om: list[float] = []
     size = 0
     for i in range(REPEAT):
+        lock.phase = "observe"
         started = time.perf_counter()
         collector.observe(records[i % 2])
         observe.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        size = len(generate_latest(registry))
-        render.append(time.perf_counter() - started)
+        lock.phase = "scrape"
+        c, w, size = timed(text)
+        cpu.append(c)
+        wall.append(w)
+        again.append(timed(text)[0])
+        om.append(timed(openmetrics)[0])
+    ms = 1000
     return {
         "workloads": n,
-        "scrape_ms_p50": statistics.median(render) * 1000,
-        "scrape_ms_max": max(render) * 1000,
+        "scrape_cpu_ms_p50": statistics.median(cpu) * ms,
+        "scrape_cpu_ms_max": max(cpu) * ms,
+        "scrape_ms_p50": statistics.median(wall) * ms,
+        "scrape_ms_max": max(wall) * ms,
+        "rescrape_cpu_ms_p50": statistics.median(again) * ms,
+        "openmetrics_cpu_ms_p50": statistics.median(om) * ms,
         "scrape_kib": size / 1024,
-        "observe_ms_p50": statistics.median(observe) * 1000,
+        "observe_ms_p50": statistics.median(observe) * ms,
+        "observe_lock_ms_max": max(lock.held["observe"]) * ms,
+        "scrape_lock_ms_max": max(lock.held["scrape"]) * ms,
     }
 
 
@@ -111,11 +170,20 @@ def main() -> None:
     if args.json:
         print(json.dumps({"benchmark": "metrics", "repeat": REPEAT, "sizes": rows}))
         return
-    print(f"{'workloads':>9}  {'scrape p50':>10}  {'scrape max':>10}  {'size':>9}  {'observe':>9}")
+    print(
+        f"{'workloads':>9}  {'scrape cpu':>10}  {'max':>8}  {'wall':>8}  {'again':>8}"
+        f"  {'openmetr.':>9}  {'size':>9}  {'observe':>8}  {'lock: tick':>10}  {'scrape':>8}"
+    )
+    print(f"{'':>9}  {'p50':>10}  {'':>8}  {'p50':>8}  {'cpu p50':>8}  {'cpu p50':>9}"
+          f"  {'':>9}  {'p50':>8}  {'max':>10}  {'max':>8}")  # fmt: skip
     for r in rows:
         print(
-            f"{r['workloads']:>9}  {r['scrape_ms_p50']:>8.1f}ms  {r['scrape_ms_max']:>8.1f}ms"
-            f"  {r['scrape_kib']:>6.0f}KiB  {r['observe_ms_p50']:>9.3f}ms"
+            f"{r['workloads']:>9}  {r['scrape_cpu_ms_p50']:>8.1f}ms"
+            f"  {r['scrape_cpu_ms_max']:>6.1f}ms"
+            f"  {r['scrape_ms_p50']:>6.1f}ms  {r['rescrape_cpu_ms_p50']:>6.1f}ms"
+            f"  {r['openmetrics_cpu_ms_p50']:>7.1f}ms  {r['scrape_kib']:>6.0f}KiB"
+            f"  {r['observe_ms_p50']:>6.2f}ms  {r['observe_lock_ms_max']:>8.3f}ms"
+            f"  {r['scrape_lock_ms_max']:>6.3f}ms"
         )
 
 

@@ -6,10 +6,13 @@ and label sets cannot pile up on a node where containers come and go. What must 
 across ticks (ticks, writes, the tick-time histogram) is kept here, per tick, by
 `observe`; a workload's counters are dropped in the tick it is gone.
 
-`observe` runs on the loop's thread, `collect` on the HTTP server's: the shared state is
-copied under one lock, and the record itself is frozen. Each workload, and each group of
-the node's series, is rendered on its own: one that fails is left out of that scrape
-(logged once), never the whole scrape.
+`observe` runs on the loop's thread, `collect` on the HTTP server's. The loop counts on its
+own and hands each tick over as one frozen `_Seen` (the record, the counters as of it): the
+lock is held only to swap that reference, so a scrape never makes a tick wait, whatever it
+renders. Each workload, and each group of the node's series, is rendered on its own: one
+that fails is left out of that scrape (logged once), never the whole scrape. The workloads'
+series (nearly all of a scrape) are rendered once per tick and kept until the next
+(`families.Rendered`), each workload's label text while its labels stay the same.
 """
 
 from __future__ import annotations
@@ -33,7 +36,16 @@ from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, Memo
 from nodeagent.errors import one_line
 from nodeagent.gpu.backend import GpuBackend
 from nodeagent.identity import WorkloadIdentity
-from nodeagent.metrics.families import FAMILIES, RUNTIME_NAME_MAX, WORKLOAD, Scrape
+from nodeagent.metrics.families import (
+    FAMILIES,
+    RUNTIME_NAME_MAX,
+    WORKLOAD,
+    Labels,
+    Rendered,
+    Scrape,
+    WorkloadPart,
+    rendered,
+)
 from nodeagent.metrics.gpus import GpuMetrics
 from nodeagent.policy.base import Assignment, Note, describe
 from nodeagent.policy.plan import CgroupPlan
@@ -55,6 +67,11 @@ MEMORY = (
     (Attribute.MEMORY_LOW, "nodeagent_workload_memory_low_bytes"),
     (Attribute.MEMORY_MIN, "nodeagent_workload_memory_min_bytes"),
 )
+PRESSURE = tuple(
+    tuple(f"nodeagent_workload_{r}_pressure_{k}_seconds_total" for k in ("some", "full"))
+    for r in ("cpu", "memory")
+)
+"""The PSI totals' names: (some, full) for cpu.pressure, then memory.pressure."""
 DEADLINE_FIELDS = (
     ("deadline", "nodeagent_deadline_timestamp_seconds"),
     ("work", "nodeagent_deadline_work_cpu_seconds"),
@@ -70,9 +87,10 @@ Counts = Mapping[tuple[str, str], int]
 """Writes by (attribute, outcome)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class _Seen:
-    """What one scrape renders: the latest record, and the counters as of it."""
+    """What one scrape renders: the latest record, and the counters as of it. Made by the
+    loop and never changed after (nor are the mappings in it)."""
 
     record: TickRecord | None
     ticks: Mapping[str, int]
@@ -81,6 +99,17 @@ class _Seen:
     writes: Counts
     workload_writes: Mapping[str, Counts]
     overwritten: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Workloads:
+    """The workloads' series of one `_Seen`, kept until the next: the families, the labels
+    of each workload shown (by path, for the GPU series) and the parts that failed."""
+
+    seen: _Seen
+    families: list[Rendered]
+    shown: dict[str, tuple[str, ...]]
+    failed: dict[str, str]
 
 
 Reload = tuple[bool, float]
@@ -106,6 +135,8 @@ class TickCollector(Collector):
         self._reload = reload
         self._interval = interval
         self._lock = threading.Lock()
+        """Held by `observe` to swap `_seen`, by `collect` to read it: nothing more."""
+        # the loop's own (only `observe` touches them)
         self._record: TickRecord | None = None
         self._ticks: Counter[str] = Counter({"ok": 0, "failed": 0})
         self._durations = [0] * len(TICK_BUCKETS)
@@ -115,8 +146,15 @@ class TickCollector(Collector):
         )
         """From 0 for every attribute's failures: increase() misses a counter's first step."""
         self._overwritten: Counter[str] = Counter({str(a): 0 for a in Attribute})
-        self._workload_writes: dict[str, Counter[tuple[str, str]]] = {}
+        self._workload_writes: dict[str, Counts] = {}
+        """Each workload's counts; a path's mapping is replaced, never changed, when it counts."""
+        self._seen = self._snapshot()
+        # the scrape's own
         self._gpus: GpuMetrics | None = None
+        self._rendered: _Workloads | None = None
+        self._labels: dict[str, tuple[WorkloadIdentity, Assignment | None, Labels]] = {}
+        """Each workload's label text, by path, with what it was made from."""
+        self._report_lock = threading.Lock()
         self._failed: dict[str, str] = {}
         """The parts the last scrape left out, with their errors (logged once each)."""
 
@@ -127,40 +165,54 @@ class TickCollector(Collector):
         self._gpus = GpuMetrics(backend)
 
     def observe(self, record: TickRecord | None) -> None:
-        """Count one tick: its record, or None when it failed."""
+        """Count one tick: its record, or None when it failed. Called by one thread at a
+        time (the loop's)."""
+        if record is None:
+            self._ticks["failed"] += 1
+        else:
+            self._count(record)
+        seen = self._snapshot()
         with self._lock:
-            if record is None:
-                self._ticks["failed"] += 1
-                return
-            self._ticks["ok"] += 1
-            self._duration_sum += record.duration
-            for i, bound in enumerate(TICK_BUCKETS):
-                if record.duration <= bound:
-                    self._durations[i] += 1
-            present = _paths(record)
-            for path in [p for p in self._workload_writes if p not in present]:
-                del self._workload_writes[path]
-            for r in record.results:
-                key = (str(r.attribute), str(r.outcome))
-                self._writes[key] += 1
-                self._workload_writes.setdefault(r.path, Counter())[key] += 1
-            self._overwritten.update(str(a) for _, a in record.snapshot.overwritten)
-            self._record = record
+            self._seen = seen
+
+    def _count(self, record: TickRecord) -> None:
+        self._ticks["ok"] += 1
+        self._duration_sum += record.duration
+        for i, bound in enumerate(TICK_BUCKETS):
+            if record.duration <= bound:
+                self._durations[i] += 1
+        present = _paths(record)
+        writes = {p: c for p, c in self._workload_writes.items() if p in present}
+        counted: dict[str, dict[tuple[str, str], int]] = {}
+        for r in record.results:
+            key = (str(r.attribute), str(r.outcome))
+            self._writes[key] += 1
+            mine = counted.get(r.path)
+            if mine is None:
+                mine = counted[r.path] = dict(writes.get(r.path, {}))
+            mine[key] = mine.get(key, 0) + 1
+        writes.update(counted)
+        self._workload_writes = writes
+        self._overwritten.update(str(a) for _, a in record.snapshot.overwritten)
+        self._record = record
+
+    def _snapshot(self) -> _Seen:
+        return _Seen(
+            self._record,
+            dict(self._ticks),
+            tuple(self._durations),
+            self._duration_sum,
+            dict(self._writes),
+            dict(self._workload_writes),
+            dict(self._overwritten),
+        )
 
     def describe(self) -> Iterator[Metric]:
         return iter([f.empty() for f in FAMILIES])
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            seen = _Seen(
-                self._record,
-                dict(self._ticks),
-                tuple(self._durations),
-                self._duration_sum,
-                dict(self._writes),
-                {p: dict(c) for p, c in self._workload_writes.items()},
-                dict(self._overwritten),
-            )
+            seen = self._seen
         out, failed = Scrape(), dict[str, str]()
         _isolated(out, failed, "series:agent", self._agent)
         _isolated(
@@ -169,7 +221,11 @@ class TickCollector(Collector):
         workloads: dict[str, tuple[str, ...]] = {}
         record = seen.record
         if record is not None:
-            workloads = _workloads(out, failed, record, seen.workload_writes)
+            made = self._workloads(seen, record)
+            for family in made.families:
+                out.put(family)
+            failed.update(made.failed)
+            workloads = made.shown
             _isolated(out, failed, "series:tenants", lambda part: _tenants(part, record))
             _isolated(out, failed, "series:protection", lambda part: _protection(part, record))
             _isolated(out, failed, "series:violations", lambda part: _violations(part, record))
@@ -178,6 +234,30 @@ class TickCollector(Collector):
             _isolated(out, failed, "series:gpus", lambda part: gpus.render(part, workloads))
         self._report(failed)
         return iter(out)
+
+    def _workloads(self, seen: _Seen, record: TickRecord) -> _Workloads:
+        """The workloads' series of `seen`: rendered at its first scrape, kept until the
+        next tick's."""
+        made = self._rendered
+        if made is not None and made.seen is seen:
+            return made
+        failed: dict[str, str] = {}
+        parts, shown = _workloads(failed, record, seen.workload_writes, self._labels_of)
+        self._labels = {p: self._labels[p] for p in shown if p in self._labels}
+        made = _Workloads(seen, rendered(parts), shown, failed)
+        self._rendered = made
+        return made
+
+    def _labels_of(self, identity: WorkloadIdentity, assignment: Assignment | None) -> Labels:
+        """A workload's labels, made again only when what they are made from changed."""
+        kept = self._labels.get(identity.path)
+        if kept is not None:
+            was, had, labels = kept
+            if (was is identity or was == identity) and (had is assignment or had == assignment):
+                return labels
+        labels = Labels(_labels(identity, assignment))
+        self._labels[identity.path] = (identity, assignment, labels)
+        return labels
 
     def _agent(self, out: Scrape) -> None:
         out.add("nodeagent_build_info", BUILD, 1)
@@ -191,7 +271,7 @@ class TickCollector(Collector):
     def _report(self, failed: Mapping[str, str]) -> None:
         """Log a part that fails when it starts failing or its error changes: once, not
         at every scrape."""
-        with self._lock:
+        with self._report_lock:
             new = {k: e for k, e in failed.items() if self._failed.get(k) != e}
             self._failed = dict(failed)
         for key, error in sorted(new.items()):
@@ -252,25 +332,29 @@ def _labels(identity: WorkloadIdentity, assignment: Assignment | None) -> tuple[
     return tuple(str(d[k] or "")[:RUNTIME_NAME_MAX] for k in WORKLOAD)
 
 
-def _info(out: Scrape, identity: WorkloadIdentity, labels: tuple[str, ...], status: str) -> None:
+def _info(out: WorkloadPart, identity: WorkloadIdentity, labels: Labels, status: str) -> None:
     i = identity
     found = (str(i.kind), str(i.runtime), str(i.owner), str(i.qos or ""), status)
-    out.add("nodeagent_workload_info", (*labels, *found), 1)
+    out.add("nodeagent_workload_info", labels, 1, *found)
+
+
+LabelsOf = Callable[[WorkloadIdentity, Assignment | None], Labels]
 
 
 def _workloads(
-    out: Scrape, failed: dict[str, str], record: TickRecord, writes: Mapping[str, Counts]
-) -> dict[str, tuple[str, ...]]:
-    """Every claimed workload's series, each on its own; returns the labels of each one
-    shown, by path."""
+    failed: dict[str, str], record: TickRecord, writes: Mapping[str, Counts], labels_of: LabelsOf
+) -> tuple[list[WorkloadPart], dict[str, tuple[str, ...]]]:
+    """Every claimed workload's series, each on its own; returns their parts, and the
+    labels of each one shown, by path."""
     states = {w.path: w for w in record.snapshot.workloads}
     results: dict[str, list[WriteResult]] = defaultdict(list)
     for r in record.results:
         results[r.path].append(r)
+    parts: list[WorkloadPart] = []
     shown: dict[str, tuple[str, ...]] = {}
 
-    def workload(part: Scrape, cg: CgroupPlan) -> tuple[str, ...]:
-        labels = _labels(cg.identity, cg.assignment)
+    def workload(part: WorkloadPart, cg: CgroupPlan) -> Labels:
+        labels = labels_of(cg.identity, cg.assignment)
         w = states.get(cg.path)
         _info(part, cg.identity, labels, status_of(cg, w, results[cg.path])[0])
         if w is not None:
@@ -283,26 +367,32 @@ def _workloads(
         _writes(part, labels, writes.get(cg.path, {}))
         return labels
 
-    def skipped(part: Scrape, s: Skipped) -> tuple[str, ...]:
-        labels = _labels(s.identity, record.assignments.get(s.path))
+    def skipped(part: WorkloadPart, s: Skipped) -> Labels:
+        labels = labels_of(s.identity, record.assignments.get(s.path))
         _info(part, s.identity, labels, "skipped")
         _writes(part, labels, writes.get(s.path, {}))
         return labels
 
+    def one(key: str, path: str, render: Callable[[WorkloadPart], Labels]) -> None:
+        part = WorkloadPart()
+        try:
+            labels = render(part)
+        except Exception as e:  # a bug or a reading out of range: only this workload is lost
+            failed[key] = one_line(e)
+            return
+        parts.append(part)
+        shown[path] = labels.values
+
     for cg in record.plan.cgroups:
-        labels = _isolated(out, failed, f"cgroup:{cg.path}", partial(workload, cg=cg))
-        if labels is not None:
-            shown[cg.path] = labels
+        one(f"cgroup:{cg.path}", cg.path, partial(workload, cg=cg))
     for s in record.snapshot.skipped:
-        labels = _isolated(out, failed, f"cgroup:{s.path}", partial(skipped, s=s))
-        if labels is not None:
-            shown[s.path] = labels
-    return shown
+        one(f"cgroup:{s.path}", s.path, partial(skipped, s=s))
+    return parts, shown
 
 
-def _writes(out: Scrape, labels: tuple[str, ...], counts: Counts) -> None:
+def _writes(out: WorkloadPart, labels: Labels, counts: Counts) -> None:
     for (attribute, outcome), n in sorted(counts.items()):
-        out.add("nodeagent_workload_writes_total", (*labels, attribute, outcome), n)
+        out.add("nodeagent_workload_writes_total", labels, n, attribute, outcome)
 
 
 def _applied(
@@ -318,7 +408,7 @@ def _applied(
     return values
 
 
-def _settings(out: Scrape, labels: tuple[str, ...], values: Mapping[Attribute, Value]) -> None:
+def _settings(out: WorkloadPart, labels: Labels, values: Mapping[Attribute, Value]) -> None:
     weight = values.get(Attribute.CPU_WEIGHT)
     if isinstance(weight, CpuWeight):
         out.add("nodeagent_workload_cpu_weight", labels, weight.value)
@@ -336,7 +426,7 @@ def _settings(out: Scrape, labels: tuple[str, ...], values: Mapping[Attribute, V
         out.add("nodeagent_workload_frozen", labels, int(frozen.frozen))
 
 
-def _usage(out: Scrape, labels: tuple[str, ...], w: WorkloadState) -> None:
+def _usage(out: WorkloadPart, labels: Labels, w: WorkloadState) -> None:
     s = w.sample
     out.add("nodeagent_workload_memory_usage_bytes", labels, s.memory_current)
     out.add("nodeagent_workload_cpu_usage_cores", labels, w.cpu_rate)
@@ -345,10 +435,9 @@ def _usage(out: Scrape, labels: tuple[str, ...], w: WorkloadState) -> None:
     out.add("nodeagent_workload_cpu_throttled_seconds_total", labels, _seconds(s.cpu_throttled_us))
     out.add("nodeagent_workload_cpu_periods_total", labels, s.cpu_nr_periods)
     out.add("nodeagent_workload_cpu_throttled_periods_total", labels, s.cpu_nr_throttled)
-    for resource, pressure in (("cpu", s.cpu_psi), ("memory", s.memory_psi)):
+    for (some, full), pressure in zip(PRESSURE, (s.cpu_psi, s.memory_psi), strict=True):
         if pressure is not None:
-            for kind, line in (("some", pressure.some), ("full", pressure.full)):
-                name = f"nodeagent_workload_{resource}_pressure_{kind}_seconds_total"
+            for name, line in ((some, pressure.some), (full, pressure.full)):
                 out.add(name, labels, None if line is None else _seconds(line.total_us))
     for psi, name in (
         (s.cpu_psi, "nodeagent_workload_cpu_psi_some_avg10_ratio"),
@@ -369,7 +458,7 @@ def _number(value: object) -> float | None:
     return float(value)
 
 
-def _deadline(out: Scrape, labels: tuple[str, ...], notes: Sequence[Note]) -> None:
+def _deadline(out: WorkloadPart, labels: Labels, notes: Sequence[Note]) -> None:
     note = next((n for n in notes if n.kind == "deadline"), None)
     if note is None:
         return
@@ -377,7 +466,7 @@ def _deadline(out: Scrape, labels: tuple[str, ...], notes: Sequence[Note]) -> No
         out.add(name, labels, _number(note.fields.get(key)))
     statuses = DEADLINE_STATUSES if note.status in DEADLINE_STATUSES else (note.status,)
     for status in statuses:
-        out.add("nodeagent_deadline_status", (*labels, status), int(status == note.status))
+        out.add("nodeagent_deadline_status", labels, int(status == note.status), status)
 
 
 def _tenants(out: Scrape, record: TickRecord) -> None:

@@ -10,8 +10,10 @@ that is not UTF-8 reads `\\xff`, a control character `\\n` or `\\x1b`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 from prometheus_client.core import (
@@ -20,6 +22,8 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from nodeagent.tables import printable
 
@@ -441,7 +445,14 @@ class Scrape:
     def merge(self, part: Scrape) -> None:
         """Add `part`'s samples (one part of the scrape, rendered on its own)."""
         for name, family in part._made.items():
-            self._made.setdefault(name, BY_NAME[name].empty()).samples.extend(family.samples)
+            if name in self._made:
+                self._made[name].samples.extend(family.samples)
+            else:
+                self._made[name] = family
+
+    def put(self, family: Rendered) -> None:
+        """A workload family, in its place in FAMILIES' order; no other part adds to it."""
+        self._made[family.spec.name] = family
 
     def __iter__(self) -> Iterator[Metric]:
         return iter(self._made[f.name] for f in FAMILIES if f.name in self._made)
@@ -449,3 +460,195 @@ class Scrape:
 
 def _le(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(bound)
+
+
+# --- the workloads' series, written as text -------------------------------------------------
+#
+# A scrape at 1000 workloads holds some 25000 workload samples, each with WORKLOAD's nine
+# labels. Made as prometheus_client Samples and written by its encoder, each label of each
+# sample is checked, escaped and formatted again (some 0.5 s of CPU at 1000). Here a
+# workload's label text is made once (`Labels`, kept by the collector while the workload's
+# labels stay the same), a sample is a row (labels, extra label values, value), and a family
+# writes its own sample lines: `Rendered`. The lines are what both formats write (text 0.0.4
+# and OpenMetrics with the names as they are: labels sorted by name, values escaped alike);
+# the server still checks that against the encoder it was asked for (its first sample, both
+# ways) and falls back to the encoder where they differ. Anyone reading `samples` gets
+# prometheus_client Samples, made on demand.
+
+
+def _escaped(value: str) -> str:
+    """A label value as both formats write it: as the CLI's tables show it (`printable`),
+    then with the exposition's escapes."""
+    return printable(value).replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+@lru_cache(maxsize=4096)
+def _piece(name: str, value: str) -> str:
+    """`name="value"` for an extra label (an attribute, an outcome, a status: few values)."""
+    return f'{name}="{_escaped(value)}"'
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Layout:
+    """Where a workload family's labels go once sorted by name, as both encoders write
+    them: runs of WORKLOAD's labels (by index), and the extra labels between them. One per
+    family (LAYOUTS), hashed by identity: it keys each Labels' text."""
+
+    extras: tuple[str, ...]
+    slots: tuple[tuple[bool, int], ...]
+    """(True, run index) or (False, extra index), in order."""
+    runs: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, labels: tuple[str, ...]) -> Layout:
+        if labels[: len(WORKLOAD)] != WORKLOAD:
+            raise ValueError(f"not a workload family: {labels}")
+        extras = labels[len(WORKLOAD) :]
+        slots: list[tuple[bool, int]] = []
+        runs: list[list[int]] = []
+        for i in sorted(range(len(labels)), key=labels.__getitem__):
+            if i >= len(WORKLOAD):
+                slots.append((False, i - len(WORKLOAD)))
+            elif slots and slots[-1][0]:
+                runs[-1].append(i)
+            else:
+                slots.append((True, len(runs)))
+                runs.append([i])
+        return cls(extras, tuple(slots), tuple(tuple(r) for r in runs))
+
+
+class Labels:
+    """One workload's WORKLOAD label values, as given (`values`, which the GPU series take),
+    as shown (`shown`) and as text, made once per layout."""
+
+    __slots__ = ("_pieces", "_runs", "shown", "values")
+
+    def __init__(self, values: tuple[str, ...]) -> None:
+        if len(values) != len(WORKLOAD):
+            raise ValueError(f"workload labels {WORKLOAD}, got {values}")
+        self.values = values
+        self.shown = tuple(printable(v) for v in values)
+        self._pieces = tuple(f'{n}="{_escaped(v)}"' for n, v in zip(WORKLOAD, values, strict=True))
+        self._runs: dict[Layout, tuple[str, ...]] = {}
+
+    def runs(self, layout: Layout) -> tuple[str, ...]:
+        made = self._runs.get(layout)
+        if made is None:
+            made = tuple(",".join(self._pieces[i] for i in run) for run in layout.runs)
+            self._runs[layout] = made
+        return made
+
+    def text(self, layout: Layout, extras: tuple[str, ...]) -> str:
+        """The labels between the braces, sorted by name."""
+        runs = self.runs(layout)
+        if not extras:
+            return runs[0]
+        names = layout.extras
+        return ",".join(
+            [runs[i] if run else _piece(names[i], extras[i]) for run, i in layout.slots]
+        )
+
+
+_GO_FLOAT: Callable[[float], str] = floatToGoString
+_SPECIAL = {"inf": "+Inf", "-inf": "-Inf", "nan": "NaN"}
+
+
+def _value(d: float) -> str:
+    """A float as both encoders write it (floatToGoString), without its checks where
+    Python's repr is already Go's."""
+    s = repr(d)
+    if s[-1] in "fn":
+        return _SPECIAL[s]
+    if d > 0 and s.find(".") > 6:
+        return _GO_FLOAT(d)
+    return s
+
+
+Row = tuple[Labels, tuple[str, ...], float]
+"""One workload sample: its labels, the values of the family's extra labels, the value."""
+LAYOUTS = {f.name: Layout.of(f.labels) for f in FAMILIES if f.labels[: len(WORKLOAD)] == WORKLOAD}
+"""Every family whose labels start with WORKLOAD's."""
+
+
+class WorkloadPart:
+    """One workload's rows, rendered on its own (see collector._isolated): a row is checked
+    here (its family, its label count, a value a float holds), so a bad one fails its
+    workload's part, never the scrape."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, Row]] = []
+
+    def add(self, name: str, labels: Labels, value: float | None, *extras: str) -> None:
+        """None (a figure not known this tick) adds nothing."""
+        if value is None:
+            return
+        if len(extras) != len(LAYOUTS[name].extras):
+            raise ValueError(f"{name} takes labels {BY_NAME[name].labels}, got {extras}")
+        self.rows.append((name, (labels, extras, float(value))))
+
+
+class Rendered(Metric):
+    """A workload family: its samples as rows, writing its own sample lines (`body`).
+    `samples` are made from the rows when asked for; setting them makes it a plain family
+    (the server's fallback copies it so)."""
+
+    def __init__(self, spec: Family, rows: list[Row]) -> None:
+        name = spec.name.removesuffix("_total") if spec.kind == "counter" else spec.name
+        super().__init__(name, spec.help, spec.kind)
+        self.spec = spec
+        self._layout = LAYOUTS[spec.name]
+        self._rows: list[Row] | None = rows
+        self._made: list[Sample] | None = None
+        self._body: bytes | None = None
+
+    @property
+    def samples(self) -> list[Sample]:
+        if self._made is None:
+            self._made = [self._sample(row) for row in self._rows or ()]
+        return self._made
+
+    @samples.setter
+    def samples(self, samples: list[Sample]) -> None:
+        self._made, self._rows, self._body = samples, None, None
+
+    def _sample(self, row: Row) -> Sample:
+        labels, extras, value = row
+        shown = (*labels.shown, *(printable(v) for v in extras))
+        return Sample(self.spec.name, dict(zip(self.spec.labels, shown, strict=True)), value)
+
+    def empty(self) -> Metric:
+        return self.spec.empty()
+
+    def first(self) -> tuple[Metric, bytes] | None:
+        """A plain family with the first sample only, and the line `body` writes for it;
+        None once the samples were set."""
+        if not self._rows:
+            return None
+        one = self.spec.empty()
+        one.samples = [self._sample(self._rows[0])]
+        return one, self._lines(self._rows[:1])
+
+    def body(self) -> bytes | None:
+        """Every sample line, made once; None once the samples were set."""
+        if self._rows is None:
+            return None
+        if self._body is None:
+            self._body = self._lines(self._rows)
+        return self._body
+
+    def _lines(self, rows: Iterable[Row]) -> bytes:
+        name, layout, value = self.spec.name, self._layout, _value
+        return "".join(
+            [f"{name}{{{labels.text(layout, extras)}}} {value(v)}\n" for labels, extras, v in rows]
+        ).encode("utf-8")
+
+
+def rendered(parts: Iterable[WorkloadPart]) -> list[Rendered]:
+    """The workload families of `parts` (each workload's, in order), in FAMILIES' order."""
+    rows: dict[str, list[Row]] = defaultdict(list)
+    for part in parts:
+        for name, row in part.rows:
+            rows[name].append(row)
+    return [Rendered(f, rows[f.name]) for f in FAMILIES if f.name in rows]

@@ -23,7 +23,9 @@ another user's. Remote peers, and root's, share the rest of the cap. Over a Unix
 peer outside root, the daemon's user and the group is answered 403, whatever the mode.
 
 A scrape is rendered from the latest tick at most once per `cache_seconds`, whoever asks,
-so a flood of requests costs sends, not renders. Each family is encoded on its own: a
+so a flood of requests costs sends, not renders (and the workloads' series, nearly all of
+it, once per tick: the collector keeps them, with their text). Each family is encoded on
+its own, a workload family by writing its own lines (checked against the encoder's): a
 sample that cannot be encoded (a label that is not text) is dropped and logged, and costs
 the scrape nothing else. With `bearer_token_file`, /metrics wants `Authorization: Bearer
 <token>` (401 otherwise); /healthz stays open, as probes expect.
@@ -54,6 +56,7 @@ from nodeagent.api.peer import LoopbackPeers, peer_allowed, read_peer
 from nodeagent.api.unixsocket import Identity, listen_unix, resolve_group, unlink_if_ours
 from nodeagent.errors import NodeagentError
 from nodeagent.metrics.collector import TickCollector
+from nodeagent.metrics.families import Rendered
 from nodeagent.regular_file import read_regular_file
 from nodeagent.report import TickRecord
 from nodeagent.spec.listen import parse_listen, unix_path
@@ -464,6 +467,11 @@ class MetricsServer:
 
     def _encode(self, encoder: Encoder, family: Metric, tail: bytes) -> bytes:
         """One family; a sample that cannot be encoded is left out, and logged."""
+        if isinstance(family, Rendered):
+            with contextlib.suppress(Exception):
+                written = _rendered(encoder, family, tail)
+                if written is not None:
+                    return written
         with contextlib.suppress(Exception):
             return encoder(_Families([family])).removesuffix(tail)
         kept = [s for s in family.samples if _encodes(encoder, _with(family, [s]))]
@@ -475,6 +483,21 @@ class MetricsServer:
         with contextlib.suppress(Exception):
             return encoder(_Families([_with(family, kept)])).removesuffix(tail)
         return b""
+
+
+def _rendered(encoder: Encoder, family: Rendered, tail: bytes) -> bytes | None:
+    """A workload family's own lines under the encoder's header, when the encoder writes
+    its first sample as they do (else None: the encoder writes it, an escaping that
+    renames, say)."""
+    first = family.first()
+    body = family.body()
+    if first is None or body is None:
+        return None
+    one, line = first
+    head = encoder(_Families([family.empty()])).removesuffix(tail)
+    if encoder(_Families([one])).removesuffix(tail) != head + line:
+        return None
+    return head + body
 
 
 def _with(family: Metric, samples: list[Sample]) -> Metric:
