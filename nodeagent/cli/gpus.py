@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from nodeagent.cli.common import json_option, socket_option
+from nodeagent.cli.output import document, echo_json, item_list, renamed
 from nodeagent.errors import NodeagentError
 from nodeagent.tables import size, table
 
@@ -40,6 +40,65 @@ def _bytes(n: int | None) -> str:
 
 def _num(x: float | None, unit: str = "") -> str:
     return "-" if x is None else f"{x:g}{unit}"
+
+
+# The --json documents (see cli/output.py): the report's, the daemon's and the placer's
+# dicts with units in their keys. Only here: the daemon's API keeps its own names.
+_GPU_UNITS = {
+    "memory_total": "memory_total_bytes",
+    "memory_used": "memory_used_bytes",
+    "utilization": "utilization_percent",
+    "temperature_c": "temperature_celsius",
+    "power_draw_w": "power_draw_watts",
+    "power_limit_w": "power_limit_watts",
+    "power_min_w": "power_min_watts",
+    "power_max_w": "power_max_watts",
+    "power_default_w": "power_default_watts",
+}
+_LISTED_UNITS = {  # a GPU's lists, by key: the units of their items' keys
+    "mig_devices": {"memory_total": "memory_total_bytes"},
+    "processes": {"used_memory": "used_memory_bytes"},
+    "assigned": {"shared_memory": "shared_memory_bytes"},  # the daemon's view adds it
+}
+# A placement's score is in points (the pairs' link scores plus the NUMA bonus): `score`
+# and `pair_score` say so already, the other scores get `_score`, and the score's share of
+# the best possible on an empty node is a `_fraction`.
+_SCORE_UNITS = {
+    "fraction": "score_fraction",
+    "numa_bonus": "numa_bonus_score",
+    "best_possible": "best_possible_score",
+}
+_RESERVATION_UNITS = {**_SCORE_UNITS, "until": "until_timestamp_seconds"}
+_REQUEST_UNITS = {"memory": "memory_bytes"}
+
+
+def _gpu_document(gpu: Mapping[str, Any]) -> dict[str, Any]:
+    out = renamed(gpu, _GPU_UNITS)
+    for key, names in _LISTED_UNITS.items():
+        if key in out:
+            out[key] = [renamed(item, names) for item in out[key]]
+    return out
+
+
+def gpu_list_document(data: Mapping[str, Any]) -> dict[str, Any]:
+    """`gpus --json`: kind GpuList; `source`, `simulated`, `reason` (why there are none),
+    with a daemon `queue` (the requests waiting), and the GPUs as `items`."""
+    extra = {k: v for k, v in data.items() if k != "gpus"}
+    return item_list("GpuList", (_gpu_document(g) for g in data["gpus"]), **extra)
+
+
+def reservation_document(got: Mapping[str, Any]) -> dict[str, Any]:
+    """`gpus reserve --json` (and --format json): kind GpuReservation."""
+    return document("GpuReservation", renamed(got, _RESERVATION_UNITS))
+
+
+def placement_document(data: Mapping[str, Any]) -> dict[str, Any]:
+    """`gpus place --json`: kind GpuPlacement; when nothing fits, `placed` false and the
+    reason, no set."""
+    body = renamed(data, _SCORE_UNITS)
+    if "request" in body:
+        body["request"] = renamed(body["request"], _REQUEST_UNITS)
+    return document("GpuPlacement", body)
 
 
 @click.group("gpus", invoke_without_command=True)
@@ -90,7 +149,7 @@ def gpus(ctx: click.Context, simulate: str | None, socket: str, as_json: bool) -
         finally:
             backend.close()
     if as_json:
-        click.echo(json.dumps(data, indent=2))
+        echo_json(gpu_list_document(data))
     elif not data["gpus"]:
         click.echo(f"no GPUs: {data['reason']}")
     else:
@@ -279,7 +338,7 @@ def reserve_cmd(
         raise NodeagentError("the daemon gave a reservation answer of the wrong shape")
     visible = ",".join(got["uuids"])
     if as_json or fmt == "json":
-        click.echo(json.dumps(got, indent=2))
+        echo_json(reservation_document(got))
     elif fmt == "env":
         click.echo(
             f"CUDA_VISIBLE_DEVICES={visible}\nNVIDIA_VISIBLE_DEVICES={visible}\n"
@@ -419,7 +478,7 @@ def place_cmd(
     except BadQuestion as e:
         raise click.BadParameter(e.message, param_hint=f"--{e.what}") from None
     if as_json:
-        click.echo(json.dumps(data, indent=2))
+        echo_json(placement_document(data))
     elif not data["placed"]:
         click.echo(f"nothing fits now: {data['reason']}" + _considered(data))
     else:

@@ -4,8 +4,9 @@ tables fit.
 --json is the stable interface for scripts (documented in docs/commands.md): one JSON object,
 `{"apiVersion": "nodeagent/v1", "kind": KIND, ...}`, lists under `items` (kind ...List),
 and every figure with its unit in its key (`_bytes`, `_cores`, `_seconds`,
-`_timestamp_seconds` for unix times, `_fraction` for 0..1, `_percent`, `_watts`). Keys
-may be added within a version; none is renamed or removed without a new apiVersion.
+`_timestamp_seconds` for unix times, `_fraction` for 0..1, `_percent`, `_per_second`,
+`_watts`, `_celsius`). Keys may be added within a version; none is renamed or removed
+without a new apiVersion.
 """
 
 from __future__ import annotations

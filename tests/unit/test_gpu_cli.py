@@ -69,14 +69,22 @@ def test_list_a_simulated_node(runner: CliRunner) -> None:
 
 def test_list_as_json_is_marked_simulated(runner: CliRunner) -> None:
     data = as_json(runner, "gpus", "--simulate", PAIRS)
+    assert (data["apiVersion"], data["kind"]) == ("nodeagent/v1", "GpuList")
     assert data["simulated"] is True and data["reason"] == ""
-    gpus = data["gpus"]
+    gpus = data["items"]
     assert isinstance(gpus, list) and len(gpus) == 4
     g0 = gpus[0]
     assert g0["simulated"] is True and g0["healthy"] is True
-    assert (g0["utilization"], g0["power_draw_w"], g0["power_limit_w"]) == (97, 287.0, 300.0)
+    assert (g0["utilization_percent"], g0["power_draw_watts"], g0["power_limit_watts"]) == (
+        97,
+        287.0,
+        300.0,
+    )
+    assert (g0["memory_total_bytes"], g0["memory_used_bytes"]) == (80 << 30, 61 << 30)
+    assert g0["temperature_celsius"] == 71
     assert g0["cpus"] == "0-27,56-83"
     assert [p["cgroup"] for p in g0["processes"]] == ["nodeagent.slice/research-train"]
+    assert g0["processes"][0]["used_memory_bytes"] == 61 << 30
     assert "assigned" not in g0 and "violations" not in g0  # the daemon's view adds these
 
 
@@ -85,7 +93,7 @@ def test_mig_devices_are_listed(runner: CliRunner) -> None:
     assert "MIG devices:" in out
     assert out.count("1g.10gb") == 2
     data = as_json(runner, "gpus", "--simulate", MIG)
-    gpus = data["gpus"]
+    gpus = data["items"]
     assert isinstance(gpus, list)
     assert [m["profile"] for m in gpus[0]["mig_devices"]] == [
         "3g.40gb",
@@ -111,7 +119,12 @@ def test_no_gpus_is_one_line(runner: CliRunner, monkeypatch: pytest.MonkeyPatch)
         "no GPUs: no NVIDIA driver: the NVML library libnvidia-ml.so.1 is not installed\n"
     )
     data = as_json(runner, "gpus")
-    assert (data["gpus"], data["simulated"], data["source"]) == ([], False, "none")
+    assert (data["kind"], data["items"], data["simulated"], data["source"]) == (
+        "GpuList",
+        [],
+        False,
+        "none",
+    )
     result = runner.invoke(main, ["gpus", "place"])
     assert result.exit_code == 1
     assert "no GPUs: no NVIDIA driver" in str(result.exception)
@@ -143,15 +156,23 @@ def test_place_as_json(runner: CliRunner) -> None:
         "--simulate",
         H100,
     )
+    assert (data["apiVersion"], data["kind"]) == ("nodeagent/v1", "GpuPlacement")
     assert data["placed"] is True and data["reserved"] is False and data["simulated"] is True
     assert data["indices"] == [2, 3]
     assert data["uuids"] == uuids[2:4]
     assert data["numa_nodes"] == [0]
-    assert data["numa_bonus"] == 20
+    assert (data["score"], data["pair_score"], data["numa_bonus_score"]) == (1860, 1840, 20)
     assert data["pairs"] == [
         {"gpus": [2, 3], "pcie": "PXB", "nvlinks": 18, "nvswitch": True, "score": 1840}
     ]
-    assert data["fraction"] == 1.0
+    assert data["score_fraction"] == 1.0
+    assert data["request"] == {
+        "count": 2,
+        "memory_bytes": None,
+        "shared": False,
+        "mig_profile": None,
+        "cpu_numa_nodes": [0],
+    }
 
 
 def test_place_mig_and_shared(runner: CliRunner) -> None:
@@ -165,6 +186,7 @@ def test_place_mig_and_shared(runner: CliRunner) -> None:
     assert out.startswith("would place on 2 MIG instances (1g.10gb) on GPU 0")
     shared = as_json(runner, "gpus", "place", "--shared", "--memory", "70Gi", "--simulate", PAIRS)
     assert shared["indices"] == [1]  # GPUs 0 and 2 have less than 70Gi free
+    assert shared["request"]["memory_bytes"] == 70 << 30
 
 
 def test_place_waits_with_exit_1(runner: CliRunner) -> None:
@@ -175,6 +197,8 @@ def test_place_waits_with_exit_1(runner: CliRunner) -> None:
     )
     data = as_json(runner, "gpus", "place", "-k", "3", "--simulate", PAIRS, code=1)
     assert data == {
+        "apiVersion": "nodeagent/v1",
+        "kind": "GpuPlacement",
         "placed": False,
         "source": f"simulated from {PAIRS}",
         "simulated": True,

@@ -304,9 +304,14 @@ def test_reserve_json_and_env(daemon: tuple[GpuService, str]) -> None:
     import json
 
     data = json.loads(proc.stdout)
-    assert (data["name"], data["uuids"]) == ("a", [UUIDS[1]])
+    assert (data["apiVersion"], data["kind"]) == ("nodeagent/v1", "GpuReservation")
+    assert (data["name"], data["uuids"], data["indices"]) == ("a", [UUIDS[1]], [1])
+    assert time.time() < data["until_timestamp_seconds"] <= time.time() + 600
+    assert 0 < data["score_fraction"] <= 1
     alias = nodeagent("gpus", "reserve", "--socket", sock, "--name", "b", "--format", "json")
-    assert json.loads(alias.stdout)["uuids"] == [UUIDS[3]]
+    same = json.loads(alias.stdout)
+    assert same["uuids"] == [UUIDS[3]]
+    assert list(same) == list(data), "--format json is --json"
     client.delete(sock, "/v1/gpus/reservations", {"name": "a"})
     env = nodeagent("gpus", "reserve", "--socket", sock, "--name", "c", "--format", "env")
     assert env.stdout.splitlines() == [

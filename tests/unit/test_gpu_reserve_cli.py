@@ -44,6 +44,7 @@ def test_reserve_names_its_container_and_release_gives_it_back(
     out = cli("gpus", "reserve", "--socket", sock, "--name", "web", "--container", CID[:12],
               "--class", "inference", "--format", "json")  # fmt: skip
     got = json.loads(out)
+    assert (got["apiVersion"], got["kind"]) == ("nodeagent/v1", "GpuReservation")
     assert got["container"] == CID[:12] and len(got["uuids"]) == 1
     (hold,) = d.agent.gpus.ledger.holds()
     assert (hold.container, hold.workload_class, hold.tenant) == (CID[:12], "inference", "research")
