@@ -33,6 +33,8 @@ ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.
 DEB = CHECKOUT / "dist" / f"nodeagent_{VERSION}_{ARCH}.deb"
 VENV = "/opt/venvs/nodeagent"
 UNIT = "nodeagent.service"
+WORKLOADS = "nodeagent-workloads.service"
+"""The unit that holds the workloads; nodeagent.service Requires= it."""
 WAIT_S = 300.0
 POLICY = """\
 version: 1
@@ -56,7 +58,8 @@ done
 mount --bind "$1/opt/venvs/nodeagent" /opt/venvs/nodeagent
 mount -t tmpfs -o mode=0755 tmpfs /etc/nodeagent
 cp -a "$1/etc/nodeagent/." /etc/nodeagent/
-cp "$1/lib/systemd/system/nodeagent.service" /etc/systemd/system/
+cp "$1/lib/systemd/system/nodeagent.service" "$1/lib/systemd/system/nodeagent-workloads.service" \
+  /etc/systemd/system/
 """
 UNMOUNT = 'umount /opt/venvs/nodeagent /etc/nodeagent; [ $# -eq 0 ] || rmdir "$@"'
 
@@ -79,7 +82,9 @@ def installed(systemd_host: SystemdHost) -> Iterator[SystemdHost]:
         host.systemctl("stop", UNIT, check=False)
         dropin.unlink()
         dropin.parent.rmdir()
-        host.path(f"/etc/systemd/system/{UNIT}").unlink(missing_ok=True)
+        host.systemctl("stop", WORKLOADS, check=False)
+        for unit in (UNIT, WORKLOADS):
+            host.path(f"/etc/systemd/system/{unit}").unlink(missing_ok=True)
         host.systemctl("daemon-reload", check=False)
         host.run("sh", "-c", UNMOUNT, "unmount", *made, check=False)
         host.run("rm", "-rf", unpacked, check=False)
@@ -91,7 +96,8 @@ def test_the_installed_unit_verifies_and_runs_the_packaged_command(
     host = installed
     unit = host.path(f"/etc/systemd/system/{UNIT}").read_text()
     assert re.search(rf"^ExecStart={VENV}/bin/nodeagent run ", unit, re.M), unit
-    verify = host.run("systemd-analyze", "verify", f"/etc/systemd/system/{UNIT}", check=False)
+    units = [f"/etc/systemd/system/{u}" for u in (UNIT, WORKLOADS)]
+    verify = host.run("systemd-analyze", "verify", *units, check=False)
     assert (verify.returncode, verify.stdout + verify.stderr) == (0, "")
     version = host.run(f"{VENV}/bin/nodeagent", "--version", timeout=WAIT_S).stdout
     assert version == f"nodeagent, version {VERSION}\n"
