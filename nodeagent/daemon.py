@@ -368,7 +368,9 @@ class Agent:
                 refused=refused,
                 action="the rule's own tenant, class or deadline applies",
             )
-        self._refused = now
+        # remembered while the cgroup is claimed: a tick whose runtime answer came late (the
+        # value unread, so nothing refused) does not make the next one say it again
+        self._refused = {(p, x) for p, x in self._refused | now if p in assignments}
 
     def _needs(
         self, assignments: Mapping[str, Assignment], managed: list[WorkloadIdentity]

@@ -321,6 +321,15 @@ class Service:
                 remove_cgroup_tree(cgroup)
 
 
+def started(cli: subprocess.Popen[str], cgroup: Path) -> list[str] | None:
+    """The pids in a job's cgroup once `nodeagent exec` has put its command there; fails at
+    once with the CLI's own words if it exited instead (a refused job)."""
+    if cli.poll() is not None:
+        out = cli.stdout.read() if cli.stdout else ""
+        raise AssertionError(f"nodeagent exec exited {cli.returncode}: {out.strip()}")
+    return read(cgroup, "cgroup.procs").split() if cgroup.is_dir() else None
+
+
 def wait(what: str, check: Callable[[], T | None], timeout: float = WAIT_S, step: float = 0.2) -> T:
     """check()'s first truthy value; fails naming `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -505,7 +514,7 @@ def test_the_agent_runs_under_the_hardened_unit(service: Service) -> None:
         with s.job("sleeper", "--tenant", "research", "--cpus", "0.1") as cli:
             job_pids = wait(
                 "the job's process in its cgroup",
-                lambda: read(job_cgroup, "cgroup.procs").split() if job_cgroup.is_dir() else None,
+                lambda: started(cli, job_cgroup),
             )
             assert cpu_max(job_cgroup) == "10000 100000"
             rows = wait(
@@ -611,7 +620,7 @@ def test_a_restart_a_crash_and_a_watchdog_kill_leave_jobs_running_for_the_next_a
         with s.job("survivor", "--tenant", "research", "--cpus", "0.1") as cli:
             [job_pid] = wait(
                 "the job's process in its cgroup",
-                lambda: read(job_cgroup, "cgroup.procs").split() if job_cgroup.is_dir() else None,
+                lambda: started(cli, job_cgroup),
             )
             assert [j["name"] for j in s.jobs()] == ["survivor"]
 

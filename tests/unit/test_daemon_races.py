@@ -9,12 +9,14 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog
 
 from nodeagent import state
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.changes import NoteLog
 from nodeagent.daemon import Agent
-from nodeagent.spec.model import PolicySpec
+from nodeagent.policy.base import Assignment
+from nodeagent.spec.model import PolicySpec, WorkloadClass
 
 
 def _agent(tmp_path: Path) -> Agent:
@@ -87,3 +89,18 @@ def test_a_miss_seen_by_the_loop_and_an_api_thread_at_once_counts_once() -> None
     for t in threads:
         t.join()
     assert notes.deadline_misses == 1
+
+
+def test_a_refusal_is_said_once_while_its_cgroup_is_claimed(tmp_path: Path) -> None:
+    """A tick where the runtime's answer came late (the claim unread, nothing refused) does
+    not make the next tick say the same refusal again (seen with real containerd in the VM);
+    a cgroup that goes and comes back is told again."""
+    agent = _agent(tmp_path)
+    refused = "pod ns/p claims tenant 'prod', which namespace ns may not use; refused"
+    with_claim = {"pods/c": Assignment("pods", "t", WorkloadClass.BATCH, refused=(refused,))}
+    unread = {"pods/c": Assignment("pods", "t", WorkloadClass.BATCH)}
+    with structlog.testing.capture_logs() as logs:
+        for assignments in (with_claim, unread, with_claim, {}, with_claim):
+            agent._say_refused(assignments)
+    said = [e["refused"] for e in logs if e["event"] == "rule.value_refused"]
+    assert said == [refused, refused]  # once, then again after the cgroup went
