@@ -78,7 +78,12 @@ def test_cri_pods_tenant_from_namespace_class_from_annotations_and_a_claim_refus
             " not use (it may: research); refused"
         )
         assert owner(claim, "app") == ("research", "batch", (refusal,))
-        assert [e["refused"] for e in logs if e["event"] == "rule.value_refused"] == [refusal]
+        # said once per cgroup: the container's, and its pod's sandbox (pause) container's when
+        # the rule claims that too; never twice for one cgroup
+        said = [(e["cgroup"], e["refused"]) for e in logs if e["event"] == "rule.value_refused"]
+        app = str(claim.containers["app"].cgroup.relative_to(r.sandbox_root))
+        assert (app, refusal) in said, said
+        assert len(said) == len(set(said)) and {x for _, x in said} == {refusal}, said
         assert agent.kube is not None
         agent.kube.close()
     finally:

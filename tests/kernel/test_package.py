@@ -135,7 +135,13 @@ def test_the_packaged_agent_caps_a_container_through_systemd(installed: SystemdH
         assert {
             (r["path"].rsplit("/", 1)[-1], r["new"]) for r in writes if scope_unit in r["path"]
         } >= {("cpu.max", "25000 100000")}, writes
-        problems = [r for r in records if r.get("level") in ("warning", "error")]
+        # no dockerd here (the scope only has a docker-like name): that the docker socket is
+        # absent is said once, and is no problem of the package's
+        problems = [
+            r
+            for r in records
+            if r.get("level") in ("warning", "error") and r.get("event") != "runtime.unavailable"
+        ]
         assert problems == [], problems
         print(f"package: {UNIT} active {took:.1f} s after systemctl start")
     finally:

@@ -276,11 +276,17 @@ class Service:
 
     @contextlib.contextmanager
     def job(self, name: str, *options: str) -> Iterator[subprocess.Popen[str]]:
-        """`nodeagent exec --name NAME OPTIONS -- sleep 600` inside systemd's namespaces."""
+        """`nodeagent exec --name NAME OPTIONS -- sleep 600` inside systemd's namespaces, from
+        a cgroup of its own inside systemd's tree, as a shell of that host would run it (not
+        from this process's cgroup, outside systemd's cgroup namespace, which earlier tests
+        may have moved: the agent may not move a process in from there)."""
+        clients = self.host.outer("/nodeagent-test-clients")
+        clients.mkdir(exist_ok=True)
+        enter = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(clients)]
         nsenter = ["nsenter", "-t", str(self.host.pid), "-p", "-m", "-C", "--"]
         command = [sys.executable, "-m", "nodeagent", "exec", "--name", name, *options]
         cli = subprocess.Popen(
-            [*nsenter, *command, "--", "sleep", "600"],
+            [*enter, *nsenter, *command, "--", "sleep", "600"],
             text=True,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -297,6 +303,8 @@ class Service:
                 except subprocess.TimeoutExpired:
                     cli.kill()
                     cli.communicate()
+            with contextlib.suppress(OSError):  # empty once the CLI is gone
+                clients.rmdir()
 
     @contextlib.contextmanager
     def busy_workload(self, name: str, loops: int = 1, listed: bool = True) -> Iterator[Path]:
