@@ -187,6 +187,18 @@ class Deadlines(Policy):
             )
             for path, ticks in sorted(caps.items())
         )
+        uncap = _uncap(jobs, caps, carried.get("caps"), carried.get("uncap"))
+        out.extend(
+            Decision(
+                path,
+                Attribute.CPU_MAX,
+                CpuMax(None),
+                self.name,
+                "cap lifted: no earlier deadline is shorted now",
+                ("a rule's or the job's own cpu.max binds still, the lowest cap winning",),
+            )
+            for path in uncap
+        )
         out.append(
             Carry(
                 self.name,
@@ -194,6 +206,7 @@ class Deadlines(Policy):
                     "other": cap.other,
                     "parts": dict(sorted(parts.items())),
                     "caps": caps,
+                    "uncap": uncap,
                     "gains": {p: g for p, g in sorted(gains.items()) if g > 1.0},
                 },
             )
@@ -318,6 +331,25 @@ def _gains(jobs: Mapping[str, _Job], last: Mapping[str, float], held: object) ->
             gain *= 0.95
         out[path] = min(GAIN_MAX, max(1.0, gain))
     return out
+
+
+def _uncap(
+    jobs: Mapping[str, _Job], caps: Mapping[str, int], held: object, lifting: object
+) -> list[str]:
+    """Jobs whose cap lapsed, to set back to `max` until the kernel shows it: a cap nobody
+    decides any more would otherwise stay in the file (a job capped at 0.01 cores while an
+    earlier one ran kept that cap after it ended)."""
+    was = [
+        *(held if isinstance(held, dict) else ()),
+        *(lifting if isinstance(lifting, list) else ()),
+    ]
+    return sorted(
+        p
+        for p in {str(p) for p in was}
+        if p in jobs
+        and p not in caps
+        and jobs[p].w.sample.settings.get(Attribute.CPU_MAX) != CpuMax(None)
+    )
 
 
 def _caps(
