@@ -474,7 +474,7 @@ def test_the_agent_runs_under_the_hardened_unit(service: Service) -> None:
     status = dict(line.split(":", 1) for line in s.proc(pid, "status").splitlines() if ":" in line)
     assert status["NoNewPrivs"].strip() == "1"
     assert status["Seccomp"].strip() == "2"  # filter mode: SystemCallFilter=, MemoryDenyW^X
-    caps = (1 << 0) | (1 << 1)  # CAP_CHOWN, CAP_DAC_OVERRIDE
+    caps = (1 << 0) | (1 << 1) | (1 << 23)  # CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_SYS_NICE
     assert int(status["CapBnd"], 16) == caps
     # LimitNOFILE=8192: a flood of API connections cannot starve the tick of descriptors
     limits = s.proc(pid, "limits")

@@ -26,8 +26,9 @@ from nodeagent.cli.units import FILES, installed_executable, render
 
 PROBE = Path(__file__).resolve().with_name("unit_probe.py")
 # systemd-analyze security's overall exposure for the shipped unit (0 safest .. 10); lower it
-# when the unit gets tighter, never raise it.
-MAX_EXPOSURE = 2.1
+# when the unit gets tighter, never raise it without a reason. Raised once, from 2.1, by
+# CAP_SYS_NICE (0.1), without which root's `nodeagent exec` fails where cpuset is enabled.
+MAX_EXPOSURE = 2.2
 NEEDED = (
     "import_dependencies",
     "mkdir_in_own_cgroup",
