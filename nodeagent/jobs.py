@@ -474,11 +474,8 @@ class Jobs:
     # --- the state file ---------------------------------------------------------------
 
     def dump(self) -> list[dict[str, Any]]:
-        """Every job's record, those being started included: a save between a start's GPU
-        claim and its end must keep the job with its hold (a restart keeps a job's hold only
-        for a job it knows); one whose start then fails goes at the next save."""
         with self._lock:
-            return [j.to_json() for j in (*self._jobs.values(), *self._starting.values())]
+            return [j.to_json() for j in self._jobs.values()]
 
     def load(self, records: Iterable[Mapping[str, Any]], managed_root: str) -> None:
         """Restore the jobs of a previous run whose cgroups still exist; a malformed record
