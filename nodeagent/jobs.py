@@ -212,10 +212,6 @@ class Jobs:
         """Called exactly once when a job is gone (its GPUs go back)."""
         self.open_process: Callable[[int], Process] = Pidfd
         self._jobs: dict[str, Job] = {}
-        self._starting: dict[str, Job] = {}
-        """Jobs admitted whose cgroups are being made: their names are taken, and the loop
-        plans them as jobs already (the cgroup I/O runs outside the lock, which the loop
-        takes every tick, so a slow start never holds a tick up)."""
         self._lock = threading.Lock()
 
     # --- the API's side ---------------------------------------------------------------
@@ -235,27 +231,19 @@ class Jobs:
         try:
             with self._lock:
                 self._admit(job, spec)
-                self._starting[job.name] = job
-            try:
                 hold = None
                 if request.gpu_request is not None:
                     if claim_gpus is None:
                         raise ApiBadRequest("this daemon has no GPUs to give")
                     hold = claim_gpus(request.gpu_request, job)
                     job = replace(job, gpus=hold.uuids, gpu_hold=hold.id)
-                    with self._lock:
-                        self._starting[job.name] = job
                 try:
                     self._make_cgroup(job, spec, hold, process)
                 except BaseException:
                     if hold is not None:
                         self.on_end(job)
                     raise
-                with self._lock:
-                    self._jobs[job.name] = job
-            finally:
-                with self._lock:
-                    del self._starting[job.name]
+                self._jobs[job.name] = job
         finally:
             process.close()
         log.info(
@@ -273,11 +261,10 @@ class Jobs:
 
     def _admit(self, job: Job, spec: PolicySpec) -> None:
         """A free name, and room under the caller's cap (root has none); inside the lock."""
-        if job.name in self._jobs or job.name in self._starting:
+        if job.name in self._jobs:
             raise ApiConflict(f"job name {job.name!r} is taken by a running job; pick another")
         most = spec.jobs.max_per_user
-        mine = sum(j.uid == job.uid for j in (*self._jobs.values(), *self._starting.values()))
-        if job.uid != 0 and mine >= most:
+        if job.uid != 0 and sum(j.uid == job.uid for j in self._jobs.values()) >= most:
             raise ApiConflict(
                 f"uid {job.uid} runs {most} jobs already, the most jobs.max_per_user allows"
             )
@@ -405,11 +392,8 @@ class Jobs:
     # --- the loop's side --------------------------------------------------------------
 
     def assignments(self) -> dict[str, Assignment]:
-        """Every job's, those being started included: a rule never claims a job's cgroup
-        between its mkdir and its start's end."""
         with self._lock:
-            jobs = (*self._jobs.values(), *self._starting.values())
-        return {j.cgroup: j.assignment() for j in jobs}
+            return {j.cgroup: j.assignment() for j in self._jobs.values()}
 
     def get(self, cgroup: str) -> Job | None:
         with self._lock:

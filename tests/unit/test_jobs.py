@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -181,46 +180,3 @@ def test_the_pidfd_is_of_the_real_process(tmp_path: Path) -> None:
         process.close()
     finally:
         child.kill()
-
-
-def test_a_slow_start_holds_up_neither_the_loop_nor_other_callers(
-    jobs: Jobs, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The cgroup I/O of a start runs outside the jobs' lock: while one start waits in its
-    mkdir, the loop's `assignments()` answers at once (with the starting job, so no rule
-    claims its cgroup meanwhile), and its name is taken. Before, the loop waited on the lock
-    for as long as the start's I/O took."""
-    Path(jobs.tree.root, "nodeagent.slice").mkdir()
-    in_mkdir, go_on = threading.Event(), threading.Event()
-    real_mkdir = jobs.tree.mkdir
-
-    def slow_mkdir(path: str) -> bool:
-        in_mkdir.set()
-        go_on.wait(10)
-        return real_mkdir(path)
-
-    monkeypatch.setattr(jobs.tree, "mkdir", slow_mkdir)
-    errors: list[BaseException] = []
-
-    def start() -> None:
-        try:
-            jobs.start({"name": "slow", "pid": 4001}, CALLER, SPEC, NOW)
-        except ApiError as e:  # a plain directory has no cgroup.procs to write: refused later
-            errors.append(e)
-
-    starter = threading.Thread(target=start)
-    starter.start()
-    try:
-        assert in_mkdir.wait(10)
-        answered: list[dict[str, Any]] = []
-        loop = threading.Thread(target=lambda: answered.append(jobs.assignments()))
-        loop.start()
-        loop.join(2)
-        assert answered, "assignments() waited for the start's cgroup I/O"
-        assert list(answered[0]) == ["nodeagent.slice/slow"]
-        with pytest.raises(ApiError, match="is taken"):
-            jobs.start({"name": "slow", "pid": 4001}, CALLER, SPEC, NOW)
-    finally:
-        go_on.set()
-        starter.join(10)
-    assert jobs.assignments().keys() <= {"nodeagent.slice/slow"}
