@@ -238,7 +238,8 @@ def start(sock: str, job: SimJob, t0: float) -> int:
 
 
 def idle(daemon: Daemon) -> None:
-    """Wait until the daemon has let the last set's jobs go (their names come again)."""
+    """Wait until the daemon has let the set's jobs go: their names come free again, and their
+    cgroups are gone before the next way's daemon (with a state file of its own) is started."""
     give_up = time.monotonic() + 60
     while time.monotonic() < give_up:
         listed = client.get(daemon.sock, "/v1/jobs")
@@ -249,8 +250,8 @@ def idle(daemon: Daemon) -> None:
 
 
 def run_set(daemon: Daemon, jobs: list[SimJob]) -> dict[str, Any]:
-    """Start every job at one instant (deadlines counted from it), wait for all to exit."""
-    idle(daemon)
+    """Start every job at one instant (deadlines counted from it), wait for all to exit and
+    for the daemon to remove their cgroups."""
     t0 = time.time() + 0.5
     pids = {j.name: start(daemon.sock, j, t0) for j in jobs}
     ends: dict[str, float] = {}
@@ -266,6 +267,7 @@ def run_set(daemon: Daemon, jobs: list[SimJob]) -> dict[str, Any]:
         w.start()
     for w in waiters:
         w.join()
+    idle(daemon)
     rows = []
     for j in jobs:
         took = ends[j.name] - t0
