@@ -14,8 +14,8 @@ from dataclasses import replace
 from nodeagent.identity import Kind, WorkloadIdentity
 from nodeagent.kube.owners import pod_class, pod_tenant, view, with_api_view
 from nodeagent.kube.pods import PodDirectory
+from nodeagent.meta import ContainerMeta
 from nodeagent.policy.base import Assignment
-from nodeagent.runtimes.model import ContainerMeta
 from nodeagent.spec.glob import glob_matches
 from nodeagent.spec.model import (
     CONTAINER_META,

@@ -350,7 +350,7 @@ def test_without_the_watch_the_names_cri_gave_join_the_gpus(tmp_path: Path) -> N
     from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
     from nodeagent.kube.gpus import join
     from nodeagent.kube.pods import EMPTY
-    from nodeagent.runtimes.model import ContainerMeta, PodMeta
+    from nodeagent.meta import ContainerMeta, PodMeta
 
     def container(cid: str, name: str, pod_name: str, ns: str, uid: str) -> WorkloadIdentity:
         return WorkloadIdentity(CGROUP[cid], Kind.CONTAINER, Runtime.CONTAINERD, Owner.CGROUPFS,
