@@ -299,7 +299,8 @@ class Agent:
             spec = self.spec
 
             def pods(state: GpuState) -> tuple[Hold, ...]:
-                return kube.gpu_holds(state, spec, identities, assignments)
+                classes = {p: str(a.workload_class) for p, a in assignments.items()}
+                return kube.gpu_holds(state, spec, identities, classes)
 
         snapshot = replace(
             snapshot,
