@@ -30,7 +30,7 @@ from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
 from nodeagent.changes import NoteLog, ProblemLog
 from nodeagent.discovery.registry import Registry
 from nodeagent.errors import NodeagentError, one_line
-from nodeagent.gpu.backend import open_backend
+from nodeagent.gpu.choice import open_backend
 from nodeagent.gpu.model import GpuState, Hold, HoldKind
 from nodeagent.gpu.service import GpuService, environment
 from nodeagent.identity import WorkloadIdentity

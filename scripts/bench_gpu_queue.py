@@ -27,7 +27,7 @@ from nodeagent import logs
 from nodeagent.api.peer import Peer
 from nodeagent.api.server import Request
 from nodeagent.gpu import ledger
-from nodeagent.gpu.backend import open_backend
+from nodeagent.gpu.choice import open_backend
 from nodeagent.gpu.service import GpuService
 from nodeagent.spec.model import PolicySpec
 

@@ -29,7 +29,7 @@ def simulate_option(f: F) -> F:
 
 
 def _open(simulate: str | None) -> GpuBackend:
-    from nodeagent.gpu.backend import open_backend
+    from nodeagent.gpu.choice import open_backend
 
     return open_backend(simulate)
 

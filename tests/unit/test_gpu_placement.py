@@ -369,7 +369,8 @@ def test_gpu_modules_that_do_io_are_banned_in_the_policy_package() -> None:
             [
                 "from nodeagent.gpu.nvml import open_nvml",
                 "from nodeagent.gpu import simulated",
-                "from nodeagent.gpu.backend import open_backend",
+                "from nodeagent.gpu.backend import GpuBackend",
+                "from nodeagent.gpu.choice import open_backend",
                 "import nodeagent.gpu.procs",
                 "from nodeagent.spec.yamlfile import read_text",
             ]
