@@ -32,7 +32,7 @@ from nodeagent.discovery.registry import Registry
 from nodeagent.errors import NodeagentError, one_line
 from nodeagent.gpu.choice import open_backend
 from nodeagent.gpu.model import GpuState, Hold, HoldKind
-from nodeagent.gpu.service import GpuService, environment
+from nodeagent.gpualloc.service import GpuService, environment
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.jobs import Jobs
 from nodeagent.kube.pods import EMPTY, PodDirectory

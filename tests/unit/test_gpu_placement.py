@@ -21,8 +21,8 @@ from nodeagent.gpu.model import (
     PcieLevel,
     Topology,
 )
-from nodeagent.gpu.service import node_of
 from nodeagent.gpu.simulated import load_simulated
+from nodeagent.gpualloc.service import node_of
 from nodeagent.policy.placement import (
     NUMA_SCORE,
     PARTITION_MAX,

@@ -30,9 +30,9 @@ from nodeagent.api.peer import Peer
 from nodeagent.api.server import ApiServer, Request
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent
-from nodeagent.gpu import service as gpu_service
-from nodeagent.gpu.service import GpuService
 from nodeagent.gpu.simulated import load_simulated
+from nodeagent.gpualloc import service as gpu_service
+from nodeagent.gpualloc.service import GpuService
 from nodeagent.kube.node import KubernetesNode
 from nodeagent.kube.podresources import PodResourcesClient, PodResourcesError
 from nodeagent.sense.gpus import GpuSensor
