@@ -30,9 +30,9 @@ from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
 from nodeagent.changes import NoteLog, ProblemLog
 from nodeagent.discovery.registry import Registry
 from nodeagent.errors import NodeagentError, one_line
-from nodeagent.gpu.backend import open_backend
+from nodeagent.gpu.choice import open_backend
 from nodeagent.gpu.model import GpuState, Hold, HoldKind
-from nodeagent.gpu.service import GpuService, environment
+from nodeagent.gpualloc.service import GpuService, environment
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.jobs import Jobs
 from nodeagent.kube.pods import EMPTY, PodDirectory
@@ -299,7 +299,8 @@ class Agent:
             spec = self.spec
 
             def pods(state: GpuState) -> tuple[Hold, ...]:
-                return kube.gpu_holds(state, spec, identities, assignments)
+                classes = {p: str(a.workload_class) for p, a in assignments.items()}
+                return kube.gpu_holds(state, spec, identities, classes)
 
         snapshot = replace(
             snapshot,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from nodeagent.runtimes.model import ContainerMeta
+from nodeagent.meta import ContainerMeta
 
 
 class Runtime(enum.StrEnum):

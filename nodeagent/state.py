@@ -39,7 +39,7 @@ class SavedState:
     carry: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Each policy's state for its next tick."""
     gpus: Sequence[Any] = ()
-    """GPU holds of jobs and reservations (nodeagent.gpu.ledger.HoldRecord); checked one by
+    """GPU holds of jobs and reservations (nodeagent.gpualloc.ledger.HoldRecord); checked one by
     one when restored."""
     gpu_history: Mapping[str, Any] = field(default_factory=dict)
     """Per class, how long its last jobs held their GPUs; checked when restored."""

@@ -26,9 +26,9 @@ from benchkit import Bench
 from nodeagent import logs
 from nodeagent.api.peer import Peer
 from nodeagent.api.server import Request
-from nodeagent.gpu import ledger
-from nodeagent.gpu.backend import open_backend
-from nodeagent.gpu.service import GpuService
+from nodeagent.gpu.choice import open_backend
+from nodeagent.gpualloc import ledger
+from nodeagent.gpualloc.service import GpuService
 from nodeagent.spec.model import PolicySpec
 
 NODE = Path(__file__).resolve().parents[1] / "config" / "gpus" / "4x-a100-two-nvlink-pairs.yaml"

@@ -16,7 +16,7 @@ from typing import Annotated, Any, TypeVar
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from nodeagent.api.server import ApiBadRequest
-from nodeagent.cgroupfs.tree import split_path
+from nodeagent.cgroupfs.paths import split_path
 from nodeagent.errors import UnsafePath
 from nodeagent.spec.model import WorkloadClass
 

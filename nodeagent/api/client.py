@@ -21,7 +21,6 @@ from typing import cast
 from nodeagent.api.wire import MAX_BODY, Deadline, DeadlineIO, encode, encode_query
 from nodeagent.errors import DaemonUnreachable, NodeagentError
 
-DEFAULT_SOCKET = "/run/nodeagent/nodeagent.sock"
 MAX_ANSWER = 256 * 1024 * 1024
 """The largest answer (bytes) the client reads; more is a broken or hostile daemon."""
 ROUTE_ERRORS = frozenset({400, 403, 404, 409})

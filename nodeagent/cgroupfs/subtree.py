@@ -12,7 +12,8 @@ import os
 from collections.abc import Sequence
 
 from nodeagent.cgroupfs import parse
-from nodeagent.cgroupfs.tree import AuditFn, CgroupTree, CgroupWriteError, split_path
+from nodeagent.cgroupfs.paths import split_path
+from nodeagent.cgroupfs.tree import AuditFn, CgroupTree, CgroupWriteError
 from nodeagent.errors import NodeagentError
 
 

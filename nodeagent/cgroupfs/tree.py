@@ -14,6 +14,7 @@ import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from nodeagent.cgroupfs.paths import split_path
 from nodeagent.errors import NodeagentError, UnsafePath
 
 AuditFn = Callable[[str, str, str | None, str, str], None]
@@ -42,18 +43,6 @@ class CgroupReadError(NodeagentError):
     def __init__(self, message: str, errno_: int | None) -> None:
         super().__init__(message)
         self.errno = errno_
-
-
-def split_path(path: str) -> tuple[str, ...]:
-    """Components of a relative cgroup path; refuses anything that could escape the root."""
-    if path in ("", "/"):
-        return ()
-    if path.startswith("/") or "\0" in path:
-        raise UnsafePath(f"cgroup path {path!r} must be relative to the cgroup root")
-    parts = tuple(path.split("/"))
-    if any(p in ("", ".", "..") for p in parts):
-        raise UnsafePath(f"cgroup path {path!r} has an empty, '.' or '..' component")
-    return parts
 
 
 def _file_name(name: str) -> str:

@@ -7,14 +7,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from nodeagent.api import client
+from nodeagent.spec.listen import DEFAULT_SOCKET
 
 if TYPE_CHECKING:
     from nodeagent.spec.model import PolicySpec
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-DEFAULT_SOCKET = client.DEFAULT_SOCKET
 
 
 def socket_option(f: F) -> F:

@@ -14,7 +14,7 @@ from nodeagent.tables import size, table
 
 if TYPE_CHECKING:
     from nodeagent.gpu.backend import GpuBackend
-    from nodeagent.gpu.placing import Question
+    from nodeagent.gpualloc.placing import Question
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -29,7 +29,7 @@ def simulate_option(f: F) -> F:
 
 
 def _open(simulate: str | None) -> GpuBackend:
-    from nodeagent.gpu.backend import open_backend
+    from nodeagent.gpu.choice import open_backend
 
     return open_backend(simulate)
 
@@ -456,7 +456,7 @@ def place_cmd(
       nodeagent gpus place --memory 10Gi --shared
       nodeagent gpus place --mig 1g.10gb --simulate config/gpus/h100-mig.yaml
     """
-    from nodeagent.gpu.placing import BadQuestion, Question, numa_nodes, split
+    from nodeagent.gpualloc.placing import BadQuestion, Question, numa_nodes, split
     from nodeagent.policy.placement import GpuRequest
 
     try:
@@ -498,7 +498,7 @@ def _ask_daemon(socket: str, question: Question) -> tuple[dict[str, Any] | None,
     from nodeagent.api import client
     from nodeagent.api.client import ApiRefused
     from nodeagent.errors import DaemonUnreachable
-    from nodeagent.gpu.placing import BadQuestion
+    from nodeagent.gpualloc.placing import BadQuestion
 
     try:
         data = client.get(socket, "/v1/gpus/place", question.query())
@@ -522,7 +522,7 @@ _QUESTION_PARTS = frozenset({"count", "memory", "shared", "mig", "numa", "busy"}
 def _place_here(question: Question, simulate: str | None) -> dict[str, Any]:
     """The answer from this command's own reading of the GPUs: no holds but --busy."""
     from nodeagent.gpu.model import GpuState
-    from nodeagent.gpu.placing import answer
+    from nodeagent.gpualloc.placing import answer
     from nodeagent.policy.placement import Holdings, node_gpus
 
     backend = _open(simulate)

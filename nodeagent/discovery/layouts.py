@@ -54,7 +54,7 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-from nodeagent.cgroupfs.tree import split_path
+from nodeagent.cgroupfs.paths import split_path
 from nodeagent.errors import UnsafePath
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
 

@@ -1,22 +1,17 @@
-"""One interface to a node's GPUs, and the choice of where they come from.
+"""One interface to a node's GPUs, and the backend of a host without any.
 
-NVML on a real host; a YAML node description (config/gpus/) when one is named, for
-tests, demos and benchmarks on machines without GPUs. A host without NVML's library
-or driver gets a backend with no GPUs and a one-line reason: CPU and memory
-management go on without GPUs.
+A leaf: both backends (nvml, simulated) import it, and `choice` picks one of them. A host
+without NVML's library or driver gets a backend with no GPUs and a one-line reason: CPU and
+memory management go on without GPUs.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Protocol
 
 from nodeagent.errors import NodeagentError
 from nodeagent.gpu.model import Device, GpuProcess, PowerLimit, Telemetry, Topology, XidEvent
-
-SIM_ENV = "NODEAGENT_GPU_SIM"
-"""Names a simulated node description when no file is given explicitly."""
 
 
 class GpuError(NodeagentError):
@@ -91,24 +86,3 @@ class NoGpus:
 
     def close(self) -> None:
         return None
-
-
-def open_backend(
-    simulate: str | None = None,
-    proc_root: str = "/proc",
-    environ: Mapping[str, str] = os.environ,
-) -> GpuBackend:
-    """The simulated node in `simulate`, else the one NODEAGENT_GPU_SIM names, else NVML.
-
-    A bad simulation file raises PolicyError (FILE:LINE:COL for each problem): someone
-    asked for it by name. A host without NVML gets NoGpus, never an exception.
-    """
-    # Imported here: both backends import this module, and only the chosen one is loaded.
-    path = simulate or environ.get(SIM_ENV) or None
-    if path:
-        from nodeagent.gpu.simulated import load_simulated  # noqa: PLC0415
-
-        return load_simulated(path, proc_root=proc_root)
-    from nodeagent.gpu.nvml import open_nvml  # noqa: PLC0415
-
-    return open_nvml(proc_root=proc_root)

@@ -27,7 +27,6 @@ from nodeagent.kube.podresources import ContainerDevices, PodResourcesClient, Po
 from nodeagent.kube.pods import EMPTY, PodDirectory
 from nodeagent.kube.publish import Publisher
 from nodeagent.logs import audit_warning
-from nodeagent.policy.base import Assignment
 from nodeagent.spec.model import PolicySpec
 
 log = structlog.get_logger("nodeagent.kubernetes")
@@ -89,14 +88,16 @@ class KubernetesNode:
         state: GpuState,
         spec: PolicySpec,
         identities: Sequence[WorkloadIdentity],
-        assignments: Mapping[str, Assignment],
+        classes: Mapping[str, str],
     ) -> tuple[Hold, ...]:
+        """The GPUs the kubelet gave each container, as holds. `classes`: each workload's class
+        by path, from the loop's assignments (kube imports no policy code: policy.classify
+        reads kube.pods and kube.owners)."""
         containers = frozenset(i.path for i in identities if i.kind is Kind.CONTAINER and i.pod_uid)
         now = time.monotonic()
         if containers != self._asked[1] or now - self._asked[0] >= REFRESH:
             self._ask()
             self._asked = (now, containers)
-        classes = {p: str(a.workload_class) for p, a in assignments.items()}
         joined = gpus.join(self.listing, self.pods(), identities,
                            gpu_resources=spec.kubernetes.gpu_resources, gpus=state,
                            classes=classes)  # fmt: skip

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from nodeagent.identity import QosTier, WorkloadIdentity
 from nodeagent.kube.pods import PodDirectory
-from nodeagent.runtimes.model import ContainerMeta, PodMeta, labels
+from nodeagent.meta import ContainerMeta, PodMeta, labels
 from nodeagent.spec.glob import glob_matches
 from nodeagent.spec.model import ClassSource, KubernetesSettings, WorkloadClass
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from nodeagent.runtimes.model import ContainerMeta
+from nodeagent.meta import ContainerMeta
 
 
 class Adapter(Protocol):

@@ -17,7 +17,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from nodeagent.runtimes.model import (
+from nodeagent.meta import (
     MAX_ANSWER_BYTES,
     BadAnswer,
     ContainerMeta,

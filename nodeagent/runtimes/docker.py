@@ -12,8 +12,7 @@ import json
 from collections.abc import Mapping
 from urllib.parse import quote
 
-from nodeagent.runtimes import unixhttp
-from nodeagent.runtimes.model import (
+from nodeagent.meta import (
     BadAnswer,
     ContainerMeta,
     PodMeta,
@@ -21,6 +20,7 @@ from nodeagent.runtimes.model import (
     name,
     optional_name,
 )
+from nodeagent.runtimes import unixhttp
 
 POD_NAMESPACE = "io.kubernetes.pod.namespace"
 POD_NAME = "io.kubernetes.pod.name"

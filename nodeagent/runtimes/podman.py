@@ -17,9 +17,7 @@ from collections.abc import Mapping
 from urllib.parse import quote
 
 from nodeagent.errors import NodeagentError
-from nodeagent.regular_file import read_regular_file
-from nodeagent.runtimes.docker import DockerAdapter, _mapping, event_ids
-from nodeagent.runtimes.model import (
+from nodeagent.meta import (
     BadAnswer,
     ContainerMeta,
     PodMeta,
@@ -28,6 +26,8 @@ from nodeagent.runtimes.model import (
     name,
     optional_name,
 )
+from nodeagent.regular_file import read_regular_file
+from nodeagent.runtimes.docker import DockerAdapter, _mapping, event_ids
 
 API = "/v4.0.0/libpod"
 STORE_LIMIT = 32 << 20

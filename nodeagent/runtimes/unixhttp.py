@@ -13,7 +13,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from nodeagent.runtimes.model import MAX_ANSWER_BYTES, BadAnswer, Unavailable
+from nodeagent.meta import MAX_ANSWER_BYTES, BadAnswer, Unavailable
 
 _HEAD_LIMIT = 64 * 1024
 

@@ -19,6 +19,8 @@ _HOSTNAME = re.compile(
 _LOOKS_NUMERIC = re.compile(r"[\d.]+")
 EXAMPLE = "such as 127.0.0.1:9464 or [::1]:9464"
 UNIX = "unix:"
+DEFAULT_SOCKET = "/run/nodeagent/nodeagent.sock"
+"""The API's Unix socket (`agent.socket`), where the daemon listens and the CLI calls."""
 
 
 def unix_path(text: str) -> str | None:

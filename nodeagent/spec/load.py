@@ -21,7 +21,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import ErrorDetails
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from nodeagent.cgroupfs.tree import split_path
+from nodeagent.cgroupfs.paths import split_path
 from nodeagent.cgroupfs.values import QUOTA_MAX_US, QUOTA_MIN_US
 from nodeagent.errors import NodeagentError, UnsafePath
 from nodeagent.identity import Owner, Runtime

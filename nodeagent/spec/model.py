@@ -22,10 +22,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from nodeagent.api.client import DEFAULT_SOCKET
 from nodeagent.identity import Kind, Owner, QosTier, Runtime
 from nodeagent.spec.glob import compile_glob
-from nodeagent.spec.listen import parse_listen, unix_path
+from nodeagent.spec.listen import DEFAULT_SOCKET, parse_listen, unix_path
 from nodeagent.spec.units import parse_duration, parse_size
 from nodeagent.spec.when import parse_cpu_amount, parse_instant
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from nodeagent.discovery.layouts import classify
 from nodeagent.identity import WorkloadIdentity
-from nodeagent.policy.classify import matches
+from nodeagent.spec.matching import matches
 from nodeagent.spec.model import PolicySpec
 
 _SAMPLE_UID = "00000000-0000-4000-8000-000000000000"

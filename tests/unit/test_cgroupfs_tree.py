@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished, split_path
+from nodeagent.cgroupfs.paths import split_path
+from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
 from nodeagent.errors import NodeagentError, UnsafePath
 
 

@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
-from nodeagent.policy.classify import assign, matches, unmatched_for_metadata
-from nodeagent.runtimes.model import ContainerMeta, PodMeta, labels
+from nodeagent.meta import ContainerMeta, PodMeta, labels
+from nodeagent.policy.classify import assign, unmatched_for_metadata
 from nodeagent.spec.load import PolicyError, parse_policy
+from nodeagent.spec.matching import matches
 from nodeagent.spec.model import PolicySpec, WorkloadClass
 from nodeagent.spec.nesting import nesting_warnings
 

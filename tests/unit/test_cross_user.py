@@ -17,8 +17,8 @@ import pytest
 from daemon_api import ALICE, BOB, CID, ROOT, Daemon, daemon, mkdirs
 
 from nodeagent.api.server import ApiBadRequest, ApiConflict, ApiError, ApiForbidden, ApiNotFound
-from nodeagent.gpu import ledger as ledger_module
 from nodeagent.gpu.simulated import parse_node
+from nodeagent.gpualloc import ledger as ledger_module
 
 
 @pytest.fixture

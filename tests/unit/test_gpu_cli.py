@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from test_cli import assert_one_line_error, nodeagent
 
 from nodeagent.cli import main
-from nodeagent.gpu import backend as backend_module
+from nodeagent.gpu import choice
 from nodeagent.gpu.backend import NoGpus
 from nodeagent.gpu.simulated import load_simulated
 
@@ -114,7 +114,7 @@ def test_no_gpus_is_one_line(runner: CliRunner, monkeypatch: pytest.MonkeyPatch)
     def no_gpus(simulate: str | None = None, **_: object) -> NoGpus:
         return NoGpus("no NVIDIA driver: the NVML library libnvidia-ml.so.1 is not installed")
 
-    monkeypatch.setattr(backend_module, "open_backend", no_gpus)
+    monkeypatch.setattr(choice, "open_backend", no_gpus)
     assert run(runner, "gpus") == (
         "no GPUs: no NVIDIA driver: the NVML library libnvidia-ml.so.1 is not installed\n"
     )

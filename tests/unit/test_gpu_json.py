@@ -15,7 +15,7 @@ from test_cli import nodeagent
 from test_gpu_operator import MIG, PAIRS, UUIDS, ask, reserve, start
 
 from nodeagent.api import client
-from nodeagent.gpu.service import GpuService
+from nodeagent.gpualloc.service import GpuService
 
 H100 = PAIRS.replace("4x-a100-two-nvlink-pairs", "dgx-h100-nvswitch")
 

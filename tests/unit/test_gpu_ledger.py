@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.gpu.ledger import Answer, GpuLedger, holdings
 from nodeagent.gpu.model import Hold
 from nodeagent.gpu.simulated import load_simulated
+from nodeagent.gpualloc.ledger import Answer, GpuLedger, holdings
 from nodeagent.policy.placement import GpuRequest, NodeGpus, Refusal
 
 REPO = Path(__file__).resolve().parents[2]

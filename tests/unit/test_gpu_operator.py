@@ -28,8 +28,8 @@ from nodeagent.api import client
 from nodeagent.api.client import ApiRefused
 from nodeagent.api.server import ApiServer
 from nodeagent.gpu.backend import NoGpus
-from nodeagent.gpu.service import GpuService
 from nodeagent.gpu.simulated import load_simulated
+from nodeagent.gpualloc.service import GpuService
 from nodeagent.spec.model import PolicySpec
 
 PAIRS = str(REPO / "config" / "gpus" / "4x-a100-two-nvlink-pairs.yaml")

@@ -21,8 +21,8 @@ from nodeagent.gpu.model import (
     PcieLevel,
     Topology,
 )
-from nodeagent.gpu.service import node_of
 from nodeagent.gpu.simulated import load_simulated
+from nodeagent.gpualloc.service import node_of
 from nodeagent.policy.placement import (
     NUMA_SCORE,
     PARTITION_MAX,
@@ -369,7 +369,8 @@ def test_gpu_modules_that_do_io_are_banned_in_the_policy_package() -> None:
             [
                 "from nodeagent.gpu.nvml import open_nvml",
                 "from nodeagent.gpu import simulated",
-                "from nodeagent.gpu.backend import open_backend",
+                "from nodeagent.gpu.backend import GpuBackend",
+                "from nodeagent.gpu.choice import open_backend",
                 "import nodeagent.gpu.procs",
                 "from nodeagent.spec.yamlfile import read_text",
             ]

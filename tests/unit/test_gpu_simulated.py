@@ -11,7 +11,8 @@ from fake_nvml import host_nvml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodeagent.gpu.backend import GpuError, NoGpus, open_backend
+from nodeagent.gpu.backend import GpuError, NoGpus
+from nodeagent.gpu.choice import open_backend
 from nodeagent.gpu.model import PcieLevel, format_cpulist, parse_cpulist
 from nodeagent.gpu.simulated import WHAT, SimulatedBackend, load_simulated, parse_node
 from nodeagent.spec.load import PolicyError

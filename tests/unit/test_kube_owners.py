@@ -11,8 +11,8 @@ import pytest
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
 from nodeagent.kube.owners import PodView, pod_class, pod_tenant
 from nodeagent.kube.pods import Pod, PodDirectory
+from nodeagent.meta import ContainerMeta, PodMeta, labels
 from nodeagent.policy.classify import assign
-from nodeagent.runtimes.model import ContainerMeta, PodMeta, labels
 from nodeagent.spec.model import PolicySpec, WorkloadClass
 
 SPEC = PolicySpec.model_validate(

@@ -30,9 +30,9 @@ from nodeagent.api.peer import Peer
 from nodeagent.api.server import ApiServer, Request
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent
-from nodeagent.gpu import service as gpu_service
-from nodeagent.gpu.service import GpuService
 from nodeagent.gpu.simulated import load_simulated
+from nodeagent.gpualloc import service as gpu_service
+from nodeagent.gpualloc.service import GpuService
 from nodeagent.kube.node import KubernetesNode
 from nodeagent.kube.podresources import PodResourcesClient, PodResourcesError
 from nodeagent.sense.gpus import GpuSensor
@@ -350,7 +350,7 @@ def test_without_the_watch_the_names_cri_gave_join_the_gpus(tmp_path: Path) -> N
     from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
     from nodeagent.kube.gpus import join
     from nodeagent.kube.pods import EMPTY
-    from nodeagent.runtimes.model import ContainerMeta, PodMeta
+    from nodeagent.meta import ContainerMeta, PodMeta
 
     def container(cid: str, name: str, pod_name: str, ns: str, uid: str) -> WorkloadIdentity:
         return WorkloadIdentity(CGROUP[cid], Kind.CONTAINER, Runtime.CONTAINERD, Owner.CGROUPFS,

@@ -12,9 +12,9 @@ import pytest
 import structlog
 
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
+from nodeagent.meta import MAX_ENTRIES, BadAnswer, Unavailable, labels
 from nodeagent.runtimes.docker import DockerAdapter, event_ids
 from nodeagent.runtimes.metadata import RETRY_S, RuntimeMetadata
-from nodeagent.runtimes.model import MAX_ENTRIES, BadAnswer, Unavailable, labels
 from nodeagent.runtimes.podman import NO_LABELS, PodmanAdapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernel"))

@@ -15,9 +15,9 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2 as pb
 
+from nodeagent.meta import BadAnswer, Unavailable
 from nodeagent.runtimes.cri import CriAdapter
 from nodeagent.runtimes.metadata import RuntimeMetadata
-from nodeagent.runtimes.model import BadAnswer, Unavailable
 
 CID = "c" * 64
 SANDBOX = "s" * 64

@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nodeagent.cli import main
-from nodeagent.policy.classify import matches
 from nodeagent.spec.glob import MAX_GLOB, compile_glob, glob_matches
 from nodeagent.spec.load import PolicyError, parse_policy
+from nodeagent.spec.matching import matches
 from nodeagent.spec.model import Match
 
 HEAD = "version: 1\ntenants:\n  research: {shares: 2}\n  prod: {shares: 1}\n"

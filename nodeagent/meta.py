@@ -1,5 +1,8 @@
 """What a runtime says about a workload, checked and frozen before the policies see it.
 
+Pure data beside `identity` (a workload's `meta`), below the runtime adapters that fill it in
+(nodeagent.runtimes) and the policies that read it.
+
 Every answer is bounded before it is kept: at most MAX_ENTRIES labels (or annotations), keys of
 at most MAX_KEY_BYTES, values of at most MAX_VALUE_BYTES, valid UTF-8 throughout. An answer
 outside these bounds is refused whole (`BadAnswer`), never truncated: a truncated label set could

@@ -45,10 +45,10 @@ from nodeagent.api.server import (
 )
 from nodeagent.errors import NodeagentError, one_line
 from nodeagent.gpu.backend import GpuBackend
-from nodeagent.gpu.ledger import Conflict, GpuLedger, LedgerError, NotYours, Unknown, holdings
 from nodeagent.gpu.model import GpuState, Hold, HoldKind
-from nodeagent.gpu.placing import BadQuestion, answer, from_query
 from nodeagent.gpu.report import read_report
+from nodeagent.gpualloc.ledger import Conflict, GpuLedger, LedgerError, NotYours, Unknown, holdings
+from nodeagent.gpualloc.placing import BadQuestion, answer, from_query
 from nodeagent.identity import Kind, WorkloadIdentity
 from nodeagent.logs import audit_event
 from nodeagent.policy.gpu_checks import violations, within
