@@ -7,7 +7,6 @@ import contextlib
 import grp
 import os
 import re
-import resource
 import shutil
 import socket
 import stat
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import structlog
+from descriptors import accept_tries_while_out_of_fds
 from peers import as_user, held_as
 from prometheus_client.core import GaugeMetricFamily, Metric
 
@@ -438,29 +438,8 @@ def test_a_unix_socket_answers_its_group_and_caps_each_uid(
 def test_emfile_on_accept_backs_off_and_recovers(
     served: MetricsServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    accepts = [0]
-    real_accept = socket.socket.accept
-
-    def counting_accept(self: socket.socket) -> tuple[socket.socket, object]:
-        accepts[0] += 1
-        return real_accept(self)
-
-    monkeypatch.setattr(socket.socket, "accept", counting_accept)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # made while descriptors last
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    fillers: list[int] = []
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
-        with contextlib.suppress(OSError):
-            while True:
-                fillers.append(os.open("/dev/null", os.O_RDONLY))
-        sock.connect(("127.0.0.1", served.port))  # accept() now fails with EMFILE
-        time.sleep(1.5)
-        tries = accepts[0]
-    finally:
-        for fd in fillers:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    tries = accept_tries_while_out_of_fds(monkeypatch, sock, ("127.0.0.1", served.port))
     assert 1 <= tries <= 20  # backing off from 50 ms, doubling: about 5 in 1.5 s
     with sock:
         sock.settimeout(10)
