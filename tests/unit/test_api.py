@@ -7,10 +7,8 @@ import datetime as dt
 import grp
 import json
 import os
-import shutil
 import socket
 import stat
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -42,15 +40,6 @@ NOGROUP = grp.getgrnam("nogroup").gr_gid
 OTHER_GID = 4321  # a gid nobody's credentials never carry
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chgrp and setuid")
-
-
-@pytest.fixture
-def sockdir() -> Iterator[Path]:
-    """A directory that an unprivileged child can traverse (pytest's tmp_path is 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="nodeagent-api-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -7,10 +7,8 @@ import contextlib
 import grp
 import os
 import re
-import shutil
 import socket
 import stat
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -398,15 +396,6 @@ def test_a_token_file_that_is_missing_or_empty_is_one_line(
     with pytest.raises(NodeagentError) as info:
         MetricsServer.start(f"127.0.0.1:{free_port()}", collector, bearer_token_file=str(token))
     assert str(info.value) == f"agent.metrics.bearer_token_file {token}: {why}"
-
-
-@pytest.fixture
-def sockdir() -> Iterator[Path]:
-    """A directory an unprivileged child can traverse (pytest's tmp_path is 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="nodeagent-metrics-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @needs_root
