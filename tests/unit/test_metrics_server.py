@@ -107,19 +107,26 @@ def agent_for(tmp_path: Path, port: int) -> Agent:
     return Agent(load_policy(policy), tree, dry_run=True, config_path=str(policy))
 
 
-def test_the_daemon_counts_its_ticks_on_the_endpoint(tmp_path: Path) -> None:
-    port = free_port()
+@contextlib.contextmanager
+def daemon_serving(tmp_path: Path, port: int) -> Iterator[tuple[Agent, MetricsServer]]:
+    """A daemon whose policy listens on `port`, and the endpoint it serves, closed after."""
     agent = agent_for(tmp_path, port)
     server = serve_metrics(agent)
     assert server is not None
     try:
+        yield agent, server
+    finally:
+        server.close()
+
+
+def test_the_daemon_counts_its_ticks_on_the_endpoint(tmp_path: Path) -> None:
+    port = free_port()
+    with daemon_serving(tmp_path, port) as (agent, _):
         assert agent.run(once=True)
         body = get(f"http://127.0.0.1:{port}/metrics")
         assert 'nodeagent_ticks_total{result="ok"} 1.0' in body
         assert "nodeagent_dry_run 1.0" in body
         assert "nodeagent_deadline_misses_total 0.0" in body
-    finally:
-        server.close()
 
 
 def test_off_unless_listen_is_set(tmp_path: Path) -> None:
@@ -230,10 +237,7 @@ def test_a_silent_or_dripping_client_is_cut_at_the_request_deadline(
 
 def test_health_and_other_paths(tmp_path: Path) -> None:
     port = free_port()
-    agent = agent_for(tmp_path, port)
-    server = serve_metrics(agent)
-    assert server is not None
-    try:
+    with daemon_serving(tmp_path, port) as (agent, _):
         assert agent.run(once=True)
         status, fields, body = http(("127.0.0.1", port), "/healthz")
         assert (status, body) == (200, b"ok\n")
@@ -243,8 +247,6 @@ def test_health_and_other_paths(tmp_path: Path) -> None:
             assert (status, body) == (404, b"not found: try /metrics or /healthz\n"), path
         status, _, body = http(("127.0.0.1", port), "/metrics?x=1")
         assert status == 200 and b"nodeagent_ticks_total" in body
-    finally:
-        server.close()
 
 
 def test_healthz_is_503_once_no_tick_came_within_the_window(tmp_path: Path) -> None:
@@ -271,17 +273,12 @@ def test_healthz_is_503_once_no_tick_came_within_the_window(tmp_path: Path) -> N
 
 
 def test_the_daemons_health_window_is_three_ticks_or_30_s(tmp_path: Path) -> None:
-    agent = agent_for(tmp_path, free_port())
-    server = serve_metrics(agent)
-    assert server is not None
-    try:
+    with daemon_serving(tmp_path, free_port()) as (agent, server):
         assert server.stale_after() == 30.0  # interval 1 s
         agent.spec = agent.spec.model_copy(
             update={"agent": agent.spec.agent.model_copy(update={"interval": 20.0})}
         )
         assert server.stale_after() == 60.0
-    finally:
-        server.close()
 
 
 class CountingCollector(TickCollector):
