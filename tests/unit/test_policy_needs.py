@@ -217,6 +217,15 @@ def test_the_loop_reads_the_union_of_what_the_policies_declare(agent: Agent) -> 
     }
 
 
+def test_a_deadline_job_a_rule_claims_is_read_for_its_processes_every_tick(agent: Agent) -> None:
+    """A rule's deadline job is 'waiting' until it holds a process: cgroup.events must be
+    read every tick, or it stays waiting (and its threads uncounted) until its next full
+    read, while the earlier deadlines are planned without it (seen in the VM)."""
+    assignments, managed, _, _ = agent._claimed(agent.registry.identities(), {})
+    needs = agent._needs(assignments, managed)
+    assert needs[f"{SLICE}/deadline-a"] == Needs(events=True, pressure=True, threads=True)
+
+
 class Wants(Policy):
     """A policy the loop has never heard of: reads memory.current of batch workloads,
     and is stale while its carry says so or a workload uses a CPU."""
