@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
+from test_sense import FILES
 
 from nodeagent.cgroupfs.parse import Psi, PsiLine
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree
@@ -26,16 +27,6 @@ from nodeagent.snapshot import NO_NEEDS, CgroupSample, Needs, WorkloadState
 from nodeagent.spec.model import PolicySpec, WorkloadClass
 
 SLICE = "nodeagent.slice"
-FILES = {
-    "cgroup.procs": "",
-    "cgroup.events": "populated 1\nfrozen 0\n",
-    "cpu.stat": "usage_usec 100\nuser_usec 60\nsystem_usec 40\n",
-    "cpu.weight": "100\n",
-    "cpu.max": "max 100000\n",
-    "cpu.pressure": "some avg10=1.00 avg60=0.50 avg300=0.10 total=1234\n",
-    "memory.current": "4096\n",
-    "cgroup.threads": "11\n12\n",
-}
 WORKLOADS = ("deadline-a", "infer-a", "reserved-a", "batch-a", "job-a")
 """One workload of each kind a policy treats apart: a rule's deadline job, a protected
 class, a class with a reservation, a plain batch workload, and a job exec started."""
