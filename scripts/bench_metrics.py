@@ -19,6 +19,7 @@ from collections.abc import Callable
 from types import TracebackType
 
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
 
 from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.parse import Psi, PsiLine
@@ -47,6 +48,8 @@ POLICY = PolicySpec.model_validate(
 
 
 def tick(n: int, seq: int) -> TickRecord:
+    """`n` busy jobs in 4 tenants, every attribute written, their counters apart by one per
+    job; also tests/unit/test_metrics_golden.py's tick, whose fixtures hold its scrape."""
     psi = Psi(PsiLine(3.0, 2.0, 1.0, 10), PsiLine(1.0, 1.0, 1.0, 5))
     settings = {
         Attribute.CPU_WEIGHT: CpuWeight(100),
@@ -63,11 +66,11 @@ def tick(n: int, seq: int) -> TickRecord:
         identity = WorkloadIdentity(path, Kind.JOB, Runtime.NODEAGENT, Owner.NODEAGENT, path)
         sample = CgroupSample(
             populated=True,
-            cpu_usage_us=10**7,
+            cpu_usage_us=10**7 + i,
             cpu_nr_periods=100,
             cpu_nr_throttled=1,
             cpu_throttled_us=1000,
-            memory_current=1 << 28,
+            memory_current=(1 << 28) + i,
             cpu_psi=psi,
             memory_psi=psi,
             settings=settings,
@@ -105,7 +108,7 @@ class TimedLock:
         self._lock.release()
 
 
-def renderer(collector: TickCollector, accept: str) -> Callable[[], bytes]:
+def renderer(collector: Collector, accept: str) -> Callable[[], bytes]:
     """The server's own render (MetricsServer._render), without a socket or the process
     collector."""
     server = object.__new__(MetricsServer)

@@ -78,14 +78,22 @@ class DockerAdapter:
     def _get(self, target: str) -> unixhttp.Response:
         return unixhttp.get(self.socket, target, self.timeout)
 
-    def container(self, container_id: str) -> ContainerMeta | None:
-        response = self._get(f"/containers/{quote(container_id, safe='')}/json")
+    def _inspect(self, target: str) -> tuple[Mapping[str, object], Mapping[str, object]] | None:
+        """A container's inspect answer and its Config (podman's libpod API is shaped as
+        Docker's); None for a container the runtime does not know."""
+        response = self._get(target)
         if response.status == 404:
             return None
         if response.status != 200:
             raise BadAnswer(f"{self.name} answered HTTP {response.status}")
         found = _mapping(response.json(), "the answer")
-        config = _mapping(found.get("Config"), "Config")
+        return found, _mapping(found.get("Config"), "Config")
+
+    def container(self, container_id: str) -> ContainerMeta | None:
+        inspected = self._inspect(f"/containers/{quote(container_id, safe='')}/json")
+        if inspected is None:
+            return None
+        found, config = inspected
         own = labels(config.get("Labels"))
         raw_name = found.get("Name")
         return ContainerMeta(

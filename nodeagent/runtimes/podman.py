@@ -43,17 +43,14 @@ class PodmanAdapter(DockerAdapter):
 
     def container(self, container_id: str) -> ContainerMeta | None:
         try:
-            response = self._get(f"{API}/containers/{quote(container_id, safe='')}/json")
+            inspected = self._inspect(f"{API}/containers/{quote(container_id, safe='')}/json")
         except Unavailable:
             if self.storage is None or os.path.exists(self.socket):
                 raise  # a service that is there and does not answer: the runtime is down
             return self._from_store(container_id)
-        if response.status == 404:
+        if inspected is None:
             return None
-        if response.status != 200:
-            raise BadAnswer(f"podman answered HTTP {response.status}")
-        found = _mapping(response.json(), "the answer")
-        config = _mapping(found.get("Config"), "Config")
+        found, config = inspected
         pod = None
         pod_id = found.get("Pod")
         if isinstance(pod_id, str) and pod_id:

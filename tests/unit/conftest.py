@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 from policy_fuzz import COUNTS
+
+
+@pytest.fixture
+def sockdir() -> Iterator[Path]:
+    """A directory for a server's socket that an unprivileged child can traverse (pytest's
+    tmp_path is 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="nodeagent-sock-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

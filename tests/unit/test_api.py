@@ -7,11 +7,8 @@ import datetime as dt
 import grp
 import json
 import os
-import resource
-import shutil
 import socket
 import stat
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -19,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from descriptors import accept_tries_while_out_of_fds
 from peers import as_user, held_as
 
 from nodeagent.api import client
@@ -42,15 +40,6 @@ NOGROUP = grp.getgrnam("nogroup").gr_gid
 OTHER_GID = 4321  # a gid nobody's credentials never carry
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chgrp and setuid")
-
-
-@pytest.fixture
-def sockdir() -> Iterator[Path]:
-    """A directory that an unprivileged child can traverse (pytest's tmp_path is 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="nodeagent-api-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -802,29 +791,8 @@ def test_emfile_on_accept_backs_off_and_recovers(
     serve: Callable[..., ApiServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server = serve({"/v1/echo": {"GET": echo}})
-    accepts = [0]
-    real_accept = socket.socket.accept
-
-    def counting_accept(self: socket.socket) -> tuple[socket.socket, Any]:
-        accepts[0] += 1
-        return real_accept(self)
-
-    monkeypatch.setattr(socket.socket, "accept", counting_accept)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # made while descriptors last
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    fillers: list[int] = []
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
-        with contextlib.suppress(OSError):
-            while True:
-                fillers.append(os.open("/dev/null", os.O_RDONLY))
-        sock.connect(server.socket_path)  # accept() now fails with EMFILE
-        time.sleep(1.5)
-        tries = accepts[0]
-    finally:
-        for fd in fillers:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    tries = accept_tries_while_out_of_fds(monkeypatch, sock, server.socket_path)
     # Backing off from 50 ms, doubling, makes 5 tries in 1.5 s; retrying at once made 156,298.
     assert 1 <= tries <= 20
     with sock:

@@ -94,13 +94,27 @@ def test_the_file_is_written_only_when_it_changes_and_a_failure_is_said_once(
     assert target.read_text() == (SHOWN / NODES[1].stem).read_text()
 
 
+PAIRS = REPO / "config/gpus/4x-a100-two-nvlink-pairs.yaml"
+NODE_UID = "9d2f0c1e-0000-4000-8000-000000000001"
+PUBLISH_NRT = PolicySpec.model_validate(
+    {"version": 1, "agent": {"mode": "kubernetes"}, "tenants": {"a": {"shares": 1}},
+     "publish": {"node_resource_topology": True}}
+)  # fmt: skip
+
+
+def api_client(api: ApiServerStandIn) -> kube_client.ApiClient:
+    """A client of the stand-in API server, which knows node gpu-1."""
+    api.nodes["gpu-1"] = node("gpu-1", NODE_UID)
+    return kube_client.ApiClient(kube_client.Configuration(host=api.url))
+
+
 def pairs_topology(tmp_path: Path) -> dict[str, object]:
     with kubelet(tmp_path, load("podresources.json")) as k:
         c = PodResourcesClient(k.socket, 5)
         body = node_resource_topology(
-            "gpu-1", state(REPO / "config/gpus/4x-a100-two-nvlink-pairs.yaml"),
+            "gpu-1", state(PAIRS),
             c.allocatable(), c.list(), gpu_resources=("nvidia.com/gpu", "nvidia.com/mig-*"),
-            owner={"name": "gpu-1", "uid": "9d2f0c1e-0000-4000-8000-000000000001"},
+            owner={"name": "gpu-1", "uid": NODE_UID},
         )  # fmt: skip
         c.close()
     return body
@@ -121,30 +135,25 @@ def test_the_node_resource_topology_object_is_valid_against_its_schema(tmp_path:
 
 
 def test_the_object_is_created_then_replaced_through_the_api_server(tmp_path: Path) -> None:
-    spec = PolicySpec.model_validate(
-        {"version": 1, "agent": {"mode": "kubernetes"}, "tenants": {"a": {"shares": 1}},
-         "publish": {"node_resource_topology": True}}
-    )  # fmt: skip
     with ApiServerStandIn() as api, kubelet(tmp_path, load("podresources.json")) as k:
-        api.nodes["gpu-1"] = node("gpu-1", "9d2f0c1e-0000-4000-8000-000000000001")
-        client = kube_client.ApiClient(kube_client.Configuration(host=api.url))
+        client = api_client(api)
         listing = PodResourcesClient(k.socket, 5).list()
         held = [listing]
         publisher = Publisher(PodResourcesClient(k.socket, 5), client, "gpu-1", lambda: held[0])
-        pairs = state(REPO / "config/gpus/4x-a100-two-nvlink-pairs.yaml")
-        publisher.publish(pairs, spec)
+        pairs = state(PAIRS)
+        publisher.publish(pairs, PUBLISH_NRT)
         created = api.topologies["gpu-1"]
         assert created["metadata"]["ownerReferences"] == [
             {"apiVersion": "v1", "kind": "Node", "name": "gpu-1",
-             "uid": "9d2f0c1e-0000-4000-8000-000000000001"}
+             "uid": NODE_UID}
         ]  # fmt: skip
         held[0] = listing[1:]  # the trainer's pod ended: GPUs 0 and 1 are free
         publisher._published_at = -1e9  # its next update is due
-        publisher.publish(pairs, spec)
+        publisher.publish(pairs, PUBLISH_NRT)
         zones = api.topologies["gpu-1"]["zones"]
         assert [z["resources"][0]["available"] for z in zones] == [2, 1]
         publisher._published_at = -1e9
-        publisher.publish(pairs, spec)  # nothing changed: nothing sent
+        publisher.publish(pairs, PUBLISH_NRT)  # nothing changed: nothing sent
     assert api.writes == [("POST", NRT_PATH), ("PUT", f"{NRT_PATH}/gpu-1")]
 
 
@@ -154,24 +163,19 @@ def test_the_docs_show_the_labels_as_written() -> None:
 
 
 def test_an_object_another_producer_keeps_is_left_alone_and_said_once(tmp_path: Path) -> None:
-    spec = PolicySpec.model_validate(
-        {"version": 1, "agent": {"mode": "kubernetes"}, "tenants": {"a": {"shares": 1}},
-         "publish": {"node_resource_topology": True}}
-    )  # fmt: skip
     with ApiServerStandIn() as api, kubelet(tmp_path, load("podresources.json")) as k:
-        api.nodes["gpu-1"] = node("gpu-1", "9d2f0c1e-0000-4000-8000-000000000001")
+        client = api_client(api)
         theirs = {"apiVersion": "topology.node.k8s.io/v1alpha2", "kind": "NodeResourceTopology",
                   "metadata": {"name": "gpu-1", "resourceVersion": "7",
                                "labels": {"app.kubernetes.io/managed-by": "nfd-topology-updater"}},
                   "zones": []}  # fmt: skip
         api.topologies["gpu-1"] = theirs
-        client = kube_client.ApiClient(kube_client.Configuration(host=api.url))
         publisher = Publisher(PodResourcesClient(k.socket, 5), client, "gpu-1", lambda: ())
-        pairs = state(REPO / "config/gpus/4x-a100-two-nvlink-pairs.yaml")
+        pairs = state(PAIRS)
         with structlog.testing.capture_logs() as logs:
             for _ in range(2):
                 publisher._published_at = -1e9
-                publisher.publish(pairs, spec)
+                publisher.publish(pairs, PUBLISH_NRT)
     assert api.topologies["gpu-1"] is theirs and api.writes == []
     assert [e["error"] for e in logs if e["event"] == "publish.failed"] == [
         "NodeResourceTopology gpu-1 has another producer (app.kubernetes.io/managed-by:"

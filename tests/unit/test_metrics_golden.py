@@ -12,97 +12,49 @@ t.write_fixtures()'`.
 from __future__ import annotations
 
 import gzip
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 from test_metrics import full_scrape
-from ticks import record, state
+from ticks import REPO, record, state
 
-from nodeagent.act import Outcome, WriteResult
-from nodeagent.cgroupfs.parse import Psi, PsiLine
-from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, MemoryLimit
-from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.metrics.collector import TickCollector
-from nodeagent.metrics.server import MetricsServer
-from nodeagent.policy.classify import assign
-from nodeagent.policy.plan import make_plan
-from nodeagent.report import TickRecord
-from nodeagent.snapshot import CgroupSample, NodeSnapshot, NodeState, WorkloadState
-from nodeagent.spec.model import PolicySpec
 
 DATA = Path(__file__).parent / "data" / "metrics"
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 FORMATS = {"text": "", "openmetrics": OPENMETRICS}
 BUILD = b"nodeagent_build_info{"
-POLICY = PolicySpec.model_validate(
-    {
-        "version": 1,
-        "tenants": {f"t{i}": {"shares": i + 1} for i in range(4)},
-        "rules": [
-            {"name": f"t{i}", "match": {"path": f"nodeagent.slice/t{i}-*"}, "tenant": f"t{i}"}
-            for i in range(4)
-        ],
-    }
-)
+BENCH = REPO / "scripts" / "bench_metrics.py"
 
 
-def tick(n: int, seq: int) -> TickRecord:
-    """`n` busy jobs in 4 tenants, every attribute written (scripts/bench_metrics.py's)."""
-    psi = Psi(PsiLine(3.0, 2.0, 1.0, 10), PsiLine(1.0, 1.0, 1.0, 5))
-    settings = {
-        Attribute.CPU_WEIGHT: CpuWeight(100),
-        Attribute.CPU_MAX: CpuMax(None),
-        Attribute.MEMORY_MAX: MemoryLimit(None),
-        Attribute.MEMORY_HIGH: MemoryLimit(None),
-        Attribute.MEMORY_LOW: MemoryLimit(0),
-        Attribute.MEMORY_MIN: MemoryLimit(0),
-        Attribute.FREEZE: Frozen(False),
-    }
-    states = []
-    for i in range(n):
-        path = f"nodeagent.slice/t{i % 4}-{i}"
-        identity = WorkloadIdentity(path, Kind.JOB, Runtime.NODEAGENT, Owner.NODEAGENT, path)
-        sample = CgroupSample(
-            populated=True,
-            cpu_usage_us=10**7 + i,
-            cpu_nr_periods=100,
-            cpu_nr_throttled=1,
-            cpu_throttled_us=1000,
-            memory_current=(1 << 28) + i,
-            cpu_psi=psi,
-            memory_psi=psi,
-            settings=settings,
-        )
-        states.append(WorkloadState(identity, sample, 0.5, 0.01, 0.02))
-    node = NodeState(64, 0.5, 1 << 38, 1 << 37, 4096)
-    snap = NodeSnapshot(seq, 1.7e9 + seq, 1.0, node, tuple(states))
-    plan = make_plan(snap, POLICY, {})
-    results = tuple(
-        WriteResult(cg.path, a, "100", t.render(), t.reason, Outcome.WRITTEN)
-        for cg in plan.cgroups
-        for a, t in cg.targets.items()
-    )
-    assignments = assign([w.identity for w in states], POLICY)
-    return TickRecord(snap, plan, results, 0.01, False, assignments)
+def _bench() -> ModuleType:
+    """scripts/bench_metrics.py: its ticks (`n` busy jobs in 4 tenants, every attribute
+    written) and the server's own render are what this test checks."""
+    spec = importlib.util.spec_from_file_location("bench_metrics", BENCH)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
 
 
 def served(collector: Collector, accept: str) -> bytes:
     """What the server answers /metrics with, less its process's series (and the build's,
     which name the Python that runs the test)."""
-    server = object.__new__(MetricsServer)
-    server._sources = (collector,)
-    server._dropped_logged = {}
-    encoder, _ = choose_encoder(accept)
-    body = server._render(encoder)
+    body: bytes = bench.renderer(collector, accept)()
     return b"".join(x for x in body.splitlines(True) if not x.startswith(BUILD))
 
 
 def thousand() -> TickCollector:
     c = TickCollector()
-    c.observe(tick(1000, 0))
-    c.observe(tick(1000, 1))
+    c.observe(bench.tick(1000, 0))
+    c.observe(bench.tick(1000, 1))
     return c
 
 

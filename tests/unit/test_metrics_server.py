@@ -7,11 +7,8 @@ import contextlib
 import grp
 import os
 import re
-import resource
-import shutil
 import socket
 import stat
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -19,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import structlog
+from descriptors import accept_tries_while_out_of_fds
 from peers import as_user, held_as
 from prometheus_client.core import GaugeMetricFamily, Metric
 
@@ -109,19 +107,26 @@ def agent_for(tmp_path: Path, port: int) -> Agent:
     return Agent(load_policy(policy), tree, dry_run=True, config_path=str(policy))
 
 
-def test_the_daemon_counts_its_ticks_on_the_endpoint(tmp_path: Path) -> None:
-    port = free_port()
+@contextlib.contextmanager
+def daemon_serving(tmp_path: Path, port: int) -> Iterator[tuple[Agent, MetricsServer]]:
+    """A daemon whose policy listens on `port`, and the endpoint it serves, closed after."""
     agent = agent_for(tmp_path, port)
     server = serve_metrics(agent)
     assert server is not None
     try:
+        yield agent, server
+    finally:
+        server.close()
+
+
+def test_the_daemon_counts_its_ticks_on_the_endpoint(tmp_path: Path) -> None:
+    port = free_port()
+    with daemon_serving(tmp_path, port) as (agent, _):
         assert agent.run(once=True)
         body = get(f"http://127.0.0.1:{port}/metrics")
         assert 'nodeagent_ticks_total{result="ok"} 1.0' in body
         assert "nodeagent_dry_run 1.0" in body
         assert "nodeagent_deadline_misses_total 0.0" in body
-    finally:
-        server.close()
 
 
 def test_off_unless_listen_is_set(tmp_path: Path) -> None:
@@ -232,10 +237,7 @@ def test_a_silent_or_dripping_client_is_cut_at_the_request_deadline(
 
 def test_health_and_other_paths(tmp_path: Path) -> None:
     port = free_port()
-    agent = agent_for(tmp_path, port)
-    server = serve_metrics(agent)
-    assert server is not None
-    try:
+    with daemon_serving(tmp_path, port) as (agent, _):
         assert agent.run(once=True)
         status, fields, body = http(("127.0.0.1", port), "/healthz")
         assert (status, body) == (200, b"ok\n")
@@ -245,8 +247,6 @@ def test_health_and_other_paths(tmp_path: Path) -> None:
             assert (status, body) == (404, b"not found: try /metrics or /healthz\n"), path
         status, _, body = http(("127.0.0.1", port), "/metrics?x=1")
         assert status == 200 and b"nodeagent_ticks_total" in body
-    finally:
-        server.close()
 
 
 def test_healthz_is_503_once_no_tick_came_within_the_window(tmp_path: Path) -> None:
@@ -273,17 +273,12 @@ def test_healthz_is_503_once_no_tick_came_within_the_window(tmp_path: Path) -> N
 
 
 def test_the_daemons_health_window_is_three_ticks_or_30_s(tmp_path: Path) -> None:
-    agent = agent_for(tmp_path, free_port())
-    server = serve_metrics(agent)
-    assert server is not None
-    try:
+    with daemon_serving(tmp_path, free_port()) as (agent, server):
         assert server.stale_after() == 30.0  # interval 1 s
         agent.spec = agent.spec.model_copy(
             update={"agent": agent.spec.agent.model_copy(update={"interval": 20.0})}
         )
         assert server.stale_after() == 60.0
-    finally:
-        server.close()
 
 
 class CountingCollector(TickCollector):
@@ -400,15 +395,6 @@ def test_a_token_file_that_is_missing_or_empty_is_one_line(
     assert str(info.value) == f"agent.metrics.bearer_token_file {token}: {why}"
 
 
-@pytest.fixture
-def sockdir() -> Iterator[Path]:
-    """A directory an unprivileged child can traverse (pytest's tmp_path is 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="nodeagent-metrics-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 @needs_root
 def test_a_unix_socket_answers_its_group_and_caps_each_uid(
     sockdir: Path, collector: TickCollector
@@ -438,29 +424,8 @@ def test_a_unix_socket_answers_its_group_and_caps_each_uid(
 def test_emfile_on_accept_backs_off_and_recovers(
     served: MetricsServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    accepts = [0]
-    real_accept = socket.socket.accept
-
-    def counting_accept(self: socket.socket) -> tuple[socket.socket, object]:
-        accepts[0] += 1
-        return real_accept(self)
-
-    monkeypatch.setattr(socket.socket, "accept", counting_accept)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # made while descriptors last
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    fillers: list[int] = []
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
-        with contextlib.suppress(OSError):
-            while True:
-                fillers.append(os.open("/dev/null", os.O_RDONLY))
-        sock.connect(("127.0.0.1", served.port))  # accept() now fails with EMFILE
-        time.sleep(1.5)
-        tries = accepts[0]
-    finally:
-        for fd in fillers:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    tries = accept_tries_while_out_of_fds(monkeypatch, sock, ("127.0.0.1", served.port))
     assert 1 <= tries <= 20  # backing off from 50 ms, doubling: about 5 in 1.5 s
     with sock:
         sock.settimeout(10)

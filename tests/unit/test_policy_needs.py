@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
+from test_sense import FILES
 
 from nodeagent.cgroupfs.parse import Psi, PsiLine
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree
@@ -26,16 +27,6 @@ from nodeagent.snapshot import NO_NEEDS, CgroupSample, Needs, WorkloadState
 from nodeagent.spec.model import PolicySpec, WorkloadClass
 
 SLICE = "nodeagent.slice"
-FILES = {
-    "cgroup.procs": "",
-    "cgroup.events": "populated 1\nfrozen 0\n",
-    "cpu.stat": "usage_usec 100\nuser_usec 60\nsystem_usec 40\n",
-    "cpu.weight": "100\n",
-    "cpu.max": "max 100000\n",
-    "cpu.pressure": "some avg10=1.00 avg60=0.50 avg300=0.10 total=1234\n",
-    "memory.current": "4096\n",
-    "cgroup.threads": "11\n12\n",
-}
 WORKLOADS = ("deadline-a", "infer-a", "reserved-a", "batch-a", "job-a")
 """One workload of each kind a policy treats apart: a rule's deadline job, a protected
 class, a class with a reservation, a plain batch workload, and a job exec started."""
@@ -215,6 +206,15 @@ def test_the_loop_reads_the_union_of_what_the_policies_declare(agent: Agent) -> 
         "batch-a": Needs(memory=True),
         "job-a": Needs(events=True),
     }
+
+
+def test_a_deadline_job_a_rule_claims_is_read_for_its_processes_every_tick(agent: Agent) -> None:
+    """A rule's deadline job is 'waiting' until it holds a process: cgroup.events must be
+    read every tick, or it stays waiting (and its threads uncounted) until its next full
+    read, while the earlier deadlines are planned without it (seen in the VM)."""
+    assignments, managed, _, _ = agent._claimed(agent.registry.identities(), {})
+    needs = agent._needs(assignments, managed)
+    assert needs[f"{SLICE}/deadline-a"] == Needs(events=True, pressure=True, threads=True)
 
 
 class Wants(Policy):

@@ -8,9 +8,11 @@ pointing at it, and each key a symlink through `..data`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import structlog
@@ -52,14 +54,24 @@ def policy(tmp_path: Path, tenants: list[str], reload: bool = True) -> str:
     )
 
 
-def running_agent(tmp_path: Path, volume: Path) -> tuple[Agent, threading.Thread]:
+@contextlib.contextmanager
+def running_agent(tmp_path: Path, first: str) -> Iterator[tuple[Agent, Path]]:
+    """The loop running in a thread on a ConfigMap volume whose first policy is `first`;
+    the agent and the volume, the loop stopped after."""
+    volume = tmp_path / "config"
+    volume.mkdir()
+    write_configmap(volume, 1, first)
     (tmp_path / "cgroup").mkdir()
     path = str(volume / "policy.yaml")
     agent = Agent(load_policy(path), CgroupTree(str(tmp_path / "cgroup")), dry_run=True,
                   config_path=path)  # fmt: skip
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
-    return agent, thread
+    try:
+        yield agent, volume
+    finally:
+        agent.stop.set()
+        thread.join(10)
 
 
 def wait_for(check: object, seconds: float = 20.0) -> bool:
@@ -72,11 +84,7 @@ def wait_for(check: object, seconds: float = 20.0) -> bool:
 
 
 def test_a_configmap_update_is_reloaded_by_the_loop(tmp_path: Path) -> None:
-    volume = tmp_path / "config"
-    volume.mkdir()
-    write_configmap(volume, 1, policy(tmp_path, ["research"]))
-    agent, thread = running_agent(tmp_path, volume)
-    try:
+    with running_agent(tmp_path, policy(tmp_path, ["research"])) as (agent, volume):
         assert wait_for(lambda: agent.last is not None)
         with structlog.testing.capture_logs() as logs:
             write_configmap(volume, 2, policy(tmp_path, ["research", "prod"]))
@@ -84,19 +92,12 @@ def test_a_configmap_update_is_reloaded_by_the_loop(tmp_path: Path) -> None:
         assert [e["file"] for e in logs if e["event"] == "policy.reloaded"] == [
             str(volume / "policy.yaml")
         ]
-    finally:
-        agent.stop.set()
-        thread.join(10)
 
 
 def test_a_bad_update_keeps_the_last_good_policy_and_the_next_good_one_applies(
     tmp_path: Path,
 ) -> None:
-    volume = tmp_path / "config"
-    volume.mkdir()
-    write_configmap(volume, 1, policy(tmp_path, ["research"]))
-    agent, thread = running_agent(tmp_path, volume)
-    try:
+    with running_agent(tmp_path, policy(tmp_path, ["research"])) as (agent, volume):
         assert wait_for(lambda: agent.last is not None)
         with structlog.testing.capture_logs() as logs:
             write_configmap(volume, 2, "version: 1\ntenants: {research: {shares: -1}}\n")
@@ -105,17 +106,10 @@ def test_a_bad_update_keeps_the_last_good_policy_and_the_next_good_one_applies(
         assert agent.last_reload[0] is False
         write_configmap(volume, 3, policy(tmp_path, ["research", "prod"]))
         assert wait_for(lambda: set(agent.spec.tenants) == {"research", "prod"})
-    finally:
-        agent.stop.set()
-        thread.join(10)
 
 
 def test_without_the_setting_a_changed_file_waits_for_sighup(tmp_path: Path) -> None:
-    volume = tmp_path / "config"
-    volume.mkdir()
-    write_configmap(volume, 1, policy(tmp_path, ["research"], reload=False))
-    agent, thread = running_agent(tmp_path, volume)
-    try:
+    with running_agent(tmp_path, policy(tmp_path, ["research"], reload=False)) as (agent, volume):
         first = agent.last
         write_configmap(volume, 2, policy(tmp_path, ["research", "prod"], reload=False))
         # ticks go on (a new record each), the policy stays until it is asked for
@@ -125,9 +119,6 @@ def test_without_the_setting_a_changed_file_waits_for_sighup(tmp_path: Path) -> 
         assert set(agent.spec.tenants) == {"research"}
         agent.reload_requested.set()
         assert wait_for(lambda: set(agent.spec.tenants) == {"research", "prod"})
-    finally:
-        agent.stop.set()
-        thread.join(10)
 
 
 def test_the_watch_reports_each_change_once_and_a_missing_file_not_at_all(tmp_path: Path) -> None:
