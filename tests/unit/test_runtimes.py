@@ -263,8 +263,10 @@ def test_workloads_shows_the_runtimes_names_and_why_a_rule_did_not_match(
     docker.answers[A] = container(A, "web-1", "nginx:1.25", {"team": "a"})
     docker.answers[B] = container(B, "x", "i", {f"k{n}": "v" for n in range(10_000)})
     policy = tmp_path / "policy.yaml"
+    # a generous deadline: 10,000 labels take more than 200 ms to send on a loaded host, and
+    # the refusal, not the timeout, is what is shown
     policy.write_text(
-        f"version: 1\nagent: {{runtimes: {{docker: {docker.path}}}}}\n"
+        f"version: 1\nagent: {{runtimes: {{docker: {docker.path}, timeout: 5}}}}\n"
         "tenants: {a: {shares: 1}}\n"
         "rules:\n"
         "  - {name: team-a, match: {labels: {team: a}}, tenant: a}\n"
