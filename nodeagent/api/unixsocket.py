@@ -80,6 +80,7 @@ def _ensure_parent(parent: str, gid: int | None, what: str) -> None:
     the socket through it.
     """
     if os.path.isdir(parent):
+        _give_the_unit_directory_the_group(parent, gid, what)
         return
     try:
         os.makedirs(parent, exist_ok=True)
@@ -89,6 +90,24 @@ def _ensure_parent(parent: str, gid: int | None, what: str) -> None:
     except OSError as exc:
         raise NodeagentError(
             f"cannot create {what} directory {parent}: {exc.strerror or exc}"
+        ) from exc
+
+
+def _give_the_unit_directory_the_group(parent: str, gid: int | None, what: str) -> None:
+    """systemd makes a unit's `RuntimeDirectory=` (the shipped unit's /run/nodeagent) in the
+    service's own group, root's, mode 0750: the socket group's members could not reach the
+    socket through it. That directory is made for this service alone (systemd names it in
+    $RUNTIME_DIRECTORY), so it gets the socket's group; any other is the operator's choice."""
+    ours = os.environ.get("RUNTIME_DIRECTORY", "").split(":")
+    if gid is None or os.path.abspath(parent) not in {os.path.abspath(d) for d in ours if d}:
+        return
+    try:
+        if os.stat(parent).st_gid != gid:
+            os.chown(parent, -1, gid)
+            log.info("api.directory_group", directory=parent, gid=gid, why=f"{what}'s group")
+    except OSError as exc:
+        raise NodeagentError(
+            f"cannot give {what} directory {parent} its group: {exc.strerror or exc}"
         ) from exc
 
 

@@ -252,6 +252,24 @@ def test_existing_parent_is_left_alone(serve: Callable[..., ApiServer], sockdir:
     assert stat.S_IMODE(os.stat(sockdir).st_mode) == 0o755
 
 
+@needs_root
+def test_the_units_runtime_directory_gets_the_socket_group(
+    serve: Callable[..., ApiServer], sockdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shipped unit's RuntimeDirectory= is root:root 0750 when the agent starts: without
+    the socket's group on it, the group's members could not reach the socket (a real systemd
+    in tests/kernel/test_service.py). Another existing directory keeps its group."""
+    unit_dir, other = sockdir / "unit", sockdir / "other"
+    for d in (unit_dir, other):
+        d.mkdir(mode=0o750)
+    monkeypatch.setenv("RUNTIME_DIRECTORY", f"/run/elsewhere:{unit_dir}")
+    serve({"/v1/echo": {"GET": echo}}, group="nogroup", path=unit_dir / "api.sock")
+    assert os.stat(unit_dir).st_gid == NOGROUP
+    assert stat.S_IMODE(os.stat(unit_dir).st_mode) == 0o750
+    serve({"/v1/echo": {"GET": echo}}, group="nogroup", path=other / "api.sock")
+    assert os.stat(other).st_gid == os.getegid()
+
+
 def test_numeric_group_is_accepted(serve: Callable[..., ApiServer]) -> None:
     server = serve({"/v1/echo": {"GET": echo}}, group=str(NOGROUP))
     assert os.stat(server.socket_path).st_gid == NOGROUP
