@@ -16,12 +16,18 @@ import os
 import resource
 import selectors
 import socket
+import statistics
 import threading
 import time
+from dataclasses import dataclass, field
 from types import TracebackType
+
+from nodeagent.api import client
+from nodeagent.errors import NodeagentError
 
 Target = str | tuple[str, int]
 """A Unix socket's path, or (host, port) over TCP."""
+CLI_DEADLINE = 5.0  # client.get's default, which every read command uses
 
 
 def _hold(target: Target, count: int, stop: int, report: int) -> None:
@@ -126,3 +132,30 @@ class Flood:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+@dataclass
+class Calls:
+    """Root's calls: how long each took, and those that failed."""
+
+    seconds: list[float] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+    def call(self, sock: str, path: str) -> object:
+        t0 = time.monotonic()
+        try:
+            answer = client.get(sock, path, timeout=CLI_DEADLINE)
+        except NodeagentError as exc:
+            self.failed.append(f"{path} after {time.monotonic() - t0:.1f}s: {exc}")
+            return None
+        self.seconds.append(time.monotonic() - t0)
+        return answer
+
+    def figures(self) -> dict[str, float | int]:
+        s = sorted(self.seconds) or [0.0]
+        return {
+            "calls": len(self.seconds) + len(self.failed),
+            "failed": len(self.failed),
+            "p50_ms": round(statistics.median(s) * 1000, 1),
+            "max_ms": round(s[-1] * 1000, 1),
+        }

@@ -30,18 +30,17 @@ import os
 import re
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from floods import Flood
+from floods import CLI_DEADLINE, Calls, Flood
 from helpers import rel, sleeper, wait_for
 
 from nodeagent.api import client
@@ -51,7 +50,6 @@ REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "systemd" / "nodeagent.service"
 GROUP = 4242  # the socket's group: no user on the node has it
 NOBODY = 65534
-CLI_DEADLINE = 5.0  # client.get's default, which every read command uses
 METRICS_FLOOD, API_FLOOD = 800, 200
 TICKS_DURING, AT_LEAST_S, CEILING_S = 30, 20.0, 600.0
 POLICY = """\
@@ -148,33 +146,6 @@ def _answers(sock: str) -> bool:
     except NodeagentError:
         return False
     return True
-
-
-@dataclass
-class Calls:
-    """Root's calls: how long each took, and those that failed."""
-
-    seconds: list[float] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
-
-    def call(self, sock: str, path: str) -> object:
-        t0 = time.monotonic()
-        try:
-            answer = client.get(sock, path, timeout=CLI_DEADLINE)
-        except NodeagentError as exc:
-            self.failed.append(f"{path} after {time.monotonic() - t0:.1f}s: {exc}")
-            return None
-        self.seconds.append(time.monotonic() - t0)
-        return answer
-
-    def figures(self) -> dict[str, float | int]:
-        s = sorted(self.seconds) or [0.0]
-        return {
-            "calls": len(self.seconds) + len(self.failed),
-            "failed": len(self.failed),
-            "p50_ms": round(statistics.median(s) * 1000, 1),
-            "max_ms": round(s[-1] * 1000, 1),
-        }
 
 
 def scrape(port: int) -> tuple[int, float]:

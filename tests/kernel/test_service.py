@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from typing import Any, TypeVar
 
 import pytest
 from conftest import remove_cgroup_tree
+from floods import Calls, Flood
 from helpers import read
 from systemd_host import SystemdHost, checkout_binding
 
@@ -756,6 +758,117 @@ def test_metrics_need_the_drop_in_which_validate_names_and_with_it_the_endpoint_
         )
         assert re.search(r'^nodeagent_ticks_total\{result="ok"\} [1-9]', body, re.M), body[:2000]
     finally:
+        s.systemctl("stop", SERVICE)
+        install_units(s.host)
+        s.write_policy(GOOD)
+
+
+FLOOD_GROUP = 4242  # the API socket's group: no user of the node has it
+NOBODY = 65534
+FLOODS = {"metrics": 800, "api": 200}
+FLOOD_TICKS, FLOOD_AT_LEAST_S, FLOOD_CEILING_S = 30, 20.0, 600.0
+
+
+def _agent_process(s: Service) -> int:
+    """The agent's PID as the VM numbers it (its unit's cgroup holds it alone)."""
+    procs = read(s.host.outer(f"/{CGROUP}"), "cgroup.procs").split()
+    assert len(procs) == 1, procs
+    return int(procs[0])
+
+
+def test_floods_from_a_member_and_a_stranger_leave_the_agent_under_its_unit_ticking(
+    service: Service,
+    capsys: pytest.CaptureFixture[str],
+    record_testsuite_property: Callable[[str, object], None],
+) -> None:
+    """12.16 and 12.18 under the real systemd: the agent started from the shipped unit (its
+    LimitNOFILE=, CPUWeight=, MemoryMin=, sandbox, and the metrics drop-in), the API socket's
+    group set. uid 65534 with that group keeps 200 connections open to the API socket (through
+    the unit's RuntimeDirectory=, which the agent gives the socket's group), and without it 800
+    to the metrics endpoint, reconnecting for every one cut. Throughout, root's calls (the CLI's
+    5 s deadline) are all answered, the ticks keep coming, the agent holds few descriptors."""
+    s = service
+    s.systemctl("stop", SERVICE)
+    install_units(s.host, metrics=True)
+    s.write_policy(
+        policy(
+            "0.2",
+            agent=(
+                f'  interval: 200ms\n  socket_group: "{FLOOD_GROUP}"\n'
+                f"  metrics:\n    listen: 127.0.0.1:{METRICS_PORT}\n"
+            ),
+        )
+    )
+    # the socket's directory seen from the VM, by a bind mount: uid 65534 may not walk
+    # /proc/PID/root of systemd's namespace
+    reach = Path(tempfile.mkdtemp(prefix="nodeagent-flood-", dir="/run"))
+    mounted = False
+    try:
+        s.start()
+        pid = s.main_pid()
+        agent = _agent_process(s)
+        subprocess.run(["mount", "--bind", str(s.host.path("/run/nodeagent")), str(reach)],
+                       check=True)  # fmt: skip
+        mounted = True
+        directory = reach.stat()
+        assert (directory.st_gid, directory.st_mode & 0o777) == (FLOOD_GROUP, 0o750)
+        sock = str(reach / "nodeagent.sock")
+        limits = Path(f"/proc/{agent}/limits").read_text().splitlines()
+        nofile = next(line for line in limits if line.startswith("Max open files")).split()[3:5]
+        assert nofile == ["8192", "8192"], nofile  # the unit's LimitNOFILE=
+
+        def tick() -> int:
+            status = calls.call(sock, "/v1/status")
+            return int(status["tick"] or 0) if isinstance(status, dict) else -1
+
+        mark = s.cursor()
+        calls = Calls()
+        with (
+            Flood(("127.0.0.1", METRICS_PORT), FLOODS["metrics"], NOBODY) as metrics,
+            Flood(sock, FLOODS["api"], NOBODY, groups=(FLOOD_GROUP,)) as api,
+        ):
+            wait("the metrics flood to open its connections", metrics.opened_all)
+            wait("the API flood, a member of the group, to open its connections", api.opened_all)
+            t0, first, seen, fds = time.monotonic(), tick(), 0, 0
+            while seen < FLOOD_TICKS or time.monotonic() - t0 < FLOOD_AT_LEAST_S:
+                assert time.monotonic() - t0 < FLOOD_CEILING_S, f"{seen} ticks in the flood"
+                calls.call(sock, "/v1/allocations")
+                seen = max(seen, tick() - first)
+                fds = max(fds, len(os.listdir(f"/proc/{agent}/fd")))
+                time.sleep(0.2)
+            seconds = time.monotonic() - t0
+            url = f"http://127.0.0.1:{METRICS_PORT}/metrics"
+            with urllib.request.urlopen(url, timeout=60) as answer:
+                scraped = int(answer.status)
+            flooders = {"metrics": dict(metrics.latest), "api": dict(api.latest)}
+            held = {"metrics": metrics.most_open, "api": api.most_open}
+        figures = {
+            "under": f"{SERVICE} (the real systemd)",
+            "limit_nofile": nofile[0],
+            "connections_held": held,
+            "flooders": flooders,
+            "ticks": seen,
+            "seconds": round(seconds, 1),
+            "ticks_per_s": round(seen / seconds, 2),
+            "most_fds": fds,
+            "root": calls.figures(),
+            "scrape_during": scraped,
+        }
+        record_testsuite_property("floods_under_the_unit", json.dumps(figures))
+        with capsys.disabled():
+            print("\nfloods under the unit:", json.dumps(figures))
+        assert calls.failed == [], calls.failed[:5]  # root answered within 5 s, every time
+        assert seen >= FLOOD_TICKS and scraped == 200
+        assert s.main_pid() == pid and s.active_state() == "active"  # never restarted
+        for name, figure in flooders.items():
+            assert figure.get("failed") == 0 and figure["cut"] > FLOODS[name], (name, figure)
+        assert fds < 150
+        failed = [e for e in s.events(mark) if str(e.get("event")).endswith("failed")]
+        assert failed == [], failed[:5]  # no tick.failed, no accept_failed
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(reach)], check=False)
+        reach.rmdir()
         s.systemctl("stop", SERVICE)
         install_units(s.host)
         s.write_policy(GOOD)
