@@ -243,8 +243,12 @@ class Publisher:
 
         node = self._node
         assert node is not None, "checked when the Kubernetes side was made"
+        # every call within the API server's deadline: this runs on the loop's thread
+        deadline = spec.kubernetes.api_server.timeout
         if self._owner is None:
-            found: Any = client.CoreV1Api(self._api_client).read_node(node)
+            found: Any = client.CoreV1Api(self._api_client).read_node(
+                node, _request_timeout=deadline
+            )
             self._owner = {"name": node, "uid": str(found.metadata.uid)}
         body = node_resource_topology(
             node, state, self._pod_resources.allocatable(), self._listing(),
@@ -255,11 +259,15 @@ class Publisher:
         api = client.CustomObjectsApi(self._api_client)
         group, version, plural = NRT_API
         try:
-            current: Any = api.get_cluster_custom_object(group, version, plural, node)
+            current: Any = api.get_cluster_custom_object(
+                group, version, plural, node, _request_timeout=deadline
+            )
         except client.ApiException as e:
             if e.status != 404:
                 raise
-            api.create_cluster_custom_object(group, version, plural, body)
+            api.create_cluster_custom_object(
+                group, version, plural, body, _request_timeout=deadline
+            )
         else:
             producer = (current["metadata"].get("labels") or {}).get(MANAGED_BY)
             if producer != "nodeagent":
@@ -270,6 +278,8 @@ class Publisher:
                 )
             version_now = current["metadata"]["resourceVersion"]
             replaced = {**body, "metadata": {**body["metadata"], "resourceVersion": version_now}}
-            api.replace_cluster_custom_object(group, version, plural, node, replaced)
+            api.replace_cluster_custom_object(
+                group, version, plural, node, replaced, _request_timeout=deadline
+            )
         audit_event("publish.node_resource_topology", node=node, zones=len(body["zones"]))
         self._published = body

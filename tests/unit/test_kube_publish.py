@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from nodeagent.gpu.simulated import load_simulated
 from nodeagent.kube.podresources import PodResourcesClient
 from nodeagent.kube.publish import Publisher, node_resource_topology
 from nodeagent.sense.gpus import GpuSensor
-from nodeagent.spec.model import PolicySpec
+from nodeagent.spec.model import ApiServerSettings, PolicySpec
 
 NODES = sorted((REPO / "config/gpus").glob("*.yaml"))
 SHOWN = REPO / "tests/unit/data/features.d"
@@ -182,3 +184,39 @@ def test_an_object_another_producer_keeps_is_left_alone_and_said_once(tmp_path: 
         " nfd-topology-updater): left as it is; turn publish.node_resource_topology off, or"
         " that producer"
     ]
+
+
+def test_an_api_server_that_never_answers_costs_the_tick_its_deadline_only(
+    tmp_path: Path,
+) -> None:
+    """publish runs on the loop's thread: a server that takes the connection and never
+    answers must not hang it (the kubernetes client has no deadline of its own)."""
+    silent = socket.create_server(("127.0.0.1", 0))  # accepted by the kernel, never read
+    port = silent.getsockname()[1]
+    spec = PUBLISH_NRT.model_copy(
+        update={
+            "kubernetes": PUBLISH_NRT.kubernetes.model_copy(
+                update={"api_server": ApiServerSettings(timeout=0.5)}
+            )
+        }
+    )
+    try:
+        with kubelet(tmp_path, load("podresources.json")) as k:
+            client = kube_client.ApiClient(
+                kube_client.Configuration(host=f"http://127.0.0.1:{port}")
+            )
+            publisher = Publisher(PodResourcesClient(k.socket, 5), client, "gpu-1", lambda: [])
+            done = threading.Event()
+            with structlog.testing.capture_logs() as logs:
+                worker = threading.Thread(
+                    target=lambda: (publisher.publish(state(PAIRS), spec), done.set()),
+                    daemon=True,
+                )
+                worker.start()
+                worker.join(timeout=60)
+            assert done.is_set(), "publish hung on a silent API server"
+    finally:
+        silent.close()
+    failed = [e for e in logs if e["event"] == "publish.failed"]
+    assert len(failed) == 1 and failed[0]["what"] == "topology", logs
+    assert "timed out" in failed[0]["error"].lower(), failed[0]
