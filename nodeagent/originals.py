@@ -14,6 +14,7 @@ wrote over them later (a throttle, a freeze) is, with the job's own limit as its
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,10 +43,12 @@ class Original:
 
 
 class Originals:
-    """cgroup path -> attribute -> Original. Used by the loop's thread only."""
+    """cgroup path -> attribute -> Original. The loop notes its writes; the state file's save
+    dumps it, from an API thread too (a job's start saves at once): one lock covers both."""
 
     def __init__(self) -> None:
         self._by_path: dict[str, dict[Attribute, Original]] = {}
+        self._lock = threading.Lock()
         self.added = False
         """A new record since the last dump: the state file should be saved soon."""
 
@@ -55,40 +58,51 @@ class Originals:
         """One write the agent made (old: what it found there, None when unknown)."""
         if via is WriteMode.READ_ONLY:
             return
-        mine = self._by_path.get(path, {})
-        known = mine.get(attribute)
-        if known is None:
-            if old is not None and old != new:
-                self._by_path[path] = {**mine, attribute: Original(old, new, via)}
-                self.added = True
-        elif new == known.was:
-            self.drop(path, attribute)  # handed back by the agent itself
-        else:
-            mine[attribute] = Original(known.was, new, via)
+        with self._lock:
+            mine = self._by_path.get(path, {})
+            known = mine.get(attribute)
+            if known is None:
+                if old is not None and old != new:
+                    self._by_path[path] = {**mine, attribute: Original(old, new, via)}
+                    self.added = True
+            elif new == known.was:
+                self._drop(path, attribute)  # handed back by the agent itself
+            else:
+                mine[attribute] = Original(known.was, new, via)
 
     def forget(self, paths: Iterable[str]) -> None:
         """Cgroups that are gone: nothing of theirs can be handed back."""
-        for path in paths:
-            self._by_path.pop(path, None)
+        with self._lock:
+            for path in paths:
+                self._by_path.pop(path, None)
 
     def items(self) -> list[tuple[str, Attribute, Original]]:
-        return [(p, a, o) for p, attrs in sorted(self._by_path.items()) for a, o in attrs.items()]
+        with self._lock:
+            return [
+                (p, a, o) for p, attrs in sorted(self._by_path.items()) for a, o in attrs.items()
+            ]
 
     def drop(self, path: str, attribute: Attribute) -> None:
+        with self._lock:
+            self._drop(path, attribute)
+
+    def _drop(self, path: str, attribute: Attribute) -> None:
         mine = self._by_path.get(path, {})
         mine.pop(attribute, None)
         if not mine:
             self._by_path.pop(path, None)
 
     def __len__(self) -> int:
-        return sum(len(a) for a in self._by_path.values())
+        with self._lock:
+            return sum(len(a) for a in self._by_path.values())
 
     def dump(self) -> dict[str, dict[str, dict[str, str]]]:
-        self.added = False
-        return {
-            path: {str(a): o.to_json() for a, o in attrs.items()}
-            for path, attrs in sorted(self._by_path.items())
-        }
+        with self._lock:
+            self.added = False
+            return {
+                path: {str(a): o.to_json() for a, o in attrs.items()}
+                for path, attrs in sorted(self._by_path.items())
+            }
 
     @classmethod
     def load(cls, raw: Mapping[str, Any]) -> Originals:

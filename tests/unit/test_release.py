@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -298,3 +300,41 @@ def test_as_exec_stop_post_of_a_restart_it_releases_nothing(
         " the next agent keeps what this one set\n"
     )
     assert (b / "cgroup.freeze").read_text() == "1\n"
+
+
+def test_a_save_on_an_api_thread_dumps_the_originals_while_the_loop_notes_its_writes() -> None:
+    """A job's start saves the state file from its API thread while the loop notes writes and
+    hands values back: the dump never sees an attribute's record change under it (before the
+    lock: "dictionary changed size during iteration", and the save was skipped)."""
+    originals = Originals()
+    paths = [f"nodeagent.slice/j{i}" for i in range(50)]
+    attributes = [Attribute.CPU_MAX, Attribute.MEMORY_MAX, Attribute.MEMORY_HIGH]
+    stop, errors = threading.Event(), []
+
+    def save() -> None:
+        while not stop.is_set():
+            try:
+                originals.dump()
+            except RuntimeError as e:
+                errors.append(str(e))
+                return
+
+    saver = threading.Thread(target=save)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    saver.start()
+    try:
+        for _ in range(300):
+            for p in paths:
+                for a in attributes:
+                    originals.note(p, a, "max", "10000 100000", WriteMode.DIRECT)
+            for p in paths:
+                for a in attributes[1:]:
+                    originals.note(p, a, None, "max", WriteMode.DIRECT)  # handed back: dropped
+            if errors:
+                break
+    finally:
+        stop.set()
+        saver.join()
+        sys.setswitchinterval(switch)
+    assert errors == []
