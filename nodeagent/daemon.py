@@ -14,7 +14,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from types import FrameType
 from typing import TYPE_CHECKING, TypeVar
@@ -314,6 +314,7 @@ class Agent:
         # what failed to be written last time is tried again
         only = self.sensor.fresh | self._retry if same else None
         applied = self.executor.apply(plan, snapshot, only)
+        self._record_originals(applied, plan, snapshot.vanished)
         results = (*self._fast_results, *applied)  # the fast path's since the last tick too
         self._fast_results = []
         self._held_back = {r.path for r in results if r.outcome is Outcome.UNREACHABLE}
@@ -639,7 +640,6 @@ class Agent:
                 _guarded("observer.failed", observe, record)
             ok = record is not None
             if record is not None:
-                self._record_originals(record)
                 last_ok = time.monotonic()
                 log.debug("tick", seq=record.snapshot.seq, seconds=round(record.duration, 4))
                 sdnotify.status(
@@ -684,19 +684,24 @@ class Agent:
             self.save_state()
         return ok
 
-    def _record_originals(self, record: TickRecord) -> None:
-        """Note this tick's writes (the fast path's since the last tick too) with what they
-        replaced; a first change of an attribute is saved at once, as tuned records an old
-        value before it sets the new one, so that release finds it even after a crash."""
-        modes = {c.path: c.write for c in record.plan.cgroups}
+    def _record_originals(
+        self, results: Sequence[WriteResult], plan: Plan, vanished: Iterable[str] = ()
+    ) -> None:
+        """Note the writes just made with what they replaced, right after the executor made
+        them (before GPUs, observers or anything else that may hang); a first change of an
+        attribute is saved at once, so that release finds it after a crash. tuned records an
+        old value before it sets the new one: here a kill between a write and this save (the
+        time of one state-file write) loses that one original, which the next agent then
+        takes to be what the agent had set."""
+        modes = {c.path: c.write for c in plan.cgroups}
         root = self.spec.agent.managed_root
-        for r in record.results:
+        for r in results:
             if r.outcome is Outcome.WRITTEN:
                 via = modes.get(r.path) or write_mode(
                     parent_identity(r.path, root), self.spec.agent
                 )
                 self.originals.note(r.path, r.attribute, r.old, r.new, via)
-        self.originals.forget(record.snapshot.vanished)
+        self.originals.forget(vanished)
         if self.originals.added and not self.dry_run:
             self.save_state()
 
@@ -744,6 +749,7 @@ class Agent:
             node=node, wall_time=time.time(),
         )  # fmt: skip
         results = self.executor.apply(plan, snapshot)
+        self._record_originals(results, plan)
         self._fast_results.extend(results)  # reported with the next tick's
         for r in results:
             if r.outcome is Outcome.FAILED:

@@ -168,10 +168,7 @@ def test_a_first_change_is_saved_with_its_original_at_once_and_restored(
                     Outcome.WRITTEN),
         WriteResult("system.slice/x.scope", Attribute.CPU_WEIGHT, "100", "9", "w", Outcome.FAILED),
     ]  # fmt: skip
-    record = SimpleNamespace(
-        plan=SimpleNamespace(cgroups=[]), results=wrote, snapshot=SimpleNamespace(vanished=())
-    )
-    agent._record_originals(record)  # type: ignore[arg-type]
+    agent._record_originals(wrote, SimpleNamespace(cgroups=[]))  # type: ignore[arg-type]
     saved = state.load(str(tmp_path / "state.json"))
     assert saved is not None
     assert saved.originals == {

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from builders import CID, CID2, POD_UID
 
+from nodeagent import state
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.daemon import Agent
@@ -141,3 +142,25 @@ def test_a_value_nobody_changed_and_a_cgroup_never_written_count_nothing(
         (CONTAINERS[0], Attribute.CPU_WEIGHT),
     )
     assert sensor.snapshot([identity], 4.0, 4.0, full=True).overwritten == ()
+
+
+def test_the_originals_are_recorded_even_when_the_gpu_step_after_the_writes_fails(
+    tree: CgroupTree, tmp_path: Path
+) -> None:
+    """What a cgroup held before the agent first changed it is saved right after the writes,
+    before the GPU step and the observers: a tick that fails after its writes (here NVML's
+    power limits) still leaves the original for `nodeagent release` (before: recorded only
+    once the whole tick had returned, so never while that step kept failing)."""
+    a = agent(tree, tmp_path)
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("NVML: the driver stopped answering")
+
+    a.gpus.apply = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="NVML"):
+        tick(a)
+    assert Path(a.tree.root, CONTAINERS[0], "cpu.max").read_text().strip() == "100000 100000"
+    recorded = {(p, str(at)): o.was for p, at, o in a.originals.items()}
+    assert recorded[(CONTAINERS[0], "cpu.max")] == "max 100000"
+    saved = state.load(str(tmp_path / "state.json"))
+    assert saved is not None and CONTAINERS[0] in saved.originals
