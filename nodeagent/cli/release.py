@@ -67,6 +67,7 @@ def release(
     from nodeagent.logs import audit_write
     from nodeagent.release import pending_job, release, stopped_for_good, summary
     from nodeagent.sdbus import Systemd
+    from nodeagent.spec.model import AgentSettings
 
     if everything == bool(cgroups):
         raise click.UsageError("name the cgroups to release, or pass --all (not both)")
@@ -76,17 +77,28 @@ def release(
         if not go:
             _say(as_json, f"nodeagent release: {unit}: {why}", {"skipped": why, "results": []})
             return
-    spec = load(config)
-    path = state_file or spec.agent.state_file
+    try:
+        agent = load(config).agent
+    except click.ClickException as e:
+        # as ExecStopPost= of a stop with a broken policy file, a refusal here would leave
+        # every freeze and cap in place after the agent has gone
+        agent = AgentSettings()
+        where = state_file or agent.state_file
+        click.echo(
+            f"nodeagent release: {e.message.splitlines()[0]}; handing back with the default"
+            f" agent settings (state file {where})",
+            err=True,
+        )
+    path = state_file or agent.state_file
     if unit is None:  # as ExecStopPost= the agent is gone, but its socket file may be left
         try:
-            status = client.get(spec.agent.socket, "/v1/status", timeout=2)
+            status = client.get(agent.socket, "/v1/status", timeout=2)
         except NodeagentError:
             pass
         else:
             pid = status.get("pid") if isinstance(status, dict) else "?"
             raise NodeagentError(
-                f"nodeagent is running (pid {pid}, {spec.agent.socket}): it would apply its"
+                f"nodeagent is running (pid {pid}, {agent.socket}): it would apply its"
                 " policy again at its next tick; stop it first (systemctl stop nodeagent"
                 " releases by itself)"
             )
@@ -99,8 +111,8 @@ def release(
         results, after = release(
             CgroupTree(cgroup_root),
             saved,
-            managed_root=spec.agent.managed_root,
-            settings=spec.agent,
+            managed_root=agent.managed_root,
+            settings=agent,
             units=systemd,
             audit=audit_write,
             only=None if everything else list(cgroups),

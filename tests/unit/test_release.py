@@ -338,3 +338,21 @@ def test_a_save_on_an_api_thread_dumps_the_originals_while_the_loop_notes_its_wr
         saver.join()
         sys.setswitchinterval(switch)
     assert errors == []
+
+
+def test_a_broken_policy_file_does_not_keep_the_freezes_after_a_stop(tmp_path: Path) -> None:
+    """As ExecStopPost= of `systemctl stop` with a policy file the operator broke meanwhile:
+    release says the file's error in one line and hands back with the default agent settings
+    (here --state-file names the state), instead of refusing and leaving cgroups frozen."""
+    root = tmp_path / "cg"
+    b = cgroup(root, "nodeagent.slice/b", cgroup_freeze="1")
+    record = originals(("nodeagent.slice/b", Attribute.FREEZE, "0", "1", WriteMode.DIRECT))
+    policy = _state_file(tmp_path, root, originals=record)
+    policy.write_text("version: 1\ntenants:\n  t: {shares: -1}\n")
+    args = ["release", "--all", "--config", str(policy), "--cgroup-root", str(root)]
+    out = CliRunner().invoke(main, [*args, "--state-file", str(tmp_path / "state.json")])
+    assert out.exit_code == 0, out.output
+    warning = [line for line in out.stderr.splitlines() if not line.startswith("{")]  # not audit
+    assert len(warning) == 1 and warning[0].startswith(f"nodeagent release: {policy}:3:"), warning
+    assert "handing back with the default agent settings" in warning[0]
+    assert (b / "cgroup.freeze").read_text() == "0"
