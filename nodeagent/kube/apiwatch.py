@@ -30,7 +30,10 @@ def pod_of(obj: Any) -> Pod:
     """A V1Pod as nodeagent needs it: who it is, its labels, and its containers' ids."""
     meta, spec, status = obj.metadata, obj.spec, obj.status
     containers: dict[str, str] = {}
-    for s in [*(status.container_statuses or ()), *(status.init_container_statuses or ())]:
+    found = []
+    if status is not None:  # a pod just made may have no status yet
+        found = [*(status.container_statuses or ()), *(status.init_container_statuses or ())]
+    for s in found:
         if s.container_id:
             containers[s.container_id.split("://", 1)[-1]] = s.name
     qos = (status.qos_class or "").lower() if status else ""

@@ -13,7 +13,7 @@ from kube_standins import ApiServerStandIn, namespace, pod
 from kubernetes import client as kube_client
 
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
-from nodeagent.kube.apiwatch import ApiWatch
+from nodeagent.kube.apiwatch import ApiWatch, pod_of
 from nodeagent.policy.classify import assign
 from nodeagent.spec.model import PolicySpec
 
@@ -171,3 +171,17 @@ def test_watching_without_a_node_name_is_one_line_saying_where_it_comes_from(
         " name: set NODE_NAME (the DaemonSet sets it from the downward API) or"
         " kubernetes.node_name"
     )
+
+
+def test_a_pod_without_a_status_yet_is_read_not_raised_on() -> None:
+    """A pod just made may come with no status: reading it must not raise, which would stop
+    the watch at that event and freeze the pods' view."""
+    bare = kube_client.V1Pod(
+        metadata=kube_client.V1ObjectMeta(uid="u-1", namespace="ns", name="p", labels={"a": "b"}),
+        spec=None,
+        status=None,
+    )
+    read = pod_of(bare)
+    assert (read.uid, read.name, read.labels, read.containers, read.qos) == (
+        "u-1", "p", {"a": "b"}, {}, None
+    )  # fmt: skip
