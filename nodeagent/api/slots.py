@@ -46,9 +46,3 @@ class Pool:
             self._held[uid] -= 1
             if not self._held[uid]:
                 del self._held[uid]
-
-    def __len__(self) -> int:
-        return self._total
-
-    def held_by(self, uid: int) -> int:
-        return self._held[uid]

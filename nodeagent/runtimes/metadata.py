@@ -315,8 +315,7 @@ class RuntimeMetadata:
             except Unavailable as e:
                 self._went_down(runtime, adapter, one_line(e), now)
                 continue
-            except BadAnswer:
-                changed = None  # unreadable events: the next poll covers the same window
+            except BadAnswer:  # unreadable events: the next poll covers the same window
                 self._events[runtime] = (cursor[0], now)
                 continue
             self._events[runtime] = (wall, now)
