@@ -8,7 +8,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 from policy_fuzz import COUNTS
+
+# Speed goals live in the benchmarks: on a loaded host one example can take longer than
+# hypothesis's default 200 ms deadline (a "flaky" failure that says nothing of the code).
+settings.register_profile("nodeagent", deadline=None)
+settings.load_profile("nodeagent")
 
 
 @pytest.fixture
