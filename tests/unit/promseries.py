@@ -76,7 +76,7 @@ def input_series(series: Series) -> list[dict[str, str]]:
     return [{"series": name, "values": values(points)} for name, points in sorted(series.items())]
 
 
-def annotations(rule: Mapping[str, Any], labels: Mapping[str, str]) -> dict[str, str]:
+def alert_annotations(rule: Mapping[str, Any], labels: Mapping[str, str]) -> dict[str, str]:
     """An alert rule's annotations as Prometheus renders them (the shipped ones only use
     $labels), for an alert with `labels`."""
     return {

@@ -14,7 +14,7 @@ from typing import Any
 import fleet
 import pytest
 import yaml
-from promseries import JOB, PROMTOOL, at, promtool_test
+from promseries import JOB, PROMTOOL, SCRAPE, at, promtool_test
 
 from nodeagent.metrics.families import FAMILIES
 
@@ -190,7 +190,7 @@ def test_a_stalled_agent_shows_as_stale(
     node-a ticked a moment ago. "Last tick" shows both, node-b's 615 s old: a max() over
     the nodes showed node-a's 0 alone."""
     (query,) = [t["expr"] for title, t in targets(dashboard) if title == "Last tick"]
-    last_b = (fleet.STALL - 1) * fleet.SCRAPE
+    last_b = (fleet.STALL - 1) * SCRAPE
     expected = [(fleet.A, 0), (fleet.B, fleet.END - last_b)]
     assert expected[1][1] == 615
     test = {

@@ -12,7 +12,7 @@ from typing import Any
 import fleet
 import pytest
 import yaml
-from promseries import JOB, PROMTOOL, annotations, at, promtool_test
+from promseries import JOB, PROMTOOL, alert_annotations, at, promtool_test
 
 from nodeagent.metrics.families import FAMILIES
 
@@ -65,7 +65,7 @@ def test_each_alert_fires_for_its_agent_only(
         expected = []
         for extra in firing:
             labels = {"job": JOB, "severity": rules[alert]["labels"]["severity"], **extra}
-            rendered = annotations(rules[alert], {**labels, "alertname": alert})
+            rendered = alert_annotations(rules[alert], {**labels, "alertname": alert})
             expected.append({"exp_labels": labels, "exp_annotations": rendered})
         tests.append({"alertname": alert, "eval_time": at(step), "exp_alerts": expected})
     series = fleet.fleet_series(tmp_path)
