@@ -1,10 +1,8 @@
 """Three agents scraped as Prometheus scrapes them, as promtool's input series.
 
 In-process collectors fed hand-built ticks (ticks.py), each scraped every SCRAPE seconds
-for STEPS scrapes on promtool's clock (which starts at 0): each scrape's exposition text
-parsed back, labelled with job and instance as Prometheus labels what it scrapes, and
-each target's `up`. A series gone from a scrape gets a staleness marker, as Prometheus
-writes one.
+for STEPS scrapes on promtool's clock (promseries.py: labelled with job and instance, each
+target's `up`, staleness markers where a series went).
 
 - node-a ticks throughout, and nothing goes wrong;
 - node-b stalls at STALL: its loop completes no more ticks while its endpoint answers with
@@ -19,18 +17,12 @@ batch throttled, a job on a GPU), so every dashboard panel has data from each th
 
 from __future__ import annotations
 
-import json
-import math
-import subprocess
-import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
-import yaml
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from promseries import JOB, SCRAPE, Series, input_series, put, samples
 from ticks import A1, B1, DUE, GPU_NODE, K8S, record, state, with_deadline
 
 from nodeagent.cgroupfs.parse import Psi, PsiLine
@@ -42,11 +34,7 @@ from nodeagent.report import TickRecord
 from nodeagent.sense.gpus import GpuSensor
 from nodeagent.snapshot import WorkloadState
 
-PROMTOOL = Path(sys.executable).with_name("promtool")
-JOB = "nodeagent"
 A, B, C = "node-a:9400", "node-b:9400", "node-c:9400"
-SCRAPE = 15
-"""Seconds between scrapes, and between ticks: agent.interval is SCRAPE too."""
 STEPS = 61
 """Scrapes 0..60: 15 minutes."""
 END = (STEPS - 1) * SCRAPE
@@ -57,11 +45,6 @@ FAIL, MISS, STALL, RELOAD, DOWN = 10, 12, 20, 25, 30
 
 POLICY = with_deadline("1970-01-01T00:30:00+00:00", 3000)
 """The deadline job's due 15 minutes after the last scrape, with more work than it can do."""
-
-
-def at(step: int) -> str:
-    """A scrape's time, as promtool's eval_time takes it."""
-    return f"{step * SCRAPE}s"
 
 
 @dataclass
@@ -121,42 +104,16 @@ def _tick(step: int, gpus: GpuState, failing: Sequence[Attribute] = ()) -> TickR
     )
 
 
-Series = dict[str, list[float | None]]
-
-
 def _scraped(node: _Node, step: int, series: Series) -> None:
     registry = CollectorRegistry()
     registry.register(node.collector)
-    text = generate_latest(registry).decode()
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = {**s.labels, "job": JOB, "instance": node.instance}
-            series.setdefault(_notation(s.name, labels), [None] * STEPS)[step] = s.value
+    for name, labels, value in samples(generate_latest(registry).decode()):
+        put(series, STEPS, step, name, {**labels, "job": JOB, "instance": node.instance}, value)
 
 
-def _notation(name: str, labels: Mapping[str, str]) -> str:
-    inner = ", ".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
-    return f"{name}{{{inner}}}"
-
-
-def _values(points: list[float | None]) -> str:
-    """promtool's series values: a sample, `stale` where one went, `_` where none is."""
-    out, last = [], None
-    for v in points:
-        if v is None:
-            out.append("stale" if last is not None else "_")
-        elif math.isnan(v):
-            out.append("NaN")
-        elif math.isinf(v):
-            out.append("Inf" if v > 0 else "-Inf")
-        else:
-            out.append(repr(v))
-        last = v
-    return " ".join(out)
-
-
-def input_series(tmp: Path) -> list[dict[str, str]]:
-    """The three agents' scrapes, as promtool's input_series."""
+def fleet_series(tmp: Path) -> list[dict[str, str]]:
+    """The three agents' scrapes, as promtool's input_series (one scrape and tick every
+    SCRAPE seconds: agent.interval is SCRAPE too)."""
     (tmp / "gpus.yaml").write_text(GPU_NODE)
     backend = load_simulated(tmp / "gpus.yaml")
     violating = GpuSensor(backend).read(())
@@ -178,29 +135,5 @@ def input_series(tmp: Path) -> list[dict[str, str]]:
             up = node.instance != C or step < DOWN
             if up:
                 _scraped(node, step, series)
-            labels = {"job": JOB, "instance": node.instance}
-            series.setdefault(_notation("up", labels), [None] * STEPS)[step] = int(up)
-    return [{"series": name, "values": _values(points)} for name, points in sorted(series.items())]
-
-
-def promtool_test(
-    tmp: Path,
-    series: list[dict[str, str]],
-    test: Mapping[str, Any],
-    rule_files: Sequence[Path] = (),
-) -> str:
-    """Run one promtool test group over `series` (input_series'); its output, on success."""
-    assert PROMTOOL.exists(), f"no {PROMTOOL}: ./scripts/test installs it"
-    group = {"name": "fleet", "interval": f"{SCRAPE}s", "input_series": series}
-    spec = {
-        "rule_files": [str(p) for p in rule_files],
-        "evaluation_interval": f"{SCRAPE}s",
-        "tests": [{**group, **test}],
-    }
-    path = tmp / "test.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False, width=1 << 20))
-    run = subprocess.run(
-        [str(PROMTOOL), "test", "rules", str(path)], capture_output=True, text=True, check=False
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    return run.stdout
+            put(series, STEPS, step, "up", {"job": JOB, "instance": node.instance}, int(up))
+    return input_series(series)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,12 +14,12 @@ from typing import Any
 import fleet
 import pytest
 import yaml
+from promseries import JOB, PROMTOOL, SCRAPE, at, promtool_test
 
 from nodeagent.metrics.families import FAMILIES
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "config" / "grafana" / "nodeagent.json"
 DS = "${datasource}"
-PROMTOOL = Path(sys.executable).with_name("promtool")
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$job": ".*", "$instance": ".*", "$tenant": ".*"}
 
 
@@ -150,7 +149,7 @@ def test_every_query_is_valid_promql(dashboard: dict[str, Any], tmp_path: Path) 
 
 @pytest.fixture(scope="module")
 def fleet_series(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
-    return fleet.input_series(tmp_path_factory.mktemp("fleet"))
+    return fleet.fleet_series(tmp_path_factory.mktemp("fleet"))
 
 
 def test_every_panel_shows_each_agent_on_its_own(
@@ -160,7 +159,7 @@ def test_every_panel_shows_each_agent_on_its_own(
     every one answers for each agent that is up, by its instance, so that no agent is
     summed into, or hidden by, the others (node-c shows in the up panel, as down)."""
     up = [fleet.A, fleet.B]
-    end = fleet.at(fleet.STEPS - 1)
+    end = at(fleet.STEPS - 1)
     tests: list[dict[str, Any]] = []
     for _, t in targets(dashboard):
         tests.append(
@@ -177,12 +176,11 @@ def test_every_panel_shows_each_agent_on_its_own(
             "expr": filled(query),
             "eval_time": end,
             "exp_samples": [
-                {"labels": f'up{{instance="{i}", job="{fleet.JOB}"}}', "value": v}
-                for i, v in updown
+                {"labels": f'up{{instance="{i}", job="{JOB}"}}', "value": v} for i, v in updown
             ],
         }
     )
-    fleet.promtool_test(tmp_path, fleet_series, {"promql_expr_test": tests})
+    promtool_test(tmp_path, fleet_series, {"promql_expr_test": tests})
 
 
 def test_a_stalled_agent_shows_as_stale(
@@ -192,14 +190,14 @@ def test_a_stalled_agent_shows_as_stale(
     node-a ticked a moment ago. "Last tick" shows both, node-b's 615 s old: a max() over
     the nodes showed node-a's 0 alone."""
     (query,) = [t["expr"] for title, t in targets(dashboard) if title == "Last tick"]
-    last_b = (fleet.STALL - 1) * fleet.SCRAPE
+    last_b = (fleet.STALL - 1) * SCRAPE
     expected = [(fleet.A, 0), (fleet.B, fleet.END - last_b)]
     assert expected[1][1] == 615
     test = {
         "expr": filled(query),
-        "eval_time": fleet.at(fleet.STEPS - 1),
+        "eval_time": at(fleet.STEPS - 1),
         "exp_samples": [
-            {"labels": f'{{instance="{i}", job="{fleet.JOB}"}}', "value": v} for i, v in expected
+            {"labels": f'{{instance="{i}", job="{JOB}"}}', "value": v} for i, v in expected
         ],
     }
-    fleet.promtool_test(tmp_path, fleet_series, {"promql_expr_test": [test]})
+    promtool_test(tmp_path, fleet_series, {"promql_expr_test": [test]})

@@ -12,6 +12,7 @@ from typing import Any
 import fleet
 import pytest
 import yaml
+from promseries import JOB, PROMTOOL, alert_annotations, at, promtool_test
 
 from nodeagent.metrics.families import FAMILIES
 
@@ -41,7 +42,7 @@ def rules() -> dict[str, dict[str, Any]]:
 
 def test_promtool_checks_the_rules(rules: dict[str, dict[str, Any]]) -> None:
     check = subprocess.run(
-        [str(fleet.PROMTOOL), "check", "rules", str(RULES)],
+        [str(PROMTOOL), "check", "rules", str(RULES)],
         capture_output=True,
         text=True,
         check=False,
@@ -55,14 +56,6 @@ def test_promtool_checks_the_rules(rules: dict[str, dict[str, Any]]) -> None:
         assert {"summary", "description"} <= set(rule["annotations"]), name
 
 
-def _annotations(rule: dict[str, Any], labels: dict[str, str]) -> dict[str, str]:
-    """The rule's annotations as Prometheus renders them (they only use $labels)."""
-    return {
-        k: re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels[m[1]], v)
-        for k, v in rule["annotations"].items()
-    }
-
-
 def test_each_alert_fires_for_its_agent_only(
     rules: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:
@@ -71,9 +64,9 @@ def test_each_alert_fires_for_its_agent_only(
     for alert, step, firing in CASES:
         expected = []
         for extra in firing:
-            labels = {"job": fleet.JOB, "severity": rules[alert]["labels"]["severity"], **extra}
-            annotations = _annotations(rules[alert], {**labels, "alertname": alert})
-            expected.append({"exp_labels": labels, "exp_annotations": annotations})
-        tests.append({"alertname": alert, "eval_time": fleet.at(step), "exp_alerts": expected})
-    series = fleet.input_series(tmp_path)
-    fleet.promtool_test(tmp_path, series, {"alert_rule_test": tests}, rule_files=[RULES])
+            labels = {"job": JOB, "severity": rules[alert]["labels"]["severity"], **extra}
+            rendered = alert_annotations(rules[alert], {**labels, "alertname": alert})
+            expected.append({"exp_labels": labels, "exp_annotations": rendered})
+        tests.append({"alertname": alert, "eval_time": at(step), "exp_alerts": expected})
+    series = fleet.fleet_series(tmp_path)
+    promtool_test(tmp_path, series, {"alert_rule_test": tests}, rule_files=[RULES])
