@@ -14,11 +14,15 @@ import json
 import math
 import os
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import structlog
 
 from nodeagent.errors import NodeagentError
 from nodeagent.regular_file import UnusableFile, read_regular_file, write_atomically
+
+log = structlog.get_logger("nodeagent")
 
 VERSION = 1
 # What a valid policy can need, twice over: its tenant names fit in the policy's 1 MiB, and
@@ -59,7 +63,26 @@ def save(path: str, state: SavedState) -> None:
         )
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, mode=0o750, exist_ok=True)
-    body = json.dumps(
+    body = _body(state)
+    if len(body) > MAX_BYTES and state.originals:
+        # what release would hand back is the least of it: the jobs, the holds and the usage
+        # must not be lost with it (a node with many thousands of changed cgroups)
+        records = sum(len(attrs) for attrs in state.originals.values())
+        log.warning(
+            "state.originals_dropped",
+            file=path,
+            records=records,
+            why=f"the state would be larger than {MAX_BYTES >> 20} MiB",
+            action="release will not hand back what this agent changed before now",
+        )
+        body = _body(replace(state, originals={}))
+    if len(body) > MAX_BYTES:
+        raise NodeagentError(f"refusing to save {path}: larger than {MAX_BYTES >> 20} MiB")
+    write_atomically(path, body, prefix=".state-")
+
+
+def _body(state: SavedState) -> str:
+    return json.dumps(
         {
             "version": VERSION,
             "saved_at": state.saved_at,
@@ -73,9 +96,6 @@ def save(path: str, state: SavedState) -> None:
         sort_keys=True,
         allow_nan=False,
     )
-    if len(body) > MAX_BYTES:
-        raise NodeagentError(f"refusing to save {path}: larger than {MAX_BYTES >> 20} MiB")
-    write_atomically(path, body, prefix=".state-")
 
 
 def _number(value: object, what: str) -> float:

@@ -361,3 +361,23 @@ def test_malformed_jobs_or_carry_are_one_line_errors(
     path.write_text(json.dumps({"version": 1, "saved_at": 1.0, "tenant_usage": {}, **extra}))
     with pytest.raises(NodeagentError, match=message):
         state.load(str(path))
+
+
+def test_too_many_originals_are_dropped_rather_than_the_jobs_and_holds(tmp_path: Path) -> None:
+    """Past the file's bound, what release would hand back goes (with a warning), not the
+    whole save: the jobs, holds and usage are still written."""
+    long = "kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-{}.scope"
+    originals = {
+        long.format(i, "0" * 64): {
+            a: {"was": "max 100000", "set": "50000 100000", "via": "systemd"}
+            for a in ("cpu.max", "memory.max", "memory.high", "cpu.weight")
+        }
+        for i in range(20_000)
+    }
+    job = {"name": "train", "cgroup": "nodeagent.slice/train"}
+    path = tmp_path / "state.json"
+    with structlog.testing.capture_logs() as logs:
+        state.save(str(path), state.SavedState(1.0, {"a": 2.0}, [job], originals=originals))
+    raw = json.loads(path.read_text())
+    assert (raw["jobs"], raw["tenant_usage"], raw["originals"]) == ([job], {"a": 2.0}, {})
+    assert [(e["event"], e["records"]) for e in logs] == [("state.originals_dropped", 80_000)]
