@@ -56,11 +56,16 @@ def ensure_managed_root(
 
 def own_cgroup(proc_root: str = "/proc") -> str:
     """This process's cgroup v2 path, relative to the root ('' for the root itself)."""
-    with open(os.path.join(proc_root, "self/cgroup"), encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("0::"):
-                return line[3:].strip().strip("/")
-    raise NodeagentError(f"{proc_root}/self/cgroup has no cgroup v2 entry")
+    path = os.path.join(proc_root, "self/cgroup")
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("0::"):
+                    return line[3:].strip().strip("/")
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise NodeagentError(f"cannot read {path}: {why}") from e
+    raise NodeagentError(f"{path} has no cgroup v2 entry")
 
 
 def leave_managed_path(tree: CgroupTree, managed_root: str, proc_root: str, audit: AuditFn) -> None:
