@@ -6,6 +6,7 @@ Keep these tests: if they fail, no other kernel test result means anything.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import uuid
 from pathlib import Path
@@ -53,3 +54,16 @@ def test_sandbox_holds_a_limited_process_and_cleans_it_up(cgroup_sandbox: Path) 
     assert str(sleeper.pid) in (leaf / "cgroup.procs").read_text().split()
     membership = (Path("/proc") / str(sleeper.pid) / "cgroup").read_text().strip()
     assert membership == f"0::/{cgroup_sandbox.name}/leaf"
+
+
+def test_the_loopback_interface_carries_tcp() -> None:
+    """The metrics tests listen on 127.0.0.1: on a minimal Debian virtme-ng left `lo` down
+    (no iproute2), and they failed for that alone; scripts/lib.sh brings it up."""
+    with (
+        socket.create_server(("127.0.0.1", 0)) as server,
+        socket.create_connection(server.getsockname(), timeout=10) as client,
+    ):
+        peer, _ = server.accept()
+        with peer:
+            client.sendall(b"ping")
+            assert peer.recv(4) == b"ping"
