@@ -39,7 +39,7 @@ NODEAGENT_VM_VENV=$NODEAGENT_ROOT/.venv-vm
 NODEAGENT_VNG_SPEC=${NODEAGENT_VNG_SPEC:-virtme-ng==1.42}
 # systemd and dbus: the kernel suite boots a real systemd with a system bus inside the VM
 # (tests/kernel/systemd_host.py); the guest runs the host's own files.
-NODEAGENT_VM_APT_PACKAGES=(qemu-system-x86 busybox-static binutils file kmod python3-venv systemd dbus iproute2)
+NODEAGENT_VM_APT_PACKAGES=(qemu-system-x86 busybox-static binutils file kmod python3-venv systemd dbus iproute2 procps)
 # The container runtimes the kernel suite starts inside the VM (tests/kernel/runtimes.py); never
 # started on the host, whose cgroups are not v2 and belong to the machine.
 NODEAGENT_RUNTIME_APT_PACKAGES=(containerd runc podman crun conmon docker.io iptables tini)

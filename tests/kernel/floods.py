@@ -10,6 +10,7 @@ it held at once.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import os
@@ -27,6 +28,7 @@ from nodeagent.errors import NodeagentError
 
 Target = str | tuple[str, int]
 """A Unix socket's path, or (host, port) over TCP."""
+CLONE_NEWNS = 0x00020000
 CLI_DEADLINE = 5.0  # client.get's default, which every read command uses
 
 
@@ -68,11 +70,32 @@ def _hold(target: Target, count: int, stop: int, report: int) -> None:
             last = now
 
 
+def _enter(namespace: str) -> None:
+    """setns(2) into a mount namespace (Python 3.11 has no os.setns); a forked child has one
+    thread, as setns(CLONE_NEWNS) requires."""
+    fd = os.open(namespace, os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNS) != 0:
+            raise OSError(ctypes.get_errno(), f"setns {namespace}")
+    finally:
+        os.close(fd)
+    os.chdir("/")
+
+
 class Flood:
     """`count` idle connections to `target` from uid `uid` (gid `uid`, supplementary `groups`),
     kept up until `close()`."""
 
-    def __init__(self, target: Target, count: int, uid: int, groups: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        target: Target,
+        count: int,
+        uid: int,
+        groups: tuple[int, ...] = (),
+        mount_namespace: str | None = None,
+    ) -> None:
+        """`mount_namespace`: a /proc/PID/ns/mnt to enter first (root may, the flooder then
+        sees paths as that namespace does: a socket under the test systemd's own /run)."""
         assert isinstance(target, str | tuple), target  # a Path would be taken for TCP
         self.target = target
         self.count = count
@@ -89,6 +112,8 @@ class Flood:
                 # room for `count` more than what the fork inherited (pytest's own, by then)
                 want = count + 64 + len(os.listdir("/proc/self/fd"))
                 resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+                if mount_namespace is not None:
+                    _enter(mount_namespace)
                 os.setgroups(list(groups))
                 os.setgid(uid)
                 os.setuid(uid)

@@ -23,7 +23,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -799,20 +798,15 @@ def test_floods_from_a_member_and_a_stranger_leave_the_agent_under_its_unit_tick
             ),
         )
     )
-    # the socket's directory seen from the VM, by a bind mount: uid 65534 may not walk
-    # /proc/PID/root of systemd's namespace
-    reach = Path(tempfile.mkdtemp(prefix="nodeagent-flood-", dir="/run"))
-    mounted = False
     try:
         s.start()
         pid = s.main_pid()
         agent = _agent_process(s)
-        subprocess.run(["mount", "--bind", str(s.host.path("/run/nodeagent")), str(reach)],
-                       check=True)  # fmt: skip
-        mounted = True
-        directory = reach.stat()
+        directory = s.host.path("/run/nodeagent").stat()
         assert (directory.st_gid, directory.st_mode & 0o777) == (FLOOD_GROUP, 0o750)
-        sock = str(reach / "nodeagent.sock")
+        sock = str(s.host.path(SOCKET))  # root's way in: /proc/PID/root of systemd's namespace
+        # uid 65534 may not walk /proc/PID/root: its flooder enters systemd's mount namespace
+        inside = f"/proc/{s.host.pid}/ns/mnt"
         limits = Path(f"/proc/{agent}/limits").read_text().splitlines()
         nofile = next(line for line in limits if line.startswith("Max open files")).split()[3:5]
         assert nofile == ["8192", "8192"], nofile  # the unit's LimitNOFILE=
@@ -825,7 +819,7 @@ def test_floods_from_a_member_and_a_stranger_leave_the_agent_under_its_unit_tick
         calls = Calls()
         with (
             Flood(("127.0.0.1", METRICS_PORT), FLOODS["metrics"], NOBODY) as metrics,
-            Flood(sock, FLOODS["api"], NOBODY, groups=(FLOOD_GROUP,)) as api,
+            Flood(SOCKET, FLOODS["api"], NOBODY, (FLOOD_GROUP,), mount_namespace=inside) as api,
         ):
             wait("the metrics flood to open its connections", metrics.opened_all)
             wait("the API flood, a member of the group, to open its connections", api.opened_all)
@@ -866,9 +860,6 @@ def test_floods_from_a_member_and_a_stranger_leave_the_agent_under_its_unit_tick
         failed = [e for e in s.events(mark) if str(e.get("event")).endswith("failed")]
         assert failed == [], failed[:5]  # no tick.failed, no accept_failed
     finally:
-        if mounted:
-            subprocess.run(["umount", str(reach)], check=False)
-        reach.rmdir()
         s.systemctl("stop", SERVICE)
         install_units(s.host)
         s.write_policy(GOOD)
