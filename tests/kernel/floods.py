@@ -10,7 +10,6 @@ it held at once.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import json
 import os
@@ -28,7 +27,6 @@ from nodeagent.errors import NodeagentError
 
 Target = str | tuple[str, int]
 """A Unix socket's path, or (host, port) over TCP."""
-CLONE_NEWNS = 0x00020000
 CLI_DEADLINE = 5.0  # client.get's default, which every read command uses
 
 
@@ -70,18 +68,6 @@ def _hold(target: Target, count: int, stop: int, report: int) -> None:
             last = now
 
 
-def _enter(namespace: str) -> None:
-    """setns(2) into a mount namespace (Python 3.11 has no os.setns); a forked child has one
-    thread, as setns(CLONE_NEWNS) requires."""
-    fd = os.open(namespace, os.O_RDONLY)
-    try:
-        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNS) != 0:
-            raise OSError(ctypes.get_errno(), f"setns {namespace}")
-    finally:
-        os.close(fd)
-    os.chdir("/")
-
-
 class Flood:
     """`count` idle connections to `target` from uid `uid` (gid `uid`, supplementary `groups`),
     kept up until `close()`."""
@@ -92,15 +78,18 @@ class Flood:
         count: int,
         uid: int,
         groups: tuple[int, ...] = (),
-        mount_namespace: str | None = None,
+        directory: str | None = None,
     ) -> None:
-        """`mount_namespace`: a /proc/PID/ns/mnt to enter first (root may, the flooder then
-        sees paths as that namespace does: a socket under the test systemd's own /run)."""
+        """`directory`: where the child goes, as root, before it takes on `uid`; a Unix
+        `target` is then the socket's name in it. The way to a socket under the test systemd's
+        own /run: root may walk /proc/PID/root, another uid may not, and a name relative to
+        the working directory is looked up from where the child already is."""
         assert isinstance(target, str | tuple), target  # a Path would be taken for TCP
         self.target = target
         self.count = count
         self.latest: dict[str, int] = {}
         self.most_open = 0
+        self.error: str | None = None
         stop_r, self._stop = os.pipe()
         report_r, report_w = os.pipe()
         self.pid = os.fork()
@@ -112,14 +101,15 @@ class Flood:
                 # room for `count` more than what the fork inherited (pytest's own, by then)
                 want = count + 64 + len(os.listdir("/proc/self/fd"))
                 resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
-                if mount_namespace is not None:
-                    _enter(mount_namespace)
+                if directory is not None:
+                    os.chdir(directory)
                 os.setgroups(list(groups))
                 os.setgid(uid)
                 os.setuid(uid)
                 _hold(target, count, stop_r, report_w)
             except BaseException as exc:  # shown by the parent, in `latest`
-                os.write(report_w, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+                error = {"error": f"{type(exc).__name__}: {exc}"}
+                os.write(report_w, json.dumps(error).encode() + b"\n")
             finally:
                 os._exit(0)
         os.close(stop_r)
@@ -131,6 +121,9 @@ class Flood:
         with os.fdopen(fd, "rb") as reports:
             for line in reports:
                 figures = json.loads(line)
+                if "error" in figures:
+                    self.error = str(figures["error"])
+                    return
                 self.latest = figures
                 self.most_open = max(self.most_open, figures["open"])
 
@@ -138,7 +131,9 @@ class Flood:
         return self.latest.get("open", 0)
 
     def opened_all(self) -> bool:
-        """Whether it has opened `count` connections, in all."""
+        """Whether it has opened `count` connections, in all; a child that died says why."""
+        if self.error is not None:
+            raise AssertionError(f"the flood of {self.target!r} stopped: {self.error}")
         return self.latest.get("opened", 0) >= self.count
 
     def close(self) -> None:
