@@ -28,7 +28,7 @@ measured, so a job that runs faster or slower than declared is followed.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax
 from nodeagent.policy.base import (
@@ -42,7 +42,7 @@ from nodeagent.policy.base import (
     PolicyInput,
 )
 from nodeagent.policy.cpu import Capacity, capacity
-from nodeagent.policy.edf import Demand, admit, allot, best_effort, rank
+from nodeagent.policy.edf import Demand, admit, allot, best_effort, feasible, rank
 from nodeagent.policy.fairshare import is_active
 from nodeagent.snapshot import NO_NEEDS, Needs, WorkloadState
 from nodeagent.spec.model import PolicySpec
@@ -128,9 +128,11 @@ class Deadlines(Policy):
             and w.path in given.assignments
             and is_active(w, given.spec.fair_share)
         ]
-        need = settings.headroom * sum(d.rate for d in admitted)
+        reserves = _reserves(jobs, carried.get("reserves"), settings.reserve)
+        planned = _aimed(admitted, reserves, cap.cores)
+        need = settings.headroom * sum(d.rate for d in planned.values())
         budget = min(cap.cores, need) if others else cap.cores
-        parts = allot(admitted, budget, given.spec.agent.interval)
+        parts = allot(list(planned.values()), budget, given.spec.agent.interval)
         parts.update(best_effort(missed, max(0.0, cap.cores - sum(parts.values()))))
         order = {d.name: i for i, d in enumerate(rank(list(demands.values())), start=1)}
         last = carried.get("parts")
@@ -143,7 +145,7 @@ class Deadlines(Policy):
         for d in admitted:
             out.append(
                 self._floor(
-                    d,
+                    planned[d.name],
                     jobs[d.name],
                     parts[d.name],
                     gains.get(d.name, 1.0),
@@ -208,6 +210,7 @@ class Deadlines(Policy):
                     "caps": caps,
                     "uncap": uncap,
                     "gains": {p: g for p, g in sorted(gains.items()) if g > 1.0},
+                    "reserves": reserves,
                 },
             )
         )
@@ -234,8 +237,13 @@ class Deadlines(Policy):
             else "what it needs now to stay on time"
         )
         cores = min(job.p, part * gain)
+        aim = (
+            f"aims to finish {job.window - d.window:.1f} s before its deadline (its reserve)"
+            if d.window < job.window
+            else "its reserve does not fit beside the other deadlines: aims at the deadline"
+        )
         trace = [
-            f"admitted by EDF on {cap.describe()}",
+            f"admitted by EDF on {cap.describe()}; {aim}",
             f"needs {d.rate:.3f} cores on average ({d.work:.1f} CPU-s in {d.window:.1f} s);"
             f" the deadline jobs' budget is {budget:.2f} cores,"
             f" handed out earliest deadline first: {part:.2f}, {why} (parallelism {job.p:g})",
@@ -300,6 +308,36 @@ class Deadlines(Policy):
                 "capacity_source": cap.source,
             }
         return Note(w.path, self.name, "deadline", status, message, fields)
+
+
+def _reserves(jobs: Mapping[str, _Job], held: object, part: float) -> dict[str, float]:
+    """Seconds each job aims to finish before its deadline: `part` of its window when first
+    seen, then kept (carried, so a restart keeps it too). Re-planning from the time left
+    every tick would otherwise shrink the margin with the window: a job given just its rate
+    each tick finishes at its deadline, one given 5% less misses it."""
+    before = held if isinstance(held, dict) else {}
+    out = {}
+    for path, job in jobs.items():
+        r = _number(before.get(path))
+        out[path] = r if r is not None and r >= 0 else part * max(0.0, job.window)
+    return dict(sorted(out.items()))
+
+
+def _aimed(
+    admitted: Sequence[Demand], reserves: Mapping[str, float], cores: float
+) -> dict[str, Demand]:
+    """The admitted jobs with their windows ending at their reserves (a job behind its aim
+    at full speed: its work over its parallelism); the deadlines themselves when the set
+    does not fit so."""
+    aimed = [
+        replace(
+            d,
+            window=max(d.window - reserves.get(d.name, 0.0), min(d.window, d.work / d.parallelism)),
+        )
+        for d in admitted
+    ]
+    chosen = aimed if feasible(aimed, cores) else list(admitted)
+    return {d.name: d for d in chosen}
 
 
 def _shorted(job: _Job, part: float | None) -> bool:

@@ -10,6 +10,9 @@ weights, no job above its parallelism or its planned `cpu.max`, what one cannot 
 to the others (water-filling). What the real run has and a fluid model would otherwise
 miss is modelled too: a job runs unmanaged (weight 100, no cap) until the first tick after
 it started (`delay`), and the agent and the rest of the node take `overhead` cores.
+`busy` adds workloads without a deadline that want a CPU each throughout (fair share's),
+and `shortfall` has the kernel give every deadline job only that part of its share (a VM's
+steal, a noisy node), the rest lost.
 """
 
 from __future__ import annotations
@@ -73,20 +76,38 @@ def water_fill(
     return out
 
 
+BUSY = "busy-"
+"""The name of a busy workload without a deadline, before its number."""
+
+
 class _Run:
     """One simulated run: CPU used so far, finishes, the last tick's rates, the settings."""
 
-    def __init__(self, jobs: Sequence[SimJob], cpus: int, start: float, overhead: float) -> None:
+    def __init__(
+        self,
+        jobs: Sequence[SimJob],
+        cpus: int,
+        start: float,
+        overhead: float,
+        *,
+        busy: int,
+        shortfall: float,
+    ) -> None:
         self.jobs = {j.name: j for j in jobs}
+        self.jobs |= {
+            f"{BUSY}{i}": SimJob(f"{BUSY}{i}", float("inf"), float("inf"), 1, tenant="b")
+            for i in range(busy)
+        }
         self.cpus = cpus
         self.start = start
         self.overhead = overhead
-        self.used = {j.name: 0.0 for j in jobs}
+        self.shortfall = shortfall
+        self.used = dict.fromkeys(self.jobs, 0.0)
         self.at_tick = dict(self.used)
         self.rates: dict[str, float | None] = dict.fromkeys(self.jobs)
         self.finish: dict[str, float] = {}
-        self.weights = {j.name: 100.0 for j in jobs}
-        self.quota = {j.name: float(j.parallelism) for j in jobs}
+        self.weights = dict.fromkeys(self.jobs, 100.0)
+        self.quota = {j.name: float(j.parallelism) for j in self.jobs.values()}
 
     def path(self, name: str) -> str:
         return f"nodeagent.slice/{name}"
@@ -96,9 +117,9 @@ class _Run:
             self.path(j.name): Assignment(
                 f"exec:{j.name}",
                 j.tenant,
-                j.workload_class,
-                deadline=self.start + j.deadline,
-                work=j.work,
+                j.workload_class if j.work < float("inf") else WorkloadClass.BATCH,
+                deadline=self.start + j.deadline if j.work < float("inf") else None,
+                work=j.work if j.work < float("inf") else None,
                 exec_job=True,
             )
             for j in self.jobs.values()
@@ -136,7 +157,8 @@ class _Run:
     def advance(self, now: float, step: float) -> None:
         live = {n: w for n, w in self.weights.items() if n not in self.finish}
         caps = {n: min(float(j.parallelism), self.quota[n]) for n, j in self.jobs.items()}
-        for name, rate in water_fill(live, caps, self.cpus - self.overhead).items():
+        for name, share in water_fill(live, caps, self.cpus - self.overhead).items():
+            rate = share * (1.0 if name.startswith(BUSY) else self.shortfall)
             need = self.jobs[name].work - self.used[name]
             if rate * step >= need:
                 self.finish[name] = now + need / rate
@@ -161,12 +183,14 @@ def simulate(
     horizon: float | None = None,
     delay: float | None = None,
     overhead: float = 0.0,
+    busy: int = 0,
+    shortfall: float = 1.0,
 ) -> list[Outcome]:
     """Each job's finish. `policies=None` is the kernel's default: every weight 100. The
     jobs start together; the first plan comes `delay` seconds later (default half a tick,
     the mean wait for the next tick), and then one every `tick`."""
     horizon = horizon or 3 * max(j.deadline for j in jobs)
-    run = _Run(jobs, cpus, start, overhead)
+    run = _Run(jobs, cpus, start, overhead, busy=busy, shortfall=shortfall)
     assignments = run.assignments()
     usage: dict[str, float] = {}
     carried: Mapping[str, Mapping[str, object]] = {}
@@ -177,7 +201,7 @@ def simulate(
         now += step
     run.measure(max(now, step))
     steps_per_tick = max(1, round(tick / step))
-    while now < horizon and len(run.finish) < len(jobs):
+    while now < horizon and not all(j.name in run.finish for j in jobs):
         if policies is not None:
             seq += 1
             plan = make_plan(

@@ -254,7 +254,7 @@ def test_deadline_jobs_and_misses() -> None:
     assert value(s, "nodeagent_deadline_remaining_cpu_seconds", **job_) == 40
     assert value(s, "nodeagent_deadline_required_rate_cores", **job_) == pytest.approx(0.4)
     given = value(s, "nodeagent_deadline_given_rate_cores", **job_)
-    assert given == pytest.approx(0.44)  # headroom 1.1
+    assert given == pytest.approx(1.1 * 40 / 90)  # headroom 1.1; 10 s of reserve
     assert value(s, "nodeagent_deadline_parallelism_cores", **job_) == 8  # the node's CPUs
     assert value(s, "nodeagent_deadline_slack_seconds", **job_) == pytest.approx(100 - 40 / 8)
     finish = value(s, "nodeagent_deadline_predicted_finish_timestamp_seconds", **job_)
