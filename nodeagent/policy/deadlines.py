@@ -128,13 +128,14 @@ class Deadlines(Policy):
             and w.path in given.assignments
             and is_active(w, given.spec.fair_share)
         ]
-        reserves = _reserves(jobs, carried.get("reserves"), settings.reserve)
+        reserves = _reserves(jobs, demands, carried.get("reserves"), settings.reserve)
         planned = _aimed(admitted, reserves, cap.cores)
         need = settings.headroom * sum(d.rate for d in planned.values())
         budget = min(cap.cores, need) if others else cap.cores
         parts = allot(list(planned.values()), budget, given.spec.agent.interval)
         parts.update(best_effort(missed, max(0.0, cap.cores - sum(parts.values()))))
-        order = {d.name: i for i, d in enumerate(rank(list(demands.values())), start=1)}
+        ranked = rank([*planned.values(), *missed])  # the order the parts were handed out in
+        order = {d.name: i for i, d in enumerate(ranked, start=1)}
         last = carried.get("parts")
         last_parts = {
             p: float(v)
@@ -310,16 +311,23 @@ class Deadlines(Policy):
         return Note(w.path, self.name, "deadline", status, message, fields)
 
 
-def _reserves(jobs: Mapping[str, _Job], held: object, part: float) -> dict[str, float]:
-    """Seconds each job aims to finish before its deadline: `part` of its window when first
-    seen, then kept (carried, so a restart keeps it too). Re-planning from the time left
-    every tick would otherwise shrink the margin with the window: a job given just its rate
-    each tick finishes at its deadline, one given 5% less misses it."""
+def _reserves(
+    jobs: Mapping[str, _Job], demands: Mapping[str, Demand], held: object, part: float
+) -> dict[str, float]:
+    """Seconds each job aims to finish before its deadline: `part` of its window on the first
+    tick it runs (not while its cgroup waits for a process: a window seen long before the
+    start would make the reserve too large), then kept (carried, so a restart keeps it too).
+    Re-planning from the time left every tick would otherwise shrink the margin with the
+    window: a job given just its rate each tick finishes at its deadline, one given 5% less
+    misses it."""
     before = held if isinstance(held, dict) else {}
     out = {}
-    for path, job in jobs.items():
+    for path in jobs:
         r = _number(before.get(path))
-        out[path] = r if r is not None and r >= 0 else part * max(0.0, job.window)
+        if r is not None and r >= 0:
+            out[path] = r
+        elif path in demands:
+            out[path] = part * demands[path].window
     return dict(sorted(out.items()))
 
 

@@ -374,3 +374,17 @@ def test_a_job_the_kernel_gives_less_than_planned_still_finishes_before_its_dead
             [SimJob("due", 24, 60, 1)], spec({"a": 1, "b": 1}), 2, busy=3, shortfall=shortfall
         )
         assert out.finish is not None and out.finish < 60 - 5.5, (shortfall, out)
+
+
+def test_a_job_waiting_for_its_process_gets_its_reserve_when_it_starts() -> None:
+    """A rule's cgroup made 20 s before its job starts: no reserve while it holds no process
+    (10% of that longer window would be too much), 10% of the window on its first running
+    tick."""
+    path = "nodeagent.slice/due"
+    waiting = WorkloadState(job(path), CgroupSample(populated=False, cpu_usage_us=0), None)
+    first = plan_with([waiting], {path: deadline_job(12, 37)})
+    assert first.carry["deadlines"]["reserves"] == {}
+    started = plan_with(
+        [running(path, 0, rate=None)], {path: deadline_job(12, 17)}, carried=dict(first.carry)
+    )
+    assert started.carry["deadlines"]["reserves"] == {path: pytest.approx(1.7)}
