@@ -158,9 +158,21 @@ def allot(admitted: Sequence[Demand], capacity: float, horizon: float) -> dict[s
     stay feasible. Planned to finish early: every window is shrunk by the same factor, as
     far as the set stays feasible (`margin`), so a job that waits for earlier deadlines is
     not left with no slack for the kernel's and the measurement's noise when its turn
-    comes. For a set that is not feasible (a job late already), see `best_effort`."""
+    comes. A set that no longer fits (a job behind already, by the kernel's noise or a
+    planned rate it did not get) is planned as if every deadline were later by the least
+    common delay that makes it fit (`lateness`): the lateness is shared and stays that
+    small, where `best_effort`'s greedy order would leave a long single-threaded job what
+    is left (Dhall's case again) and make it late by far more. Only a set that does not
+    fit even a window later gets `best_effort`."""
     ok, first = schedule(_shrunk(admitted, margin(admitted, capacity)), capacity, horizon)
-    return first if ok else best_effort(admitted, capacity)
+    if ok:
+        return first
+    late = lateness(admitted, capacity)
+    if late is not None:
+        ok, first = schedule(_delayed(admitted, late), capacity, horizon)
+        if ok:
+            return first
+    return best_effort(admitted, capacity)
 
 
 def margin(demands: Sequence[Demand], capacity: float, least: float = 0.5) -> float:
@@ -173,6 +185,25 @@ def margin(demands: Sequence[Demand], capacity: float, least: float = 0.5) -> fl
         mid = (low + high) / 2
         low, high = (low, mid) if feasible(_shrunk(demands, mid), capacity) else (mid, high)
     return high
+
+
+def lateness(demands: Sequence[Demand], capacity: float) -> float | None:
+    """The least delay, up to the longest window (to 1e-6 of it), that every deadline must
+    move by for the set to be feasible; None when even that is not enough. A delay, not a
+    factor: the remaining flow of a plan stays feasible with the same delay, so re-planning
+    each tick keeps it, where a factor of the time left would be re-granted every tick."""
+    most = max((d.window for d in demands), default=0.0)
+    if most <= 0 or not feasible(_delayed(demands, most), capacity):
+        return None
+    low, high = 0.0, most
+    while high - low > most * 1e-6:  # coarser, and each tick's rounding up adds up
+        mid = (low + high) / 2
+        low, high = (low, mid) if feasible(_delayed(demands, mid), capacity) else (mid, high)
+    return high
+
+
+def _delayed(demands: Sequence[Demand], seconds: float) -> list[Demand]:
+    return [replace(d, window=d.window + seconds) for d in demands]
 
 
 def _shrunk(demands: Sequence[Demand], factor: float) -> list[Demand]:

@@ -108,6 +108,31 @@ def test_admission_keeps_priority_then_earliest_deadline() -> None:
     assert [d.name for d in missed] == ["low-early", "mid"]
 
 
+def test_a_set_behind_by_a_step_is_late_by_about_a_step_not_by_its_slack() -> None:
+    """Hypothesis found it: seven jobs on 4 CPUs with no time to spare; two due at 6.56 s end
+    a step late (a job finishing inside a step wastes the rest of it), and the set no longer
+    fits. Planned then by `best_effort`'s greedy order, or with the least delay rounded up
+    at every re-plan, the long single-threaded job (18 CPU-s by 19.02 s, its CPU nearly all
+    along) fell behind for good: 20.68 s, then 19.49 s. Planned as if every deadline were
+    later by the least delay that fits, it is a step late."""
+    jobs = just_feasible(
+        [
+            Demand("e3e70682", 4.0, 15.0, 1.0),
+            Demand("f728b4fa", 1.0, 1.0, 2.0),
+            Demand("eb1167b3", 1.0, 10.0, 1.0),
+            Demand("f7c1bd87", 6.0, 14.0, 4.0),
+            Demand("e443df78", 6.0, 23.0, 2.0),
+            Demand("23a7711a", 17.0, 10.0, 4.0),
+            Demand("1846d424", 18.0, 29.0, 1.0),
+        ],
+        4.0,
+    )
+    step = max(d.window for d in jobs) / 400
+    finish = run(jobs, 4.0)
+    late = {d.name: round(finish[d.name] - d.window, 3) for d in jobs}
+    assert all(v <= 1.5 * step for v in late.values()), late
+
+
 demands = st.lists(
     st.builds(
         Demand,
