@@ -31,11 +31,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
-from benchkit import Bench, clear, percentile, populate
+from benchkit import Bench, clear, populate, quantile
 
 import nodeagent
 from nodeagent.api import client
@@ -63,7 +64,9 @@ def one_call(sock: str, timeout: float) -> dict[str, Any]:
     """`nodeagent allocations` past argument parsing: the client's GET, then the table."""
     start, code, error = time.perf_counter(), 0, ""
     try:
-        allocations_table(client.get(sock, "/v1/allocations", timeout=timeout))
+        allocations_table(
+            cast(Mapping[str, Any], client.get(sock, "/v1/allocations", timeout=timeout))
+        )
     except NodeagentError as e:
         code, error = 1, f"nodeagent: error: {e}"
     except Exception as e:  # what an operator would see as a traceback
@@ -180,8 +183,8 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "calls": len(results),
         "succeeded": sum(1 for r in results if r["code"] == 0),
-        "p50_ms": round(percentile(took, 0.5), 1),
-        "p99_ms": round(percentile(took, 0.99), 1),
+        "p50_ms": round(quantile(took, 0.5), 1),
+        "p99_ms": round(quantile(took, 0.99), 1),
         "max_ms": round(max(took), 1),
         "errors": dict(errors.most_common()),
     }

@@ -27,10 +27,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
-from benchkit import Bench, percentile
+from benchkit import Bench, quantile
 from inotify_simple import INotify, flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernel"))
@@ -68,7 +69,7 @@ class Births:
         self.inotify.close()
 
 
-def policy(state: Path, match: dict[str, object], docker: str | None) -> dict[str, object]:
+def policy(state: Path, match: Mapping[str, object], docker: str | None) -> dict[str, object]:
     return {
         "version": 1,
         "agent": {
@@ -106,7 +107,7 @@ def wait_log(log: Path, needle: str, proc: subprocess.Popen[bytes], timeout: flo
 
 def case(
     bench: Bench, runtimes: rt.Runtimes | None, name: str, state: Path, *,
-    match: dict[str, object], docker: str | None, runs: int,
+    match: Mapping[str, object], docker: str | None, runs: int,
 ) -> None:  # fmt: skip
     config = state / f"{name}.yaml"
     config.write_text(yaml.safe_dump(policy(state, match, docker)))
@@ -144,7 +145,7 @@ def case(
     written = writes(log)
     lat = sorted(written[c] - births.seen[c] for c in made if c in written and c in births.seen)
     missing = runs - len(lat)
-    p50, p99, top = (percentile(lat, q) * 1e3 for q in (0.5, 0.99, 1)) if lat else (0.0,) * 3
+    p50, p99, top = (quantile(lat, q) * 1e3 for q in (0.5, 0.99, 1)) if lat else (0.0,) * 3
     bench.say(f"  {name:<10} p50 {p50:7.1f} ms   p99 {p99:7.1f} ms   max {top:7.1f} ms"
               f"   (n={len(lat)}{f', {missing} never written' if missing else ''})")  # fmt: skip
     bench.figures.setdefault("cases", []).append(

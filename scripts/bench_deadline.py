@@ -268,7 +268,7 @@ def run_set(daemon: Daemon, jobs: list[SimJob]) -> dict[str, Any]:
     for w in waiters:
         w.join()
     idle(daemon)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for j in jobs:
         took = ends[j.name] - t0
         rows.append(

@@ -215,7 +215,7 @@ class Informant:
         back = gpu_durations.releases(
             (
                 p.uuids,
-                None if self.expected[j] is None else self.started[j] + self.expected[j] - now,
+                None if (d := self.expected[j]) is None else self.started[j] + d - now,
             )
             for j, p in running.items()
         )

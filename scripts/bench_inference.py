@@ -31,7 +31,7 @@ from nodeagent.api import client
 
 MANAGED = "nodeagent-bench.slice"
 HERE = Path(__file__).parent
-WAYS = {
+WAYS: dict[str, dict[str, Any]] = {
     "without agent": {
         "fair_share": {"enabled": False},
         "deadlines": {"enabled": False},

@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 
 from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.parse import Psi, PsiLine
-from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, MemoryLimit
+from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, MemoryLimit, Value
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.metrics.collector import TickCollector
 from nodeagent.metrics.server import MetricsServer
@@ -51,7 +51,7 @@ def tick(n: int, seq: int) -> TickRecord:
     """`n` busy jobs in 4 tenants, every attribute written, their counters apart by one per
     job; also tests/unit/test_metrics_golden.py's tick, whose fixtures hold its scrape."""
     psi = Psi(PsiLine(3.0, 2.0, 1.0, 10), PsiLine(1.0, 1.0, 1.0, 5))
-    settings = {
+    settings: dict[Attribute, Value] = {
         Attribute.CPU_WEIGHT: CpuWeight(100),
         Attribute.CPU_MAX: CpuMax(None),
         Attribute.MEMORY_MAX: MemoryLimit(None),

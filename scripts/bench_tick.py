@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import yaml
-from benchkit import Bench, clear, percentile, populate
+from benchkit import Bench, clear, populate, quantile
 
 from nodeagent import logs
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree
@@ -105,11 +105,11 @@ class Counted:
         self._real = CgroupDir._open_file
 
     def __enter__(self) -> Counted:
-        real = self._real
+        real, counted = self._real, self
 
-        def counting(d: CgroupDir, name: str, mode: int) -> int:
-            self.opened += 1
-            return real(d, name, mode)
+        def counting(self: CgroupDir, name: str, mode: int) -> int:  # _open_file's signature
+            counted.opened += 1
+            return real(self, name, mode)
 
         CgroupDir._open_file = counting  # type: ignore[method-assign]
         return self
@@ -216,7 +216,7 @@ def bench_latency(bench: Bench, state_dir: str, background: int) -> None:
                 if key in event["path"] and key not in first:
                     first[key] = event["ts"] - t
         lat = sorted(first.values())
-        p50, p99, top = (percentile(lat, q) * 1e3 for q in (0.5, 0.99, 1))
+        p50, p99, top = (quantile(lat, q) * 1e3 for q in (0.5, 0.99, 1))
         bench.say(
             f"mkdir -> first write, {background} other cgroups: p50 {p50:.1f} ms, p99 {p99:.1f} ms"
             f" (n={len(lat)}, max {top:.1f} ms)"

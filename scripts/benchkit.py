@@ -108,8 +108,13 @@ class Bench:
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The nearest-rank q-quantile (0 <= q <= 1) of values, None for no values."""
+    return quantile(values, q) if values else None
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank q-quantile (0 <= q <= 1) of values that cannot be empty (ValueError)."""
     if not values:
-        return None
+        raise ValueError("a quantile of no values")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import CGROUP_ROOT, enable_controllers, new_sandbox_path, remove_cgroup_tree
+from systemd_host import SystemdHost
 
 BUSYBOX = Path("/bin/busybox")
 IMAGE = "localhost/nodeagent/busybox:test"
@@ -197,7 +198,10 @@ class InVm(Place):
         self.logs.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def run(self, *argv, check=True, timeout=COMMAND_TIMEOUT_S, env=None, input=None):  # type: ignore[no-untyped-def]
+    def run(
+        self, *argv: str, check: bool = True, timeout: float = COMMAND_TIMEOUT_S,
+        env: Mapping[str, str] | None = None, input: bytes | None = None,
+    ) -> subprocess.CompletedProcess[bytes]:  # fmt: skip
         full = {**os.environ, **(env or {})}
         try:
             done = subprocess.run(
@@ -254,11 +258,14 @@ class InSystemd(Place):
 
     driver = "systemd"
 
-    def __init__(self, host: Any) -> None:
+    def __init__(self, host: SystemdHost) -> None:
         self.host = host
         self.units: list[str] = []
 
-    def run(self, *argv, check=True, timeout=COMMAND_TIMEOUT_S, env=None, input=None):  # type: ignore[no-untyped-def]
+    def run(
+        self, *argv: str, check: bool = True, timeout: float = COMMAND_TIMEOUT_S,
+        env: Mapping[str, str] | None = None, input: bytes | None = None,
+    ) -> subprocess.CompletedProcess[bytes]:  # fmt: skip
         command = [*self.host._nsenter, "env", *[f"{k}={v}" for k, v in (env or {}).items()], *argv]
         try:
             done = subprocess.run(

@@ -6,11 +6,12 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import ROOT, agent, hog_memory, read, sleeper, spec, wait_for
 
-from nodeagent.act import Outcome
+from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.values import Attribute
 
 MiB = 1 << 20
@@ -112,7 +113,7 @@ def test_a_cgroup_that_vanishes_mid_tick_does_not_break_the_loop(
     a.registry.resync()
     real_apply = a.executor.apply
 
-    def apply_after_rmdir(*args):  # type: ignore[no-untyped-def]
+    def apply_after_rmdir(*args: Any) -> list[WriteResult]:
         b1.rmdir()  # gone after it was sensed, before it is written
         return real_apply(*args)
 

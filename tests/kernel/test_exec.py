@@ -33,13 +33,12 @@ def daemon(cgroup_sandbox: Path, tmp_path: Path) -> Iterator[tuple[Agent, str]]:
         yield a, sock
 
 
-def nodeagent_exec(sock: str, *args: str, **kwargs: object) -> subprocess.Popen[str]:
+def nodeagent_exec(sock: str, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         ["nodeagent", "exec", "--socket", sock, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        **kwargs,  # type: ignore[call-overload]
     )
 
 

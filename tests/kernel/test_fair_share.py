@@ -34,8 +34,8 @@ def scenario(cgroup_sandbox: str) -> Iterator[tuple[str, dict[str, list[Path]]]]
     managed = rel(cgroup_sandbox) + "/managed"
     base = Path(ROOT, managed)
     base.mkdir()
-    for c in ("cpu", "memory"):
-        Path(base, "cgroup.subtree_control").write_text(f"+{c}")
+    for controller in ("cpu", "memory"):
+        Path(base, "cgroup.subtree_control").write_text(f"+{controller}")
     cgroups = {"a": [base / "a-0"], "b": [base / f"b-{i}" for i in range(4)]}
     procs: list[subprocess.Popen[bytes]] = []
     for c in cgroups["a"] + cgroups["b"]:

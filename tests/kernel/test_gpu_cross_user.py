@@ -73,7 +73,10 @@ def test_another_uid_can_neither_release_nor_claim_roots_gpus(daemon: tuple[Agen
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     try:
-        holds = lambda: {(h.owner, str(h.kind)) for h in a.gpus.ledger.holds()}  # noqa: E731
+
+        def holds() -> set[tuple[str, str]]:
+            return {(h.owner, str(h.kind)) for h in a.gpus.ledger.holds()}
+
         assert wait_for(lambda: ("train", "job") in holds(), timeout=120), job.stderr
         granted = client.post(str(sock), "/v1/gpus/requests", {"name": "held", "count": 1})
         assert isinstance(granted, dict) and granted["status"] == "granted"

@@ -26,7 +26,7 @@ from helpers import ROOT, agent, bind, mount_tmpfs, rel, spec
 
 from nodeagent import logs
 from nodeagent.act import Outcome
-from nodeagent.api.server import encode
+from nodeagent.api.wire import encode
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent
 from nodeagent.discovery.registry import Registry

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import ROOT, agent, bind, rel, sleeper, spec
 
-from nodeagent.act import Outcome
+from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.values import Attribute
-from nodeagent.report import allocations
+from nodeagent.report import TickRecord, allocations
+from nodeagent.snapshot import NodeSnapshot
 
 CAPPED = {
     "tenants": {"a": {"shares": 1}},
@@ -36,10 +38,10 @@ def jobs(managed: str, *names: str) -> list[Path]:
     return paths
 
 
-def written(record: object, name: str) -> set[Attribute]:
+def written(record: TickRecord, name: str) -> set[Attribute]:
     return {
         r.attribute
-        for r in record.results  # type: ignore[attr-defined]
+        for r in record.results
         if r.path.rsplit("/", 1)[1] == name and r.outcome is Outcome.WRITTEN
     }
 
@@ -52,7 +54,7 @@ def test_a_cgroup_removed_between_discovery_and_sensing(
     a.registry.resync()
     real = a.sensor.snapshot
 
-    def remove_then_sense(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def remove_then_sense(*args: Any, **kwargs: Any) -> NodeSnapshot:
         gone.rmdir()  # discovered, then gone before it is read
         return real(*args, **kwargs)
 
@@ -113,7 +115,7 @@ def test_a_file_that_breaks_at_write_time_fails_that_write_only(
     (tmp_path / "garbage").write_text("lots\n")
     real = a.executor.apply
 
-    def break_then_apply(*args):  # type: ignore[no-untyped-def]
+    def break_then_apply(*args: Any) -> list[WriteResult]:
         # read fine when sensed; the memory guard re-reads memory.current before writing
         bind(tmp_path / "garbage", bad / "memory.current", mounts)
         return real(*args)

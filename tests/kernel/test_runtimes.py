@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import time
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ import structlog
 from conftest import CGROUP_ROOT, enable_controllers
 from helpers import read, sleeper, spec, usage_us, wait_for
 from standin_runtime import StandInDocker, container
+from systemd_host import SystemdHost
 
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent
@@ -41,7 +43,7 @@ TENANTS = {"a": {"shares": 2}, "b": {"shares": 1}}
 
 
 @pytest.fixture(scope="module")
-def started_runtimes(systemd_host: Any) -> Iterator[dict[str, rt.Runtimes]]:
+def started_runtimes(systemd_host: SystemdHost) -> Iterator[dict[str, rt.Runtimes]]:
     """Both drivers' runtimes, started once for the module (and the start times, printed)."""
     with contextlib.ExitStack() as stack:
         out = {
@@ -99,6 +101,10 @@ def make_agent(
 
 def rel(r: rt.Runtimes, cgroup: Path) -> str:
     return str(cgroup.relative_to(r.sandbox_root))
+
+
+def no_procs(cgroup: Path) -> bool:
+    return not read(cgroup, "cgroup.procs")
 
 
 def identity_of(record: TickRecord, r: rt.Runtimes, cgroup: Path) -> Any:
@@ -437,7 +443,7 @@ def test_hostile_runtime_answers_cost_bounded_time_and_one_line_each(
             p.wait()
         for f in fakes:
             if f.exists():
-                wait_for(lambda f=f: not read(f, "cgroup.procs"), timeout=30)
+                wait_for(functools.partial(no_procs, f), timeout=30)
                 f.rmdir()
         r.remove(podman)
         r.remove_pod(pod)

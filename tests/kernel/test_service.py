@@ -753,7 +753,8 @@ def test_metrics_need_the_drop_in_which_validate_names_and_with_it_the_endpoint_
                 return ""
 
         body = wait(
-            f"{url} to answer with a tick", lambda: "nodeagent_ticks_total" in (b := scrape()) and b
+            f"{url} to answer with a tick",
+            lambda: b if "nodeagent_ticks_total" in (b := scrape()) else None,
         )
         assert re.search(r'^nodeagent_ticks_total\{result="ok"\} [1-9]', body, re.M), body[:2000]
     finally:

@@ -98,7 +98,7 @@ class Daemon:
         )
         return pid
 
-    def ask(self, peer: Peer, name: str, count: int = 1, **body: Any) -> Any:
+    def ask(self, peer: Peer, name: str, count: int = 1, /, **body: Any) -> Any:
         return self.call(peer, "POST", "/v1/gpus/requests", {"name": name, "count": count, **body})
 
     def start(self, peer: Peer, name: str, **body: Any) -> Any:
@@ -137,7 +137,7 @@ def daemon(tmp_path: Path, policy: Mapping[str, Any] | None = None, gpus: str = 
     proc = tmp_path / "proc"
     proc.mkdir(exist_ok=True)
     agent.jobs.proc_root = str(proc)
-    agent.jobs.open_process = lambda pid: AlwaysAlive()  # type: ignore[assignment,return-value]
+    agent.jobs.open_process = lambda pid: AlwaysAlive()
     agent.tick()  # reads the GPUs
     assert agent.gpus.state is not None, "the simulated GPUs were read"
     return Daemon(agent, root, proc)
@@ -147,7 +147,7 @@ def restart(d: Daemon) -> Daemon:
     """The same daemon started again on its state file."""
     agent = Agent(d.agent.spec, FilesTree(str(d.root)))
     agent.jobs.proc_root = str(d.proc)
-    agent.jobs.open_process = lambda pid: AlwaysAlive()  # type: ignore[assignment,return-value]
+    agent.jobs.open_process = lambda pid: AlwaysAlive()
     agent.tick()
     return Daemon(agent, d.root, d.proc, d._next_pid)
 

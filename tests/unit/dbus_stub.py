@@ -156,9 +156,13 @@ def _serve(conn: socket.socket, answer: Callable[[Call], Answer], calls: list[Ca
 def _encode(msg: Message, given: Answer, serial: int) -> bytes:
     if isinstance(given, bytes):
         return given
-    if isinstance(given, Error):
-        return new_error(msg, given.name, "s", (given.text,)).serialise(serial=serial)
-    return new_method_return(msg, given.signature, given.body).serialise(serial=serial)
+    answer = (
+        new_error(msg, given.name, "s", (given.text,))
+        if isinstance(given, Error)
+        else new_method_return(msg, given.signature, given.body)
+    )
+    data: bytes = answer.serialise(serial=serial)  # jeepney has no annotations
+    return data
 
 
 @contextmanager

@@ -168,8 +168,8 @@ class FakeNvml:
         ga = self._gpu(a, "nvmlDeviceGetTopologyCommonAncestor")
         gb = self.gpus[b.gpu]
         if ga.numa_node != gb.numa_node:
-            return pynvml.NVML_TOPOLOGY_SYSTEM
-        return (
+            return int(pynvml.NVML_TOPOLOGY_SYSTEM)
+        return int(
             pynvml.NVML_TOPOLOGY_MULTIPLE if a.gpu // 2 == b.gpu // 2 else pynvml.NVML_TOPOLOGY_NODE
         )
 
@@ -181,7 +181,7 @@ class FakeNvml:
 
     def nvmlDeviceGetNvLinkState(self, h: Handle, link: int) -> int:
         self._link(h, link, "nvmlDeviceGetNvLinkState")
-        return pynvml.NVML_FEATURE_ENABLED
+        return int(pynvml.NVML_FEATURE_ENABLED)
 
     def nvmlDeviceGetNvLinkRemotePciInfo(self, h: Handle, link: int) -> SimpleNamespace:
         return SimpleNamespace(
@@ -240,7 +240,7 @@ class FakeNvml:
 
     def nvmlDeviceGetSupportedEventTypes(self, h: Handle) -> int:
         self._gpu(h, "nvmlDeviceGetSupportedEventTypes")
-        return pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeSingleBitEccError
+        return int(pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeSingleBitEccError)
 
     def nvmlDeviceRegisterEvents(self, h: Handle, types: int, events: str) -> None:
         self._gpu(h, "nvmlDeviceRegisterEvents")

@@ -77,7 +77,8 @@ def crd_schema(api_version: str, kind: str) -> dict[str, Any]:
     schema = copy.deepcopy(served["schema"]["openAPIV3Schema"])
     # metadata is the API server's ObjectMeta, which the CRD leaves open
     schema["properties"]["metadata"] = {"type": "object"}
-    return _strict(schema)
+    strict: dict[str, Any] = _strict(schema)
+    return strict
 
 
 def problems(doc: dict[str, Any]) -> list[str]:

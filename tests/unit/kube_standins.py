@@ -278,7 +278,7 @@ class KubeletStandIn:
         )
         self.server.add_insecure_port(f"unix://{socket}")
 
-    def _handler(self, name: str, request: str, response: str) -> grpc.RpcMethodHandler:
+    def _handler(self, name: str, request: str, response: str) -> grpc.RpcMethodHandler[Any, Any]:
         def answer(_: object, context: grpc.ServicerContext) -> object:
             self.calls.append(name)
             if self.delay:
@@ -324,7 +324,8 @@ def _fill(message: Any, data: dict[str, Any]) -> None:
 
 
 def load(name: str) -> dict[str, Any]:
-    return json.loads((DATA / name).read_text())
+    data: dict[str, Any] = json.loads((DATA / name).read_text())
+    return data
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 from nodeagent import act
 from nodeagent.act import Executor, Outcome
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, MemoryLimit
+from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, MemoryLimit, Value
 from nodeagent.discovery.layouts import classify
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.ownership import WriteMode, parent_identity, write_mode
@@ -63,7 +63,7 @@ def tree(tmp_path: Path) -> CgroupTree:
     return CgroupTree(str(tmp_path))
 
 
-def plan_and_snapshot() -> tuple[object, object]:
+def plan_and_snapshot() -> tuple[Plan, NodeSnapshot]:
     limits = Limits.model_validate({"cpu_max": 0.333, "memory_max": "1Gi"})
     state = WorkloadState(
         SCOPE,
@@ -86,12 +86,12 @@ def plan_and_snapshot() -> tuple[object, object]:
 
 def test_properties_first_all_of_them_then_the_files(tree: CgroupTree) -> None:
     plan, snap = plan_and_snapshot()
-    cg = plan.cgroups[0]  # type: ignore[attr-defined]
+    cg = plan.cgroups[0]
     assert cg.targets[Attribute.CPU_MAX].value == CpuMax(34_000, 100_000), (
         "0.333 cores rounded up to 0.34, as systemd keeps it"
     )
     fake = FakeSystemd()
-    results = Executor(tree, lambda *a: None, units=fake).apply(plan, snap)  # type: ignore[arg-type]
+    results = Executor(tree, lambda *a: None, units=fake).apply(plan, snap)
     ((unit, props),) = fake.calls
     assert unit == SCOPE.path.rsplit("/", 1)[-1]
     assert props == {
@@ -117,11 +117,11 @@ def test_without_d_bus_the_operator_chooses(
     tree: CgroupTree, fallback: WithoutBus, outcome: Outcome, file: str
 ) -> None:
     plan, snap = plan_and_snapshot()
-    executor = Executor(tree, lambda *a: None, units=FakeSystemd(bus=False),  # type: ignore[arg-type]
+    executor = Executor(tree, lambda *a: None, units=FakeSystemd(bus=False),
                         without_bus=lambda: fallback)  # fmt: skip
     with capture_logs() as logs:
-        first = executor.apply(plan, snap)  # type: ignore[arg-type]
-        executor.apply(plan, replace(snap))  # type: ignore[arg-type]
+        first = executor.apply(plan, snap)
+        executor.apply(plan, replace(snap))
     assert {r.outcome for r in first} == {outcome}
     assert Path(tree.root, SCOPE.path, "cpu.max").read_text() == file
     assert [e["event"] for e in logs if e["event"].startswith("systemd")] == [
@@ -175,7 +175,10 @@ def weigh_and_freeze(*paths: str) -> tuple[Plan, NodeSnapshot]:
         Attribute.CPU_WEIGHT: Target(CpuWeight(500), "test", "weighed"),
         Attribute.FREEZE: Target(Frozen(True), "test", "frozen"),
     }
-    settings = {Attribute.CPU_WEIGHT: CpuWeight(100), Attribute.FREEZE: Frozen(False)}
+    settings: dict[Attribute, Value] = {
+        Attribute.CPU_WEIGHT: CpuWeight(100),
+        Attribute.FREEZE: Frozen(False),
+    }
     plan = Plan(7, 0.0, tuple(CgroupPlan(i, None, targets, (), write=write_mode(i, AGENT))
                               for i in identities), {})  # fmt: skip
     states = [WorkloadState(i, CgroupSample(populated=True, settings=settings), 1.0)
@@ -284,7 +287,7 @@ def test_the_units_of_cgroups_that_are_gone_are_forgotten(
         make_cgroup(root, p)
     asked: list[str] = []
 
-    class Units:
+    class Units(FakeSystemd):
         def unit_for_cgroup(self, cgroup: str) -> str:
             asked.append(cgroup)
             return cgroup.rsplit("/", 1)[-1]

@@ -19,6 +19,8 @@ from daemon_api import ALICE, BOB, CID, ROOT, Daemon, daemon, mkdirs
 from nodeagent.api.server import ApiBadRequest, ApiConflict, ApiError, ApiForbidden, ApiNotFound
 from nodeagent.gpu.simulated import parse_node
 from nodeagent.gpualloc import ledger as ledger_module
+from nodeagent.jobs import Job
+from nodeagent.policy.placement import GpuRequest, Holdings, NodeGpus, Placement, Refusal, place
 
 
 @pytest.fixture
@@ -275,7 +277,12 @@ def test_a_stale_removal_leaves_a_same_named_successor_alone(d: Daemon) -> None:
     d.exit("train")  # its command has exited; its exec has not said so yet
     ended: list[str] = []
     inner = d.agent.jobs.on_end
-    d.agent.jobs.on_end = lambda job: (ended.append(job.name), inner(job))  # type: ignore[func-returns-value]
+
+    def on_end(job: Job) -> None:
+        ended.append(job.name)
+        inner(job)
+
+    d.agent.jobs.on_end = on_end
     d.agent.jobs._remove_if_empty(first, None)  # the loop's stale removal of the first
     assert d.jobs() == ["train"], "the successor is still known"
     assert d.holds() == [("train", "job")], "and keeps its GPUs"
@@ -309,8 +316,12 @@ def test_an_ask_does_not_place_the_whole_queue_again(d: Daemon, monkeypatch: Any
     for i in range(50):
         assert d.ask(ROOT, f"w{i}")["status"] == "waiting"
     calls = []
-    place = ledger_module.place
-    monkeypatch.setattr(ledger_module, "place", lambda *a: (calls.append(1), place(*a))[1])
+
+    def counted(request: GpuRequest, node: NodeGpus, held: Holdings) -> Placement | Refusal:
+        calls.append(1)
+        return place(request, node, held)
+
+    monkeypatch.setattr(ledger_module, "place", counted)
     assert d.ask(ROOT, "one-more")["status"] == "waiting"
     assert len(calls) <= 1, f"{len(calls)} placements for one ask"
     d.agent.tick()  # nothing changed: the queue is not served again

@@ -435,7 +435,7 @@ def _laid_out(draw: st.DrawFn) -> tuple[str, WorkloadIdentity]:
                 if tier is G
                 else f"{top}/kubepods-{tier}.slice/kubepods-{tier}-pod{u}.slice"
             )
-            prefix = draw(st.sampled_from(["cri-containerd", "crio", "docker"]))
+            prefix: str | None = draw(st.sampled_from(["cri-containerd", "crio", "docker"]))
             leaf, owner = f"{prefix}-{cid}.scope", SD
         else:
             pod_path = f"kubepods/pod{uid}" if tier is G else f"kubepods/{tier}/pod{uid}"

@@ -40,7 +40,7 @@ def test_every_job_runs_once_and_gives_its_gpus_back(bench: ModuleType, name: st
     held: list[tuple[GpuRequest, Placement]] = []
 
     def checked(request: GpuRequest, n: NodeGpus, h: Holdings) -> Placement | Refusal:
-        result = bench.place(request, n, h)
+        result: Placement | Refusal = bench.place(request, n, h)
         if isinstance(result, Placement) and not request.shared:
             assert not set(result.uuids) & h.exclusive, "a GPU given twice"
             held.append((request, result))
@@ -94,7 +94,8 @@ def test_every_job_runs_once_whatever_placement_knows_of_durations(
 
     def recording(request: GpuRequest, n: NodeGpus, h: Holdings) -> Placement | Refusal:
         seen.append(request)
-        return bench.place(request, n, h)
+        placed: Placement | Refusal = bench.place(request, n, h)
+        return placed
 
     r = bench.replay(node, jobs, recording, None, knows)
     assert (r["jobs"], r["held_at_end"]) == (80, 0)
@@ -127,7 +128,8 @@ def test_the_baselines_are_told_nothing_and_placement_only_what_it_asks(bench: M
 
     def recording(request: GpuRequest, n: NodeGpus, h: Holdings) -> Placement | Refusal:
         calls.append(request)
-        return bench.place(request, n, h)
+        placed: Placement | Refusal = bench.place(request, n, h)
+        return placed
 
     bench.replay(node, jobs, recording, None, knows)
     firsts: dict[tuple[int, float], GpuRequest] = {}
@@ -141,7 +143,8 @@ def test_the_baselines_are_told_nothing_and_placement_only_what_it_asks(bench: M
     def baseline(request: GpuRequest, n: NodeGpus, h: Holdings) -> Placement | Refusal:
         told.append(request)
         assert not h.release
-        return bench.best_effort(request, n, h)
+        placed: Placement | Refusal = bench.best_effort(request, n, h)
+        return placed
 
     bench.replay(node, jobs, baseline)
     assert {(q.expected_duration, q.patience) for q in told} == {(None, 0.0)}

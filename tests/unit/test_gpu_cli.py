@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -34,7 +35,7 @@ def run(runner: CliRunner, *args: str, code: int = 0) -> str:
     return result.output
 
 
-def as_json(runner: CliRunner, *args: str, code: int = 0) -> dict[str, object]:
+def as_json(runner: CliRunner, *args: str, code: int = 0) -> dict[str, Any]:
     data = json.loads(run(runner, *args, "--json", code=code))
     assert isinstance(data, dict)
     return data

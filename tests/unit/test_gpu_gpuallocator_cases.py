@@ -112,7 +112,7 @@ NODES = {
 }
 
 # TestBestEffortAllocate, the cases without required GPUs: (name, available, size, result).
-POLICY_CASES = [
+POLICY_CASES: list[tuple[str, tuple[int, ...], int, tuple[int, ...]]] = [
     ("Single NVLINK, prefer same switch", (0, 2, 4, 5), 2, (4, 5)),
     ("Single NVLINK, prefer same socket", (0, 4, 5, 6), 2, (5, 6)),
     ("Prefer dual NVLINK same socket", (0, 3, 1), 2, (0, 3)),
@@ -121,7 +121,7 @@ POLICY_CASES = [
 
 # TestBestEffort<Node>GPUAlloc<Size>: from a whole node, each size asked in turn gets the
 # result, and keeps it; an empty result is a refusal.
-SEQUENCES = {
+SEQUENCES: dict[tuple[str, int], list[tuple[int, tuple[int, ...]]]] = {
     ("4x-rtx8000", 1): [(1, (0,)), (1, (1,)), (1, (2,)), (1, (3,)), (1, ())],
     ("4x-rtx8000", 2): [(2, (0, 3)), (2, (1, 2)), (1, ())],
     ("4x-rtx8000", 4): [(4, (0, 1, 2, 3)), (1, ())],

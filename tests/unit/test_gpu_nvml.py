@@ -49,7 +49,7 @@ def test_no_library_or_driver_means_no_gpus_with_a_reason(code: int, says: str) 
     assert isinstance(opened, NoGpus)
     assert says in opened.reason
     assert "\n" not in opened.reason
-    assert opened.inventory() == opened.telemetry() == opened.processes() == ()
+    assert (opened.inventory(), opened.telemetry(), opened.processes()) == ((), (), ())
     assert opened.topology().links == {}
     with pytest.raises(GpuError, match="no GPUs"):
         opened.set_power_limit("GPU-x", 300_000)
@@ -311,12 +311,14 @@ def test_a_critical_xid_in_a_mig_instance_marks_that_instance() -> None:
     assert [(m.uuid, m.healthy) for m in g.mig_devices] == [(MIG_3G, True), (MIG_1G, False)]
 
 
-def test_a_broken_event_wait_marks_every_gpu() -> None:
+def test_a_broken_event_wait_marks_every_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeNvml(dgx_h100()[:2])
     b = backend(fake)
-    fake.nvmlEventSetWait = lambda events, timeout: (_ for _ in ()).throw(  # type: ignore[method-assign]
-        pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
-    )
+
+    def broken_wait(*_: object) -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    monkeypatch.setattr(fake, "nvmlEventSetWait", broken_wait)
     assert b.poll_health() == ()
     assert [g.healthy for g in b.inventory()] == [False, False]
 

@@ -16,6 +16,7 @@ from nodeagent.gpu.model import (
     GpuProcess,
     GpuState,
     Hold,
+    HoldKind,
     Link,
     MigDevice,
     PcieLevel,
@@ -410,7 +411,7 @@ def test_exclusive_requests_pass_over_gpus_with_processes_outside_any_hold() -> 
 def test_processes_of_a_hold_make_its_gpus_held_not_busy() -> None:
     node = shipped("4x-a100-two-nvlink-pairs.yaml")
     uuids = [d.uuid for d in node.devices]
-    job = Hold("train", "job", (uuids[0],), (0,), cgroup="nodeagent.slice/train")
+    job = Hold("train", HoldKind.JOB, (uuids[0],), (0,), cgroup="nodeagent.slice/train")
     seen = with_processes(node, (31337, uuids[0]), holds=(job,))
     assert seen.busy == {}
     # once the hold is gone (the job ended) the GPU is free: nothing else runs there

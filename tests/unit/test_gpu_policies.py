@@ -8,7 +8,7 @@ import pytest
 from builders import job, snapshot, spec, workload
 
 from nodeagent.cgroupfs.values import Attribute, Frozen
-from nodeagent.gpu.model import Device, GpuProcess, GpuState, Hold, Telemetry, Topology
+from nodeagent.gpu.model import Device, GpuProcess, GpuState, Hold, HoldKind, Telemetry, Topology
 from nodeagent.policy.base import Assignment, DeviceDecision
 from nodeagent.policy.gpu_checks import GpuChecks, violations
 from nodeagent.policy.gpu_power import GpuPower, in_force
@@ -33,7 +33,7 @@ def state(processes: tuple[GpuProcess, ...], holds: tuple[Hold, ...]) -> GpuStat
     return GpuState(DEVICES, Topology(), telemetry, processes, holds, "fake", True)
 
 
-HOLD = Hold("job-a", "job", (G0,), (0,), cgroup=JOB, workload_class="training")
+HOLD = Hold("job-a", HoldKind.JOB, (G0,), (0,), cgroup=JOB, workload_class="training")
 
 
 def test_a_process_on_a_gpu_its_cgroup_does_not_hold_is_a_violation() -> None:

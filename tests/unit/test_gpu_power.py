@@ -10,6 +10,7 @@ The daemon runs on a plain directory tree with a simulated 2-GPU node with power
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ def reserve(d: Daemon, name: str, cls: str) -> str:
     return str(uuid)
 
 
-def power_events(logs: list[dict[str, Any]]) -> list[tuple[str, int | None, int, int]]:
+def power_events(logs: Iterable[Mapping[str, Any]]) -> list[tuple[str, int | None, int, int]]:
     return [
         (e["gpu"], e["old_mw"], e["new_mw"], e["requested_mw"])
         for e in logs

@@ -10,6 +10,7 @@ daemon_api); callers are Peer records as SO_PEERCRED gives them.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ def reserve(d: Daemon, peer: Any, name: str, count: int = 1, **body: Any) -> dic
     return got
 
 
-def audited(logs: list[dict[str, Any]], event: str) -> list[dict[str, Any]]:
+def audited(logs: Iterable[Mapping[str, Any]], event: str) -> list[Mapping[str, Any]]:
     return [e for e in logs if e["event"] == event]
 
 

@@ -9,6 +9,7 @@ a driver failing as a whole is the stand-in `Failing` around it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,7 @@ def watched(fake: FakeNvml) -> Watched:
     return Watched(opened)
 
 
-def sensor_events(logs: list[dict[str, Any]]) -> list[tuple[str, str | None]]:
+def sensor_events(logs: Iterable[Mapping[str, Any]]) -> list[tuple[str, str | None]]:
     return [(e["event"], e.get("error")) for e in logs if e["event"].startswith("gpu.read")]
 
 

@@ -38,7 +38,7 @@ def jobs(tmp_path: Path) -> Jobs:
             f"Name:\tsh\nPPid:\t{ppid}\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n"
         )
     jobs = Jobs(CgroupTree(str(tmp_path)), lambda *a: None, str(proc))
-    jobs.open_process = lambda pid: AlwaysAlive()  # type: ignore[assignment,return-value]
+    jobs.open_process = lambda pid: AlwaysAlive()
     return jobs
 
 
@@ -150,7 +150,7 @@ class EndsDuringTheMove:
 def test_a_pid_reused_during_the_move_is_not_left_in_the_job(tmp_path: Path) -> None:
     d = daemon(tmp_path)
     (d.root / "cgroup.procs").write_text("")
-    d.agent.jobs.open_process = lambda pid: EndsDuringTheMove()  # type: ignore[assignment,return-value]
+    d.agent.jobs.open_process = lambda pid: EndsDuringTheMove()
     pid = d.child(ALICE)
     e = d.refused(ALICE, "POST", "/v1/jobs", {"name": "j", "pid": pid})
     assert isinstance(e, ApiForbidden) and str(e) == f"process {pid} ended while it was being moved"
@@ -162,7 +162,7 @@ def test_a_pid_that_ends_before_the_move_is_never_written(tmp_path: Path) -> Non
     d = daemon(tmp_path)
     gone = EndsDuringTheMove()
     gone.asked = 1  # alive when checked, gone before the write
-    d.agent.jobs.open_process = lambda pid: gone  # type: ignore[assignment,return-value]
+    d.agent.jobs.open_process = lambda pid: gone
     e = d.refused(ALICE, "POST", "/v1/jobs", {"name": "j", "pid": d.child(ALICE)})
     assert isinstance(e, ApiForbidden) and "ended before it could be moved" in str(e)
     assert d.jobs() == []

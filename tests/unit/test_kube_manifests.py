@@ -124,7 +124,8 @@ class Pod:
         self.mounts = self.container["volumeMounts"]
 
     def arg(self, name: str) -> str:
-        values = [a.split("=", 1)[1] for a in self.container["args"] if a.startswith(name + "=")]
+        args: list[str] = self.container["args"]
+        values = [a.split("=", 1)[1] for a in args if a.startswith(name + "=")]
         assert len(values) == 1, f"{name} given {len(values)} times"
         return values[0]
 

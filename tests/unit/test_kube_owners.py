@@ -6,6 +6,9 @@ the runtime gave it) and the API server's later edits winning over CRI."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import pytest
 
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
@@ -42,9 +45,15 @@ SPEC = PolicySpec.model_validate(
 K = SPEC.kubernetes
 
 
-def pod(namespace: str = "research-nlp", **kw: object) -> PodView:
-    meta = {"labels": {}, "annotations": {}, **kw}
-    return PodView(namespace=namespace, name="p", **meta)  # type: ignore[arg-type]
+def pod(
+    namespace: str = "research-nlp",
+    *,
+    labels: Mapping[str, str] | None = None,
+    annotations: Mapping[str, str] | None = None,
+    priority: int | None = None,
+    qos: QosTier | None = None,
+) -> PodView:
+    return PodView(namespace, "p", labels or {}, annotations or {}, priority, qos)
 
 
 def owner(p: PodView, ns_labels: dict[str, str] | None = None) -> tuple[object, ...]:
@@ -106,7 +115,7 @@ def test_a_claim_the_namespace_may_not_use_is_refused_and_reported(
     ],
 )  # fmt: skip
 def test_the_class_comes_from_the_first_source_that_gives_one(
-    meta: dict[str, object], expected: WorkloadClass | None
+    meta: dict[str, Any], expected: WorkloadClass | None
 ) -> None:
     assert owner(pod(**meta))[1] == expected
 

@@ -12,6 +12,7 @@ import re
 import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -20,6 +21,7 @@ from kube_standins import NRT_PATH, ApiServerStandIn, kubelet, load, node
 from kubernetes import client as kube_client
 from test_cli import REPO
 
+from nodeagent.gpu.model import GpuState
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.kube.podresources import PodResourcesClient
 from nodeagent.kube.publish import Publisher, node_resource_topology
@@ -42,7 +44,7 @@ ISLANDS = {
 }
 
 
-def state(path: Path):  # type: ignore[no-untyped-def]
+def state(path: Path) -> GpuState:
     read = GpuSensor(load_simulated(str(path))).read(())
     assert read is not None
     return read
@@ -110,7 +112,7 @@ def api_client(api: ApiServerStandIn) -> kube_client.ApiClient:
     return kube_client.ApiClient(kube_client.Configuration(host=api.url))
 
 
-def pairs_topology(tmp_path: Path) -> dict[str, object]:
+def pairs_topology(tmp_path: Path) -> dict[str, Any]:
     with kubelet(tmp_path, load("podresources.json")) as k:
         c = PodResourcesClient(k.socket, 5)
         body = node_resource_topology(
@@ -207,11 +209,13 @@ def test_an_api_server_that_never_answers_costs_the_tick_its_deadline_only(
             )
             publisher = Publisher(PodResourcesClient(k.socket, 5), client, "gpu-1", lambda: [])
             done = threading.Event()
+
+            def publish() -> None:
+                publisher.publish(state(PAIRS), spec)
+                done.set()
+
             with structlog.testing.capture_logs() as logs:
-                worker = threading.Thread(
-                    target=lambda: (publisher.publish(state(PAIRS), spec), done.set()),
-                    daemon=True,
-                )
+                worker = threading.Thread(target=publish, daemon=True)
                 worker.start()
                 worker.join(timeout=60)
             assert done.is_set(), "publish hung on a silent API server"

@@ -145,7 +145,7 @@ def test_a_value_nobody_changed_and_a_cgroup_never_written_count_nothing(
 
 
 def test_the_originals_are_recorded_even_when_the_gpu_step_after_the_writes_fails(
-    tree: CgroupTree, tmp_path: Path
+    tree: CgroupTree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What a cgroup held before the agent first changed it is saved right after the writes,
     before the GPU step and the observers: a tick that fails after its writes (here NVML's
@@ -156,7 +156,7 @@ def test_the_originals_are_recorded_even_when_the_gpu_step_after_the_writes_fail
     def broken(*_: object) -> None:
         raise RuntimeError("NVML: the driver stopped answering")
 
-    a.gpus.apply = broken  # type: ignore[method-assign]
+    monkeypatch.setattr(a.gpus, "apply", broken)
     with pytest.raises(RuntimeError, match="NVML"):
         tick(a)
     assert Path(a.tree.root, CONTAINERS[0], "cpu.max").read_text().strip() == "100000 100000"

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from builders import job, snapshot, spec, workload
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax
-from nodeagent.policy.base import Assignment, Decision, Floor, PolicyInput
+from nodeagent.policy.base import Assignment, Decision, Floor, Policy, PolicyInput
 from nodeagent.policy.newcomer import plan_newcomers
 from nodeagent.policy.plan import CgroupPlan, Plan, make_plan
 from nodeagent.snapshot import CgroupSample, WorkloadState
@@ -55,7 +55,7 @@ def test_a_real_policy_raising_on_one_cgroup_skips_only_that_cgroup() -> None:
 
 
 @dataclass
-class FailsOn:
+class FailsOn(Policy):
     """TEST POLICY, not a real one: caps every assigned cgroup, and raises (as a bug
     would) whenever a cgroup in `bad` is in its input, or when all of `together` are. It
     counts its runs, to check that isolation costs a bounded number of them."""
@@ -99,7 +99,7 @@ def test_any_policy_is_isolated_with_a_bounded_number_of_runs() -> None:
 
 def test_a_policy_that_fails_without_any_cgroup_is_left_out_whole() -> None:
     @dataclass
-    class Always:  # TEST POLICY: fails on every input
+    class Always(Policy):  # TEST POLICY: fails on every input
         name: str = "always"
 
         def decide(self, given: PolicyInput) -> Sequence[Decision]:
@@ -130,7 +130,7 @@ def test_the_failing_cgroup_is_removed_from_what_earlier_policies_said() -> None
     seen: list[PolicyInput] = []
 
     @dataclass
-    class Records:  # TEST POLICY: raises on BAD, records the input it planned
+    class Records(Policy):  # TEST POLICY: raises on BAD, records the input it planned
         name: str = "records"
 
         def decide(self, given: PolicyInput) -> Sequence[Decision]:
@@ -140,7 +140,7 @@ def test_the_failing_cgroup_is_removed_from_what_earlier_policies_said() -> None
             return []
 
     @dataclass
-    class Floors:  # TEST POLICY: a floor for every assigned cgroup
+    class Floors(Policy):  # TEST POLICY: a floor for every assigned cgroup
         name: str = "floors"
 
         def decide(self, given: PolicyInput) -> Sequence[Floor]:

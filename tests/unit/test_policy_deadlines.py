@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from builders import job, snapshot, spec
@@ -46,6 +48,13 @@ def plan(
 def note(cg: CgroupPlan) -> Note:
     (n,) = [n for n in cg.notes if n.kind == "deadline"]
     return n
+
+
+def carry_of(p: Plan, key: str) -> dict[str, Any]:
+    """What the deadlines policy carries to the next tick under `key`, by workload."""
+    value = p.carry["deadlines"][key]
+    assert isinstance(value, dict), value
+    return value
 
 
 def weight(cg: CgroupPlan) -> int:
@@ -192,7 +201,7 @@ def plan_with(
     assignments: dict[str, Assignment],
     *,
     busy: float | None = None,
-    carried: dict[str, dict[str, object]] | None = None,
+    carried: Mapping[str, Mapping[str, object]] | None = None,
     cpus: int = 2,
     policy: PolicySpec | None = None,
 ) -> Plan:
@@ -268,7 +277,7 @@ def test_a_later_job_that_takes_what_an_earlier_one_needs_is_capped_for_a_while(
     carried = p.carry
     for left in (4, 3, 2, 1):
         p = plan_with(calm, SEED_23, carried=dict(carried))
-        assert p.carry["deadlines"]["caps"].get("nodeagent.slice/j2") == left
+        assert carry_of(p, "caps").get("nodeagent.slice/j2") == left
         carried = p.carry
     p = plan_with(calm, SEED_23, carried=dict(carried))
     assert p.carry["deadlines"]["caps"] == {}
@@ -325,17 +334,17 @@ def test_a_job_the_kernel_shorts_is_weighted_up_until_it_gets_its_part() -> None
         running("nodeagent.slice/other", 10, rate=1.5),
     ]
     first = plan_with(states, assignments)
-    part = first.carry["deadlines"]["parts"][path]
+    part = carry_of(first, "parts")[path]
     shorted = [replace(states[0], cpu_rate=0.8 * part), states[1]]
     p = plan_with(shorted, assignments, carried=dict(first.carry))
-    gain = p.carry["deadlines"]["gains"][path]
+    gain = carry_of(p, "gains")[path]
     assert gain == pytest.approx(1.25)  # the shortfall was 1/0.8, at most x1.25 a tick
     cg = {c.path: c for c in p.cgroups}[path]
     assert any("x1.25" in line for line in cg.trace)
     assert p.cpu_targets[path].cores == pytest.approx(part * 1.25, rel=0.02)
     served = [replace(states[0], cpu_rate=1.3 * part, cpu_stall=0.0), states[1]]
     eased = plan_with(served, assignments, carried=dict(p.carry))
-    assert eased.carry["deadlines"]["gains"][path] == pytest.approx(1.25 * 0.95)
+    assert carry_of(eased, "gains")[path] == pytest.approx(1.25 * 0.95)
 
 
 def test_the_reserve_is_fixed_when_the_job_is_first_seen_and_kept_after() -> None:

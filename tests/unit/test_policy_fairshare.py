@@ -190,7 +190,11 @@ def test_weights_are_clamped(shares: dict[str, float], per_workload: int, expect
 
 def test_trace_explains_the_arithmetic() -> None:
     given_ = policy_input(snapshot(TWO_TO_ONE), spec({"a": 2, "b": 1}), {"a": 0.0})
-    d = next(d for d in FairShare().decide(given_) if d.path == "nodeagent.slice/a-1")
+    d = next(
+        d
+        for d in FairShare().decide(given_)
+        if isinstance(d, Share) and d.path == "nodeagent.slice/a-1"
+    )
     assert "tenant a: shares 2 of 3" in d.trace[0]
     assert "F=2^(-u/s)=1.000" in d.trace[1]
     assert d.trace[2] == (

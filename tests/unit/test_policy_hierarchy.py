@@ -83,7 +83,9 @@ def test_a_read_only_level_is_reported_with_the_split_it_causes() -> None:
     (note,) = [n for n in plan.notes if n.kind == "hierarchy"]
     assert note.status == "distorted"
     assert note.fields["read_only_levels"] == ["kubepods", "kubepods/burstable"]
-    assert note.fields["expected"]["a"] < note.fields["planned"]["a"]
+    expected, planned = note.fields["expected"], note.fields["planned"]
+    assert isinstance(expected, dict) and isinstance(planned, dict)
+    assert expected["a"] < planned["a"]
 
 
 @pytest.mark.parametrize(

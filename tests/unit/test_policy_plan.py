@@ -9,7 +9,7 @@ import pytest
 from builders import docker, job, service, snapshot, spec, workload
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, MemoryLimit, Value
-from nodeagent.policy.base import Decision, PolicyInput, Skip
+from nodeagent.policy.base import Decision, Policy, PolicyInput, Skip
 from nodeagent.policy.classify import assign
 from nodeagent.policy.plan import CgroupPlan, Plan, make_plan
 from nodeagent.snapshot import CgroupSample, WorkloadState
@@ -17,7 +17,7 @@ from nodeagent.spec.model import PolicySpec, WorkloadClass
 
 
 @dataclass
-class Fixed:
+class Fixed(Policy):
     """A policy that wants one value on one attribute of every assigned workload."""
 
     name: str
@@ -206,7 +206,7 @@ def test_assignments_of_workloads_missing_from_the_snapshot_are_ignored() -> Non
 
 
 @dataclass
-class Broken:
+class Broken(Policy):
     name: str = "broken"
 
     def decide(self, given: PolicyInput) -> Sequence[Decision]:
@@ -214,7 +214,7 @@ class Broken:
 
 
 @dataclass
-class SkipsOne:
+class SkipsOne(Policy):
     """Plans every workload, but cannot plan `bad`."""
 
     bad: str

@@ -73,19 +73,13 @@ def test_county_hospital_emergency_room() -> None:
     Lq = 4/3, P(Wq > 0) = 2/3, P(Wq > 1 h) = 0.245; two doctors, Wq = 1/24 h (2.5 min),
     W = 3/8 h, Lq = 1/12 (0.083), P(Wq > 0) = 1/6 (0.167)."""
     one = mmc(2.0, 3.0, 1)
-    assert (one.p_wait, one.mean_wait, one.mean_response, one.mean_queue_length) == (
-        pytest.approx(2 / 3),
-        pytest.approx(2 / 3),
-        pytest.approx(1.0),
-        pytest.approx(4 / 3),
+    assert (one.p_wait, one.mean_wait, one.mean_response, one.mean_queue_length) == pytest.approx(
+        (2 / 3, 2 / 3, 1.0, 4 / 3)
     )
     assert one.wait_exceeds(1.0) == pytest.approx(0.245, abs=5e-4)
     two = mmc(2.0, 3.0, 2)
-    assert (two.p_wait, two.mean_wait, two.mean_response, two.mean_queue_length) == (
-        pytest.approx(1 / 6),
-        pytest.approx(1 / 24),
-        pytest.approx(3 / 8),
-        pytest.approx(1 / 12),
+    assert (two.p_wait, two.mean_wait, two.mean_response, two.mean_queue_length) == pytest.approx(
+        (1 / 6, 1 / 24, 3 / 8, 1 / 12)
     )
 
 

@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -50,7 +49,7 @@ def _status() -> bytes:
     return pb.ContainerStatusResponse(status=status).SerializeToString()
 
 
-class StandInCri:
+class StandInCri(grpc.GenericRpcHandler):
     """Answers each method with the bytes in `answers` (or NOT_FOUND when absent)."""
 
     def __init__(self, path: str) -> None:
@@ -64,14 +63,16 @@ class StandInCri:
         self.server.add_insecure_port(f"unix://{path}")
         self.server.start()
 
-    def service(self, details: Any) -> grpc.RpcMethodHandler | None:
+    def service(
+        self, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[bytes, bytes] | None:
         method = details.method.rsplit("/", 1)[-1]
 
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
             answer = self.answers.get(method)
             if answer is None:
                 context.abort(grpc.StatusCode.NOT_FOUND, "not found")
-            return answer() if callable(answer) else answer  # type: ignore[return-value]
+            return answer() if callable(answer) else answer
 
         return grpc.unary_unary_rpc_method_handler(
             handle, request_deserializer=None, response_serializer=None
@@ -147,7 +148,12 @@ def test_a_socket_that_never_answers_costs_one_deadline(tmp_path: Path) -> None:
 
 def test_a_slow_runtime_is_down_then_back(cri: tuple[StandInCri, str]) -> None:
     server, path = cri
-    server.answers["ListContainers"] = lambda: (time.sleep(0.5), _containers())[1]
+
+    def slow() -> bytes:
+        time.sleep(0.5)
+        return _containers()
+
+    server.answers["ListContainers"] = slow
     clock = [100.0]
     meta = RuntimeMetadata(
         {"containerd": CriAdapter("containerd", path, 0.2)}, clock=lambda: clock[0]

@@ -92,6 +92,7 @@ limits = st.builds(
 @given(limits)
 def test_what_systemd_writes_is_never_tighter_and_maps_to_itself(limit: CpuMax) -> None:
     written = systemd_value(Attribute.CPU_MAX, limit)
+    assert isinstance(written, CpuMax)
     if limit.quota_us is None:
         assert written.quota_us is None
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import resource
 from pathlib import Path
 
 import pytest
@@ -157,14 +158,14 @@ def test_needs_add_what_a_policy_uses_every_tick(tree: CgroupTree) -> None:
 def test_the_directories_kept_open_leave_half_the_descriptors(
     monkeypatch: pytest.MonkeyPatch, soft: int, budget: int
 ) -> None:
-    monkeypatch.setattr(sensor_module.resource, "getrlimit", lambda _: (soft, 1 << 20))
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (soft, 1 << 20))
     assert sensor_module.dir_budget() == budget
 
 
 def test_beyond_its_budget_a_workload_is_opened_for_each_read(
     tree: CgroupTree, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sensor_module.resource, "getrlimit", lambda _: (2, 2))  # budget 1
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (2, 2))  # budget 1
     sensor = Sensor(tree, NodeSensor())
     snap = sensor.snapshot([job("good"), job("good2")], 1.0, 1.0)
     assert [w.identity.name for w in snap.workloads] == ["good", "good2"]
@@ -179,8 +180,8 @@ def test_the_daemon_raises_its_soft_descriptor_limit_within_the_hard_one(
     monkeypatch: pytest.MonkeyPatch, soft: int, hard: int, now: int
 ) -> None:
     set_to: list[tuple[int, int]] = []
-    monkeypatch.setattr(sensor_module.resource, "getrlimit", lambda _: (soft, hard))
-    monkeypatch.setattr(sensor_module.resource, "setrlimit", lambda _, v: set_to.append(v))
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (soft, hard))
+    monkeypatch.setattr(resource, "setrlimit", lambda _, v: set_to.append(v))
     assert sensor_module.raise_fd_limit() == now
     assert set_to == ([] if now == soft else [(now, hard)])
 

@@ -357,7 +357,8 @@ def test_slurm_jobs_are_found_with_their_accounts_and_counted_in_the_split(
     assert note.fields["planned"] == pytest.approx({"physics": 0.75, "bio": 0.25}, abs=0.02)
     # read-only, the jobs keep the weights slurmd gave them: the note says what that costs
     assert note.fields["expected"] == pytest.approx({"physics": 0.5, "bio": 0.5}, abs=0.02)
-    assert SCOPE in note.fields["read_only_levels"]
+    levels = note.fields["read_only_levels"]
+    assert isinstance(levels, list) and SCOPE in levels
     inside = [w for w in writes if f"/{SCOPE}/" in w[0] or w[0].endswith(f"/{SCOPE}")]
     assert inside == [], "read-only by default: nothing written in slurmstepd.scope"
     refused = {(r.path, r.attribute) for r in results if r.outcome is Outcome.READ_ONLY}

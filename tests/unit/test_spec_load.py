@@ -39,7 +39,7 @@ def problems(text: str) -> list[str]:
     return [str(p) for p in info.value.problems]
 
 
-def file_problems(path: Path) -> list[str]:
+def file_problems(path: str | Path) -> list[str]:
     with pytest.raises(PolicyError) as info:
         load_policy(path)
     return [str(p) for p in info.value.problems]

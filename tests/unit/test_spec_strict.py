@@ -9,7 +9,7 @@ import re
 import pytest
 from builders import policy_input, snapshot, workload
 
-from nodeagent.cgroupfs.values import Attribute
+from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.policy.base import Share
 from nodeagent.policy.fairshare import FairShare
 from nodeagent.policy.plan import make_plan
@@ -91,6 +91,7 @@ def test_the_extreme_shares_are_accepted_and_keep_fair_share_defined(
         t.value.value
         for cg in make_plan(snap, spec, usage).cgroups
         if (t := cg.targets.get(Attribute.CPU_WEIGHT)) is not None
+        and isinstance(t.value, CpuWeight)
     ]
     assert len(weights) == 2 and all(1 <= w <= 10_000 for w in weights), weights
 
