@@ -7,9 +7,11 @@ declared CPUs, its threads and the node's CPUs. The capacity is what the node re
 measured to use). `edf.admit` keeps, by priority then earliest deadline, the jobs that can
 all finish on it; the others are predicted to miss.
 
-The admitted jobs share a budget: while other managed workloads are busy, their required
-rates times `deadlines.headroom` (at most the capacity), so deadline jobs take what they
-need and fair share keeps the rest; with nobody else busy, the whole capacity.
+The admitted jobs share a budget: while other managed workloads are busy, the rates that
+finish each by its deadline less its reserve (`deadlines.reserve` of its window on its
+first running tick, kept) times `deadlines.headroom`, at most the capacity, so deadline
+jobs take what they need and fair share keeps the rest; with nobody else busy, the whole
+capacity.
 Inside the budget the order is EDF, not a proportional split (`edf.allot`): the earliest
 deadline gets all it can use, then the next, down to what each later job needs now to stay
 feasible; a job with slack may get nothing now. Each job's part is an exclusive floor,
@@ -42,7 +44,7 @@ from nodeagent.policy.base import (
     PolicyInput,
 )
 from nodeagent.policy.cpu import Capacity, capacity
-from nodeagent.policy.edf import Demand, admit, allot, best_effort, feasible, rank
+from nodeagent.policy.edf import Demand, admit, allot, best_effort, rank
 from nodeagent.policy.fairshare import is_active
 from nodeagent.snapshot import NO_NEEDS, Needs, WorkloadState
 from nodeagent.spec.model import PolicySpec
@@ -129,13 +131,14 @@ class Deadlines(Policy):
             and is_active(w, given.spec.fair_share)
         ]
         reserves = _reserves(jobs, demands, carried.get("reserves"), settings.reserve)
-        planned = _aimed(admitted, reserves, cap.cores)
-        need = settings.headroom * sum(d.rate for d in planned.values())
+        need = settings.headroom * sum(d.rate for d in _aimed(admitted, reserves))
         budget = min(cap.cores, need) if others else cap.cores
-        parts = allot(list(planned.values()), budget, given.spec.agent.interval)
+        # planned as if the next re-plan came half a tick sooner: a job that can finish
+        # before it gets the rate to finish in half a tick, so one the kernel gives less still
+        # finishes this tick (paced to end just at the next, it drags on, a part a tick)
+        parts = allot(admitted, budget, given.spec.agent.interval / 2)
         parts.update(best_effort(missed, max(0.0, cap.cores - sum(parts.values()))))
-        ranked = rank([*planned.values(), *missed])  # the order the parts were handed out in
-        order = {d.name: i for i, d in enumerate(ranked, start=1)}
+        order = {d.name: i for i, d in enumerate(rank(list(demands.values())), start=1)}
         last = carried.get("parts")
         last_parts = {
             p: float(v)
@@ -146,12 +149,12 @@ class Deadlines(Policy):
         for d in admitted:
             out.append(
                 self._floor(
-                    planned[d.name],
+                    d,
                     jobs[d.name],
                     parts[d.name],
                     gains.get(d.name, 1.0),
                     order=order,
-                    budget=budget,
+                    budget=(budget, bool(others), reserves.get(d.name, 0.0)),
                     cap=cap,
                 )
             )
@@ -225,9 +228,11 @@ class Deadlines(Policy):
         gain: float,
         *,
         order: Mapping[str, int],
-        budget: float,
+        budget: tuple[float, bool, float],
         cap: Capacity,
     ) -> Floor:
+        """`budget`: the deadline jobs' cores, whether others are busy (then the budget is
+        sized by the reserves), and this job's reserve."""
         why = (
             "all it can use (its parallelism)"
             if part >= job.p - 1e-6
@@ -238,15 +243,17 @@ class Deadlines(Policy):
             else "what it needs now to stay on time"
         )
         cores = min(job.p, part * gain)
-        aim = (
-            f"aims to finish {job.window - d.window:.1f} s before its deadline (its reserve)"
-            if d.window < job.window
-            else "its reserve does not fit beside the other deadlines: aims at the deadline"
+        cores_in_all, sized, reserve = budget
+        source = (
+            f"sized for each to finish by its reserve ({reserve:.1f} s before this deadline)"
+            " times the headroom, beside busy fair-share work"
+            if sized
+            else "the whole capacity: nothing else managed is busy"
         )
         trace = [
-            f"admitted by EDF on {cap.describe()}; {aim}",
+            f"admitted by EDF on {cap.describe()}",
             f"needs {d.rate:.3f} cores on average ({d.work:.1f} CPU-s in {d.window:.1f} s);"
-            f" the deadline jobs' budget is {budget:.2f} cores,"
+            f" the deadline jobs' budget is {cores_in_all:.2f} cores ({source}),"
             f" handed out earliest deadline first: {part:.2f}, {why} (parallelism {job.p:g})",
         ]
         if cores > part:
@@ -331,21 +338,19 @@ def _reserves(
     return dict(sorted(out.items()))
 
 
-def _aimed(
-    admitted: Sequence[Demand], reserves: Mapping[str, float], cores: float
-) -> dict[str, Demand]:
+def _aimed(admitted: Sequence[Demand], reserves: Mapping[str, float]) -> list[Demand]:
     """The admitted jobs with their windows ending at their reserves (a job behind its aim
-    at full speed: its work over its parallelism); the deadlines themselves when the set
-    does not fit so."""
-    aimed = [
+    at full speed: its work over its parallelism), for the budget they take from fair share
+    only: the parts inside it go by the deadlines themselves, earliest first (a reserve in
+    the order would make a later job with a long window critical, and squeeze an earlier
+    one)."""
+    return [
         replace(
             d,
             window=max(d.window - reserves.get(d.name, 0.0), min(d.window, d.work / d.parallelism)),
         )
         for d in admitted
     ]
-    chosen = aimed if feasible(aimed, cores) else list(admitted)
-    return {d.name: d for d in chosen}
 
 
 def _shorted(job: _Job, part: float | None) -> bool:

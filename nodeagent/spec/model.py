@@ -518,8 +518,9 @@ class DeadlineSettings(_Strict):
     headroom: Number = Field(1.1, ge=1, le=10)
     """Required rates are multiplied by this, for the scheduler's and the measurement's noise."""
     reserve: Number = Field(0.1, ge=0, le=0.5)
-    """Each job is planned to finish this part of its window (as first seen) before its
-    deadline: a margin fixed once, which re-planning every tick cannot wear away."""
+    """While others are busy, the deadline jobs' budget is sized for each to finish this part
+    of its window (on its first running tick) before its deadline: a margin fixed once,
+    which re-planning every tick cannot wear away."""
 
 
 ANY: Literal["*"] = "*"

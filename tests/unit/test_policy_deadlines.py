@@ -92,7 +92,7 @@ def test_a_deadline_job_gets_its_rate_and_the_rest_is_fair_share() -> None:
     assert w["nodeagent.slice/a-1"] == w["nodeagent.slice/b-1"]
     trace = cgs["nodeagent.slice/job"].trace
     assert any("admitted by EDF" in line for line in trace)
-    assert any("aims to finish 10.0 s before its deadline" in line for line in trace)
+    assert any("by its reserve (10.0 s before this deadline)" in line for line in trace)
 
 
 def test_jobs_that_cannot_all_fit_earliest_deadline_wins() -> None:
