@@ -108,9 +108,15 @@ def read_sample(d: CgroupDir, page_size: int, *, threads: bool = False) -> Cgrou
         memory_events=get("memory.events", parse.flat_keyed) or {},
         cpu_psi=_pressure(d, "cpu.pressure"),
         memory_psi=_pressure(d, "memory.pressure"),
-        threads=len(d.read("cgroup.threads").split()) if threads else None,
+        threads=_threads(d) if threads else None,
         settings=settings,
     )
+
+
+def _threads(d: CgroupDir) -> int | None:
+    """Its threads; None on a kernel before 4.14 (no cgroup.threads), not a vanished cgroup."""
+    text = d.read_optional("cgroup.threads")
+    return None if text is None else len(text.split())
 
 
 def read_lean(
@@ -139,7 +145,7 @@ def read_lean(
     if needs.pressure:
         psi = _pressure(d, "cpu.pressure")
     if needs.threads:
-        threads = len(d.read("cgroup.threads").split())
+        threads = _threads(d)
     sample = _lean(cpu, known, needs, populated=populated, memory=memory, psi=psi, threads=threads)
     return LeanRead(text, None, sample)  # fresh beyond cpu.stat: never reused
 

@@ -152,6 +152,21 @@ def test_needs_add_what_a_policy_uses_every_tick(tree: CgroupTree) -> None:
     assert w.sample.threads == 2
 
 
+def test_a_cgroup_without_cgroup_threads_is_sensed_with_threads_unknown(
+    tree: CgroupTree, tmp_path: Path
+) -> None:
+    """A kernel before 4.14 (and a fixture tree) has no cgroup.threads: a deadline job there
+    was taken for a vanished cgroup and dropped from the snapshot, counted nowhere; now it
+    is sensed, its threads unknown (its parallelism then comes from --cpus and the node)."""
+    (tmp_path / "s" / "good" / "cgroup.threads").unlink()
+    sensor = Sensor(tree, NodeSensor(), verify_every=3600)
+    needs = {"s/good": Needs(events=True, threads=True)}
+    for t in (0.0, 1.0):  # a full read, then a lean one
+        snap = sensor.snapshot([job("good")], t, t, needs=needs)
+        assert [w.path for w in snap.workloads] == ["s/good"], (t, snap.vanished, snap.skipped)
+        assert snap.workloads[0].sample.threads is None
+
+
 @pytest.mark.parametrize(
     ("soft", "budget"), [(1024, 512), (8192, 4096), (1 << 20, 4096), (3, 1), (1, 0)]
 )
