@@ -154,7 +154,8 @@ class Deadlines(Policy):
                     parts[d.name],
                     gains.get(d.name, 1.0),
                     order=order,
-                    budget=(budget, bool(others), reserves.get(d.name, 0.0)),
+                    budget=budget,
+                    reserve=reserves.get(d.name, 0.0) if others else None,
                     cap=cap,
                 )
             )
@@ -228,11 +229,12 @@ class Deadlines(Policy):
         gain: float,
         *,
         order: Mapping[str, int],
-        budget: tuple[float, bool, float],
+        budget: float,
+        reserve: float | None,
         cap: Capacity,
     ) -> Floor:
-        """`budget`: the deadline jobs' cores, whether others are busy (then the budget is
-        sized by the reserves), and this job's reserve."""
+        """`reserve`: this job's, when others are busy and the budget was sized by the
+        reserves; None when the budget is the whole capacity."""
         why = (
             "all it can use (its parallelism)"
             if part >= job.p - 1e-6
@@ -243,17 +245,16 @@ class Deadlines(Policy):
             else "what it needs now to stay on time"
         )
         cores = min(job.p, part * gain)
-        cores_in_all, sized, reserve = budget
         source = (
-            f"sized for each to finish by its reserve ({reserve:.1f} s before this deadline)"
-            " times the headroom, beside busy fair-share work"
-            if sized
-            else "the whole capacity: nothing else managed is busy"
+            "the whole capacity: nothing else managed is busy"
+            if reserve is None
+            else f"sized for each to finish by its reserve ({reserve:.1f} s before this"
+            " deadline) times the headroom, beside busy fair-share work"
         )
         trace = [
             f"admitted by EDF on {cap.describe()}",
             f"needs {d.rate:.3f} cores on average ({d.work:.1f} CPU-s in {d.window:.1f} s);"
-            f" the deadline jobs' budget is {cores_in_all:.2f} cores ({source}),"
+            f" the deadline jobs' budget is {budget:.2f} cores ({source}),"
             f" handed out earliest deadline first: {part:.2f}, {why} (parallelism {job.p:g})",
         ]
         if cores > part:

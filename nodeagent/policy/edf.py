@@ -26,7 +26,7 @@ planned to finish early by the same part of its window, as much as the set allow
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 EPS = 1e-9
@@ -178,27 +178,29 @@ def allot(admitted: Sequence[Demand], capacity: float, horizon: float) -> dict[s
 def margin(demands: Sequence[Demand], capacity: float, least: float = 0.5) -> float:
     """The least factor, from `least` up to 1 (to 1%), that every window can be shrunk by
     with the set still feasible: 1 when the set has no time to spare."""
-    low, high = least, 1.0
-    if feasible(_shrunk(demands, low), capacity):
-        return low
-    while high - low > 0.01:
-        mid = (low + high) / 2
-        low, high = (low, mid) if feasible(_shrunk(demands, mid), capacity) else (mid, high)
-    return high
+    return _least(lambda f: feasible(_shrunk(demands, f), capacity), least, 1.0, 0.01)
 
 
 def lateness(demands: Sequence[Demand], capacity: float) -> float | None:
-    """The least delay, up to the longest window (to 1e-6 of it), that every deadline must
-    move by for the set to be feasible; None when even that is not enough. A delay, not a
-    factor: the remaining flow of a plan stays feasible with the same delay, so re-planning
-    each tick keeps it, where a factor of the time left would be re-granted every tick."""
+    """The least delay, up to the longest window (to 1e-6 of it: coarser, and each tick's
+    rounding up adds up), that every deadline must move by for the set to be feasible; None
+    when even that is not enough. A delay, not a factor: the remaining flow of a plan stays
+    feasible with the same delay, so re-planning each tick keeps it, where a factor of the
+    time left would be re-granted every tick."""
     most = max((d.window for d in demands), default=0.0)
     if most <= 0 or not feasible(_delayed(demands, most), capacity):
         return None
-    low, high = 0.0, most
-    while high - low > most * 1e-6:  # coarser, and each tick's rounding up adds up
+    return _least(lambda s: feasible(_delayed(demands, s), capacity), 0.0, most, most * 1e-6)
+
+
+def _least(fits: Callable[[float], bool], low: float, high: float, tolerance: float) -> float:
+    """The least x in [low, high], to `tolerance`, that `fits` (monotonic, and true at
+    `high`), by bisection: `low` when it fits already."""
+    if fits(low):
+        return low
+    while high - low > tolerance:
         mid = (low + high) / 2
-        low, high = (low, mid) if feasible(_delayed(demands, mid), capacity) else (mid, high)
+        low, high = (low, mid) if fits(mid) else (mid, high)
     return high
 
 
