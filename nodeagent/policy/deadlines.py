@@ -21,10 +21,12 @@ it waits for CPU (measured: `cpu.stat` and `cpu.pressure`), its weight is raised
 step until it gets it, and the later deadline jobs are capped (`cpu.max`) at their parts
 for a few ticks, so they cannot take what it needs.
 
-Jobs that cannot fit get what CPU is left, up to the rate they need, earliest deadline
-first, so they are late by the least. Jobs whose deadline has passed or that overran
-their declared work fall back to fair share. Re-planned every tick from what was
-measured, so a job that runs faster or slower than declared is followed.
+Jobs that cannot fit are planned with the admitted ones, their deadlines later by the
+least common delay that lets the admitted still finish early (`edf.allot_late`), so a late
+job comes before an admitted one that can wait; a job past its deadline with work left is
+due now, the most late first. Jobs that overran their declared work fall back to fair
+share. Re-planned every tick from what was measured, so a job that runs faster or slower
+than declared is followed.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from nodeagent.policy.base import (
     PolicyInput,
 )
 from nodeagent.policy.cpu import Capacity, capacity
-from nodeagent.policy.edf import Demand, admit, allot, best_effort, rank
+from nodeagent.policy.edf import Demand, admit, allot_late, rank
 from nodeagent.policy.fairshare import is_active
 from nodeagent.snapshot import NO_NEEDS, Needs, WorkloadState
 from nodeagent.spec.model import PolicySpec
@@ -98,31 +100,13 @@ class Deadlines(Policy):
             return []
         carried = given.carried.get(self.name, {})
         now = given.snapshot.wall_time
-        cpus = given.snapshot.node.cpu_count
+        interval = given.spec.agent.interval
         out: list[Output] = []
-        demands: dict[str, Demand] = {}
-        jobs: dict[str, _Job] = {}
-        for w in given.snapshot.workloads:
-            a = given.assignments.get(w.path)
-            if a is None or a.deadline is None or a.work is None:
-                continue
-            if w.sample.cpu_usage_us is None:
-                continue  # no cpu.stat: nothing to measure progress with
-            remaining = a.work - w.sample.cpu_usage_us / 1e6
-            window = a.deadline - now
-            job = jobs[w.path] = _Job(w, a, remaining, window, parallelism(w, a, cpus))
-            if remaining <= 0:
-                out.append(self._note(job, "overrun" if w.sample.populated else "done", None, now))
-            elif window <= 0:
-                out.append(self._note(job, "missed", None, now))
-            elif w.sample.populated is False:
-                out.append(self._note(job, "waiting", None, now))
-            else:
-                priority = given.spec.classes[a.workload_class].priority
-                demands[w.path] = Demand(w.path, remaining, window, job.p, priority)
+        jobs, demands, overdue = self._jobs(given, out)
 
         cap = capacity(given, _number(carried.get("other")))
         admitted, missed = admit(list(demands.values()), cap.cores)
+        missed += overdue
         others = [
             w
             for w in given.snapshot.workloads
@@ -132,13 +116,14 @@ class Deadlines(Policy):
         ]
         reserves = _reserves(jobs, demands, carried.get("reserves"), settings.reserve)
         need = settings.headroom * sum(d.rate for d in _aimed(admitted, reserves))
-        budget = min(cap.cores, need) if others else cap.cores
+        # a set that cannot all finish takes the whole capacity: the late jobs are late by
+        # the least only when they may come before an admitted job that can wait
+        budget = min(cap.cores, need) if others and not missed else cap.cores
         # planned as if the next re-plan came half a tick sooner: a job that can finish
         # before it gets the rate to finish in half a tick, so one the kernel gives less still
         # finishes this tick (paced to end just at the next, it drags on, a part a tick)
-        parts = allot(admitted, budget, given.spec.agent.interval / 2)
-        parts.update(best_effort(missed, max(0.0, cap.cores - sum(parts.values()))))
-        order = {d.name: i for i, d in enumerate(rank(list(demands.values())), start=1)}
+        parts, late = allot_late(admitted, missed, budget, interval / 2)
+        order = {d.name: i for i, d in enumerate(rank([*demands.values(), *overdue]), start=1)}
         last = carried.get("parts")
         last_parts = {
             p: float(v)
@@ -155,7 +140,15 @@ class Deadlines(Policy):
                     gains.get(d.name, 1.0),
                     order=order,
                     budget=budget,
-                    reserve=reserves.get(d.name, 0.0) if others else None,
+                    source=(
+                        "the whole capacity: a deadline job is predicted to miss"
+                        if missed
+                        else f"sized for each to finish by its reserve"
+                        f" ({reserves.get(d.name, 0.0):.1f} s before this deadline) times the"
+                        " headroom, beside busy fair-share work"
+                        if others
+                        else "the whole capacity: nothing else managed is busy"
+                    ),
                     cap=cap,
                 )
             )
@@ -163,49 +156,20 @@ class Deadlines(Policy):
                 self._note(jobs[d.name], "on-track", parts[d.name], now, order=order, cap=cap)
             )
         for d in missed:
+            due = d in overdue
             if parts[d.name] > 0:
+                out.append(self._late_floor(d, parts[d.name], due, late, order=order, cap=cap))
+            if not due:
                 out.append(
-                    Floor(
-                        d.name,
-                        parts[d.name],
-                        self.name,
-                        f"predicted to miss: floor {parts[d.name]:.2f} cores so it is late"
-                        " by the least",
-                        (
-                            f"EDF rank {order[d.name]} of {len(order)}; needs {d.rate:.3f}"
-                            f" cores, {cap.describe()}",
-                        ),
-                        exclusive=True,
+                    self._note(
+                        jobs[d.name], "predicted-miss", parts[d.name], now, order=order, cap=cap
                     )
                 )
-            out.append(
-                self._note(jobs[d.name], "predicted-miss", parts[d.name], now, order=order, cap=cap)
-            )
+        spread = _spread(jobs, parts, budget, bool(others))
         caps = _caps(jobs, parts, last_parts, order, carried.get("caps"))
-        out.extend(
-            Decision(
-                path,
-                Attribute.CPU_MAX,
-                CpuMax.from_cores(max(parts.get(path, 0.0), 0.01)),
-                self.name,
-                f"capped at its EDF part {parts.get(path, 0.0):.2f} cores: an earlier deadline"
-                " got less than its own",
-                (f"held {ticks} more tick(s) after the last shortfall",),
-            )
-            for path, ticks in sorted(caps.items())
-        )
+        caps |= {p: max(caps.get(p, 0), 1) for p in spread}
         uncap = _uncap(jobs, caps, carried.get("caps"), carried.get("uncap"))
-        out.extend(
-            Decision(
-                path,
-                Attribute.CPU_MAX,
-                CpuMax(None),
-                self.name,
-                "cap lifted: no earlier deadline is shorted now",
-                ("a rule's or the job's own cpu.max binds still, the lowest cap winning",),
-            )
-            for path in uncap
-        )
+        out.extend(_cap_decisions(jobs, parts, caps, spread, uncap))
         out.append(
             Carry(
                 self.name,
@@ -221,6 +185,40 @@ class Deadlines(Policy):
         )
         return out
 
+    def _jobs(
+        self, given: PolicyInput, out: list[Output]
+    ) -> tuple[dict[str, _Job], dict[str, Demand], list[Demand]]:
+        """(every deadline job, the demands of those that run before their deadlines, those
+        past it with work left: due now, by one interval); notes for the rest go to `out`."""
+        now = given.snapshot.wall_time
+        cpus = given.snapshot.node.cpu_count
+        demands: dict[str, Demand] = {}
+        overdue: list[Demand] = []
+        jobs: dict[str, _Job] = {}
+        for w in given.snapshot.workloads:
+            a = given.assignments.get(w.path)
+            if a is None or a.deadline is None or a.work is None:
+                continue
+            if w.sample.cpu_usage_us is None:
+                continue  # no cpu.stat: nothing to measure progress with
+            remaining = a.work - w.sample.cpu_usage_us / 1e6
+            window = a.deadline - now
+            job = jobs[w.path] = _Job(w, a, remaining, window, parallelism(w, a, cpus))
+            priority = given.spec.classes[a.workload_class].priority
+            if remaining <= 0:
+                out.append(self._note(job, "overrun" if w.sample.populated else "done", None, now))
+            elif window <= 0:
+                out.append(self._note(job, "missed", None, now))
+                if w.sample.populated is not False:  # the most late first
+                    overdue.append(
+                        Demand(w.path, remaining, given.spec.agent.interval, job.p, priority)
+                    )
+            elif w.sample.populated is False:
+                out.append(self._note(job, "waiting", None, now))
+            else:
+                demands[w.path] = Demand(w.path, remaining, window, job.p, priority)
+        return jobs, demands, overdue
+
     def _floor(
         self,
         d: Demand,
@@ -230,11 +228,10 @@ class Deadlines(Policy):
         *,
         order: Mapping[str, int],
         budget: float,
-        reserve: float | None,
+        source: str,
         cap: Capacity,
     ) -> Floor:
-        """`reserve`: this job's, when others are busy and the budget was sized by the
-        reserves; None when the budget is the whole capacity."""
+        """`source`: how the budget was sized."""
         why = (
             "all it can use (its parallelism)"
             if part >= job.p - 1e-6
@@ -245,12 +242,6 @@ class Deadlines(Policy):
             else "what it needs now to stay on time"
         )
         cores = min(job.p, part * gain)
-        source = (
-            "the whole capacity: nothing else managed is busy"
-            if reserve is None
-            else f"sized for each to finish by its reserve ({reserve:.1f} s before this"
-            " deadline) times the headroom, beside busy fair-share work"
-        )
         trace = [
             f"admitted by EDF on {cap.describe()}",
             f"needs {d.rate:.3f} cores on average ({d.work:.1f} CPU-s in {d.window:.1f} s);"
@@ -269,6 +260,35 @@ class Deadlines(Policy):
             f"EDF rank {order[d.name]} of {len(order)}, deadline in {d.window:.0f} s:"
             f" floor {cores:.2f} cores",
             tuple(trace),
+            exclusive=True,
+        )
+
+    def _late_floor(
+        self,
+        d: Demand,
+        part: float,
+        due: bool,
+        late: float | None,
+        *,
+        order: Mapping[str, int],
+        cap: Capacity,
+    ) -> Floor:
+        """The floor of a job predicted to miss (or past its deadline: `due`); `late`, the
+        delay its deadline was planned with (None: it got what the admitted left)."""
+        return Floor(
+            d.name,
+            part,
+            self.name,
+            f"{'past its deadline' if due else 'predicted to miss'}: floor {part:.2f} cores"
+            " so it is late by the least",
+            (
+                f"EDF rank {order[d.name]} of {len(order)}; needs {d.rate:.3f} cores,"
+                f" {cap.describe()}",
+                "planned earliest deadline first with the admitted jobs, every late deadline"
+                f" {late:.1f} s later (the least that lets the admitted still finish early)"
+                if late is not None
+                else "given what the admitted jobs leave: even late, the set does not fit",
+            ),
             exclusive=True,
         )
 
@@ -293,7 +313,7 @@ class Deadlines(Policy):
             "predicted-miss": f"predicted to miss: {remaining:.1f} CPU-s left cannot fit"
             f" in {window:.0f} s with the other deadlines; given what is left",
             "missed": f"missed its deadline {-window:.0f} s ago with {remaining:.1f} CPU-s"
-            " left; fair share meanwhile",
+            " left; planned first among the late jobs while it runs",
             "overrun": f"used {-remaining:.1f} CPU-s more than it declared and still runs;"
             " fair share meanwhile",
             "done": "its declared work is done",
@@ -402,6 +422,68 @@ def _uncap(
         and p not in caps
         and jobs[p].w.sample.settings.get(Attribute.CPU_MAX) != CpuMax(None)
     )
+
+
+def _cap_decisions(
+    jobs: Mapping[str, _Job],
+    parts: Mapping[str, float],
+    caps: Mapping[str, int],
+    spread: Sequence[str],
+    uncap: Sequence[str],
+) -> list[Decision]:
+    """cpu.max at the part for each capped job (`spread`: by its threads, this tick; the
+    others: held after a shortfall), and back to `max` for each cap lifted."""
+    out = []
+    for path, ticks in sorted(caps.items()):
+        part = parts.get(path, 0.0)
+        threads = path in spread and ticks <= 1
+        out.append(
+            Decision(
+                path,
+                Attribute.CPU_MAX,
+                CpuMax.from_cores(max(part, 0.01)),
+                "deadlines",
+                f"capped at its EDF part {part:.2f} cores: "
+                + (
+                    "its threads would take more"
+                    if threads
+                    else "an earlier deadline got less than its own"
+                ),
+                (
+                    f"parallelism {jobs[path].p:g} and the parts fill the budget: a group's"
+                    " weight is spread over the CPUs its threads run on, so by weight alone a"
+                    " single-threaded job beside it gets less than its part"
+                    if threads
+                    else f"held {ticks} more tick(s) after the last shortfall",
+                ),
+            )
+        )
+    out.extend(
+        Decision(
+            path,
+            Attribute.CPU_MAX,
+            CpuMax(None),
+            "deadlines",
+            "cap lifted: no earlier deadline is shorted now",
+            ("a rule's or the job's own cpu.max binds still, the lowest cap winning",),
+        )
+        for path in uncap
+    )
+    return out
+
+
+def _spread(
+    jobs: Mapping[str, _Job], parts: Mapping[str, float], budget: float, others: bool
+) -> list[str]:
+    """Multi-threaded jobs to cap at their parts from the start, while the parts fill the
+    budget and something else runs beside them: the kernel spreads a group's weight over
+    the CPUs its threads run on, so weights in proportion to the parts give a
+    single-threaded job on a CPU it shares with one less than its part (measured: two
+    cores' parts of 1.0 each gave the single-threaded one 0.67)."""
+    running = [p for p, part in parts.items() if part > 1e-6]
+    if sum(parts.values()) < budget - 0.05 or (len(running) < 2 and not others):
+        return []
+    return sorted(p for p, part in parts.items() if jobs[p].p > 1.0 and part < jobs[p].p - 1e-6)
 
 
 def _caps(

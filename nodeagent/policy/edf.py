@@ -175,6 +175,43 @@ def allot(admitted: Sequence[Demand], capacity: float, horizon: float) -> dict[s
     return best_effort(admitted, capacity)
 
 
+AIM = 0.9
+"""Beside jobs predicted to miss, the admitted ones aim at this part of their windows (or
+less, when they have less slack): room for the kernel's noise, the rest of their slack for
+the late jobs."""
+
+
+def allot_late(
+    admitted: Sequence[Demand], missed: Sequence[Demand], capacity: float, horizon: float
+) -> tuple[dict[str, float], float | None]:
+    """Rates for a set where `missed` cannot all finish: planned together with the admitted
+    ones, each missed deadline later by the least common delay that lets the admitted still
+    finish by `AIM` of their windows. So EDF puts a late job before an admitted one that can
+    wait (handing the late jobs only what the admitted leave front-loads a job with slack
+    while one already late starves, and makes it later still), and the lateness is shared.
+    Returns the rates and that delay: None without a missed job (`allot`), or when even
+    the bound does not fit (then `best_effort` with what the admitted leave)."""
+    if not missed:
+        return allot(admitted, capacity, horizon), None
+    aimed = _shrunk(admitted, max(AIM, margin(admitted, capacity)))
+
+    def fits(delay: float) -> bool:
+        return feasible([*aimed, *_delayed(missed, delay)], capacity)
+
+    # a bound that fits: the admitted by their windows, then each late job alone
+    most = max(d.window for d in (*admitted, *missed)) + sum(
+        d.work / max(EPS, min(d.parallelism, capacity)) for d in missed
+    )
+    if capacity <= EPS or not fits(most):
+        parts = allot(admitted, capacity, horizon)
+        parts.update(best_effort(missed, max(0.0, capacity - sum(parts.values()))))
+        return parts, None
+    delay = _least(fits, 0.0, most, most * 1e-6)
+    ok, first = schedule([*aimed, *_delayed(missed, delay)], capacity, horizon)
+    assert ok, "a delay that fits gives a feasible schedule"
+    return first, delay
+
+
 def margin(demands: Sequence[Demand], capacity: float, least: float = 0.5) -> float:
     """The least factor, from `least` up to 1 (to 1%), that every window can be shrunk by
     with the set still feasible: 1 when the set has no time to spare."""

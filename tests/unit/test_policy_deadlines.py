@@ -397,3 +397,68 @@ def test_a_job_waiting_for_its_process_gets_its_reserve_when_it_starts() -> None
         [running(path, 0, rate=None)], {path: deadline_job(12, 17)}, carried=dict(first.carry)
     )
     assert started.carry["deadlines"]["reserves"] == {path: pytest.approx(1.7)}
+
+
+def test_a_job_predicted_to_miss_runs_before_an_admitted_job_with_slack() -> None:
+    """j0 (12 CPU-s by 10 s on one thread) cannot make it; j1 (10 by 12) and j2 (5 by 40)
+    can. Before, j2 was front-loaded with the CPU j1 left and j0 got nothing until j2 was
+    done; now j0 comes first and j2, which can wait, gets nothing now."""
+    jobs = {
+        "nodeagent.slice/j0": deadline_job(12, 10),
+        "nodeagent.slice/j1": deadline_job(10, 12),
+        "nodeagent.slice/j2": deadline_job(5, 40),
+    }
+    cgs = {c.path: c for c in plan_with([running(p, 0, rate=None) for p in jobs], jobs).cgroups}
+    rates = {p.rsplit("/", 1)[1]: note(c).fields["rate"] for p, c in cgs.items()}
+    assert rates == {"j0": pytest.approx(1.0), "j1": pytest.approx(1.0), "j2": 0.0}
+    assert note(cgs["nodeagent.slice/j0"]).status == "predicted-miss"
+    assert any("2.0 s later" in line for line in cgs["nodeagent.slice/j0"].trace)
+    # the simulation: j0 late by about 2 s (was 7), the others met
+    out = {
+        o.name: o
+        for o in simulate(
+            [SimJob("j0", 12, 10, 1), SimJob("j1", 10, 12, 1), SimJob("j2", 5, 40, 1)],
+            spec({"a": 1}),
+            2,
+        )
+    }
+    assert out["j0"].tardiness < 3.0
+    assert not out["j1"].missed and not out["j2"].missed
+
+
+def test_a_job_past_its_deadline_is_due_now_not_left_to_fair_share() -> None:
+    """late (4 CPU-s left, its deadline 5 s ago) comes before early (30 by 40 s): it is the
+    most late, so it runs at full speed; a job without a deadline would have its share."""
+    jobs = {
+        "nodeagent.slice/late": deadline_job(10, -5),
+        "nodeagent.slice/early": deadline_job(30, 40),
+    }
+    states = [running("nodeagent.slice/late", 6), running("nodeagent.slice/early", 0)]
+    cgs = {c.path: c for c in plan_with(states, jobs, cpus=1).cgroups}
+    late = cgs["nodeagent.slice/late"]
+    assert note(late).status == "missed"
+    assert any("past its deadline" in line for line in late.trace)
+    assert weight(late) > 10 * weight(cgs["nodeagent.slice/early"])
+
+
+def test_a_multi_threaded_job_is_capped_at_its_part_from_the_start() -> None:
+    """2 CPUs: one (single-threaded, 30 CPU-s by 31 s) needs a CPU throughout; two
+    (two-threaded, 40 by 60) gets the other. By weight alone the kernel spreads two's
+    weight over both CPUs and one got 0.67 of its CPU; so two is capped at its part at
+    once, not only after one was shorted. Alone, it is not capped."""
+    jobs = {
+        "nodeagent.slice/one": deadline_job(30, 31),
+        "nodeagent.slice/two": deadline_job(40, 60),
+    }
+    states = [running("nodeagent.slice/one", 0), running("nodeagent.slice/two", 0, threads=2)]
+    p = plan_with(states, jobs)
+    cgs = {c.path: c for c in p.cgroups}
+    assert Attribute.CPU_MAX not in cgs["nodeagent.slice/one"].targets
+    two = cgs["nodeagent.slice/two"]
+    assert two.targets[Attribute.CPU_MAX].value == CpuMax.from_cores(1.0)
+    assert any("its threads would take more" in line for line in two.trace)
+    assert carry_of(p, "caps") == {"nodeagent.slice/two": 1}
+    alone = {"nodeagent.slice/two": jobs["nodeagent.slice/two"]}
+    p = plan_with(states[1:], alone, carried=dict(p.carry))
+    (cg,) = p.cgroups
+    assert cg.targets[Attribute.CPU_MAX].value == CpuMax(None)  # lifted at once

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodeagent.policy.edf import Demand, admit, allot, feasible, margin, schedule
+from nodeagent.policy.edf import AIM, Demand, admit, allot, allot_late, feasible, margin, schedule
 
 
 def run(demands: list[Demand], capacity: float, steps: int = 400) -> dict[str, float]:
@@ -211,3 +211,26 @@ def test_the_margin_is_the_most_every_window_can_shrink() -> None:
     assert margin([Demand("easy", 1, 100, 1)], 2) == 0.5
     infeasible = [Demand("x", 10, 5, 1)]
     assert margin(infeasible, 2) == 1.0
+
+
+def test_a_job_predicted_to_miss_comes_before_an_admitted_one_that_can_wait() -> None:
+    """2 CPUs, one thread each: a (10 CPU-s by 10 s) is admitted, b (12 by 10) cannot make
+    it, c (5 by 40) is admitted with room. Handing b only what the admitted leave ran c at
+    once and b not until c was done (b at 17 s, late by 7); planned together, with b's
+    deadline later by the least that keeps a and c early, b runs now and c waits."""
+    a, b, c = Demand("a", 10, 10, 1), Demand("b", 12, 10, 1), Demand("c", 5, 40, 1)
+    admitted, missed = admit([a, b, c], 2)
+    assert (admitted, missed) == ([a, c], [b])
+    parts, delay = allot_late(admitted, missed, 2, 0.5)
+    assert parts == {"a": pytest.approx(1.0), "b": pytest.approx(1.0), "c": pytest.approx(0.0)}
+    assert delay == pytest.approx(2.0, abs=1e-3)  # b at full speed: 12 s, late by 2
+    # the admitted still aim early: c's window shrunk to AIM of it fits after b
+    assert feasible([replace(c, window=c.window * AIM), replace(b, window=12.0)], 2)
+
+
+def test_without_a_late_job_the_plan_is_allot_and_an_unfit_bound_falls_back() -> None:
+    jobs = [Demand("a", 10, 10, 1), Demand("c", 5, 40, 1)]
+    assert allot_late(jobs, [], 2, 0.5) == (allot(jobs, 2, 0.5), None)
+    parts, delay = allot_late(jobs, [Demand("x", 1, 1, 1)], 0.0, 0.5)
+    assert delay is None
+    assert parts["x"] == 0.0
