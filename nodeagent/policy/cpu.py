@@ -72,7 +72,11 @@ def capacity(given: PolicyInput, other_before: float | None) -> Capacity:
     kept = sum(reserved(given).values())
     nominal = max(0.0, usable(given) - kept)
     other = other_before
-    if node.cpu_busy is not None:
+    # a workload on its first tick has no rate yet: its use would be counted outside (three
+    # deadline jobs started at once read as 1.9 cores outside, and the EWMA kept the
+    # capacity low for ten ticks, seen in the VM); this tick's reading waits for its rate
+    unknown = any(w.cpu_rate is None and w.sample.populated for w in given.snapshot.workloads)
+    if node.cpu_busy is not None and not unknown:
         managed = sum(w.cpu_rate or 0.0 for w in given.snapshot.workloads)
         now = min(float(cpus), max(0.0, node.cpu_busy * cpus - managed))
         other = now if other is None else (1 - SMOOTHING) * other + SMOOTHING * now

@@ -257,6 +257,23 @@ def test_the_use_outside_is_smoothed() -> None:
     assert p.carry["deadlines"]["other"] == pytest.approx(0.3)  # 1.0 outside, weight 0.3
 
 
+def test_a_new_jobs_use_is_not_counted_outside_before_its_rate_is_known() -> None:
+    """Three jobs started at once, on their first tick (no rates yet), with the node 95%
+    busy: their use is theirs, not the node's outside them. Before, 1.9 cores counted
+    outside; the capacity fell to 0.1 and, smoothed, stayed low for ten ticks (seen in the
+    VM: the second job's part fell to 0.59 and a cap held it there)."""
+    states = [running(p, 0, rate=None) for p in SEED_23]
+    p = plan_with(states, SEED_23, busy=0.95)
+    assert p.carry["deadlines"]["other"] == 0.0
+    cgs = {c.path: c for c in p.cgroups}
+    assert note(cgs["nodeagent.slice/j0"]).fields["capacity"] == pytest.approx(2.0)
+    assert note(cgs["nodeagent.slice/j0"]).fields["rate"] == pytest.approx(1.0)
+    # once their rates are known, the reading counts again
+    known = [replace(s, cpu_rate=0.63) for s in states]
+    p = plan_with(known, SEED_23, busy=0.95)
+    assert p.carry["deadlines"]["other"] == pytest.approx(0.01, abs=1e-6)  # 1.9 - 3 x 0.63
+
+
 def test_a_later_job_that_takes_what_an_earlier_one_needs_is_capped_for_a_while() -> None:
     """j1 was given 1.0 cores last tick but got 0.8 while it waited for CPU, and j2 (not due
     yet) got 0.9: j0 and j2, ranked after j1, are capped at their parts for CAP_TICKS."""
