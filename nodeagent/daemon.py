@@ -28,6 +28,7 @@ from nodeagent.api.server import ApiBadRequest, ApiNotFound, ApiServer, Request,
 from nodeagent.cgroupfs.subtree import ensure_managed_root, leave_managed_path
 from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
 from nodeagent.changes import NoteLog, ProblemLog
+from nodeagent.commands import Commands
 from nodeagent.discovery.registry import Registry
 from nodeagent.errors import NodeagentError, one_line
 from nodeagent.gpu.choice import open_backend
@@ -137,9 +138,9 @@ class Agent:
         self.observers: list[Callable[[TickRecord | None], None]] = []
         """Told of every tick: its record, or None when it failed (the metrics)."""
         self._lock = threading.Lock()
+        # one save at a time: a save started later must also be renamed into place later
+        # (the loop saves, and so do callers while no loop runs)
         self._save_lock = threading.Lock()
-        """One save at a time: a save started later must also be renamed into place later,
-        or an API thread's save of a new job is replaced by the loop's older one."""
         self._saved_at = 0.0
         self._save_logged = -math.inf
         self._read_all = True
@@ -157,6 +158,7 @@ class Agent:
         """What the loop's wait wakes for: a signal, another thread's stop, besides inotify."""
         self.stop = Flag(self.wakeup)
         self.reload_requested = Flag(self.wakeup)
+        self.commands = Commands(self.wakeup)  # the API handlers that change state post here
         self._stop_signal: int | None = None
         self.last_reload = (True, time.time())
         """Whether the last reload applied the file, and when the policy in force was loaded
@@ -608,12 +610,17 @@ class Agent:
         def list_jobs(_: Request) -> object:
             return {"jobs": self.jobs.dump()}
 
-        return {
+        routes: Routes = {
             **self.gpus.routes(),
             "/v1/jobs": {"GET": list_jobs, "POST": start_job, "DELETE": finish_job},
             "/v1/status": {"GET": status},
             "/v1/allocations": {"GET": allocs},
             "/v1/explain": {"GET": explain_one},
+        }
+        # reads answer from the API's threads; whatever changes state runs on the loop's
+        return {
+            path: {m: h if m == "GET" else self.commands.posted(h) for m, h in methods.items()}
+            for path, methods in routes.items()
         }
 
     # --- the loop -------------------------------------------------------------------------
@@ -629,6 +636,23 @@ class Agent:
         systemd restarts an agent that hangs or whose ticks keep failing, never one that is
         merely waiting for its next tick. Returns whether the last tick succeeded (for
         --once, the exit status)."""
+        if not once:
+            self.commands.bind()
+        try:
+            ok = self._loop(once, on_tick)
+        finally:
+            self.commands.unbind()
+        if self._stop_signal is not None:
+            log.info("stopping", signal=signal.Signals(self._stop_signal).name)
+        sdnotify.stopping()
+        if self.kube is not None:
+            self.kube.close()
+        if not self.dry_run:
+            self.save_state()
+        return ok
+
+    def _loop(self, once: bool, on_tick: Callable[[TickRecord], None] | None) -> bool:
+        """The ticks and the waits between them; commands from the API run in the waits."""
         watchdog_sec = sdnotify.watchdog_interval()
         next_resync = time.monotonic() + self.spec.agent.resync_interval
         last_ok: float | None = None
@@ -653,6 +677,7 @@ class Agent:
                 break
             deadline = time.monotonic() + self.spec.agent.interval
             while not self.stop.is_set():
+                self.commands.run_pending()
                 now = time.monotonic()
                 alive = watchdog_sec is not None and healthy(
                     last_ok, now, self.spec.agent.interval, watchdog_sec
@@ -675,13 +700,6 @@ class Agent:
                     wake = min(wake, next_ping - now)
                 if _guarded("watch.failed", self._wait_for_cgroup_events, max(wake, 0.0)):
                     break
-        if self._stop_signal is not None:
-            log.info("stopping", signal=signal.Signals(self._stop_signal).name)
-        sdnotify.stopping()
-        if self.kube is not None:
-            self.kube.close()
-        if not self.dry_run:
-            self.save_state()
         return ok
 
     def _record_originals(

@@ -110,6 +110,12 @@ class ApiConflict(ApiError):
     status = 409
 
 
+class ApiUnavailable(ApiError):
+    """The daemon cannot answer now (503), e.g. its loop did not take the request in time."""
+
+    status = 503
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,135 @@
+"""The API's threads post what changes state; the loop's thread runs it."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from nodeagent.api.peer import Peer
+from nodeagent.api.server import ApiConflict, ApiUnavailable, Request
+from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.commands import Commands
+from nodeagent.daemon import Agent
+from nodeagent.spec.model import PolicySpec
+from nodeagent.wakeup import Wakeup
+
+
+def _loop(commands: Commands, stop: threading.Event) -> threading.Thread:
+    def run() -> None:
+        commands.bind()
+        while not stop.is_set():
+            commands.run_pending()
+            stop.wait(0.005)
+        commands.unbind()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_a_command_runs_on_the_loop_thread_and_its_answer_or_error_comes_back() -> None:
+    commands = Commands(Wakeup(), timeout=10)
+    stop = threading.Event()
+    loop = _loop(commands, stop)
+    try:
+        assert commands.call(threading.get_ident) == loop.ident
+
+        def refuse() -> None:
+            raise ApiConflict("taken")
+
+        with pytest.raises(ApiConflict, match="taken"):
+            commands.call(refuse)
+    finally:
+        stop.set()
+        loop.join(10)
+
+
+def test_without_a_loop_a_command_runs_in_its_caller() -> None:
+    commands = Commands(Wakeup())
+    assert commands.call(threading.get_ident) == threading.get_ident()
+
+
+def test_a_command_the_loop_does_not_take_in_time_is_withdrawn_and_never_runs() -> None:
+    commands = Commands(Wakeup(), timeout=0.05)
+    commands.bind()  # this thread is "the loop", and it is busy: it runs nothing
+    ran: list[int] = []
+    answer: list[BaseException] = []
+
+    def api() -> None:
+        try:
+            commands.call(lambda: ran.append(1))
+        except ApiUnavailable as e:
+            answer.append(e)
+
+    t = threading.Thread(target=api)
+    t.start()
+    t.join(10)
+    assert [str(e) for e in answer] == [
+        "the daemon's loop did not take this request within 0.05 s (a tick that long is"
+        " logged as tick.slow); try again"
+    ]
+    assert commands.run_pending() == 0  # withdrawn: the loop skips it
+    assert ran == []
+
+
+def test_a_stopping_loop_answers_what_is_still_queued() -> None:
+    commands = Commands(Wakeup(), timeout=10)
+    commands.bind()
+    answer: list[BaseException] = []
+
+    def api() -> None:
+        try:
+            commands.call(lambda: None)
+        except ApiUnavailable as e:
+            answer.append(e)
+
+    t = threading.Thread(target=api)
+    t.start()
+    while commands._queue.empty():
+        threading.Event().wait(0.001)
+    commands.unbind()
+    t.join(10)
+    assert [str(e) for e in answer] == ["the daemon is stopping"]
+
+
+def test_the_agent_runs_what_changes_state_on_its_loop_and_reads_on_the_api_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, POST /v1/jobs started the job and saved the state file on the API's thread,
+    racing the loop's own save; now it runs between the loop's ticks."""
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    spec = PolicySpec.model_validate(
+        {
+            "version": 1,
+            "agent": {"state_file": str(tmp_path / "state.json"), "interval": "1s"},
+            "tenants": {"t": {"shares": 1}},
+            "rules": [{"name": "all", "match": {}, "tenant": "t"}],
+        }
+    )
+    agent = Agent(spec, CgroupTree(str(root)))
+    seen: dict[str, int] = {}
+
+    def record(*_: object) -> object:
+        seen["start"] = threading.get_ident()
+        raise ApiConflict("recorded")
+
+    monkeypatch.setattr(agent.jobs, "start", record)
+    routes = agent.routes()
+    loop = threading.Thread(target=agent.run)
+    loop.start()
+    try:
+        me = Peer(os.getpid(), os.getuid(), os.getgid(), frozenset())
+        request = Request(method="POST", path="/v1/jobs", query={}, peer=me)
+        with pytest.raises(ApiConflict):
+            routes["/v1/jobs"]["POST"](request)
+        assert seen["start"] == loop.ident
+        listed = routes["/v1/jobs"]["GET"](request)
+        assert listed == {"jobs": []}
+    finally:
+        agent.stop.set()
+        loop.join(30)
+    assert not loop.is_alive()
