@@ -43,8 +43,8 @@ class Commands:
         """The calling thread is the loop from now on."""
         self._loop = threading.get_ident()
 
-    def unbind(self, why: str = "the daemon is stopping") -> None:
-        """No loop runs commands any more: those still queued are answered 503 with `why`."""
+    def unbind(self) -> None:
+        """No loop runs commands any more: those still queued are answered 503."""
         self._loop = None
         while True:
             try:
@@ -52,7 +52,7 @@ class Commands:
             except queue.Empty:
                 return
             if future.set_running_or_notify_cancel():
-                future.set_exception(ApiUnavailable(why))
+                future.set_exception(ApiUnavailable("the daemon is stopping"))
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the loop's thread and return what it returns (or raise what it

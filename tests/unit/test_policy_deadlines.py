@@ -460,8 +460,9 @@ def test_a_job_past_its_deadline_is_due_now_not_left_to_fair_share() -> None:
 def test_a_multi_threaded_job_is_capped_at_its_part_from_the_start() -> None:
     """2 CPUs: one (single-threaded, 30 CPU-s by 31 s) needs a CPU throughout; two
     (two-threaded, 40 by 60) gets the other. By weight alone the kernel spreads two's
-    weight over both CPUs and one got 0.67 of its CPU; so two is capped at its part at
-    once, not only after one was shorted. Alone, it is not capped."""
+    weight over both CPUs and one gets less than its CPU (a single-threaded job got 0.71
+    beside a two-threaded one in the VM); so two is capped at its part at once, not only
+    after one was shorted. Alone, it is not capped."""
     jobs = {
         "nodeagent.slice/one": deadline_job(30, 31),
         "nodeagent.slice/two": deadline_job(40, 60),
