@@ -350,11 +350,21 @@ class MetricsServer:
 
     def _make_room(self, among: list[_Conn], now: float) -> bool:
         idle = [c for c in among if self._idle(c, now)]
-        victim = next((c for c in idle if c.uid is not None), None) or next(iter(idle), None)
-        if victim is None:
-            return False
-        self._drop(victim)
-        return True
+        for victim in sorted(idle, key=lambda c: c.uid is None):  # stable: oldest first
+            self._catch_up(victim)
+            if victim.answer is None and victim in self._conns:
+                self._drop(victim)
+                return True
+            if victim not in self._conns:  # it hung up, or its answer left whole
+                return True
+        return False
+
+    def _catch_up(self, conn: _Conn) -> None:
+        """Read what `conn` sent that this loop has not yet seen: under load the loop can fall
+        `idle_grace` behind a scraper whose request sits whole in the kernel, which is no
+        idle connection (a flood's churn once cut root's scrape so)."""
+        while conn.answer is None and conn in self._conns and _readable(conn.sock):
+            self._guarded(conn, selectors.EVENT_READ)
 
     def _drop(self, conn: _Conn) -> None:
         with contextlib.suppress(KeyError, ValueError):
@@ -530,6 +540,17 @@ def _response(
     ]
     head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
     return head if head_only else head + body
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether a recv() would not block: data, an end or an error waits."""
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _drain(sock: socket.socket) -> None:

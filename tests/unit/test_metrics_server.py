@@ -13,6 +13,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from selectors import SelectorKey
 
 import pytest
 import structlog
@@ -419,6 +420,38 @@ def test_a_unix_socket_answers_its_group_and_caps_each_uid(
     finally:
         server.close()
     assert not path.exists()
+
+
+def test_a_request_the_loop_has_not_read_yet_is_answered_not_cut_for_a_newcomer(
+    served: MetricsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI's flood under the real systemd: the loop fell idle_grace behind a scrape whose
+    request sat whole in the kernel, and cut it to make room as if it were idle."""
+    monkeypatch.setattr(served, "max_connections", 2)
+    where = ("127.0.0.1", served.port)
+
+    def held() -> int:
+        return len(served._conns)
+
+    select = served._selector.select
+
+    def behind(timeout: float | None = None) -> list[tuple[SelectorKey, int]]:
+        return [(key, events) for key, events in select(timeout) if key.data is None]
+
+    monkeypatch.setattr(served._selector, "select", behind)  # the loop sees no request come
+    scrape = socket.create_connection(where, timeout=10)
+    scrape.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+    idle = socket.create_connection(where, timeout=10)
+    with scrape, idle:
+        deadline = time.monotonic() + 10
+        while held() < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(served.idle_grace)
+        newcomer = socket.create_connection(where, timeout=10)
+        with newcomer:
+            assert scrape.recv(100).startswith(b"HTTP/1.1 200 ")
+            assert idle.recv(100) == b""  # the one really idle made the room
 
 
 def test_emfile_on_accept_backs_off_and_recovers(
