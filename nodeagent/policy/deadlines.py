@@ -2,7 +2,8 @@
 
 Each tick, for each deadline job: remaining work W = declared work - CPU used since its
 cgroup was made (cpu.stat), window D = deadline - now, parallelism p = the fewest of its
-declared CPUs, its threads and the node's CPUs. The capacity is what the node really has
+declared CPUs, its threads and the node's CPUs, times the share of a CPU a thread gets
+beside what the rest of the node uses (`thread_speed`). The capacity is what the node really has
 (`cpu.capacity`: its CPUs less the reservations and less what the rest of the node was
 measured to use). `edf.admit` keeps, by priority then earliest deadline, the jobs that can
 all finish on it; the others are predicted to miss.
@@ -19,7 +20,12 @@ which `CpuWeights` turns into weight: the earliest run at full speed, a job that
 due yet gets the least weight. When the kernel still gives a job less than its part while
 it waits for CPU (measured: `cpu.stat` and `cpu.pressure`), its weight is raised step by
 step until it gets it, and the later deadline jobs are capped (`cpu.max`) at their parts
-for a few ticks, so they cannot take what it needs.
+for a few ticks, so they cannot take what it needs. The caps stay work-conserving: a
+shortfall while the node left CPU idle was not the later jobs' doing (the kernel placed the
+earlier job's tasks badly), so it caps nobody; and while the node had CPU idle, the capped
+jobs' caps rise by what was idle, earliest deadline first, falling back to the parts at the
+next shortfall on a full node (an earlier job that cannot use its part, throttled by its own
+cap or ending, otherwise left a CPU idle beside jobs capped at 0.01 cores).
 
 Jobs that cannot fit are planned with the admitted ones, their deadlines later by the
 least common delay that lets the admitted still finish early (`edf.allot_late`), so a late
@@ -61,6 +67,14 @@ CAP_TICKS = 5
 """Ticks the later jobs stay capped after a shortfall was last seen."""
 GAIN_MAX = 4.0
 """The most a shorted job's weight is raised above its part."""
+SPREAD_LEAST = 0.02
+"""Cores: a multi-threaded job's part below this is the least weight, and is not capped for
+its spread."""
+SPEED_LEAST = 0.9
+"""The least share of a CPU a job's thread is planned to get (`thread_speed`)."""
+IDLE_MIN = 0.1
+"""Cores idle on the node last tick from which it counts as not full: the caps give it back,
+and a shortfall beside it caps nobody (a full node read 0.00-0.06 idle in the VM)."""
 
 
 def parallelism(w: WorkloadState, a: Assignment, cpus: int) -> float:
@@ -72,6 +86,17 @@ def parallelism(w: WorkloadState, a: Assignment, cpus: int) -> float:
     return min(limits)
 
 
+def thread_speed(cap: Capacity, cpus: int) -> float:
+    """The share of a CPU one of a job's threads gets at most: what the rest of the node (the
+    agent, the system) uses is spread over its CPUs, so a thread never has a whole one. A
+    job's parallelism in cores is its threads times this; planned at 1.0 per thread, a
+    single-threaded job that had to run flat out to its deadline got 0.96 cores at most in
+    the VM and missed by 0.3-0.7 s (set 1 of --sets 8 --seed 1). At least SPEED_LEAST: use
+    beyond that is not spread over every CPU (a busy service outside on a few), and a thread
+    runs beside it."""
+    return max(SPEED_LEAST, 1.0 - cap.other / cpus) if cpus > 0 else 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class _Job:
     w: WorkloadState
@@ -79,6 +104,9 @@ class _Job:
     remaining: float
     window: float
     p: float
+    """Cores it can use: its threads (`width`) at `thread_speed`."""
+    width: float
+    """Its threads, declared CPUs or the node's CPUs, the fewest."""
 
 
 class Deadlines(Policy):
@@ -103,9 +131,8 @@ class Deadlines(Policy):
         now = given.snapshot.wall_time
         interval = given.spec.agent.interval
         out: list[Output] = []
-        jobs, demands, overdue, noted = self._jobs(given, out)
-
         cap = capacity(given, _number(carried.get("other")))
+        jobs, demands, overdue, noted = self._jobs(given, out, cap)
         admitted, missed = admit(list(demands.values()), cap.cores)
         missed += overdue
         others = [
@@ -168,10 +195,17 @@ class Deadlines(Policy):
                     )
                 )
         spread = _spread(jobs, parts, budget, bool(others))
-        caps = _caps(jobs, parts, last_parts, order, carried.get("caps"))
+        node = given.snapshot.node
+        idle = 0.0 if node.cpu_busy is None else node.cpu_count * (1 - node.cpu_busy)
+        # a shortfall beside idle CPU was the kernel's placement, not a later job's taking
+        taken = _shorted_rank(jobs, last_parts, order) if idle < IDLE_MIN else None
+        caps = _caps(parts, order, taken, carried.get("caps"))
         caps |= {p: max(caps.get(p, 0), 1) for p in spread}
         uncap = _uncap(jobs, caps, carried.get("caps"), carried.get("uncap"))
-        out.extend(_cap_decisions(jobs, parts, caps, spread, uncap))
+        lift = _lift(
+            jobs, parts, caps=caps, order=order, idle=idle, taken=taken, held=carried.get("lift")
+        )
+        out.extend(_cap_decisions(jobs, parts, caps, spread=spread, uncap=uncap, lift=lift))
         out.append(
             Carry(
                 self.name,
@@ -180,6 +214,7 @@ class Deadlines(Policy):
                     "parts": dict(sorted(parts.items())),
                     "caps": caps,
                     "uncap": uncap,
+                    "lift": lift,
                     "gains": {p: g for p, g in sorted(gains.items()) if g > 1.0},
                     "reserves": reserves,
                 },
@@ -188,7 +223,7 @@ class Deadlines(Policy):
         return out
 
     def _jobs(
-        self, given: PolicyInput, out: list[Output]
+        self, given: PolicyInput, out: list[Output], cap: Capacity
     ) -> tuple[dict[str, _Job], dict[str, Demand], list[Demand], set[str]]:
         """(every deadline job, the demands of those that run before their deadlines, those
         past it with work left: due now, by one interval, and the demands whose note is in
@@ -198,6 +233,7 @@ class Deadlines(Policy):
         fill the node, it got nothing (seen in the VM: 0.7 CPU-s took 13 s at weight 1)."""
         now = given.snapshot.wall_time
         cpus = given.snapshot.node.cpu_count
+        speed = thread_speed(cap, cpus)
         noted: set[str] = set()
         demands: dict[str, Demand] = {}
         overdue: list[Demand] = []
@@ -210,7 +246,8 @@ class Deadlines(Policy):
                 continue  # no cpu.stat: nothing to measure progress with
             remaining = a.work - w.sample.cpu_usage_us / 1e6
             window = a.deadline - now
-            job = jobs[w.path] = _Job(w, a, remaining, window, parallelism(w, a, cpus))
+            width = parallelism(w, a, cpus)
+            job = jobs[w.path] = _Job(w, a, remaining, window, width * speed, width)
             priority = given.spec.classes[a.workload_class].priority
             if remaining <= 0:
                 out.append(self._note(job, "overrun" if w.sample.populated else "done", None, now))
@@ -439,22 +476,29 @@ def _cap_decisions(
     jobs: Mapping[str, _Job],
     parts: Mapping[str, float],
     caps: Mapping[str, int],
+    *,
     spread: Sequence[str],
     uncap: Sequence[str],
+    lift: Mapping[str, float],
 ) -> list[Decision]:
     """cpu.max at the part for each capped job (`spread`: by its threads, this tick; the
-    others: held after a shortfall), and back to `max` for each cap lifted."""
+    others: held after a shortfall) plus its lift, and back to `max` for each cap lifted."""
     out = []
     for path, ticks in sorted(caps.items()):
         part = parts.get(path, 0.0)
+        extra = lift.get(path, 0.0)
         threads = path in spread and ticks <= 1
+        # all it can use: its threads, whole (a thread may get more than it was planned)
+        cores = jobs[path].width if part + extra >= jobs[path].p - 1e-6 else part + extra
         out.append(
             Decision(
                 path,
                 Attribute.CPU_MAX,
-                CpuMax.from_cores(max(part, 0.01)),
+                CpuMax.from_cores(max(cores, 0.01)),
                 "deadlines",
-                f"capped at its EDF part {part:.2f} cores: "
+                f"capped at its EDF part {part:.2f} cores"
+                + (f" + {extra:.2f} the node left idle" if extra else "")
+                + ": "
                 + (
                     "its threads would take more"
                     if threads
@@ -466,6 +510,14 @@ def _cap_decisions(
                     " single-threaded job beside it gets less than its part"
                     if threads
                     else f"held {ticks} more tick(s) after the last shortfall",
+                    *(
+                        (
+                            f"raised by what the node left idle while capped ({extra:.2f}"
+                            " cores, earliest capped first), until a shortfall on a full node",
+                        )
+                        if extra
+                        else ()
+                    ),
                 ),
             )
         )
@@ -491,34 +543,81 @@ def _spread(
     the CPUs its threads run on, so weights in proportion to the parts give a
     single-threaded job on a CPU it shares with one less than its part (the 8-set bench of
     stop 22, set 5: the earliest job, one thread, got 0.71 cores under the policy beside a
-    two-threaded one, 0.92 under the kernel's default)."""
+    two-threaded one, 0.92 under the kernel's default). Not a job with nothing now: the
+    kernel gives a group at the least weight next to nothing on a CPU it shares (its share
+    on each CPU, however spread, is at most its weight), so a cap would only keep it off the
+    CPUs the others leave idle (in the VM: two such jobs capped at 0.01 cores beside a CPU
+    idle for over a second while an earlier job ended)."""
     running = [p for p, part in parts.items() if part > 1e-6]
     if sum(parts.values()) < budget - 0.05 or (len(running) < 2 and not others):
         return []
-    return sorted(p for p, part in parts.items() if jobs[p].p > 1.0 and part < jobs[p].p - 1e-6)
+    return sorted(
+        p
+        for p, part in parts.items()
+        if jobs[p].p > 1.0 and SPREAD_LEAST <= part < jobs[p].p - 1e-6
+    )
 
 
 def _caps(
-    jobs: Mapping[str, _Job],
-    parts: Mapping[str, float],
-    last: Mapping[str, float],
-    order: Mapping[str, int],
-    held: object,
+    parts: Mapping[str, float], order: Mapping[str, int], taken: int | None, held: object
 ) -> dict[str, int]:
     """Later jobs to cap at their part: each held CAP_TICKS ticks after the last tick an
-    earlier job was shorted (got less than its last part while it waited)."""
+    earlier job (EDF rank `taken`) was shorted on a full node (got less than its last part
+    while it waited)."""
     caps = {
         p: int(t) - 1
         for p, t in (held.items() if isinstance(held, dict) else ())
         if p in parts and isinstance(t, int) and t > 1
     }
-    shorted = [order[p] for p, part in last.items() if p in order and _shorted(jobs[p], part)]
-    if shorted:
-        first = min(shorted)
+    if taken is not None:
         for p, r in order.items():
-            if r > first and p in parts:
+            if r > taken and p in parts:
                 caps[p] = CAP_TICKS
     return dict(sorted(caps.items()))
+
+
+def _shorted_rank(
+    jobs: Mapping[str, _Job], last: Mapping[str, float], order: Mapping[str, int]
+) -> int | None:
+    """The EDF rank of the earliest job shorted last tick, if one was."""
+    ranks = [order[p] for p, part in last.items() if p in order and _shorted(jobs[p], part)]
+    return min(ranks) if ranks else None
+
+
+def _lift(
+    jobs: Mapping[str, _Job],
+    parts: Mapping[str, float],
+    *,
+    caps: Mapping[str, int],
+    order: Mapping[str, int],
+    idle: float,
+    taken: int | None,
+    held: object,
+) -> dict[str, float]:
+    """Cores each capped job may take above its part: what the node left idle last tick,
+    added tick by tick, to the earliest capped job first (each up to its parallelism); all
+    dropped at a shortfall on a full node (`taken`). Capped at their parts
+    alone, the later jobs could not use a CPU an earlier one left: one throttled by its own
+    cap, or ending (measured in the VM: 0.2-0.8 cores idle for ticks, the set 3 s longer
+    than under the kernel's default and its last job late)."""
+    before = {  # each within its room, as its part moves
+        p: min(float(v), max(0.0, jobs[p].p - parts.get(p, 0.0)))
+        for p, v in (held.items() if isinstance(held, dict) else ())
+        if p in caps and isinstance(v, int | float) and v > 0
+    }
+    if taken is not None:
+        return {}
+    if idle < IDLE_MIN:
+        return dict(sorted(before.items()))
+    for path in sorted(caps, key=lambda p: order.get(p, len(order) + 1)):
+        room = max(0.0, jobs[path].p - parts.get(path, 0.0) - before.get(path, 0.0))
+        give = min(room, idle)
+        if give > 0:
+            before[path] = before.get(path, 0.0) + give
+            idle -= give
+        if idle <= 0:
+            break
+    return {p: round(v, 3) for p, v in sorted(before.items())}
 
 
 def _number(value: object) -> float | None:
