@@ -631,11 +631,11 @@ class Agent:
         on_tick: Callable[[TickRecord], None] | None = None,
     ) -> bool:
         """Tick until self.stop is set. Errors are logged and the loop goes on. Under a
-        systemd watchdog the wait between ticks wakes to ping it every half WatchdogSec,
-        for as long as the loop is healthy (`healthy`), whatever `agent.interval` is; so
-        systemd restarts an agent that hangs or whose ticks keep failing, never one that is
-        merely waiting for its next tick. Returns whether the last tick succeeded (for
-        --once, the exit status)."""
+        systemd watchdog a `sdnotify.Pinger` pings it for as long as the loop is healthy,
+        whatever `agent.interval` is and however long a tick takes; so systemd restarts an
+        agent that hangs or whose ticks keep failing, never one that is merely slow or
+        waiting for its next tick. Returns whether the last tick succeeded (for --once, the
+        exit status)."""
         if not once:
             self.commands.bind()
         try:
@@ -652,11 +652,25 @@ class Agent:
         return ok
 
     def _loop(self, once: bool, on_tick: Callable[[TickRecord], None] | None) -> bool:
-        """The ticks and the waits between them; commands from the API run in the waits."""
+        """`_ticks` with the watchdog's pinger beside it, when systemd expects pings."""
         watchdog_sec = sdnotify.watchdog_interval()
+        pinger = None
+        if watchdog_sec is not None and not once:
+            pinger = sdnotify.Pinger(watchdog_sec, lambda: self.spec.agent.interval)
+        try:
+            return self._ticks(once, on_tick, pinger)
+        finally:
+            if pinger is not None:
+                pinger.close()
+
+    def _ticks(
+        self,
+        once: bool,
+        on_tick: Callable[[TickRecord], None] | None,
+        pinger: sdnotify.Pinger | None,
+    ) -> bool:
+        """The ticks and the waits between them; commands from the API run in the waits."""
         next_resync = time.monotonic() + self.spec.agent.resync_interval
-        last_ok: float | None = None
-        next_ping = 0.0
         ok = False
         while not self.stop.is_set():
             record = _guarded("tick.failed", self.tick)
@@ -664,7 +678,6 @@ class Agent:
                 _guarded("observer.failed", observe, record)
             ok = record is not None
             if record is not None:
-                last_ok = time.monotonic()
                 log.debug("tick", seq=record.snapshot.seq, seconds=round(record.duration, 4))
                 sdnotify.status(
                     f"tick {record.snapshot.seq}: {len(record.snapshot.workloads)} workloads"
@@ -673,18 +686,14 @@ class Agent:
                     on_tick(record)
                 if record.snapshot.seq == 1:
                     sdnotify.ready()
+                if pinger is not None:
+                    pinger.beat()
             if once:
                 break
             deadline = time.monotonic() + self.spec.agent.interval
             while not self.stop.is_set():
                 self.commands.run_pending()
                 now = time.monotonic()
-                alive = watchdog_sec is not None and healthy(
-                    last_ok, now, self.spec.agent.interval, watchdog_sec
-                )
-                if alive and watchdog_sec and now >= next_ping:
-                    sdnotify.watchdog()
-                    next_ping = now + watchdog_sec / 2
                 if self._policy_file_changed() or self.reload_requested.is_set():
                     self.reload_requested.clear()
                     _guarded("policy.reload_failed", self.reload)
@@ -696,8 +705,6 @@ class Agent:
                 if left <= 0:
                     break
                 wake = min(left, next_resync - now)
-                if alive:  # unhealthy, it lets the pings lapse: systemd acts after WatchdogSec
-                    wake = min(wake, next_ping - now)
                 if _guarded("watch.failed", self._wait_for_cgroup_events, max(wake, 0.0)):
                     break
         return ok
@@ -707,10 +714,10 @@ class Agent:
     ) -> None:
         """Note the writes just made with what they replaced, right after the executor made
         them (before GPUs, observers or anything else that may hang); a first change of an
-        attribute is saved at once, so that release finds it after a crash. tuned records an
-        old value before it sets the new one: here a kill between a write and this save (the
-        time of one state-file write) loses that one original, which the next agent then
-        takes to be what the agent had set."""
+        attribute goes to the state's journal at once (nodeagent.state), so that release
+        finds it after a crash. tuned records an old value before it sets the new one: here a
+        kill between a write and this append loses that one original, which the next agent
+        then takes to be what the agent had set."""
         modes = {c.path: c.write for c in plan.cgroups}
         root = self.spec.agent.managed_root
         for r in results:
@@ -720,8 +727,21 @@ class Agent:
                 )
                 self.originals.note(r.path, r.attribute, r.old, r.new, via)
         self.originals.forget(vanished)
-        if self.originals.added and not self.dry_run:
-            self.save_state()
+        if not self.dry_run:
+            self._journal_originals()
+
+    def _journal_originals(self) -> None:
+        """The fresh originals onto the journal; under the save's lock, so that a save from
+        an API thread (which holds them all and removes the journal) cannot come between."""
+        with self._save_lock:
+            fresh = self.originals.take_fresh()
+            try:
+                state.append_originals(
+                    self.spec.agent.state_file,
+                    [(p, str(a), o.to_json()) for p, a, o in fresh],
+                )
+            except OSError:
+                self._save_state()  # the whole file holds them, or logs why not (once)
 
     def _policy_file_changed(self) -> bool:
         """With `agent.reload_on_change`, whether the policy file is a new one since the
@@ -816,16 +836,6 @@ def _local_seconds(wall: float) -> float:
     """Seconds since local midnight, for the policies' daily windows."""
     t = time.localtime(wall)
     return t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec + wall % 1
-
-
-HEALTHY_TICKS = 3
-"""The loop is healthy while its last good tick is at most this many intervals old (or one
-WatchdogSec, when that is longer): a tick or two may fail, a loop that keeps failing is not."""
-
-
-def healthy(last_ok: float | None, now: float, interval: float, watchdog_sec: float) -> bool:
-    """Whether the loop may tell systemd's watchdog it is alive."""
-    return last_ok is not None and now - last_ok < max(HEALTHY_TICKS * interval, watchdog_sec)
 
 
 def _guarded(event: str, fn: Callable[..., T], *args: object) -> T | None:

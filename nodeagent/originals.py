@@ -49,8 +49,8 @@ class Originals:
     def __init__(self) -> None:
         self._by_path: dict[str, dict[Attribute, Original]] = {}
         self._lock = threading.Lock()
-        self.added = False
-        """A new record since the last dump: the state file should be saved soon."""
+        self._fresh: list[tuple[str, Attribute, Original]] = []
+        """First records since the last dump or `take_fresh`: the journal's next lines."""
 
     def note(
         self, path: str, attribute: Attribute, old: str | None, new: str, via: WriteMode
@@ -63,8 +63,9 @@ class Originals:
             known = mine.get(attribute)
             if known is None:
                 if old is not None and old != new:
-                    self._by_path[path] = {**mine, attribute: Original(old, new, via)}
-                    self.added = True
+                    original = Original(old, new, via)
+                    self._by_path[path] = {**mine, attribute: original}
+                    self._fresh.append((path, attribute, original))
             elif new == known.was:
                 self._drop(path, attribute)  # handed back by the agent itself
             else:
@@ -96,9 +97,15 @@ class Originals:
         with self._lock:
             return sum(len(a) for a in self._by_path.values())
 
+    def take_fresh(self) -> list[tuple[str, Attribute, Original]]:
+        """The first records noted since the last dump or take, for the state's journal."""
+        with self._lock:
+            fresh, self._fresh = self._fresh, []
+            return fresh
+
     def dump(self) -> dict[str, dict[str, dict[str, str]]]:
         with self._lock:
-            self.added = False
+            self._fresh = []  # the dump holds them: the save that follows clears the journal
             return {
                 path: {str(a): o.to_json() for a, o in attrs.items()}
                 for path, attrs in sorted(self._by_path.items())

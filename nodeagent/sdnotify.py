@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
+from collections.abc import Callable
 
 
 def notify(message: str) -> bool:
@@ -68,3 +71,47 @@ def watchdog_interval() -> float | None:
     except ValueError:
         return None
     return usec / 1_000_000 if usec > 0 else None
+
+
+HEALTHY_TICKS = 3
+"""The loop is healthy while its last good tick is at most this many intervals old (or one
+WatchdogSec, when that is longer): a tick or two may fail or run slow, a loop that keeps
+failing or hangs is not."""
+
+
+def healthy(last_ok: float | None, now: float, interval: float, watchdog_sec: float) -> bool:
+    """Whether the loop may tell systemd's watchdog it is alive."""
+    return last_ok is not None and now - last_ok < max(HEALTHY_TICKS * interval, watchdog_sec)
+
+
+class Pinger:
+    """Pings the watchdog every half WatchdogSec from a thread of its own, for as long as the
+    loop is `healthy`: a tick slower than WatchdogSec does not get the agent killed, and
+    neither does a wait between ticks longer than it; a loop that hangs (mid-tick or between
+    ticks) or keeps failing stops the pings, and systemd acts one WatchdogSec later. The
+    thread only sends datagrams; the loop tells it of each good tick (`beat`)."""
+
+    def __init__(self, watchdog_sec: float, interval: Callable[[], float]) -> None:
+        self.watchdog_sec = watchdog_sec
+        self._interval = interval  # read at each ping: a reload may change agent.interval
+        self._last_ok: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+
+    def beat(self) -> None:
+        """A good tick just ended; the first starts the pings."""
+        self._last_ok = time.monotonic()
+        if not self._thread.is_alive() and not self._stop.is_set():
+            self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            if healthy(self._last_ok, time.monotonic(), self._interval(), self.watchdog_sec):
+                watchdog()
+            if self._stop.wait(self.watchdog_sec / 2):
+                return

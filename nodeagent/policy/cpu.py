@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nodeagent.policy.base import PolicyInput
+from nodeagent.snapshot import NodeState
 from nodeagent.spec.model import WorkloadClass
 
 
@@ -62,6 +63,18 @@ class Capacity:
         return f"{self.cores:.2f} cores nominal (usable less reservations)"
 
 
+def busy_cores(node: NodeState) -> float | None:
+    """Cores the whole node kept busy last tick (a hypervisor's steal counted as busy, as
+    /proc/stat counts it); None before the first rate."""
+    return None if node.cpu_busy is None else node.cpu_busy * node.cpu_count
+
+
+def idle_cores(node: NodeState) -> float:
+    """Cores the node left idle last tick; none known before the first rate."""
+    busy = busy_cores(node)
+    return 0.0 if busy is None else node.cpu_count - busy
+
+
 def capacity(given: PolicyInput, other_before: float | None) -> Capacity:
     """What the node really has for the managed workloads: the nominal figure, or less when
     the rest of the node (the agent itself, the system, unmanaged cgroups, a hypervisor's
@@ -76,9 +89,10 @@ def capacity(given: PolicyInput, other_before: float | None) -> Capacity:
     # deadline jobs started at once read as 1.9 cores outside, and the EWMA kept the
     # capacity low for ten ticks, seen in the VM); this tick's reading waits for its rate
     unknown = any(w.cpu_rate is None and w.sample.populated for w in given.snapshot.workloads)
-    if node.cpu_busy is not None and not unknown:
+    busy = busy_cores(node)
+    if busy is not None and not unknown:
         managed = sum(w.cpu_rate or 0.0 for w in given.snapshot.workloads)
-        now = min(float(cpus), max(0.0, node.cpu_busy * cpus - managed))
+        now = min(float(cpus), max(0.0, busy - managed))
         other = now if other is None else (1 - SMOOTHING) * other + SMOOTHING * now
     if other is None:
         return Capacity(nominal, nominal, 0.0, "nominal")

@@ -156,9 +156,11 @@ def test_a_fast_path_write_to_a_cgroup_gone_by_the_tick_is_reported_not_fatal(
 def test_a_first_change_is_saved_with_its_original_at_once_and_restored(
     policy_file: Path, tmp_path: Path
 ) -> None:
-    """tuned's 'old value recorded': the tick that first changes an attribute saves the state
-    file with the value it replaced, for `nodeagent release` (issue 13, item 4); a restarted
-    agent keeps the record of the cgroups that still exist."""
+    """tuned's 'old value recorded': the tick that first changes an attribute records the
+    value it replaced at once, for `nodeagent release` (issue 13, item 4), on the state's
+    journal: a line each, not a save of the whole file (which grows with the node, and made
+    each newcomer's writes wait on the last one's save); a restarted agent keeps the record
+    of the cgroups that still exist, and the next save folds the journal into the file."""
     cgroups = tmp_path / "cgroup"
     (cgroups / "system.slice" / "x.scope").mkdir(parents=True)
     agent = Agent(load_policy(policy_file), CgroupTree(str(cgroups)), config_path=str(policy_file))
@@ -169,7 +171,12 @@ def test_a_first_change_is_saved_with_its_original_at_once_and_restored(
         WriteResult("system.slice/x.scope", Attribute.CPU_WEIGHT, "100", "9", "w", Outcome.FAILED),
     ]  # fmt: skip
     agent._record_originals(wrote, SimpleNamespace(cgroups=[]))  # type: ignore[arg-type]
-    saved = state.load(str(tmp_path / "state.json"))
+    file = tmp_path / "state.json"
+    assert not file.exists()
+    assert len(Path(state.journal_path(str(file))).read_text().splitlines()) == 2
+    agent._record_originals(wrote[:1], SimpleNamespace(cgroups=[]))  # type: ignore[arg-type]
+    assert len(Path(state.journal_path(str(file))).read_text().splitlines()) == 2  # known
+    saved = state.load(str(file))
     assert saved is not None
     assert saved.originals == {
         "nodeagent.slice/gone": {
@@ -181,3 +188,8 @@ def test_a_first_change_is_saved_with_its_original_at_once_and_restored(
     assert [(p, str(a)) for p, a, _ in again.originals.items()] == [
         ("system.slice/x.scope", "cgroup.freeze")
     ]
+    again.save_state()
+    assert not Path(state.journal_path(str(file))).exists()
+    assert state.load(str(file)).originals == {  # type: ignore[union-attr]
+        "system.slice/x.scope": {"cgroup.freeze": {"was": "0", "set": "1", "via": "systemd"}},
+    }

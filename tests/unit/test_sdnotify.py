@@ -15,7 +15,8 @@ import pytest
 
 from nodeagent import sdnotify
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent, healthy
+from nodeagent.daemon import Agent
+from nodeagent.sdnotify import healthy
 from nodeagent.spec.load import load_policy
 
 
@@ -141,6 +142,30 @@ def test_an_interval_longer_than_the_watchdog_does_not_starve_it(
     ticks, never a gap of a whole WatchdogSec (the loop used to ping only within WatchdogSec
     of its last tick, then wait out the interval)."""
     got = _loop_pings(tmp_path, receiver, monkeypatch, interval=3, watchdog=0.5, seconds=4.5)
+    ready = next(t for t, m in got if m == b"READY=1")
+    pings = [t for t, m in got if m == b"WATCHDOG=1" and t >= ready]
+    gaps = [b - a for a, b in zip([ready, *pings], pings, strict=False)]
+    assert len(pings) >= 10, got
+    assert max(gaps) < 0.5, f"a gap of {max(gaps):.2f} s between pings: systemd kills on 0.5 s"
+
+
+def test_a_tick_slower_than_the_watchdog_does_not_starve_it(
+    tmp_path: Path, receiver: socket.socket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ticks of 1.2 s under WatchdogSec 0.5 s (interval 1 s: healthy for 3 s after a good
+    tick): the pings go on through each tick (a busy host's slow tick used to leave a gap of
+    the whole tick, and systemd killed the agent)."""
+
+    def slow(tick: Callable[[], object]) -> Callable[[], object]:
+        def slow_tick() -> object:
+            time.sleep(1.2)
+            return tick()
+
+        return slow_tick
+
+    got = _loop_pings(
+        tmp_path, receiver, monkeypatch, interval=1, watchdog=0.5, seconds=5, tick=slow
+    )
     ready = next(t for t, m in got if m == b"READY=1")
     pings = [t for t, m in got if m == b"WATCHDOG=1" and t >= ready]
     gaps = [b - a for a, b in zip([ready, *pings], pings, strict=False)]

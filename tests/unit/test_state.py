@@ -381,3 +381,44 @@ def test_too_many_originals_are_dropped_rather_than_the_jobs_and_holds(tmp_path:
     raw = json.loads(path.read_text())
     assert (raw["jobs"], raw["tenant_usage"], raw["originals"]) == ([job], {"a": 2.0}, {})
     assert [(e["event"], e["records"]) for e in logs] == [("state.originals_dropped", 80_000)]
+
+
+def test_the_journal_adds_originals_the_file_lacks_and_drops_a_torn_line(tmp_path: Path) -> None:
+    """Between saves the agent appends first changes to the journal; a crash mid-append
+    leaves a torn last line, dropped alone; the file's record of an attribute wins (a save
+    removes the journal, so its lines are never newer than the file)."""
+    path = str(tmp_path / "state.json")
+    kept = {"was": "max 100000", "set": "5000 100000", "via": "direct"}
+    state.save(path, state.SavedState(1.0, {}, originals={"a": {"cpu.max": kept}}))
+    journaled = {"was": "100", "set": "50", "via": "direct"}
+    records = [
+        ("a", "cpu.max", {**kept, "set": "1 100000"}),
+        ("a", "cpu.weight", journaled),
+        ("b", "cpu.weight", journaled),
+    ]
+    state.append_originals(path, records)
+    with open(state.journal_path(path), "a") as f:
+        f.write('{"cgroup": "c", "attri')  # killed mid-write
+    with structlog.testing.capture_logs() as logs:
+        loaded = state.load(path)
+    assert loaded is not None
+    assert loaded.originals == {
+        "a": {"cpu.max": kept, "cpu.weight": journaled},
+        "b": {"cpu.weight": journaled},
+    }
+    assert [(e["event"], e["line"]) for e in logs] == [("state.journal_line_dropped", 4)]
+    state.save(path, loaded)
+    assert not os.path.exists(state.journal_path(path))
+    assert state.load(path).originals == loaded.originals  # type: ignore[union-attr]
+
+
+def test_a_journal_without_a_state_file_is_loaded(tmp_path: Path) -> None:
+    """An agent killed before its first save of the file: its first changes are kept."""
+    path = str(tmp_path / "state.json")
+    assert state.load(path) is None
+    record = {"was": "0", "set": "1", "via": "systemd"}
+    state.append_originals(path, [("x.scope", "cgroup.freeze", record)])
+    loaded = state.load(path)
+    assert loaded is not None
+    assert loaded.originals == {"x.scope": {"cgroup.freeze": record}}
+    assert loaded.jobs == () and dict(loaded.tenant_usage) == {}
