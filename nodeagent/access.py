@@ -17,7 +17,7 @@ import pwd
 from dataclasses import dataclass
 
 from nodeagent.api.peer import Peer
-from nodeagent.api.server import ApiBadRequest, ApiForbidden
+from nodeagent.errors import BadRequest, Forbidden
 from nodeagent.spec.model import ANY, AccessEntry, PolicySpec, WorkloadClass
 
 
@@ -80,7 +80,7 @@ def tenant_and_class(
     allowed to its caller; else the one-line API error that says why not."""
     tenant = tenant or spec.jobs.default_tenant
     if tenant is None:
-        raise ApiBadRequest(
+        raise BadRequest(
             "no tenant: pass --tenant, or name a default in the policy (jobs.default_tenant)"
         )
     if tenant not in spec.tenants:
@@ -88,9 +88,9 @@ def tenant_and_class(
         hint = f"; did you mean {close[0]!r}?" if close else ""
         names = sorted(spec.tenants)
         listed = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-        raise ApiBadRequest(f"unknown tenant {tenant!r}{hint} (tenants: {listed})")
+        raise BadRequest(f"unknown tenant {tenant!r}{hint} (tenants: {listed})")
     cls = cls or spec.jobs.default_class
     why = refusal(spec, caller(peer), tenant, cls)
     if why is not None:
-        raise ApiForbidden(why)
+        raise Forbidden(why)
     return tenant, cls

@@ -23,7 +23,8 @@ from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
-from nodeagent.api.server import ApiUnavailable, Handler, Request
+from nodeagent.api.server import Handler, Request
+from nodeagent.errors import TryLater
 from nodeagent.wakeup import Wakeup
 
 T = TypeVar("T")
@@ -52,7 +53,7 @@ class Commands:
             except queue.Empty:
                 return
             if future.set_running_or_notify_cancel():
-                future.set_exception(ApiUnavailable("the daemon is stopping"))
+                future.set_exception(TryLater("the daemon is stopping"))
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the loop's thread and return what it returns (or raise what it
@@ -68,13 +69,13 @@ class Commands:
             return future.result(self.timeout)  # type: ignore[return-value]
         except FutureTimeout:
             if future.cancel():
-                raise ApiUnavailable(
+                raise TryLater(
                     f"the daemon's loop did not take this request within {self.timeout:g} s"
                     " (a tick that long is logged as tick.slow); try again"
                 ) from None
             return future.result()  # type: ignore[return-value]  # running: let it finish
         except CancelledError:
-            raise ApiUnavailable("the daemon is stopping") from None
+            raise TryLater("the daemon is stopping") from None
 
     def run_pending(self) -> int:
         """On the loop's thread: run every queued command; how many ran."""

@@ -24,13 +24,13 @@ from pydantic import ValidationError
 
 from nodeagent import sdnotify, state
 from nodeagent.act import Executor, Outcome, WriteResult
-from nodeagent.api.server import ApiBadRequest, ApiNotFound, ApiServer, Request, Routes
+from nodeagent.api.server import ApiServer, Request, Routes
 from nodeagent.cgroupfs.subtree import ensure_managed_root, leave_managed_path
 from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
 from nodeagent.changes import NoteLog, ProblemLog
 from nodeagent.commands import Commands
 from nodeagent.discovery.registry import Registry
-from nodeagent.errors import NodeagentError, one_line
+from nodeagent.errors import BadRequest, NodeagentError, NotFound, one_line
 from nodeagent.gpu.choice import open_backend
 from nodeagent.gpu.model import GpuState, Hold, HoldKind
 from nodeagent.gpualloc.service import GpuService, environment
@@ -556,7 +556,7 @@ class Agent:
         with self._lock:
             record = self.last
         if record is None:
-            raise ApiNotFound("nodeagent has not completed a tick yet")
+            raise NotFound("nodeagent has not completed a tick yet")
         return record
 
     def routes(self) -> Routes:
@@ -585,7 +585,7 @@ class Agent:
             found = find(identities(record), query, self.tree.root)
             if len(found) != 1:
                 what = "no workload" if not found else f"{len(found)} workloads"
-                raise ApiNotFound(
+                raise NotFound(
                     f"{what} match {query!r} among the workloads a rule claims;"
                     " see 'nodeagent allocations' and 'nodeagent workloads'"
                 )
@@ -593,7 +593,7 @@ class Agent:
 
         def start_job(request: Request) -> object:
             if self.dry_run:
-                raise ApiBadRequest("this daemon runs with --dry-run: it starts no jobs")
+                raise BadRequest("this daemon runs with --dry-run: it starts no jobs")
             job = self.jobs.start(
                 request.body, request.peer, self.spec, time.time(), self.gpus.claim
             )

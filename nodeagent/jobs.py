@@ -48,10 +48,9 @@ from nodeagent.api.bodies import (
     problem,
 )
 from nodeagent.api.peer import Peer
-from nodeagent.api.server import ApiBadRequest, ApiConflict, ApiForbidden, ApiNotFound
 from nodeagent.cgroupfs.tree import AuditFn, CgroupTree, CgroupVanished
 from nodeagent.cgroupfs.values import Attribute, CpuMax, MemoryLimit
-from nodeagent.errors import NodeagentError, one_line
+from nodeagent.errors import BadRequest, Conflict, Forbidden, NodeagentError, NotFound, one_line
 from nodeagent.gpu.model import Hold, format_cpulist
 from nodeagent.policy.base import Assignment
 from nodeagent.snapshot import NO_NEEDS, Needs, NodeSnapshot
@@ -234,7 +233,7 @@ class Jobs:
                 hold = None
                 if request.gpu_request is not None:
                     if claim_gpus is None:
-                        raise ApiBadRequest("this daemon has no GPUs to give")
+                        raise BadRequest("this daemon has no GPUs to give")
                     hold = claim_gpus(request.gpu_request, job)
                     job = replace(job, gpus=hold.uuids, gpu_hold=hold.id)
                 try:
@@ -262,10 +261,10 @@ class Jobs:
     def _admit(self, job: Job, spec: PolicySpec) -> None:
         """A free name, and room under the caller's cap (root has none); inside the lock."""
         if job.name in self._jobs:
-            raise ApiConflict(f"job name {job.name!r} is taken by a running job; pick another")
+            raise Conflict(f"job name {job.name!r} is taken by a running job; pick another")
         most = spec.jobs.max_per_user
         if job.uid != 0 and sum(j.uid == job.uid for j in self._jobs.values()) >= most:
-            raise ApiConflict(
+            raise Conflict(
                 f"uid {job.uid} runs {most} jobs already, the most jobs.max_per_user allows"
             )
 
@@ -275,9 +274,9 @@ class Jobs:
         with self._lock:
             job = self._jobs.get(request.name)
             if job is None:
-                raise ApiNotFound(f"no running job named {request.name!r}")
+                raise NotFound(f"no running job named {request.name!r}")
             if peer.uid not in (0, job.uid):
-                raise ApiForbidden(f"job {request.name!r} belongs to uid {job.uid}")
+                raise Forbidden(f"job {request.name!r} belongs to uid {job.uid}")
         self._remove_if_empty(job, request.exit_status)
         return job
 
@@ -289,10 +288,10 @@ class Jobs:
         tenant, cls = tenant_and_class(spec, peer, body.tenant, body.workload_class)
         deadline, work = body.deadline, body.work
         if (deadline is None) != (work is None):
-            raise ApiBadRequest("a deadline needs the work it is for, and work needs a deadline")
+            raise BadRequest("a deadline needs the work it is for, and work needs a deadline")
         check_future(deadline, now)
         pid = body.pid
-        refused = ApiForbidden(
+        refused = Forbidden(
             f"process {pid} is not a child of the calling process {peer.pid} (uid {peer.uid})"
         )
         try:
@@ -322,11 +321,11 @@ class Jobs:
     def _make_cgroup(self, job: Job, spec: PolicySpec, hold: Hold | None, process: Process) -> None:
         try:
             if not self.tree.mkdir(job.cgroup):
-                raise ApiConflict(f"job name {job.name!r} is taken: cgroup {job.cgroup} exists")
+                raise Conflict(f"job name {job.name!r} is taken: cgroup {job.cgroup} exists")
         except NodeagentError as e:
-            if isinstance(e, ApiConflict):
+            if isinstance(e, Conflict):
                 raise
-            raise ApiBadRequest(f"cannot make the job's cgroup: {e}") from e
+            raise BadRequest(f"cannot make the job's cgroup: {e}") from e
         self.audit(self.tree.path_of(job.cgroup), "mkdir", None, "cgroup", f"job {job.name}")
         try:
             with self.tree.open(job.cgroup) as d:
@@ -341,13 +340,13 @@ class Jobs:
                 if hold is not None and spec.gpu.pin_cpus and hold.cpus and d.has("cpuset.cpus"):
                     self._write(d, "cpuset.cpus", format_cpulist(hold.cpus), job)
                 if not process.alive():
-                    raise ApiForbidden(f"process {job.pid} ended before it could be moved")
+                    raise Forbidden(f"process {job.pid} ended before it could be moved")
                 d.write("cgroup.procs", str(job.pid))
                 if not process.alive():
                     # It was reaped around the write: the pid may have named another process
                     # by then. Whatever went in is put back at the root, and the job refused.
                     self._evict(job)
-                    raise ApiForbidden(f"process {job.pid} ended while it was being moved")
+                    raise Forbidden(f"process {job.pid} ended while it was being moved")
                 self.audit(
                     self.tree.path_of(job.cgroup) + "/cgroup.procs",
                     "cgroup.procs",
@@ -357,9 +356,9 @@ class Jobs:
                 )
         except (NodeagentError, CgroupVanished) as e:
             self._rmdir(job)
-            if isinstance(e, ApiForbidden):
+            if isinstance(e, Forbidden):
                 raise
-            raise ApiBadRequest(f"cannot start job {job.name!r}: {one_line(e)}") from e
+            raise BadRequest(f"cannot start job {job.name!r}: {one_line(e)}") from e
 
     def _evict(self, job: Job) -> None:
         """Move every process in a refused job's cgroup to the cgroup root."""

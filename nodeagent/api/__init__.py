@@ -9,8 +9,10 @@ Adding an endpoint: a route maps a path to its methods, each a handler taking a
 
     {"/v1/jobs": {"GET": list_jobs, "POST": add_job, "DELETE": remove_job}}
 
-A handler returns JSON-serialisable data (200), or raises ApiBadRequest, ApiForbidden,
-ApiNotFound or ApiConflict (400, 403, 404, 409) with a message for the user. The CLI calls
+A handler returns JSON-serialisable data (200), or raises one of nodeagent.errors' refusals
+(BadRequest, Forbidden, NotFound, Conflict, TryLater: 400, 403, 404, 409, 503, as
+`server.STATUS` maps them) with a message for the user; the domain code raises them without
+knowing of HTTP. The CLI calls
 `client.get`, `client.post` or `client.delete`; every failure is one line (ApiRefused, with
 the status, when the daemon said no).
 """

@@ -15,9 +15,8 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from nodeagent.api.server import ApiBadRequest
 from nodeagent.cgroupfs.paths import split_path
-from nodeagent.errors import UnsafePath
+from nodeagent.errors import BadRequest, UnsafePath
 from nodeagent.spec.model import WorkloadClass
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@+-]{0,62}")
@@ -67,10 +66,10 @@ def name_problem(name: str) -> str | None:
 
 
 def check_name(name: str) -> str:
-    """The name, or ApiBadRequest with the one-line reason it cannot name a cgroup."""
+    """The name, or BadRequest with the one-line reason it cannot name a cgroup."""
     problem = name_problem(name)
     if problem is not None:
-        raise ApiBadRequest(f"job name {problem}")
+        raise BadRequest(f"job name {problem}")
     return name
 
 
@@ -198,11 +197,11 @@ def problem(error: ValidationError) -> str:
 
 
 def parse(model: type[M], body: object) -> M:
-    """The body as `model`, or ApiBadRequest naming the first problem in one line."""
+    """The body as `model`, or BadRequest naming the first problem in one line."""
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        raise ApiBadRequest(problem(e)) from None
+        raise BadRequest(problem(e)) from None
 
 
 def when(t: float) -> str:
@@ -213,4 +212,4 @@ def when(t: float) -> str:
 def check_future(deadline: float | None, now: float) -> None:
     """A deadline that has passed is refused, saying when it was (an Instant is in range)."""
     if deadline is not None and deadline <= now:
-        raise ApiBadRequest(f"the deadline {when(deadline)} has passed (now {when(now)})")
+        raise BadRequest(f"the deadline {when(deadline)} has passed (now {when(now)})")

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from types import TracebackType
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 import structlog
 
@@ -49,7 +49,15 @@ from nodeagent.api.wire import (
     decode_query,
     encode,
 )
-from nodeagent.errors import NodeagentError
+from nodeagent.errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    NodeagentError,
+    NotFound,
+    Refused,
+    TryLater,
+)
 
 log = structlog.get_logger("nodeagent.api")
 
@@ -74,46 +82,24 @@ class Request:
 
 
 Handler = Callable[[Request], object]
-"""Serves one method of one path: returns a JSON-serialisable object, or raises ApiError."""
+"""Serves one method of one path: returns a JSON-serialisable object, or raises Refused."""
 
 Routes = Mapping[str, Mapping[str, Handler]]
 """Path -> method ("GET", "POST" or "DELETE") -> handler."""
 
 
-class ApiError(NodeagentError):
-    """Raised by a route to answer `status` with {"error": message}; use a subclass."""
-
-    status: ClassVar[int] = 400
-
-
-class ApiBadRequest(ApiError):
-    """The request is well-formed HTTP and JSON but makes no sense (400)."""
-
-    status = 400
+STATUS: tuple[tuple[type[Refused], int], ...] = (
+    (BadRequest, 400),
+    (Forbidden, 403),
+    (NotFound, 404),
+    (Conflict, 409),
+    (TryLater, 503),
+)
+"""The HTTP status each kind of refusal is answered with (any other refusal: 400)."""
 
 
-class ApiForbidden(ApiError):
-    """The caller may use the API but not do this (403), e.g. act on another user's pid."""
-
-    status = 403
-
-
-class ApiNotFound(ApiError):
-    """The thing asked for does not exist (404)."""
-
-    status = 404
-
-
-class ApiConflict(ApiError):
-    """The request clashes with the current state (409), e.g. a name already taken."""
-
-    status = 409
-
-
-class ApiUnavailable(ApiError):
-    """The daemon cannot answer now (503), e.g. its loop did not take the request in time."""
-
-    status = 503
+def status_of(exc: Refused) -> int:
+    return next((code for kind, code in STATUS if isinstance(exc, kind)), 400)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -193,8 +179,8 @@ class _Handler(BaseHTTPRequestHandler):
         request = Request(self.command, path, query, self.peer, body)
         try:
             answer = encode(handler(request))
-        except ApiError as exc:
-            self._send_json(exc.status, {"error": str(exc)})
+        except Refused as exc:
+            self._send_json(status_of(exc), {"error": str(exc)})
             return
         except Exception as exc:
             log.error("api.route_failed", method=self.command, path=path, exc_info=True)

@@ -55,6 +55,7 @@ from nodeagent.api.bodies import (
     Uid,
     problem,
 )
+from nodeagent.errors import Conflict, Forbidden, NotFound
 from nodeagent.gpu.model import Hold, HoldKind
 from nodeagent.policy import gpu_durations
 from nodeagent.policy.placement import GpuRequest, Holdings, NodeGpus, Placement, Refusal, place
@@ -63,22 +64,6 @@ from nodeagent.spec.model import WorkloadClass
 log = structlog.get_logger("nodeagent.gpu")
 
 STALE_AFTER = 15.0
-
-
-class LedgerError(Exception):
-    """A request the ledger refuses; the message is one line for the API."""
-
-
-class Unknown(LedgerError):
-    """No such request, grant or hold (or it lapsed)."""
-
-
-class NotYours(LedgerError):
-    """It belongs to another uid."""
-
-
-class Conflict(LedgerError):
-    """A name taken, a quota reached, a grant for another tenant or class."""
 
 
 def new_id() -> str:
@@ -270,7 +255,7 @@ class GpuLedger:
                 self._waiting[rid] = replace(w, seen=now)
             answer = self._answer(rid)
             if answer is None:
-                raise Unknown(f"no GPU request {rid!r} (lapsed or unknown)")
+                raise NotFound(f"no GPU request {rid!r} (lapsed or unknown)")
             if answer.hold is not None:
                 self._check_uid(rid, uid, answer.hold.uid)
             return answer
@@ -284,7 +269,7 @@ class GpuLedger:
                 return
             answer = self._granted.get(rid)
             if answer is None or answer.hold is None:
-                raise Unknown(f"no GPU request {rid!r} (lapsed or unknown)")
+                raise NotFound(f"no GPU request {rid!r} (lapsed or unknown)")
             self._check_uid(rid, uid, answer.hold.uid)
             del self._granted[rid]
             held = self._holds.get(answer.hold.id)
@@ -299,7 +284,7 @@ class GpuLedger:
             answer = self._granted.get(rid)
             held = None if answer is None or answer.hold is None else answer.hold
             if held is None or self._holds.get(held.id) != held:
-                raise Unknown(f"no GPUs are granted to request {rid!r} (lapsed or unknown)")
+                raise NotFound(f"no GPUs are granted to request {rid!r} (lapsed or unknown)")
             self._check_uid(rid, uid, held.uid)
             if (held.tenant, held.workload_class) != (tenant, workload_class):
                 raise Conflict(
@@ -528,19 +513,19 @@ class GpuLedger:
     @staticmethod
     def _check_uid(rid: str, uid: int, owner: int) -> None:
         if not _mine(uid, owner):
-            raise NotYours(f"GPU request {rid!r} belongs to uid {owner}")
+            raise Forbidden(f"GPU request {rid!r} belongs to uid {owner}")
 
     def _reservation(self, owner: str, uid: int) -> Hold:
         hold = next((h for h in self._holds.values() if h.owner == owner), None)
         if hold is None:
-            raise Unknown(f"no reservation named {owner!r}")
+            raise NotFound(f"no reservation named {owner!r}")
         if hold.kind is not HoldKind.RESERVATION:
             raise Conflict(
                 f"{owner!r} is not a reservation but a {hold.kind}'s GPUs, which go back when"
                 " it ends; only reservations are released by name"
             )
         if not _mine(uid, hold.uid):
-            raise NotYours(f"reservation {owner!r} belongs to uid {hold.uid}")
+            raise Forbidden(f"reservation {owner!r} belongs to uid {hold.uid}")
         return hold
 
     def _pop(self, hold_id: str) -> Hold:

@@ -34,20 +34,18 @@ from nodeagent.api.bodies import (
     check_future,
     parse,
 )
-from nodeagent.api.server import (
-    ApiBadRequest,
-    ApiConflict,
-    ApiError,
-    ApiForbidden,
-    ApiNotFound,
-    Request,
-    Routes,
+from nodeagent.api.server import Request, Routes
+from nodeagent.errors import (
+    BadRequest,
+    Conflict,
+    NodeagentError,
+    NotFound,
+    one_line,
 )
-from nodeagent.errors import NodeagentError, one_line
 from nodeagent.gpu.backend import GpuBackend
 from nodeagent.gpu.model import GpuState, Hold, HoldKind
 from nodeagent.gpu.report import read_report
-from nodeagent.gpualloc.ledger import Conflict, GpuLedger, LedgerError, NotYours, Unknown, holdings
+from nodeagent.gpualloc.ledger import GpuLedger, holdings
 from nodeagent.gpualloc.placing import BadQuestion, answer, from_query
 from nodeagent.identity import Kind, WorkloadIdentity
 from nodeagent.logs import audit_event
@@ -77,7 +75,7 @@ def refuse_impossible(want: GpuRequest, node: NodeGpus) -> None:
     """A request this node could never satisfy is refused now, not left in the queue."""
     never = impossible(want, node)
     if never is not None:
-        raise ApiBadRequest(f"{never.reason}; the request can never be placed here")
+        raise BadRequest(f"{never.reason}; the request can never be placed here")
 
 
 def environment(hold: Hold) -> dict[str, str]:
@@ -117,7 +115,7 @@ class _Want(Classed):
 
     def request(self) -> GpuRequest:
         if self.shared and self.memory is None:
-            raise ApiBadRequest("a shared GPU request needs the memory it uses, to pack it")
+            raise BadRequest("a shared GPU request needs the memory it uses, to pack it")
         return GpuRequest(self.count, self.memory, self.shared, self.mig)
 
 
@@ -150,15 +148,6 @@ class IdBody(Body):
 
 class NameBody(Body):
     name: Text
-
-
-def _api(e: LedgerError) -> ApiError:
-    if isinstance(e, NotYours):
-        return ApiForbidden(str(e))
-    if isinstance(e, Unknown):
-        return ApiNotFound(str(e))
-    assert isinstance(e, Conflict)
-    return ApiConflict(str(e))
 
 
 class GpuService:
@@ -287,17 +276,14 @@ class GpuService:
     def claim(self, request_id: str, job: Job) -> Hold:
         """The job's own hold, from the grant its request got: the same uid (or root), the
         tenant and class the grant was for, and a name no other hold has."""
-        try:
-            return self.ledger.claim(
-                request_id,
-                uid=job.uid,
-                owner=job.name,
-                cgroup=job.cgroup,
-                tenant=job.tenant,
-                workload_class=str(job.workload_class),
-            )
-        except LedgerError as e:
-            raise _api(e) from None
+        return self.ledger.claim(
+            request_id,
+            uid=job.uid,
+            owner=job.name,
+            cgroup=job.cgroup,
+            tenant=job.tenant,
+            workload_class=str(job.workload_class),
+        )
 
     def release_job(self, job: Job) -> None:
         """A job has ended: its own hold goes back, and nothing else."""
@@ -334,18 +320,18 @@ class GpuService:
                 holds_considered=True,
             )
         except BadQuestion as e:
-            raise ApiBadRequest(str(e)) from None
+            raise BadRequest(str(e)) from None
 
     def _node(self) -> NodeGpus:
         node = node_of(self.state)
         if node is None:
             why = self.backend.reason or "none read yet"
-            raise ApiNotFound(f"this node has no GPUs the agent can use ({why})")
+            raise NotFound(f"this node has no GPUs the agent can use ({why})")
         return node
 
     def _refuse_in_kubernetes(self, what: str) -> None:
         if self._spec().agent.mode is AgentMode.KUBERNETES:
-            raise ApiBadRequest(
+            raise BadRequest(
                 f"{what} is refused: agent.mode is kubernetes, where the kubelet's device"
                 " plugin assigns GPUs; request nvidia.com/gpu in a pod spec instead"
             )
@@ -360,25 +346,22 @@ class GpuService:
         wall = time.time()
         check_future(body.deadline, wall)
         due = None if body.deadline is None else body.deadline - wall
-        try:
-            answer = self.ledger.ask(
-                body.name,
-                want,
-                uid=request.peer.uid,
-                tenant=tenant,
-                priority=spec.classes[cls].priority,
-                deadline=body.deadline,
-                fairness=self._fairness(tenant),
-                workload_class=str(cls),
-                node=self._node(),
-                now=time.monotonic(),
-                claim_timeout=spec.gpu.claim_timeout,
-                max_waiting=spec.gpu.max_waiting_per_user,
-                declared=declared_duration(due, body.work, body.cpus),
-                patience=spec.gpu.patience,
-            )
-        except LedgerError as e:
-            raise _api(e) from None
+        answer = self.ledger.ask(
+            body.name,
+            want,
+            uid=request.peer.uid,
+            tenant=tenant,
+            priority=spec.classes[cls].priority,
+            deadline=body.deadline,
+            fairness=self._fairness(tenant),
+            workload_class=str(cls),
+            node=self._node(),
+            now=time.monotonic(),
+            claim_timeout=spec.gpu.claim_timeout,
+            max_waiting=spec.gpu.max_waiting_per_user,
+            declared=declared_duration(due, body.work, body.cpus),
+            patience=spec.gpu.patience,
+        )
         if answer.status == "granted" and answer.hold is not None:
             audit_event(
                 "gpu.granted",
@@ -391,17 +374,11 @@ class GpuService:
 
     def _status(self, request: Request) -> object:
         rid = request.query.get("id", "")
-        try:
-            return self.ledger.status(rid, request.peer.uid, time.monotonic()).to_json()
-        except LedgerError as e:
-            raise _api(e) from None
+        return self.ledger.status(rid, request.peer.uid, time.monotonic()).to_json()
 
     def _cancel(self, request: Request) -> object:
         body = parse(IdBody, request.body)
-        try:
-            self.ledger.cancel(body.id, request.peer.uid)
-        except LedgerError as e:
-            raise _api(e) from None
+        self.ledger.cancel(body.id, request.peer.uid)
         return {"cancelled": True}
 
     def _reserve(self, request: Request) -> object:
@@ -410,21 +387,18 @@ class GpuService:
         want = body.request()
         refuse_impossible(want, self._node())
         tenant, cls = tenant_and_class(self._spec(), request.peer, body.tenant, body.workload_class)
-        try:
-            got = self.ledger.reserve(
-                body.name,
-                want,
-                uid=request.peer.uid,
-                tenant=tenant,
-                workload_class=str(cls),
-                container=body.container,
-                node=self._node(),
-                until=time.monotonic() + body.ttl,
-            )
-        except LedgerError as e:
-            raise _api(e) from None
+        got = self.ledger.reserve(
+            body.name,
+            want,
+            uid=request.peer.uid,
+            tenant=tenant,
+            workload_class=str(cls),
+            container=body.container,
+            node=self._node(),
+            until=time.monotonic() + body.ttl,
+        )
         if isinstance(got, Refusal):
-            raise ApiConflict(f"no GPUs fit now: {got.reason}")
+            raise Conflict(f"no GPUs fit now: {got.reason}")
         hold, result = got
         audit_event(
             "gpu.reserved",
@@ -446,19 +420,13 @@ class GpuService:
 
     def _attach(self, request: Request) -> object:
         body = parse(AttachBody, request.body)
-        try:
-            hold = self.ledger.attach(body.name, request.peer.uid, body.container)
-        except LedgerError as e:
-            raise _api(e) from None
+        hold = self.ledger.attach(body.name, request.peer.uid, body.container)
         audit_event("gpu.reservation_container", owner=hold.owner, container=hold.container)
         return {"name": hold.owner, "container": hold.container}
 
     def _unreserve(self, request: Request) -> object:
         body = parse(NameBody, request.body)
-        try:
-            hold = self.ledger.release_reservation(body.name, request.peer.uid)
-        except LedgerError as e:
-            raise _api(e) from None
+        hold = self.ledger.release_reservation(body.name, request.peer.uid)
         audit_event(
             "gpu.released",
             owner=hold.owner,

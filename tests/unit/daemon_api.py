@@ -4,7 +4,7 @@ The cgroup root is a plain directory (a stand-in: no kernel here), whose mkdir a
 the interface files a job's start writes; /proc for the jobs' pid checks is a plain tree
 of status files; the GPUs are a simulated node (a labelled fake, written per test); the
 callers are Peer records as SO_PEERCRED would give them. Each call goes through the same
-route handler the API server runs, so an error is the ApiError (and status) the client
+route handler the API server runs, so an error is the Refused (and status) the client
 would get, and anything else would have been a 500.
 """
 
@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent.api.peer import Peer
-from nodeagent.api.server import ApiError, Request
+from nodeagent.api.server import Request
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent
+from nodeagent.errors import Refused
 from nodeagent.spec.model import PolicySpec
 
 ROOT = Peer(pid=3000, uid=0, gid=0, groups=frozenset())
@@ -80,11 +81,11 @@ class Daemon:
         handler = self.agent.routes()[path][method]
         return handler(Request(method, path, dict(query or {}), peer, dict(body or {})))
 
-    def refused(self, peer: Peer, method: str, path: str, body: Any = None, **kw: Any) -> ApiError:
-        """The ApiError a call must end in (a 4xx, never anything else)."""
+    def refused(self, peer: Peer, method: str, path: str, body: Any = None, **kw: Any) -> Refused:
+        """The Refused a call must end in (a 4xx, never anything else)."""
         try:
             got = self.call(peer, method, path, body, **kw)
-        except ApiError as e:
+        except Refused as e:
             return e
         raise AssertionError(f"{method} {path} {body} as uid {peer.uid} was accepted: {got}")
 

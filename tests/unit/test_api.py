@@ -21,19 +21,17 @@ from peers import as_user, held_as
 
 from nodeagent.api import client
 from nodeagent.api.peer import LoopbackPeers, Peer, peer_allowed, read_peer
-from nodeagent.api.server import (
-    ApiBadRequest,
-    ApiConflict,
-    ApiError,
-    ApiForbidden,
-    ApiNotFound,
-    ApiServer,
-    Handler,
-    Request,
-    Routes,
-)
+from nodeagent.api.server import ApiServer, Handler, Request, Routes
 from nodeagent.api.wire import MAX_BODY
-from nodeagent.errors import DaemonUnreachable, NodeagentError
+from nodeagent.errors import (
+    BadRequest,
+    Conflict,
+    DaemonUnreachable,
+    Forbidden,
+    NodeagentError,
+    NotFound,
+    Refused,
+)
 
 NOBODY = 65534
 NOGROUP = grp.getgrnam("nogroup").gr_gid
@@ -134,7 +132,7 @@ def test_unknown_path_is_404(serve: Callable[..., ApiServer]) -> None:
 
 def test_route_not_found_is_404_with_its_message(serve: Callable[..., ApiServer]) -> None:
     def missing(request: Request) -> object:
-        raise ApiNotFound(f"no workload named {request.query['name']!r}")
+        raise NotFound(f"no workload named {request.query['name']!r}")
 
     server = serve({"/v1/workload": {"GET": missing}})
     with pytest.raises(NodeagentError, match=r"^no workload named 'web'$") as info:
@@ -661,10 +659,10 @@ def test_bad_bodies_are_400(serve: Callable[..., ApiServer], body: bytes, error:
 
 @pytest.mark.parametrize(
     ("error", "status"),
-    [(ApiBadRequest, 400), (ApiForbidden, 403), (ApiNotFound, 404), (ApiConflict, 409)],
+    [(BadRequest, 400), (Forbidden, 403), (NotFound, 404), (Conflict, 409)],
 )
 def test_typed_route_errors(
-    serve: Callable[..., ApiServer], error: type[ApiError], status: int
+    serve: Callable[..., ApiServer], error: type[Refused], status: int
 ) -> None:
     def refuse(request: Request) -> object:
         raise error(f"job {request.body['name']!r} says no")

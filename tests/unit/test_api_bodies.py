@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from daemon_api import ALICE, ROOT, Daemon, daemon
 
-from nodeagent.api.server import ApiBadRequest
+from nodeagent.errors import BadRequest
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_bad_bodies_are_one_line_400s(
     if path == "/v1/jobs" and method == "POST":
         body = {**body, "pid": d.child(ALICE)}
     e = d.refused(ALICE, method, path, body)
-    assert isinstance(e, ApiBadRequest), f"{type(e).__name__}: {e}"
+    assert isinstance(e, BadRequest), f"{type(e).__name__}: {e}"
     assert message in str(e)
     assert "\n" not in str(e) and len(str(e)) < 400
     assert d.jobs() == [] and d.holds() == []

@@ -16,8 +16,9 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from nodeagent.api.server import ApiNotFound, ApiServer, Request, Routes
+from nodeagent.api.server import ApiServer, Request, Routes
 from nodeagent.cli import main
+from nodeagent.errors import NotFound
 from nodeagent.tables import printable, table
 
 REPO = Path(__file__).resolve().parents[2]
@@ -628,7 +629,7 @@ def odd_daemon(fake_daemon: Any) -> str:
 
     def explain(request: Request) -> object:
         if request.query.get("cgroup") not in paths:
-            raise ApiNotFound(f"no workload match {request.query.get('cgroup')!r}")
+            raise NotFound(f"no workload match {request.query.get('cgroup')!r}")
         return explanation(request.query["cgroup"])
 
     answer = {"tick": 7, "dry_run": False, "allocations": [allocation(p) for p in paths]}

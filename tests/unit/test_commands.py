@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from nodeagent.api.peer import Peer
-from nodeagent.api.server import ApiConflict, ApiUnavailable, Request
+from nodeagent.api.server import Request
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.commands import Commands
 from nodeagent.daemon import Agent
+from nodeagent.errors import Conflict, TryLater
 from nodeagent.spec.model import PolicySpec
 from nodeagent.wakeup import Wakeup
 
@@ -38,9 +39,9 @@ def test_a_command_runs_on_the_loop_thread_and_its_answer_or_error_comes_back() 
         assert commands.call(threading.get_ident) == loop.ident
 
         def refuse() -> None:
-            raise ApiConflict("taken")
+            raise Conflict("taken")
 
-        with pytest.raises(ApiConflict, match="taken"):
+        with pytest.raises(Conflict, match="taken"):
             commands.call(refuse)
     finally:
         stop.set()
@@ -61,7 +62,7 @@ def test_a_command_the_loop_does_not_take_in_time_is_withdrawn_and_never_runs() 
     def api() -> None:
         try:
             commands.call(lambda: ran.append(1))
-        except ApiUnavailable as e:
+        except TryLater as e:
             answer.append(e)
 
     t = threading.Thread(target=api)
@@ -83,7 +84,7 @@ def test_a_stopping_loop_answers_what_is_still_queued() -> None:
     def api() -> None:
         try:
             commands.call(lambda: None)
-        except ApiUnavailable as e:
+        except TryLater as e:
             answer.append(e)
 
     t = threading.Thread(target=api)
@@ -115,7 +116,7 @@ def test_the_agent_runs_what_changes_state_on_its_loop_and_reads_on_the_api_thre
 
     def record(*_: object) -> object:
         seen["start"] = threading.get_ident()
-        raise ApiConflict("recorded")
+        raise Conflict("recorded")
 
     monkeypatch.setattr(agent.jobs, "start", record)
     routes = agent.routes()
@@ -124,7 +125,7 @@ def test_the_agent_runs_what_changes_state_on_its_loop_and_reads_on_the_api_thre
     try:
         me = Peer(os.getpid(), os.getuid(), os.getgid(), frozenset())
         request = Request(method="POST", path="/v1/jobs", query={}, peer=me)
-        with pytest.raises(ApiConflict):
+        with pytest.raises(Conflict):
             routes["/v1/jobs"]["POST"](request)
         assert seen["start"] == loop.ident
         listed = routes["/v1/jobs"]["GET"](request)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from daemon_api import ALICE, BOB, CID, ROOT, Daemon, daemon, mkdirs
 
-from nodeagent.api.server import ApiBadRequest, ApiConflict, ApiError, ApiForbidden, ApiNotFound
+from nodeagent.errors import BadRequest, Conflict, Forbidden, NotFound, Refused
 from nodeagent.gpu.simulated import parse_node
 from nodeagent.gpualloc import ledger as ledger_module
 from nodeagent.jobs import Job
@@ -36,7 +36,7 @@ def gpu_job(d: Daemon, peer: Any, name: str, count: int = 1, **body: Any) -> dic
     return job
 
 
-def refused_start(d: Daemon, peer: Any, name: str, **body: Any) -> ApiError:
+def refused_start(d: Daemon, peer: Any, name: str, **body: Any) -> Refused:
     return d.refused(peer, "POST", "/v1/jobs", {"name": name, "pid": d.child(peer), **body})
 
 
@@ -58,7 +58,7 @@ def test_a_running_jobs_gpus_cannot_be_released_by_name(d: Daemon) -> None:
     gpu_job(d, BOB, "train")
     for peer in (ALICE, BOB, ROOT):  # not even its own uid or root: it goes when the job ends
         e = d.refused(peer, "DELETE", "/v1/gpus/reservations", {"name": "train"})
-        assert isinstance(e, ApiConflict) and "only reservations are released by name" in str(e)
+        assert isinstance(e, Conflict) and "only reservations are released by name" in str(e)
     assert d.holds() == [("train", "job")]
     # alice cannot get bob's GPU: one of two is left
     assert d.ask(ALICE, "more", 2)["status"] == "waiting"
@@ -68,12 +68,12 @@ def test_a_reservation_is_released_only_by_its_uid_or_root(d: Daemon) -> None:
     reserve(d, BOB, "web-1")
     reserve(d, BOB, "web-2")
     e = d.refused(ALICE, "DELETE", "/v1/gpus/reservations", {"name": "web-1"})
-    assert isinstance(e, ApiForbidden) and str(e) == "reservation 'web-1' belongs to uid 1001"
+    assert isinstance(e, Forbidden) and str(e) == "reservation 'web-1' belongs to uid 1001"
     assert unreserve(d, BOB, "web-1") == {"released": "web-1"}
     assert unreserve(d, ROOT, "web-2") == {"released": "web-2"}
     assert d.holds() == []
     e = d.refused(BOB, "DELETE", "/v1/gpus/reservations", {"name": "web-1"})
-    assert isinstance(e, ApiNotFound)
+    assert isinstance(e, NotFound)
 
 
 # --- 2: request ids -------------------------------------------------------------------------
@@ -86,11 +86,11 @@ def test_request_ids_are_unguessable_and_only_their_asker_uses_them(d: Daemon) -
     assert not re.fullmatch(r"r\d+", rid) and len(rid) >= 20
     query = {"id": rid}
     e = d.refused(BOB, "GET", "/v1/gpus/requests", query=query)
-    assert isinstance(e, ApiForbidden) and "belongs to uid 1000" in str(e)
+    assert isinstance(e, Forbidden) and "belongs to uid 1000" in str(e)
     e = d.refused(BOB, "DELETE", "/v1/gpus/requests", {"id": rid})
-    assert isinstance(e, ApiForbidden)
+    assert isinstance(e, Forbidden)
     e = d.refused(BOB, "POST", "/v1/jobs", {"name": "b", "pid": d.child(BOB), "gpu_request": rid})
-    assert isinstance(e, ApiForbidden)
+    assert isinstance(e, Forbidden)
     assert d.jobs() == [] and d.holds() == [("a-job", "request")]
     # the asker and root may
     assert d.call(ALICE, "GET", "/v1/gpus/requests", query=query)["status"] == "granted"
@@ -104,7 +104,7 @@ def test_a_waiting_request_is_cancelled_only_by_its_asker(d: Daemon) -> None:
     waiting = d.ask(ALICE, "later", 1)
     assert waiting["status"] == "waiting"
     e = d.refused(BOB, "DELETE", "/v1/gpus/requests", {"id": waiting["id"]})
-    assert isinstance(e, ApiForbidden)
+    assert isinstance(e, Forbidden)
     assert [w.owner for w in d.agent.gpus.ledger.queue()] == ["later"]
     d.call(ALICE, "DELETE", "/v1/gpus/requests", {"id": waiting["id"]})
     assert d.agent.gpus.ledger.queue() == []
@@ -134,11 +134,11 @@ def test_a_name_held_by_another_hold_is_refused(d: Daemon) -> None:
     # bob asks under another name, then starts his job under the reservation's name
     grant = d.ask(BOB, "x")
     e = refused_start(d, BOB, "big", gpu_request=grant["id"])
-    assert isinstance(e, ApiConflict) and "'big' is taken" in str(e)
+    assert isinstance(e, Conflict) and "'big' is taken" in str(e)
     e = d.refused(BOB, "POST", "/v1/gpus/requests", {"name": "big"})
-    assert isinstance(e, ApiConflict)
+    assert isinstance(e, Conflict)
     e = d.refused(BOB, "POST", "/v1/gpus/reservations", {"name": "big"})
-    assert isinstance(e, ApiConflict)
+    assert isinstance(e, Conflict)
     assert d.holds() == [("big", "reservation"), ("x", "request")]
     assert d.jobs() == [] and not (d.root / "nodeagent.slice" / "big").exists()
 
@@ -202,7 +202,7 @@ def test_a_reservation_without_a_container_is_named_later_by_its_uid(d: Daemon) 
     reserve(d, ALICE, "web")
     attach = "/v1/gpus/reservations/container"
     e = d.refused(BOB, "POST", attach, {"name": "web", "container": CID})
-    assert isinstance(e, ApiForbidden)
+    assert isinstance(e, Forbidden)
     d.call(ALICE, "POST", attach, {"name": "web", "container": CID})
     mkdirs(d.root, f"system.slice/docker-{CID}.scope")
     d.agent.registry.resync()
@@ -215,7 +215,7 @@ def test_a_reservation_without_a_container_is_named_later_by_its_uid(d: Daemon) 
 
 def test_an_unknown_tenant_cannot_ask_for_gpus(d: Daemon) -> None:
     e = d.refused(ROOT, "POST", "/v1/gpus/requests", {"name": "x", "tenant": "nobody-knows"})
-    assert isinstance(e, ApiBadRequest) and "unknown tenant 'nobody-knows'" in str(e)
+    assert isinstance(e, BadRequest) and "unknown tenant 'nobody-knows'" in str(e)
     assert d.holds() == []
 
 
@@ -223,7 +223,7 @@ def test_a_grant_is_claimed_only_for_its_tenant_and_class(d: Daemon) -> None:
     grant = d.ask(ROOT, "t", tenant="research", **{"class": "batch"})
     for other in ({"tenant": "prod"}, {"class": "inference"}):
         e = refused_start(d, ROOT, "t", gpu_request=grant["id"], **other)
-        assert isinstance(e, ApiConflict) and "was granted for tenant 'research'" in str(e)
+        assert isinstance(e, Conflict) and "was granted for tenant 'research'" in str(e)
     d.start(ROOT, "t", gpu_request=grant["id"], tenant="research", **{"class": "batch"})
     (hold,) = d.agent.gpus.ledger.holds()
     assert (hold.tenant, hold.workload_class, hold.kind) == ("research", "batch", "job")
@@ -236,12 +236,12 @@ def test_a_user_without_an_entry_gets_the_defaults_only(d: Daemon) -> None:
     deadline = time.time() + 3600
     body = {"tenant": "prod", "class": "inference", "deadline": deadline, "work": 60}
     e = d.refused(ALICE, "POST", "/v1/jobs", {"name": "x", "pid": d.child(ALICE), **body})
-    assert isinstance(e, ApiForbidden)
+    assert isinstance(e, Forbidden)
     assert str(e).startswith("uid 1000")
     assert "may not use tenant 'prod' with class inference" in str(e)
     for path in ("/v1/gpus/requests", "/v1/gpus/reservations"):
         e = d.refused(ALICE, "POST", path, {"name": "x", "tenant": "prod"})
-        assert isinstance(e, ApiForbidden)
+        assert isinstance(e, Forbidden)
     assert d.jobs() == [] and d.holds() == []
     d.start(ALICE, "defaults")  # research/batch
     d.start(ROOT, "root", tenant="prod", **{"class": "inference"})
@@ -256,12 +256,12 @@ def test_access_entries_grant_pairs_by_user_or_group(tmp_path: Path) -> None:
     d = daemon(tmp_path, {"jobs": {"access": access}})
     d.start(ALICE, "a", tenant="prod", **{"class": "inference"})
     e = refused_start(d, ALICE, "b", tenant="prod", **{"class": "training"})
-    assert isinstance(e, ApiForbidden), "the pair, not each on its own"
+    assert isinstance(e, Forbidden), "the pair, not each on its own"
     member = BOB.__class__(pid=BOB.pid, uid=BOB.uid, gid=BOB.gid, groups=frozenset({4242}))
     d.start(member, "c", tenant="prod", **{"class": "training"})
     assert d.ask(member, "g", tenant="prod", **{"class": "training"})["status"] == "granted"
     e = d.refused(BOB, "POST", "/v1/gpus/requests", {"name": "h", "class": "training"})
-    assert isinstance(e, ApiForbidden)
+    assert isinstance(e, Forbidden)
 
 
 # --- 7: the removal race --------------------------------------------------------------------
@@ -299,7 +299,7 @@ def test_each_uid_may_run_so_many_jobs_and_wait_for_so_many_gpus(tmp_path: Path)
     d.start(ALICE, "a1")
     d.start(ALICE, "a2")
     e = d.refused(ALICE, "POST", "/v1/jobs", {"name": "a3", "pid": d.child(ALICE)})
-    assert isinstance(e, ApiConflict) and "jobs.max_per_user" in str(e)
+    assert isinstance(e, Conflict) and "jobs.max_per_user" in str(e)
     d.start(BOB, "b1")
     d.start(ROOT, "r1")
     d.start(ROOT, "r2")
@@ -307,7 +307,7 @@ def test_each_uid_may_run_so_many_jobs_and_wait_for_so_many_gpus(tmp_path: Path)
     d.ask(BOB, "all", 2)
     assert [d.ask(ALICE, f"w{i}")["status"] for i in range(2)] == ["waiting", "waiting"]
     e = d.refused(ALICE, "POST", "/v1/gpus/requests", {"name": "w2"})
-    assert isinstance(e, ApiConflict) and "gpu.max_waiting_per_user" in str(e)
+    assert isinstance(e, Conflict) and "gpu.max_waiting_per_user" in str(e)
     assert d.ask(BOB, "bw")["status"] == "waiting"
 
 

@@ -18,7 +18,7 @@ import pytest
 from daemon_api import ALICE, CID, ROOT, Daemon, daemon, mkdirs, restart
 from structlog.testing import capture_logs
 
-from nodeagent.api.server import ApiBadRequest, ApiConflict
+from nodeagent.errors import BadRequest, Conflict
 from nodeagent.gpu.model import HoldKind
 
 GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
@@ -113,9 +113,9 @@ def test_a_reservation_that_does_not_fit_now_or_ever_is_refused_and_holds_nothin
 ) -> None:
     reserve(d, ROOT, "both", 2)
     e = d.refused(ALICE, "POST", RESERVATIONS, {"name": "more", "count": 1})
-    assert isinstance(e, ApiConflict) and str(e).startswith("no GPUs fit now: ")
+    assert isinstance(e, Conflict) and str(e).startswith("no GPUs fit now: ")
     e = d.refused(ALICE, "POST", RESERVATIONS, {"name": "huge", "count": 3})
-    assert isinstance(e, ApiBadRequest)
+    assert isinstance(e, BadRequest)
     assert str(e).endswith("; the request can never be placed here")
     assert d.holds() == [("both", "reservation")]
 

@@ -18,8 +18,8 @@ from daemon_api import ROOT, daemon
 from fake_nvml import FakeMig, FakeNvml, dgx_h100
 from structlog.testing import capture_logs
 
-from nodeagent.api.server import ApiNotFound
 from nodeagent.cgroupfs.values import Attribute
+from nodeagent.errors import NotFound
 from nodeagent.gpu.backend import GpuBackend, GpuError
 from nodeagent.gpu.model import Device, GpuState, Telemetry
 from nodeagent.gpu.nvml import NvmlBackend, open_nvml
@@ -150,6 +150,6 @@ def test_the_daemon_ticks_on_without_gpu_state_while_the_backend_fails(
     planned = {c.path: c.targets for c in record.plan.cgroups}
     assert planned["nodeagent.slice/train"][Attribute.CPU_MAX].render() == "50000 100000"
     e = d.refused(ROOT, "GET", "/v1/gpus/place", query={"count": "1"})
-    assert isinstance(e, ApiNotFound)
+    assert isinstance(e, NotFound)
     monkeypatch.undo()
     assert d.agent.tick().snapshot.gpus is not None

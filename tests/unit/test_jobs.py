@@ -13,8 +13,8 @@ from daemon_api import ALICE, AlwaysAlive, daemon
 
 from nodeagent.api.bodies import parse
 from nodeagent.api.peer import Peer
-from nodeagent.api.server import ApiBadRequest, ApiError, ApiForbidden
 from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.errors import BadRequest, Forbidden, Refused
 from nodeagent.jobs import Job, Jobs, Pidfd, StartBody, check_name
 from nodeagent.spec.model import PolicySpec, WorkloadClass
 
@@ -61,42 +61,42 @@ def test_a_plain_request_takes_the_policy_defaults(jobs: Jobs) -> None:
     [
         (
             {"tenant": "reserch"},
-            ApiBadRequest,
+            BadRequest,
             "unknown tenant 'reserch'; did you mean 'research'?",
         ),
         (
             {"class": "urgent"},
-            ApiBadRequest,
+            BadRequest,
             "^class: unknown class 'urgent' [(]classes: inference,",
         ),
         (
             {"deadline": NOW - 5, "work": 10},
-            ApiBadRequest,
+            BadRequest,
             "^the deadline 2027-01-15T07:59:55Z has passed [(]now 2027-01-15T08:00:00Z[)]$",
         ),
-        ({"deadline": 1e-300, "work": 10}, ApiBadRequest, "^the deadline 1970-01-01T00:00:00Z has"),
-        ({"deadline": 10**401, "work": 10}, ApiBadRequest, "^deadline: must be a number, got 1000"),
-        ({"deadline": 1e300, "work": 10}, ApiBadRequest, "^deadline: must be below 253402300800"),
-        ({"deadline": NOW + 5}, ApiBadRequest, "a deadline needs the work"),
-        ({"deadline": NOW + 5, "work": -1}, ApiBadRequest, "^work: must be above 0, got -1$"),
-        ({"deadline": NOW + 5, "work": True}, ApiBadRequest, "^work: must be a number, got True"),
-        ({"memory": 4096}, ApiBadRequest, "^memory: must be at least 1048576, got 4096$"),
-        ({"cpus": -1}, ApiBadRequest, "^cpus: must be above 0"),
-        ({"cpus": 1e300}, ApiBadRequest, "^cpus: must be at most 100000"),
-        ({"tenant": ["x"]}, ApiBadRequest, r"^tenant: must be a string, got \['x'\]$"),
-        ({"name": "../x"}, ApiBadRequest, "not a safe cgroup name"),
-        ({"name": "io.max"}, ApiBadRequest, "not named like a cgroup interface file"),
-        ({"name": "x" * 60_000}, ApiBadRequest, "not a safe cgroup name"),
-        ({"surprise": 1}, ApiBadRequest, "^unknown field 'surprise'$"),
-        ({"pid": 4002}, ApiForbidden, "not a child of the calling process"),
-        ({"pid": 4003}, ApiForbidden, "not a child of the calling process"),  # another uid's
-        ({"pid": 999_999}, ApiForbidden, "not a child"),
-        ({"pid": "4001"}, ApiBadRequest, "^pid: must be a whole number, got '4001'$"),
-        ({"pid": 1}, ApiBadRequest, "^pid: must be at least 2, got 1$"),
+        ({"deadline": 1e-300, "work": 10}, BadRequest, "^the deadline 1970-01-01T00:00:00Z has"),
+        ({"deadline": 10**401, "work": 10}, BadRequest, "^deadline: must be a number, got 1000"),
+        ({"deadline": 1e300, "work": 10}, BadRequest, "^deadline: must be below 253402300800"),
+        ({"deadline": NOW + 5}, BadRequest, "a deadline needs the work"),
+        ({"deadline": NOW + 5, "work": -1}, BadRequest, "^work: must be above 0, got -1$"),
+        ({"deadline": NOW + 5, "work": True}, BadRequest, "^work: must be a number, got True"),
+        ({"memory": 4096}, BadRequest, "^memory: must be at least 1048576, got 4096$"),
+        ({"cpus": -1}, BadRequest, "^cpus: must be above 0"),
+        ({"cpus": 1e300}, BadRequest, "^cpus: must be at most 100000"),
+        ({"tenant": ["x"]}, BadRequest, r"^tenant: must be a string, got \['x'\]$"),
+        ({"name": "../x"}, BadRequest, "not a safe cgroup name"),
+        ({"name": "io.max"}, BadRequest, "not named like a cgroup interface file"),
+        ({"name": "x" * 60_000}, BadRequest, "not a safe cgroup name"),
+        ({"surprise": 1}, BadRequest, "^unknown field 'surprise'$"),
+        ({"pid": 4002}, Forbidden, "not a child of the calling process"),
+        ({"pid": 4003}, Forbidden, "not a child of the calling process"),  # another uid's
+        ({"pid": 999_999}, Forbidden, "not a child"),
+        ({"pid": "4001"}, BadRequest, "^pid: must be a whole number, got '4001'$"),
+        ({"pid": 1}, BadRequest, "^pid: must be at least 2, got 1$"),
     ],
 )
 def test_bad_requests_are_refused_with_one_line(
-    jobs: Jobs, body: dict[str, Any], error: type[ApiError], message: str
+    jobs: Jobs, body: dict[str, Any], error: type[Refused], message: str
 ) -> None:
     pattern = message if message.startswith("^") or ".*" in message else re.escape(message)
     with pytest.raises(error, match=pattern) as info:
@@ -106,7 +106,7 @@ def test_bad_requests_are_refused_with_one_line(
 
 def test_no_tenant_anywhere_is_refused(jobs: Jobs) -> None:
     bare = SPEC.model_copy(update={"jobs": SPEC.jobs.model_copy(update={"default_tenant": None})})
-    with pytest.raises(ApiBadRequest, match="no tenant: pass --tenant"):
+    with pytest.raises(BadRequest, match="no tenant: pass --tenant"):
         jobs._check(StartBody(name="j", pid=4001), CALLER, bare, NOW)
 
 
@@ -123,7 +123,7 @@ def test_safe_names(name: str) -> None:
     ],
 )
 def test_unsafe_names(name: str) -> None:
-    with pytest.raises(ApiBadRequest):
+    with pytest.raises(BadRequest):
         check_name(name)
 
 
@@ -153,7 +153,7 @@ def test_a_pid_reused_during_the_move_is_not_left_in_the_job(tmp_path: Path) -> 
     d.agent.jobs.open_process = lambda pid: EndsDuringTheMove()
     pid = d.child(ALICE)
     e = d.refused(ALICE, "POST", "/v1/jobs", {"name": "j", "pid": pid})
-    assert isinstance(e, ApiForbidden) and str(e) == f"process {pid} ended while it was being moved"
+    assert isinstance(e, Forbidden) and str(e) == f"process {pid} ended while it was being moved"
     assert d.jobs() == []
     assert (d.root / "cgroup.procs").read_text() == str(pid), "moved out, to the root"
 
@@ -164,7 +164,7 @@ def test_a_pid_that_ends_before_the_move_is_never_written(tmp_path: Path) -> Non
     gone.asked = 1  # alive when checked, gone before the write
     d.agent.jobs.open_process = lambda pid: gone
     e = d.refused(ALICE, "POST", "/v1/jobs", {"name": "j", "pid": d.child(ALICE)})
-    assert isinstance(e, ApiForbidden) and "ended before it could be moved" in str(e)
+    assert isinstance(e, Forbidden) and "ended before it could be moved" in str(e)
     assert d.jobs() == []
 
 
