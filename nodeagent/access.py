@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from nodeagent.api.peer import Peer
 from nodeagent.errors import BadRequest, Forbidden
-from nodeagent.spec.model import ANY, AccessEntry, PolicySpec, WorkloadClass
+from nodeagent.policyfile.model import ANY, AccessEntry, PolicySpec, WorkloadClass
 
 
 @dataclass(frozen=True, slots=True)

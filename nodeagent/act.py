@@ -36,9 +36,9 @@ from nodeagent.errors import NodeagentError, one_line
 from nodeagent.logs import audit_event
 from nodeagent.ownership import WriteMode, read_only_reason
 from nodeagent.policy.plan import Plan, Target
+from nodeagent.policyfile.model import WithoutBus
 from nodeagent.sdbus import NoBus, NotTheUnit
 from nodeagent.snapshot import NodeSnapshot
-from nodeagent.spec.model import WithoutBus
 
 log = structlog.get_logger("nodeagent")
 

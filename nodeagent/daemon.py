@@ -48,6 +48,9 @@ from nodeagent.policy.history import decay
 from nodeagent.policy.newcomer import plan_newcomers
 from nodeagent.policy.plan import DEFAULT_POLICIES, Plan, make_plan
 from nodeagent.policy.weights import ancestors
+from nodeagent.policyfile.filewatch import FileWatch
+from nodeagent.policyfile.load import PolicyError, load_policy
+from nodeagent.policyfile.model import AgentMode, AgentSettings, PolicySpec
 from nodeagent.report import TickRecord, allocations, explain, find, identities
 from nodeagent.runtimes.metadata import RuntimeMetadata
 from nodeagent.sdbus import Systemd
@@ -55,9 +58,6 @@ from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
 from nodeagent.slurm import SlurmJobs
 from nodeagent.snapshot import NO_NEEDS, Needs, NodeSnapshot, WorkloadState
-from nodeagent.spec.filewatch import FileWatch
-from nodeagent.spec.load import PolicyError, load_policy
-from nodeagent.spec.model import AgentMode, AgentSettings, PolicySpec
 from nodeagent.wakeup import Flag, Wakeup
 
 if TYPE_CHECKING:

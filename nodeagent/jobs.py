@@ -53,8 +53,8 @@ from nodeagent.cgroupfs.values import Attribute, CpuMax, MemoryLimit
 from nodeagent.errors import BadRequest, Conflict, Forbidden, NodeagentError, NotFound, one_line
 from nodeagent.gpu.model import Hold, format_cpulist
 from nodeagent.policy.base import Assignment
+from nodeagent.policyfile.model import Limits, PolicySpec, WorkloadClass
 from nodeagent.snapshot import NO_NEEDS, Needs, NodeSnapshot
-from nodeagent.spec.model import Limits, PolicySpec, WorkloadClass
 
 log = structlog.get_logger("nodeagent.jobs")
 

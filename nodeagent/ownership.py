@@ -25,7 +25,7 @@ import enum
 
 from nodeagent.discovery.layouts import classify, user_manager
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
-from nodeagent.spec.model import AgentSettings, Permission
+from nodeagent.policyfile.model import AgentSettings, Permission
 
 _CGROUPFS_RUNTIMES = {"docker": Runtime.DOCKER, "libpod_parent": Runtime.PODMAN}
 _UNIT_SUFFIXES = (".slice", ".scope", ".service")

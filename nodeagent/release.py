@@ -29,8 +29,8 @@ from nodeagent.cgroupfs.values import Attribute, CpuWeight, Frozen, MemoryLimit,
 from nodeagent.errors import one_line
 from nodeagent.originals import Original, Originals
 from nodeagent.ownership import WriteMode, parent_identity, write_mode
+from nodeagent.policyfile.model import AgentSettings
 from nodeagent.sdbus import NoBus
-from nodeagent.spec.model import AgentSettings
 
 REASON = "released: the value before nodeagent changed it"
 

@@ -26,7 +26,7 @@ import structlog
 
 from nodeagent.errors import NodeagentError
 from nodeagent.identity import Runtime, WorkloadIdentity
-from nodeagent.spec.model import SlurmSettings
+from nodeagent.policyfile.model import SlurmSettings
 
 log = structlog.get_logger("nodeagent.slurm")
 

@@ -46,7 +46,7 @@ from nodeagent.errors import NodeagentError
 from nodeagent.policy.edf import Demand, feasible
 from nodeagent.policy.plan import DEFAULT_POLICIES
 from nodeagent.policy.simulate import SimJob, simulate
-from nodeagent.spec.model import PolicySpec
+from nodeagent.policyfile.model import PolicySpec
 
 MANAGED = "nodeagent-bench.slice"
 BURN = str(Path(__file__).with_name("burn"))

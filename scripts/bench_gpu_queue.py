@@ -29,7 +29,7 @@ from nodeagent.api.server import Request
 from nodeagent.gpu.choice import open_backend
 from nodeagent.gpualloc import ledger
 from nodeagent.gpualloc.service import GpuService
-from nodeagent.spec.model import PolicySpec
+from nodeagent.policyfile.model import PolicySpec
 
 NODE = Path(__file__).resolve().parents[1] / "config" / "gpus" / "4x-a100-two-nvlink-pairs.yaml"
 MONOTONIC = hasattr(ledger, "HoldRecord")

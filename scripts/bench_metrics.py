@@ -29,9 +29,9 @@ from nodeagent.metrics.collector import TickCollector
 from nodeagent.metrics.server import MetricsServer
 from nodeagent.policy.classify import assign
 from nodeagent.policy.plan import make_plan
+from nodeagent.policyfile.model import PolicySpec
 from nodeagent.report import TickRecord
 from nodeagent.snapshot import CgroupSample, NodeSnapshot, NodeState, WorkloadState
-from nodeagent.spec.model import PolicySpec
 
 SIZES = (10, 100, 1000)
 REPEAT = 20

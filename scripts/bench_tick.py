@@ -31,9 +31,9 @@ from benchkit import Bench, clear, populate, quantile
 from nodeagent import logs
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree
 from nodeagent.daemon import Agent
+from nodeagent.policyfile.model import PolicySpec
 from nodeagent.sense.cgroup_files import TICK_FILES
 from nodeagent.sense.sensor import raise_fd_limit
-from nodeagent.spec.model import PolicySpec
 
 ROOT = Path("/sys/fs/cgroup")
 MANAGED = "nodeagent-bench.slice"

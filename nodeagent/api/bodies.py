@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from nodeagent.cgroupfs.paths import split_path
 from nodeagent.errors import BadRequest, UnsafePath
-from nodeagent.spec.model import WorkloadClass
+from nodeagent.policyfile.model import WorkloadClass
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@+-]{0,62}")
 """A job name is its cgroup's name: one path component, no '/', not '.', at most 63. GPU

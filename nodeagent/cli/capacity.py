@@ -119,8 +119,8 @@ def capacity(
     needs); 2 for bad input (a rate or target that is not a positive number,
     C < 1, both or neither of --servers and --target-wait).
     """
+    from nodeagent.policyfile.units import parse_duration
     from nodeagent.queueing import QueueingError, UnstableQueue, mmc, servers_for_wait
-    from nodeagent.spec.units import parse_duration
 
     if (servers is None) == (target_wait is None):
         raise click.UsageError("give exactly one of --servers C and --target-wait S")

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from nodeagent.spec.listen import DEFAULT_SOCKET
+from nodeagent.policyfile.listen import DEFAULT_SOCKET
 
 if TYPE_CHECKING:
-    from nodeagent.spec.model import PolicySpec
+    from nodeagent.policyfile.model import PolicySpec
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -43,7 +43,7 @@ def wide_option(f: F) -> F:
 
 def load(path: str) -> PolicySpec:
     """The policy at `path`, or a ClickException listing every problem as FILE:LINE:COL."""
-    from nodeagent.spec.load import PolicyError, load_policy
+    from nodeagent.policyfile.load import PolicyError, load_policy
 
     try:
         return load_policy(path)

@@ -256,8 +256,8 @@ def exec_cmd(
     the cgroup empties. Nothing is started when the daemon refuses the job (unknown tenant
     or class, a name that is taken, a deadline in the past, ...).
     """
-    from nodeagent.spec.units import parse_duration, parse_size
-    from nodeagent.spec.when import parse_instant
+    from nodeagent.policyfile.units import parse_duration, parse_size
+    from nodeagent.policyfile.when import parse_instant
 
     now = time.time()
     when = _value("--deadline", parse_instant, deadline, now=now, naive_is_local=True)

@@ -552,7 +552,7 @@ def _place_here(question: Question, simulate: str | None) -> dict[str, Any]:
 
 
 def _size(text: str | None) -> int | None:
-    from nodeagent.spec.units import parse_size
+    from nodeagent.policyfile.units import parse_size
 
     if text is None:
         return None

@@ -400,10 +400,10 @@ def workloads(
     from nodeagent.ownership import write_mode
     from nodeagent.policy.base import describe
     from nodeagent.policy.classify import assign, nested_warnings, unmatched_for_metadata
+    from nodeagent.policyfile.model import AgentSettings
     from nodeagent.runtimes.metadata import RuntimeMetadata
     from nodeagent.sense.cgroup_files import probe
     from nodeagent.slurm import SlurmJobs
-    from nodeagent.spec.model import AgentSettings
 
     spec = load(config) if config else None
     agent_settings = spec.agent if spec else AgentSettings()

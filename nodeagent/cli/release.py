@@ -65,9 +65,9 @@ def release(
     from nodeagent.api import client
     from nodeagent.cgroupfs.tree import CgroupTree
     from nodeagent.logs import audit_write
+    from nodeagent.policyfile.model import AgentSettings
     from nodeagent.release import pending_job, release, stopped_for_good, summary
     from nodeagent.sdbus import Systemd
-    from nodeagent.spec.model import AgentSettings
 
     if everything == bool(cgroups):
         raise click.UsageError("name the cgroups to release, or pass --all (not both)")

@@ -25,7 +25,7 @@ def metrics_refused(listen: str | None) -> str | None:
     import errno
     import socket
 
-    from nodeagent.spec.listen import parse_listen
+    from nodeagent.policyfile.listen import parse_listen
 
     if listen is None:
         return None

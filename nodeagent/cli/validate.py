@@ -12,7 +12,7 @@ from nodeagent.cli.common import json_option
 from nodeagent.cli.output import counted, document, echo_json
 
 if TYPE_CHECKING:
-    from nodeagent.spec.load import Problem
+    from nodeagent.policyfile.load import Problem
 
 
 @click.command()
@@ -33,7 +33,7 @@ def validate(file: str, strict: bool, as_json: bool) -> None:
     """
     from nodeagent.cli.run import metrics_refused
     from nodeagent.logs import stderr_is_the_journal
-    from nodeagent.spec.load import PolicyError, check_policy
+    from nodeagent.policyfile.load import PolicyError, check_policy
 
     spec = None
     try:

@@ -59,7 +59,7 @@ from nodeagent.errors import Conflict, Forbidden, NotFound
 from nodeagent.gpu.model import Hold, HoldKind
 from nodeagent.policy import gpu_durations
 from nodeagent.policy.placement import GpuRequest, Holdings, NodeGpus, Placement, Refusal, place
-from nodeagent.spec.model import WorkloadClass
+from nodeagent.policyfile.model import WorkloadClass
 
 log = structlog.get_logger("nodeagent.gpu")
 

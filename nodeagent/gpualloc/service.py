@@ -53,9 +53,9 @@ from nodeagent.policy.gpu_checks import violations, within
 from nodeagent.policy.gpu_durations import declared_duration
 from nodeagent.policy.placement import GpuRequest, NodeGpus, Refusal, impossible, node_gpus
 from nodeagent.policy.plan import Plan
+from nodeagent.policyfile.model import AgentMode, PolicySpec
+from nodeagent.policyfile.units import parse_duration
 from nodeagent.sense.gpus import GpuSensor
-from nodeagent.spec.model import AgentMode, PolicySpec
-from nodeagent.spec.units import parse_duration
 
 if TYPE_CHECKING:
     from nodeagent.jobs import Job

@@ -19,7 +19,7 @@ from nodeagent.identity import Kind, WorkloadIdentity
 from nodeagent.kube.owners import with_api_view
 from nodeagent.kube.podresources import ContainerDevices
 from nodeagent.kube.pods import PodDirectory
-from nodeagent.spec.glob import glob_matches
+from nodeagent.policyfile.glob import glob_matches
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from nodeagent.kube.podresources import ContainerDevices, PodResourcesClient, Po
 from nodeagent.kube.pods import EMPTY, PodDirectory
 from nodeagent.kube.publish import Publisher
 from nodeagent.logs import audit_warning
-from nodeagent.spec.model import PolicySpec
+from nodeagent.policyfile.model import PolicySpec
 
 log = structlog.get_logger("nodeagent.kubernetes")
 REFRESH = 10.0

@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 from nodeagent.identity import QosTier, WorkloadIdentity
 from nodeagent.kube.pods import PodDirectory
 from nodeagent.meta import ContainerMeta, PodMeta, labels
-from nodeagent.spec.glob import glob_matches
-from nodeagent.spec.model import ClassSource, KubernetesSettings, WorkloadClass
+from nodeagent.policyfile.glob import glob_matches
+from nodeagent.policyfile.model import ClassSource, KubernetesSettings, WorkloadClass
 
 TENANT = "nodeagent.io/tenant"
 

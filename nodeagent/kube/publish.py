@@ -24,9 +24,9 @@ from nodeagent.errors import NodeagentError, one_line
 from nodeagent.gpu.model import Device, GpuState, Topology
 from nodeagent.kube.podresources import ContainerDevices, Devices, PodResourcesClient
 from nodeagent.logs import audit_event
+from nodeagent.policyfile.glob import glob_matches
+from nodeagent.policyfile.model import PolicySpec
 from nodeagent.regular_file import write_atomically
-from nodeagent.spec.glob import glob_matches
-from nodeagent.spec.model import PolicySpec
 
 log = structlog.get_logger("nodeagent.kubernetes")
 REFRESH = 10.0

@@ -57,9 +57,9 @@ from nodeagent.api.unixsocket import Identity, listen_unix, resolve_group, unlin
 from nodeagent.errors import NodeagentError
 from nodeagent.metrics.collector import TickCollector
 from nodeagent.metrics.families import Rendered
+from nodeagent.policyfile.listen import parse_listen, unix_path
 from nodeagent.regular_file import read_regular_file
 from nodeagent.report import TickRecord
-from nodeagent.spec.listen import parse_listen, unix_path
 
 log = structlog.get_logger("nodeagent.metrics")
 

@@ -31,8 +31,8 @@ from typing import Protocol
 from nodeagent.cgroupfs.values import Attribute, Value, is_looser
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.ownership import WriteMode
+from nodeagent.policyfile.model import Limits, PolicySpec, WorkloadClass
 from nodeagent.snapshot import NO_NEEDS, Needs, NodeSnapshot, WorkloadState
-from nodeagent.spec.model import Limits, PolicySpec, WorkloadClass
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,10 +16,10 @@ from nodeagent.kube.owners import pod_class, pod_tenant, view, with_api_view
 from nodeagent.kube.pods import PodDirectory
 from nodeagent.meta import ContainerMeta
 from nodeagent.policy.base import Assignment
-from nodeagent.spec.matching import match_terms, matches, show
-from nodeagent.spec.model import MetaSource, PolicySpec, Rule, WorkloadClass
-from nodeagent.spec.units import parse_duration
-from nodeagent.spec.when import parse_instant
+from nodeagent.policyfile.matching import match_terms, matches, show
+from nodeagent.policyfile.model import MetaSource, PolicySpec, Rule, WorkloadClass
+from nodeagent.policyfile.units import parse_duration
+from nodeagent.policyfile.when import parse_instant
 
 DEADLINE_ANNOTATION = "nodeagent.io/deadline"
 WORK_ANNOTATION = "nodeagent.io/work"

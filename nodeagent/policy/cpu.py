@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nodeagent.policy.base import PolicyInput
+from nodeagent.policyfile.model import WorkloadClass
 from nodeagent.snapshot import NodeState
-from nodeagent.spec.model import WorkloadClass
 
 
 def cores(amount: tuple[float, bool], cpus: int) -> float:

@@ -55,8 +55,8 @@ from nodeagent.policy.base import (
 from nodeagent.policy.cpu import Capacity, capacity, idle_cores
 from nodeagent.policy.edf import Demand, admit, allot_late, rank
 from nodeagent.policy.fairshare import is_active
+from nodeagent.policyfile.model import PolicySpec
 from nodeagent.snapshot import NO_NEEDS, Needs, WorkloadState
-from nodeagent.spec.model import PolicySpec
 
 SHORT = 0.95
 """An earlier job that got less than this part of its rate, while it waited for CPU, was

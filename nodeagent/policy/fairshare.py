@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 
 from nodeagent.policy.base import Output, Policy, PolicyInput, Share
 from nodeagent.policy.classify import outer_claims
+from nodeagent.policyfile.model import FairShareSettings
 from nodeagent.snapshot import WorkloadState
-from nodeagent.spec.model import FairShareSettings
 
 
 def is_active(w: WorkloadState, settings: FairShareSettings) -> bool:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from nodeagent.cgroupfs.values import Attribute, Frozen
 from nodeagent.gpu.model import GpuProcess, GpuState, Hold, HoldKind
 from nodeagent.policy.base import Carry, Decision, Note, Output, Policy, PolicyInput
-from nodeagent.spec.model import ViolationAction
+from nodeagent.policyfile.model import ViolationAction
 
 
 def within(cgroup: str, parent: str) -> bool:

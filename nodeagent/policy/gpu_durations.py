@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 
-from nodeagent.spec.model import GpuSettings
+from nodeagent.policyfile.model import GpuSettings
 
 HISTORY = 20
 """Holds per class whose durations are kept for its estimate."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nodeagent.policy.base import DeviceDecision, Output, Policy, PolicyInput
-from nodeagent.spec.model import PowerCap
+from nodeagent.policyfile.model import PowerCap
 
 DAY = 86_400
 

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax, MemoryLimit, Value
 from nodeagent.policy.base import Decision, Output, Policy, PolicyInput
+from nodeagent.policyfile.model import MAX, ClassSettings, Limits, MemoryProtection
 from nodeagent.snapshot import WorkloadState
-from nodeagent.spec.model import MAX, ClassSettings, Limits, MemoryProtection
 
 
 def _bytes(size: int | str) -> int | None:

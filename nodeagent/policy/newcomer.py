@@ -22,8 +22,8 @@ from nodeagent.policy.base import Assignment, Decision, PolicyInput, Skip
 from nodeagent.policy.limits import StaticLimits
 from nodeagent.policy.plan import CgroupPlan, Plan, Target, as_written, decide_isolated
 from nodeagent.policy.weights import parent
+from nodeagent.policyfile.model import PolicySpec
 from nodeagent.snapshot import CgroupSample, NodeSnapshot, NodeState, WorkloadState
-from nodeagent.spec.model import PolicySpec
 
 
 def sibling_weight(path: str, tenant: str, previous: Plan) -> tuple[int, int] | None:

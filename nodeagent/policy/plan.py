@@ -54,8 +54,8 @@ from nodeagent.policy.limits import StaticLimits
 from nodeagent.policy.protection import Protection
 from nodeagent.policy.reservations import Reservations
 from nodeagent.policy.weights import CpuWeights
+from nodeagent.policyfile.model import PolicySpec
 from nodeagent.snapshot import NodeSnapshot
-from nodeagent.spec.model import PolicySpec
 
 DEFAULT_POLICIES: tuple[Policy, ...] = (
     Deadlines(),

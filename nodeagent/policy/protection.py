@@ -48,8 +48,8 @@ from nodeagent.policy.base import (
 from nodeagent.policy.classify import outer_claims
 from nodeagent.policy.cpu import usable
 from nodeagent.policy.fairshare import is_active
+from nodeagent.policyfile.model import MAX, PolicySpec, WorkloadClass
 from nodeagent.snapshot import NO_NEEDS, Needs, WorkloadState
-from nodeagent.spec.model import MAX, PolicySpec, WorkloadClass
 
 
 def _strings(raw: object) -> list[str]:

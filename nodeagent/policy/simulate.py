@@ -24,8 +24,8 @@ from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.policy.base import Assignment, Policy
 from nodeagent.policy.plan import DEFAULT_POLICIES, CgroupPlan, make_plan
+from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 from nodeagent.snapshot import CgroupSample, NodeSnapshot, NodeState, WorkloadState
-from nodeagent.spec.model import PolicySpec, WorkloadClass
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,8 +33,8 @@ import structlog
 from nodeagent.errors import one_line
 from nodeagent.identity import Kind, Runtime, WorkloadIdentity
 from nodeagent.meta import BadAnswer, ContainerMeta, Unavailable
+from nodeagent.policyfile.model import RuntimeSettings
 from nodeagent.runtimes.base import Adapter
-from nodeagent.spec.model import RuntimeSettings
 
 log = structlog.get_logger("nodeagent.runtimes")
 

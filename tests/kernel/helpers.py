@@ -15,7 +15,7 @@ from typing import Any
 
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent, serve
-from nodeagent.spec.model import PolicySpec
+from nodeagent.policyfile.model import PolicySpec
 
 ROOT = "/sys/fs/cgroup"
 

@@ -22,7 +22,7 @@ from helpers import ROOT, rel, running, spec, wait_for
 from nodeagent.api import client
 from nodeagent.daemon import Agent
 from nodeagent.gpu.model import Hold
-from nodeagent.spec.model import PolicySpec
+from nodeagent.policyfile.model import PolicySpec
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = str(REPO / "config" / "gpus" / "4x-a100-two-nvlink-pairs.yaml")

@@ -8,8 +8,8 @@ from typing import Any
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
 from nodeagent.policy.base import PolicyInput
 from nodeagent.policy.classify import assign
+from nodeagent.policyfile.model import PolicySpec
 from nodeagent.snapshot import CgroupSample, NodeSnapshot, NodeState, WorkloadState
-from nodeagent.spec.model import PolicySpec
 
 CID = "4f1c2a9be7d3" + "0123456789abcdef" * 3 + "0123"  # 64 lowercase hex
 CID2 = "9a8b7c6d5e4f" + "fedcba9876543210" * 3 + "3210"

@@ -22,7 +22,7 @@ from nodeagent.api.server import Request
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent
 from nodeagent.errors import Refused
-from nodeagent.spec.model import PolicySpec
+from nodeagent.policyfile.model import PolicySpec
 
 ROOT = Peer(pid=3000, uid=0, gid=0, groups=frozenset())
 ALICE = Peer(pid=4000, uid=1000, gid=1000, groups=frozenset({1000}))

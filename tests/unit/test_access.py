@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from nodeagent.access import Caller, refusal
-from nodeagent.spec.load import PolicyError, parse_policy
-from nodeagent.spec.model import PolicySpec, WorkloadClass
+from nodeagent.policyfile.load import PolicyError, parse_policy
+from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 
 HEAD = "version: 1\ntenants:\n  research: {shares: 2}\n  prod: {shares: 1}\n"
 POLICY = parse_policy(

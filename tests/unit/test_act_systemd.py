@@ -23,9 +23,9 @@ from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.ownership import WriteMode, parent_identity, write_mode
 from nodeagent.policy.base import Assignment
 from nodeagent.policy.plan import CgroupPlan, Plan, Target, make_plan
+from nodeagent.policyfile.model import AgentSettings, Limits, PolicySpec, WithoutBus, WorkloadClass
 from nodeagent.sdbus import NoBus, Systemd
 from nodeagent.snapshot import CgroupSample, NodeSnapshot, WorkloadState
-from nodeagent.spec.model import AgentSettings, Limits, PolicySpec, WithoutBus, WorkloadClass
 
 SCOPE = docker()
 POLICY = PolicySpec.model_validate({"version": 1, "tenants": {"a": {"shares": 1}}})

@@ -10,10 +10,10 @@ import pytest
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
 from nodeagent.meta import ContainerMeta, PodMeta, labels
 from nodeagent.policy.classify import assign, unmatched_for_metadata
-from nodeagent.spec.load import PolicyError, parse_policy
-from nodeagent.spec.matching import matches
-from nodeagent.spec.model import PolicySpec, WorkloadClass
-from nodeagent.spec.nesting import nesting_warnings
+from nodeagent.policyfile.load import PolicyError, parse_policy
+from nodeagent.policyfile.matching import matches
+from nodeagent.policyfile.model import PolicySpec, WorkloadClass
+from nodeagent.policyfile.nesting import nesting_warnings
 
 CID = "c" * 64
 UID = "0d6f6d1e-8a8b-4c1e-9b1a-1c2d3e4f5a6b"

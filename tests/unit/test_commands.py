@@ -14,7 +14,7 @@ from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.commands import Commands
 from nodeagent.daemon import Agent
 from nodeagent.errors import Conflict, TryLater
-from nodeagent.spec.model import PolicySpec
+from nodeagent.policyfile.model import PolicySpec
 from nodeagent.wakeup import Wakeup
 
 

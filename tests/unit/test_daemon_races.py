@@ -16,7 +16,7 @@ from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.changes import NoteLog
 from nodeagent.daemon import Agent
 from nodeagent.policy.base import Assignment
-from nodeagent.spec.model import PolicySpec, WorkloadClass
+from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 
 
 def _agent(tmp_path: Path) -> Agent:

@@ -17,7 +17,7 @@ from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute
 from nodeagent.daemon import Agent
 from nodeagent.errors import NodeagentError
-from nodeagent.spec.load import load_policy
+from nodeagent.policyfile.load import load_policy
 
 GOOD = """\
 version: 1

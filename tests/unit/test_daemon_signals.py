@@ -26,7 +26,7 @@ import sys, structlog
 from nodeagent import logs
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent
-from nodeagent.spec.load import load_policy
+from nodeagent.policyfile.load import load_policy
 
 policy, root, pad = sys.argv[1], sys.argv[2], int(sys.argv[3])
 logs.configure("info", json=True)

@@ -22,8 +22,8 @@ from policy_fuzz import SEED, check_rejection, count, policies, seeded_policies,
 
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent
-from nodeagent.spec.load import PolicyError, parse_policy
-from nodeagent.spec.model import PolicySpec
+from nodeagent.policyfile.load import PolicyError, parse_policy
+from nodeagent.policyfile.model import PolicySpec
 
 DRAWN = 500
 """Policies whose every choice hypothesis draws: slow to make, but a failure shrinks."""

@@ -30,7 +30,7 @@ from nodeagent.api.server import ApiServer
 from nodeagent.gpu.backend import NoGpus
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.gpualloc.service import GpuService
-from nodeagent.spec.model import PolicySpec
+from nodeagent.policyfile.model import PolicySpec
 
 PAIRS = str(REPO / "config" / "gpus" / "4x-a100-two-nvlink-pairs.yaml")
 MIG = str(REPO / "config" / "gpus" / "h100-mig.yaml")

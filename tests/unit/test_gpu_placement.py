@@ -373,7 +373,7 @@ def test_gpu_modules_that_do_io_are_banned_in_the_policy_package() -> None:
                 "from nodeagent.gpu.backend import GpuBackend",
                 "from nodeagent.gpu.choice import open_backend",
                 "import nodeagent.gpu.procs",
-                "from nodeagent.spec.yamlfile import read_text",
+                "from nodeagent.policyfile.yamlfile import read_text",
             ]
         )
         == []

@@ -14,8 +14,8 @@ from nodeagent.policy.gpu_checks import GpuChecks, violations
 from nodeagent.policy.gpu_power import GpuPower, in_force
 from nodeagent.policy.plan import make_plan
 from nodeagent.policy.protection import Protection
+from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 from nodeagent.snapshot import CgroupSample
-from nodeagent.spec.model import PolicySpec, WorkloadClass
 
 G0, G1 = "GPU-aaaa", "GPU-bbbb"
 DEVICES = tuple(

@@ -16,7 +16,7 @@ from nodeagent.api.peer import Peer
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.errors import BadRequest, Forbidden, Refused
 from nodeagent.jobs import Job, Jobs, Pidfd, StartBody, check_name
-from nodeagent.spec.model import PolicySpec, WorkloadClass
+from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 
 SPEC = PolicySpec.model_validate(
     {

@@ -15,7 +15,7 @@ from kubernetes import client as kube_client
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
 from nodeagent.kube.apiwatch import ApiWatch, pod_of
 from nodeagent.policy.classify import assign
-from nodeagent.spec.model import PolicySpec
+from nodeagent.policyfile.model import PolicySpec
 
 UID = "6f1d2c3b-4a5e-4f60-8b7a-9c0d1e2f3a4b"
 CID = "a1" * 32

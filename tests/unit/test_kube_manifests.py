@@ -14,10 +14,10 @@ import pytest
 import yaml
 from kube_schemas import ROOT, kustomize, problems
 
+from nodeagent.policyfile.listen import parse_listen
+from nodeagent.policyfile.load import parse_policy
+from nodeagent.policyfile.model import AgentMode, PolicySpec
 from nodeagent.sdbus import SYSTEM_BUS_ADDRESS
-from nodeagent.spec.listen import parse_listen
-from nodeagent.spec.load import parse_policy
-from nodeagent.spec.model import AgentMode, PolicySpec
 
 CRI_SOCKET = "/run/containerd/containerd.sock"
 """containerd's CRI socket, as the kubelet is configured for it on most nodes."""

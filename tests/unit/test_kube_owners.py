@@ -16,7 +16,7 @@ from nodeagent.kube.owners import PodView, pod_class, pod_tenant
 from nodeagent.kube.pods import Pod, PodDirectory
 from nodeagent.meta import ContainerMeta, PodMeta, labels
 from nodeagent.policy.classify import assign
-from nodeagent.spec.model import PolicySpec, WorkloadClass
+from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 
 SPEC = PolicySpec.model_validate(
     {

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from nodeagent.ownership import WriteMode, parent_identity, write_mode
-from nodeagent.spec.model import AgentSettings
+from nodeagent.policyfile.model import AgentSettings
 
 UID = "3b1e5f2a-9c4d-4e7f-8a6b-0d2c1e9f7a35"
 UID_ = UID.replace("-", "_")

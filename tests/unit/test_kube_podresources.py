@@ -35,8 +35,8 @@ from nodeagent.gpualloc import service as gpu_service
 from nodeagent.gpualloc.service import GpuService
 from nodeagent.kube.node import KubernetesNode
 from nodeagent.kube.podresources import PodResourcesClient, PodResourcesError
+from nodeagent.policyfile.model import ApiServerSettings, PolicySpec
 from nodeagent.sense.gpus import GpuSensor
-from nodeagent.spec.model import ApiServerSettings, PolicySpec
 
 PAIRS = REPO / "config/gpus/4x-a100-two-nvlink-pairs.yaml"
 GPU = [d.uuid for d in load_simulated(str(PAIRS)).inventory()]

@@ -25,8 +25,8 @@ from nodeagent.gpu.model import GpuState
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.kube.podresources import PodResourcesClient
 from nodeagent.kube.publish import Publisher, node_resource_topology
+from nodeagent.policyfile.model import ApiServerSettings, PolicySpec
 from nodeagent.sense.gpus import GpuSensor
-from nodeagent.spec.model import ApiServerSettings, PolicySpec
 
 NODES = sorted((REPO / "config/gpus").glob("*.yaml"))
 SHOWN = REPO / "tests/unit/data/features.d"

@@ -43,11 +43,11 @@ from nodeagent.gpu.simulated import load_simulated
 from nodeagent.metrics.collector import TickCollector
 from nodeagent.metrics.families import FAMILIES, WORKLOAD
 from nodeagent.policy.base import Assignment
+from nodeagent.policyfile.load import load_policy
+from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 from nodeagent.report import TickRecord
 from nodeagent.sense.gpus import GpuSensor
 from nodeagent.snapshot import CgroupSample, Skipped, WorkloadState
-from nodeagent.spec.load import load_policy
-from nodeagent.spec.model import PolicySpec, WorkloadClass
 from nodeagent.tables import printable
 
 Samples = dict[str, list[Sample]]

@@ -26,8 +26,8 @@ from nodeagent.daemon import Agent, serve_metrics
 from nodeagent.errors import NodeagentError
 from nodeagent.metrics.collector import TickCollector
 from nodeagent.metrics.server import MetricsServer
+from nodeagent.policyfile.load import load_policy, parse_policy
 from nodeagent.report import TickRecord
-from nodeagent.spec.load import load_policy, parse_policy
 
 
 def free_port(family: socket.AddressFamily = socket.AF_INET, host: str = "127.0.0.1") -> int:

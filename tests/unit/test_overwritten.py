@@ -20,10 +20,10 @@ from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.daemon import Agent
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.metrics.collector import TickCollector
+from nodeagent.policyfile.model import PolicySpec
 from nodeagent.report import TickRecord
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
-from nodeagent.spec.model import PolicySpec
 
 FILES = {
     "cgroup.procs": "",

@@ -13,8 +13,8 @@ from nodeagent.cgroupfs.values import Attribute, CpuMax
 from nodeagent.policy.base import Assignment, Decision, Floor, Policy, PolicyInput
 from nodeagent.policy.newcomer import plan_newcomers
 from nodeagent.policy.plan import CgroupPlan, Plan, make_plan
+from nodeagent.policyfile.model import Limits, WorkloadClass
 from nodeagent.snapshot import CgroupSample, WorkloadState
-from nodeagent.spec.model import Limits, WorkloadClass
 
 NOW = 1_700_000_000.0
 GOOD, BAD = "nodeagent.slice/a-good", "nodeagent.slice/a-bad"

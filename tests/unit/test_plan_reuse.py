@@ -23,8 +23,8 @@ from nodeagent import daemon as daemon_module
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent
 from nodeagent.policy.plan import make_plan
+from nodeagent.policyfile.model import PolicySpec
 from nodeagent.report import TickRecord
-from nodeagent.spec.model import PolicySpec
 
 FILES = {
     "cgroup.procs": "",

@@ -10,8 +10,8 @@ from builders import CID, CID2, POD_UID, docker, job, k8s_container, service, sp
 from nodeagent.identity import QosTier, WorkloadIdentity
 from nodeagent.policy.base import Assignment
 from nodeagent.policy.classify import assign
-from nodeagent.spec.matching import matches
-from nodeagent.spec.model import Match, WorkloadClass
+from nodeagent.policyfile.matching import matches
+from nodeagent.policyfile.model import Match, WorkloadClass
 
 DOCKER = docker()
 K8S = k8s_container()

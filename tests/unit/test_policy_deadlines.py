@@ -13,8 +13,8 @@ from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight
 from nodeagent.policy.base import Assignment, Note
 from nodeagent.policy.plan import CgroupPlan, Plan, make_plan
 from nodeagent.policy.simulate import SimJob, simulate
+from nodeagent.policyfile.model import Limits, PolicySpec, WorkloadClass
 from nodeagent.snapshot import CgroupSample, WorkloadState
-from nodeagent.spec.model import Limits, PolicySpec, WorkloadClass
 
 NOW = 1_700_000_000.0
 

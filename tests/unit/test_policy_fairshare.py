@@ -18,8 +18,8 @@ from nodeagent.policy.base import CpuTarget, Decision, Floor, Note, PolicyInput,
 from nodeagent.policy.fairshare import FairShare, is_active
 from nodeagent.policy.plan import make_plan
 from nodeagent.policy.weights import CpuWeights
+from nodeagent.policyfile.model import FairShareSettings, PolicySpec, Tenant
 from nodeagent.snapshot import CgroupSample, WorkloadState
-from nodeagent.spec.model import FairShareSettings, PolicySpec, Tenant
 
 
 def weights(given_: PolicyInput) -> dict[str, int]:

@@ -16,10 +16,10 @@ from nodeagent.daemon import Agent
 from nodeagent.ownership import WriteMode, classify_level, parent_identity, write_mode
 from nodeagent.policy.base import Assignment
 from nodeagent.policy.plan import CgroupPlan, make_plan
+from nodeagent.policyfile.load import load_policy
+from nodeagent.policyfile.model import AgentSettings, PolicySpec, WorkloadClass
 from nodeagent.report import TickRecord
 from nodeagent.snapshot import CgroupSample, WorkloadState
-from nodeagent.spec.load import load_policy
-from nodeagent.spec.model import AgentSettings, PolicySpec, WorkloadClass
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -21,10 +21,10 @@ from nodeagent.policy.base import Assignment, Output, Policy, PolicyInput
 from nodeagent.policy.deadlines import Deadlines
 from nodeagent.policy.plan import DEFAULT_POLICIES
 from nodeagent.policy.protection import Protection
+from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
 from nodeagent.snapshot import NO_NEEDS, CgroupSample, Needs, WorkloadState
-from nodeagent.spec.model import PolicySpec, WorkloadClass
 
 SLICE = "nodeagent.slice"
 WORKLOADS = ("deadline-a", "infer-a", "reserved-a", "batch-a", "job-a")

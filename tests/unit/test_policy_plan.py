@@ -12,8 +12,8 @@ from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, MemoryLimit,
 from nodeagent.policy.base import Decision, Policy, PolicyInput, Skip
 from nodeagent.policy.classify import assign
 from nodeagent.policy.plan import CgroupPlan, Plan, make_plan
+from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 from nodeagent.snapshot import CgroupSample, WorkloadState
-from nodeagent.spec.model import PolicySpec, WorkloadClass
 
 
 @dataclass

@@ -13,8 +13,8 @@ from nodeagent.cgroupfs.values import Attribute, CpuMax, Frozen
 from nodeagent.policy.base import Assignment
 from nodeagent.policy.plan import Plan, make_plan
 from nodeagent.policy.protection import Protection
+from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 from nodeagent.snapshot import CgroupSample, WorkloadState
-from nodeagent.spec.model import PolicySpec, WorkloadClass
 
 INFER, BATCH, TRAIN = "nodeagent.slice/infer", "nodeagent.slice/batch", "nodeagent.slice/train"
 POLICY = PolicySpec.model_validate(

@@ -144,7 +144,7 @@ ALSO_IMPURE_NODEAGENT = [
     "from nodeagent import state",  # writes the state file
     "from nodeagent.cgroupfs.detect import detect",  # reads /proc
     "from nodeagent.discovery.scan import scan",  # walks the cgroup tree
-    "from nodeagent.spec.load import load_policy",  # reads the policy file
+    "from nodeagent.policyfile.load import load_policy",  # reads the policy file
     "from nodeagent.api import client",  # talks to a socket
 ]
 

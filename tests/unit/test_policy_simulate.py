@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nodeagent.policy.simulate import SimJob, simulate, water_fill
-from nodeagent.spec.model import PolicySpec
+from nodeagent.policyfile.model import PolicySpec
 
 SPEC = PolicySpec.model_validate({"version": 1, "tenants": {"a": {"shares": 1}}})
 # one job needs 1.6 of 2 CPUs with two threads; two small ones need little, far later

@@ -21,9 +21,9 @@ from nodeagent.cgroupfs.values import Attribute
 from nodeagent.cli import main
 from nodeagent.originals import Originals
 from nodeagent.ownership import WriteMode
+from nodeagent.policyfile.model import AgentSettings
 from nodeagent.release import pending_job, release, stopped_for_good
 from nodeagent.sdbus import NoBus
-from nodeagent.spec.model import AgentSettings
 
 SCOPE = "system.slice/docker-0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef.scope"
 JOB = "nodeagent.slice/train"

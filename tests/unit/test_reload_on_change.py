@@ -19,8 +19,8 @@ import structlog
 
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent
-from nodeagent.spec.filewatch import FileWatch
-from nodeagent.spec.load import load_policy
+from nodeagent.policyfile.filewatch import FileWatch
+from nodeagent.policyfile.load import load_policy
 
 POLICY = """\
 version: 1

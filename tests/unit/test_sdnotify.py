@@ -16,8 +16,8 @@ import pytest
 from nodeagent import sdnotify
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent
+from nodeagent.policyfile.load import load_policy
 from nodeagent.sdnotify import healthy
-from nodeagent.spec.load import load_policy
 
 
 @pytest.fixture

@@ -28,9 +28,9 @@ from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.ownership import WriteMode, classify_level, write_mode
 from nodeagent.policy.classify import assign
 from nodeagent.policy.plan import Target
+from nodeagent.policyfile.load import PolicyError, parse_policy
+from nodeagent.policyfile.model import AgentSettings, PolicySpec, SlurmSettings
 from nodeagent.slurm import Answer, SlurmJobs, SlurmUnavailable, parse_jobs, run_command
-from nodeagent.spec.load import PolicyError, parse_policy
-from nodeagent.spec.model import AgentSettings, PolicySpec, SlurmSettings
 
 SCOPE = "system.slice/slurmstepd.scope"
 JOB_A, JOB_B = f"{SCOPE}/job_11", f"{SCOPE}/job_12"

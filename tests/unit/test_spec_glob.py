@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nodeagent.cli import main
-from nodeagent.spec.glob import MAX_GLOB, compile_glob, glob_matches
-from nodeagent.spec.load import PolicyError, parse_policy
-from nodeagent.spec.matching import matches
-from nodeagent.spec.model import Match
+from nodeagent.policyfile.glob import MAX_GLOB, compile_glob, glob_matches
+from nodeagent.policyfile.load import PolicyError, parse_policy
+from nodeagent.policyfile.matching import matches
+from nodeagent.policyfile.model import Match
 
 HEAD = "version: 1\ntenants:\n  research: {shares: 2}\n  prod: {shares: 1}\n"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from nodeagent.spec.listen import parse_listen
-from nodeagent.spec.load import PolicyError, parse_policy
+from nodeagent.policyfile.listen import parse_listen
+from nodeagent.policyfile.load import PolicyError, parse_policy
 
 HEAD = "version: 1\ntenants: {a: {shares: 1}}\nagent:\n  metrics:\n    listen: "
 

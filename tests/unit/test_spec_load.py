@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from nodeagent.errors import NodeagentError
 from nodeagent.identity import QosTier, Runtime
-from nodeagent.spec.load import (
+from nodeagent.policyfile.load import (
     MAX_BYTES,
     MAX_SHOWN,
     PolicyError,
@@ -26,7 +26,7 @@ from nodeagent.spec.load import (
     load_policy,
     parse_policy,
 )
-from nodeagent.spec.model import PolicySpec, WorkloadClass
+from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 
 REPO = Path(__file__).resolve().parents[2]
 HEAD = "version: 1\ntenants:\n  research: {shares: 2}\n  prod: {shares: 1}\n"

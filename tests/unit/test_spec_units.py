@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nodeagent.spec.units import MAX_SIZE, parse_duration, parse_size
+from nodeagent.policyfile.units import MAX_SIZE, parse_duration, parse_size
 
 KI, MI, GI, TI = 1024, 1024**2, 1024**3, 1024**4
 

@@ -6,7 +6,7 @@ import datetime as dt
 
 import pytest
 
-from nodeagent.spec.when import parse_cpu_amount, parse_instant
+from nodeagent.policyfile.when import parse_cpu_amount, parse_instant
 
 NOW = 1_800_000_000.0
 SIX_PM = dt.datetime(2026, 12, 1, 18, tzinfo=dt.UTC)

@@ -19,7 +19,7 @@ from nodeagent import state
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent
 from nodeagent.errors import NodeagentError
-from nodeagent.spec.load import parse_policy
+from nodeagent.policyfile.load import parse_policy
 from nodeagent.state import SavedState
 
 OLD = SavedState(1_700_000_000.0, {"research": 1234.5, "prod": 0.0})

@@ -16,7 +16,7 @@ import pytest
 from nodeagent import state
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent
-from nodeagent.spec.model import PolicySpec
+from nodeagent.policyfile.model import PolicySpec
 
 HALF_LIFE = 3600.0
 

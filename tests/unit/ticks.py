@@ -16,9 +16,9 @@ from nodeagent.gpu.model import GpuState
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.policy.classify import assign
 from nodeagent.policy.plan import Target, make_plan
+from nodeagent.policyfile.model import PolicySpec, Rule
 from nodeagent.report import TickRecord
 from nodeagent.snapshot import CgroupSample, Skipped, WorkloadState
-from nodeagent.spec.model import PolicySpec, Rule
 
 NOW = 1_700_000_000.0
 REPO = Path(__file__).resolve().parents[2]

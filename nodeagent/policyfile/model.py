@@ -23,10 +23,10 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from nodeagent.identity import Kind, Owner, QosTier, Runtime
-from nodeagent.spec.glob import compile_glob
-from nodeagent.spec.listen import DEFAULT_SOCKET, parse_listen, unix_path
-from nodeagent.spec.units import parse_duration, parse_size
-from nodeagent.spec.when import parse_cpu_amount, parse_instant
+from nodeagent.policyfile.glob import compile_glob
+from nodeagent.policyfile.listen import DEFAULT_SOCKET, parse_listen, unix_path
+from nodeagent.policyfile.units import parse_duration, parse_size
+from nodeagent.policyfile.when import parse_cpu_amount, parse_instant
 
 MAX: Literal["max"] = "max"
 SHARES_MIN, SHARES_MAX = 0.001, 1_000_000

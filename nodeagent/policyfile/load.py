@@ -25,10 +25,10 @@ from nodeagent.cgroupfs.paths import split_path
 from nodeagent.cgroupfs.values import QUOTA_MAX_US, QUOTA_MIN_US
 from nodeagent.errors import NodeagentError, UnsafePath
 from nodeagent.identity import Owner, Runtime
+from nodeagent.policyfile.glob import glob_matches
+from nodeagent.policyfile.model import ANY, MAX, AgentMode, Limits, Match, PolicySpec, Rule
+from nodeagent.policyfile.nesting import nesting_warnings
 from nodeagent.regular_file import UnusableFile, read_regular_file
-from nodeagent.spec.glob import glob_matches
-from nodeagent.spec.model import ANY, MAX, AgentMode, Limits, Match, PolicySpec, Rule
-from nodeagent.spec.nesting import nesting_warnings
 
 MAX_BYTES = 1 << 20  # a real policy is a few kilobytes; this also stops a read of /dev/zero
 MIN_MEMORY = 1 << 20  # a smaller memory limit is a unit mistake (512 meant as 512Mi), not a policy

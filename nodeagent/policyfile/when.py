@@ -13,7 +13,7 @@ import datetime as dt
 import math
 import re
 
-from nodeagent.spec.units import parse_duration
+from nodeagent.policyfile.units import parse_duration
 
 _RELATIVE = re.compile(r"^\s*\+\s*(.+)$")
 _PERCENT = re.compile(r"^\s*(\d{1,3}(?:\.\d{1,6})?)\s*%\s*$")

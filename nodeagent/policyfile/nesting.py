@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from nodeagent.discovery.layouts import classify
 from nodeagent.identity import WorkloadIdentity
-from nodeagent.spec.matching import matches
-from nodeagent.spec.model import PolicySpec
+from nodeagent.policyfile.matching import matches
+from nodeagent.policyfile.model import PolicySpec
 
 _SAMPLE_UID = "00000000-0000-4000-8000-000000000000"
 _SAMPLE_CID = "0" * 64

@@ -10,8 +10,8 @@ from collections.abc import Mapping
 
 from nodeagent.identity import Kind, WorkloadIdentity
 from nodeagent.meta import ContainerMeta
-from nodeagent.spec.glob import glob_matches
-from nodeagent.spec.model import CONTAINER_META, POD_META, Match
+from nodeagent.policyfile.glob import glob_matches
+from nodeagent.policyfile.model import CONTAINER_META, POD_META, Match
 
 
 def matches(match: Match, w: WorkloadIdentity, assume_meta: bool = False) -> bool:

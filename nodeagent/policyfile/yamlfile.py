@@ -11,7 +11,7 @@ from __future__ import annotations
 from pydantic import ValidationError
 from yaml.nodes import ScalarNode
 
-from nodeagent.spec.load import (
+from nodeagent.policyfile.load import (
     PolicyError,
     Problem,
     _compose_and_construct,
