@@ -49,8 +49,9 @@ from nodeagent.policy.newcomer import plan_newcomers
 from nodeagent.policy.plan import DEFAULT_POLICIES, Plan, make_plan
 from nodeagent.policy.weights import ancestors
 from nodeagent.policyfile.filewatch import FileWatch
-from nodeagent.policyfile.load import PolicyError, load_policy
+from nodeagent.policyfile.load import load_policy
 from nodeagent.policyfile.model import AgentMode, AgentSettings, PolicySpec
+from nodeagent.policyfile.yamlfile import PolicyError
 from nodeagent.report import TickRecord, allocations, explain, find, identities
 from nodeagent.runtimes.metadata import RuntimeMetadata
 from nodeagent.sdbus import Systemd

@@ -43,7 +43,8 @@ def wide_option(f: F) -> F:
 
 def load(path: str) -> PolicySpec:
     """The policy at `path`, or a ClickException listing every problem as FILE:LINE:COL."""
-    from nodeagent.policyfile.load import PolicyError, load_policy
+    from nodeagent.policyfile.load import load_policy
+    from nodeagent.policyfile.yamlfile import PolicyError
 
     try:
         return load_policy(path)

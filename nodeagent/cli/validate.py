@@ -12,7 +12,7 @@ from nodeagent.cli.common import json_option
 from nodeagent.cli.output import counted, document, echo_json
 
 if TYPE_CHECKING:
-    from nodeagent.policyfile.load import Problem
+    from nodeagent.policyfile.yamlfile import Problem
 
 
 @click.command()
@@ -33,7 +33,8 @@ def validate(file: str, strict: bool, as_json: bool) -> None:
     """
     from nodeagent.cli.run import metrics_refused
     from nodeagent.logs import stderr_is_the_journal
-    from nodeagent.policyfile.load import PolicyError, check_policy
+    from nodeagent.policyfile.load import check_policy
+    from nodeagent.policyfile.yamlfile import PolicyError
 
     spec = None
     try:

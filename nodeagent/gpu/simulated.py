@@ -52,9 +52,14 @@ from nodeagent.gpu.model import (
     parse_cpulist,
 )
 from nodeagent.gpu.procs import cgroup_of
-from nodeagent.policyfile.load import PolicyError
 from nodeagent.policyfile.units import parse_size
-from nodeagent.policyfile.yamlfile import compose, problem_at, read_text, validation_problems
+from nodeagent.policyfile.yamlfile import (
+    PolicyError,
+    compose,
+    problem_at,
+    read_text,
+    validation_problems,
+)
 
 WHAT = "a GPU node description (gpus:, links:, processes:)"
 MAX_GPUS = 64

@@ -19,18 +19,26 @@ import annotated_types
 import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import ErrorDetails
-from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from nodeagent.cgroupfs.paths import split_path
 from nodeagent.cgroupfs.values import QUOTA_MAX_US, QUOTA_MIN_US
-from nodeagent.errors import NodeagentError, UnsafePath
+from nodeagent.errors import UnsafePath
 from nodeagent.identity import Owner, Runtime
 from nodeagent.policyfile.glob import glob_matches
 from nodeagent.policyfile.model import ANY, MAX, AgentMode, Limits, Match, PolicySpec, Rule
 from nodeagent.policyfile.nesting import nesting_warnings
-from nodeagent.regular_file import UnusableFile, read_regular_file
+from nodeagent.policyfile.yamlfile import (
+    MAX_SHOWN,
+    Loc,
+    Locator,
+    PolicyError,
+    Problem,
+    Report,
+    compose_and_construct,
+    dotted,
+    read_text,
+)
 
-MAX_BYTES = 1 << 20  # a real policy is a few kilobytes; this also stops a read of /dev/zero
 MIN_MEMORY = 1 << 20  # a smaller memory limit is a unit mistake (512 meant as 512Mi), not a policy
 # Trees that systemd or a container runtime owns: nodeagent's subtree must not be inside one,
 # unless it is below a service of its own (Delegate=yes).
@@ -46,51 +54,11 @@ _OTHERS_TREES = frozenset(
         "libpod_parent",
     }
 )
-MAX_NODES = 100_000  # counted with every alias expanded, which stops "billion laughs" documents
-# An operator reads the first problems and fixes them; 20,000 lines help nobody. All are
-# still found (in linear time), and the count of the rest is given.
-MAX_SHOWN = 100
 # "Did you mean" compares a name with every candidate: it is offered for this many names at
 # most, among at most this many candidates, so that a hostile file costs no quadratic time.
 MAX_SUGGESTIONS = MAX_SHOWN
 MAX_CANDIDATES = 1000
 EXAMPLE = "config/policy.yaml"
-_MERGE_TAG = "tag:yaml.org,2002:merge"
-# A YAML line break, as PyYAML's reader counts them for marks.
-_LINE_BREAK = re.compile("\r\n|[\r\n\x85\u2028\u2029]")
-
-Loc = tuple[str | int, ...]
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a policy, at a 1-based line and column; a warning does not
-    stop the policy from being used (`validate --strict` fails on it)."""
-
-    file: str
-    line: int
-    col: int
-    message: str
-    severity: typing.Literal["error", "warning"] = "error"
-
-    def __str__(self) -> str:
-        warning = "warning: " if self.severity == "warning" else ""
-        return f"{self.file}:{self.line}:{self.col}: {warning}{self.message}"
-
-
-class PolicyError(NodeagentError):
-    """The policy cannot be used; `problems` lists the first MAX_SHOWN problems found, in
-    file order, and `omitted` counts the others; `warnings` what is found besides."""
-
-    def __init__(self, problems: Iterable[Problem], warnings: Iterable[Problem] = ()) -> None:
-        found = tuple(problems)
-        self.problems = found[:MAX_SHOWN]
-        self.omitted = len(found) - len(self.problems)
-        self.warnings = tuple(warnings)
-        lines = [str(p) for p in self.problems]
-        if self.omitted:
-            lines.append(f"{found[0].file}: ... and {self.omitted} more problems")
-        super().__init__("\n".join(lines))
 
 
 @dataclass(frozen=True)
@@ -111,30 +79,6 @@ def check_policy(path: str | os.PathLike[str]) -> Checked:
     return check_text(read_text(path, "a policy"), os.fspath(path))
 
 
-def read_text(path: str | os.PathLike[str], what: str) -> str:
-    """The text of a small operator file that must be regular, UTF-8 and a few kilobytes;
-    `what` names it in messages ('a policy'). Any problem is a PolicyError at line 1."""
-    filename = os.fspath(path)
-
-    def fail(message: str) -> PolicyError:
-        return PolicyError([Problem(filename, 1, 1, message)])
-
-    try:
-        data = read_regular_file(filename, MAX_BYTES)
-    except OSError as e:
-        raise fail(f"cannot read: {e.strerror or e}") from None
-    except UnusableFile as e:
-        raise fail(f"cannot read: {e}") from None
-    if len(data) > MAX_BYTES:
-        raise fail(f"larger than {MAX_BYTES >> 20} MiB; {what} is a few kilobytes")
-    if b"\0" in data:
-        raise fail("not a text file: it contains NUL bytes")
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise fail(f"not a text file: invalid UTF-8 at byte {e.start}") from None
-
-
 def parse_policy(text: str, filename: str) -> PolicySpec:
     """Parse policy YAML held in memory; `filename` is only used in messages."""
     return check_text(text, filename).spec
@@ -144,8 +88,8 @@ def check_text(text: str, filename: str) -> Checked:
     """Parse policy YAML held in memory and find every problem in one pass: when fields
     have type errors, the checks across fields still run on every field that is valid
     alone, so that fixing the file never takes a second round; `filename` names it."""
-    report = _Report(filename)
-    where, data = _compose_and_construct(text, report)
+    report = Report(filename)
+    where, data = compose_and_construct(text, report)
     if where is None or data is None:
         report.add(None, f"the policy is empty; see {EXAMPLE} for an example")
         raise PolicyError(report.problems)
@@ -177,310 +121,15 @@ def check_text(text: str, filename: str) -> Checked:
     return Checked(spec, warnings)
 
 
-def _nesting_warnings(spec: PolicySpec, where: _Locator, filename: str) -> list[Problem]:
+def _nesting_warnings(spec: PolicySpec, where: Locator, filename: str) -> list[Problem]:
     """Rules that can claim a cgroup and one below it (see spec.nesting), at their match."""
     out = []
     for i, message in nesting_warnings(spec):
         mark = where.mark(("rules", i, "match"))
-        where_ = _dotted(("rules", i, "match"))
+        where_ = dotted(("rules", i, "match"))
         out.append(
             Problem(filename, mark.line + 1, mark.column + 1, f"{where_}: {message}", "warning")
         )
-    return out
-
-
-class _Report:
-    def __init__(self, filename: str) -> None:
-        self.filename = filename
-        self.problems: list[Problem] = []
-        self._seen: set[Problem] = set()
-
-    def add(self, mark: yaml.Mark | None, message: str) -> None:
-        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-        problem = Problem(self.filename, line, col, message)
-        if problem not in self._seen:
-            self._seen.add(problem)
-            self.problems.append(problem)
-
-    def sorted(self) -> list[Problem]:
-        return sorted(self.problems, key=lambda p: (p.line, p.col))
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One pair of a mapping: its nodes, and whether its key had to be replaced."""
-
-    key: Node
-    value: Node
-    bad_key: bool
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader whose constructor failures always carry the node's position, and which
-    indexes every mapping by its constructed keys, so that a location that pydantic reports
-    leads back to its node in constant time.
-
-    The policy's keys are all strings. A key that is not (`1:`, `~:`, `.nan:`, `no:`,
-    `2001-01-01:`, a list) is replaced by a marker that no YAML key can equal: the key is
-    reported where it stands, and what is under it is still checked.
-    """
-
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-        self.entries: dict[int, dict[str, _Entry]] = {}
-        self._marker_count = 0
-
-    def construct_object(self, node: Node, deep: bool = False) -> typing.Any:
-        try:
-            return super().construct_object(node, deep)
-        except (yaml.YAMLError, RecursionError):
-            raise
-        except Exception as e:  # untrusted input: `!!int x` raises ValueError, `!!bool x` KeyError
-            raise yaml.constructor.ConstructorError(
-                None,
-                None,
-                f"invalid {node.tag.removeprefix('tag:yaml.org,2002:')} value: {e}",
-                node.start_mark,
-            ) from e
-
-    def construct_mapping(self, node: Node, deep: bool = False) -> dict[typing.Any, typing.Any]:
-        if not isinstance(node, MappingNode):
-            raise yaml.constructor.ConstructorError(
-                None,
-                None,
-                f"expected a mapping node, but found {type(node).__name__}",
-                node.start_mark,
-            )
-        self.flatten_mapping(node)
-        keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
-        taken = {k for k in keys if isinstance(k, str)}
-        entries: dict[str, _Entry] = {}
-        mapping: dict[typing.Any, typing.Any] = {}
-        for constructed, (key_node, value_node) in zip(keys, node.value, strict=True):
-            bad = not isinstance(constructed, str)
-            key = self._marker(taken) if bad else constructed
-            entries[key] = _Entry(key_node, value_node, bad)
-            mapping[key] = self.construct_object(value_node, deep=deep)
-        self.entries[id(node)] = entries
-        return mapping
-
-    def _marker(self, taken: set[str]) -> str:
-        while True:
-            self._marker_count += 1
-            marker = f"\0{self._marker_count}"
-            if marker not in taken:  # a quoted key may hold a NUL, but not this one as well
-                return marker
-
-
-def _compose_and_construct(text: str, report: _Report) -> tuple[_Locator | None, object]:
-    """A locator over the node tree and the plain data built from it, (None, None) for an
-    empty document; fatal YAML problems raise PolicyError."""
-    loader: _Loader | None = None
-    try:
-        loader = _Loader(text)
-        root = loader.get_single_node()
-        if root is None:
-            return None, None
-        _check_nodes(root, report)
-        data = loader.construct_document(root)
-        where = _Locator(root, loader.entries)
-        where.report_bad_keys(report)
-        return where, data
-    except yaml.MarkedYAMLError as e:
-        report.add(e.problem_mark or e.context_mark, _yaml_message(e))
-    except yaml.reader.ReaderError as e:
-        report.add(_mark_at(text, e.position), str(e).split("\n")[0])
-    except yaml.YAMLError as e:
-        report.add(None, f"invalid YAML: {e}")
-    except RecursionError:
-        report.add(None, "the policy is nested too deeply")
-    finally:
-        if loader is not None:
-            loader.dispose()
-    raise PolicyError(report.sorted())
-
-
-def _mark_at(text: str, position: int) -> yaml.Mark:
-    """The mark of a character position, counting line breaks as YAML does (CR alone too)."""
-    line, start = 0, 0
-    for m in _LINE_BREAK.finditer(text, 0, position):
-        line, start = line + 1, m.end()
-    return yaml.Mark("", position, line, position - start, None, 0)
-
-
-def _yaml_message(e: yaml.MarkedYAMLError) -> str:
-    parts = []
-    if e.context:
-        mark = e.context_mark
-        if mark is None or e.problem_mark is None or mark.line == e.problem_mark.line:
-            parts.append(e.context)
-        else:
-            parts.append(f"{e.context} (line {mark.line + 1})")
-    parts.append(e.problem or "invalid YAML")
-    return ": ".join(parts)
-
-
-class _FatalNode(Exception):
-    def __init__(self, node: Node, message: str) -> None:
-        super().__init__(message)
-        self.node = node
-
-
-def _check_nodes(root: Node, report: _Report) -> None:
-    """Reject alias bombs and cycles before anything expands them; note duplicate keys.
-
-    PyYAML keeps the last of two equal keys without a word, which hides typos.
-    """
-    sizes: dict[int, int] = {}
-    active: set[int] = set()
-
-    def size(node: Node) -> int:
-        if id(node) in sizes:
-            return sizes[id(node)]
-        if id(node) in active:
-            raise _FatalNode(node, "an alias refers to a node that contains it")
-        active.add(id(node))
-        children: list[Node] = []
-        if isinstance(node, SequenceNode):
-            children = node.value
-        elif isinstance(node, MappingNode):
-            _check_duplicates(node, report)
-            children = [n for pair in node.value for n in pair]
-        total = 1
-        for child in children:
-            total += size(child)
-            if total > MAX_NODES:
-                raise _FatalNode(
-                    root,
-                    f"the policy has more than {MAX_NODES} YAML nodes, counting each use "
-                    "of an alias; a policy is far smaller",
-                )
-        active.discard(id(node))
-        sizes[id(node)] = total
-        return total
-
-    try:
-        size(root)
-    except _FatalNode as e:
-        report.add(e.node.start_mark, str(e))
-        raise PolicyError(report.sorted()) from None
-
-
-def _check_duplicates(node: MappingNode, report: _Report) -> None:
-    first: dict[tuple[str, str], Node] = {}
-    for key, _ in node.value:
-        if not isinstance(key, ScalarNode) or key.tag == _MERGE_TAG:
-            continue
-        seen = first.setdefault((key.tag, key.value), key)
-        if seen is not key:
-            line = seen.start_mark.line + 1
-            report.add(key.start_mark, f"duplicate key {key.value!r} (first at line {line})")
-
-
-@dataclass(frozen=True)
-class _Place:
-    """Where a location leads in the YAML: the node at it (or its deepest ancestor present),
-    the key node of the last mapping step, how many items of the location were found, and
-    the path found, written as the file writes it."""
-
-    node: Node
-    key: Node | None
-    found: int
-    path: Loc
-    bad_key: bool
-
-
-class _Locator:
-    """Finds the YAML node behind a location such as ('rules', 0, 'limits', 'cpu_max')."""
-
-    def __init__(self, root: Node, index: dict[int, dict[str, _Entry]]) -> None:
-        self.root = root
-        self.index = index
-        self.markers = {k for entries in index.values() for k, e in entries.items() if e.bad_key}
-
-    def find(self, loc: Loc) -> _Place:
-        node, key, path, bad = self.root, None, list[str | int](), False
-        for depth, item in enumerate(loc):
-            entries = self.index.get(id(node)) if isinstance(node, MappingNode) else None
-            if entries is not None and isinstance(item, str) and item in entries:
-                entry = entries[item]
-                node, key, bad = entry.value, entry.key, entry.bad_key
-                path.append(_key_text(key) if bad else item)
-            elif (
-                isinstance(node, SequenceNode)
-                and isinstance(item, int)
-                and 0 <= item < len(node.value)
-            ):
-                node, key, bad = node.value[item], None, False
-                path.append(item)
-            else:
-                return _Place(node, key, depth, tuple(path), bad)
-        return _Place(node, key, len(loc), tuple(path), bad)
-
-    def mark(self, loc: Loc) -> yaml.Mark:
-        return self.find(loc).node.start_mark
-
-    def report_bad_keys(self, report: _Report) -> None:
-        """Report each key that is not a string at the key itself, naming its mapping."""
-        seen: set[int] = set()
-        todo: list[tuple[Node, _Link]] = [(self.root, None)]
-        while todo:
-            node, link = todo.pop()
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            children: list[tuple[Node, _Link]] = []
-            if isinstance(node, SequenceNode):
-                children = [(child, (link, i)) for i, child in enumerate(node.value)]
-            for key, entry in self.index.get(id(node), {}).items():
-                if entry.bad_key:
-                    report.add(entry.key.start_mark, _bad_key_message(entry.key, _unlink(link)))
-                children.append(
-                    (entry.value, (link, _key_text(entry.key) if entry.bad_key else key))
-                )
-            todo.extend(reversed(children))  # in file order, so an alias is named by its anchor
-
-
-# A path as a linked list (parent, last item): extending it costs O(1) whatever its depth.
-_Link = tuple["_Link", str | int] | None
-
-
-def _unlink(link: _Link) -> Loc:
-    items: list[str | int] = []
-    while link is not None:
-        link, item = link
-        items.append(item)
-    return tuple(reversed(items))
-
-
-_IMPLICIT = {"int", "float", "bool", "null", "timestamp"}  # what a plain scalar resolves to
-
-
-def _key_text(key: Node) -> str:
-    return key.value if isinstance(key, ScalarNode) else f"<{_NODE_KINDS[type(key)]}>"
-
-
-_NODE_KINDS: dict[type[Node], str] = {MappingNode: "a mapping", SequenceNode: "a list"}
-
-
-def _bad_key_message(key: Node, path: Loc) -> str:
-    inside = f" in {_dotted(path)}" if path else ""
-    if not isinstance(key, ScalarNode):
-        return f"a key{inside} must be a string, got {_NODE_KINDS[type(key)]}"
-    kind = key.tag.removeprefix("tag:yaml.org,2002:")
-    message = f"key {key.value!r}{inside} must be a string, not {kind}"
-    return message + ("; quote it if it is meant as a name" if kind in _IMPLICIT else "")
-
-
-def _dotted(loc: Loc) -> str:
-    out = ""
-    for item in loc:
-        if isinstance(item, int):
-            out += f"[{item}]"
-        elif re.fullmatch(r"[A-Za-z_][\w-]*", item):
-            out += f".{item}" if out else item
-        else:
-            out += f"[{item!r}]"
     return out
 
 
@@ -536,13 +185,13 @@ _PLAIN = {
 }
 
 
-def _explain(where: _Locator, error: ErrorDetails) -> tuple[yaml.Mark, str] | None:
+def _explain(where: Locator, error: ErrorDetails) -> tuple[yaml.Mark, str] | None:
     """Where a pydantic error points in the YAML, and what to tell the operator; None when
     the problem is a key that is not a string, which is reported already."""
     loc, kind, ctx = error["loc"], error["type"], error.get("ctx", {})
     place = where.find(loc)
     # Items past the nodes found are union member labels such as "literal['max']".
-    path = _dotted(place.path)
+    path = dotted(place.path)
     if kind == "missing" and place.found == len(loc) - 1:
         return place.node.start_mark, f"missing required key {loc[-1]!r}" + (
             f" in {path}" if path else ""
@@ -553,7 +202,7 @@ def _explain(where: _Locator, error: ErrorDetails) -> tuple[yaml.Mark, str] | No
         parent, name = _model_at(loc[:-1]), str(loc[-1])
         fields = parent.model_fields.items() if parent else ()
         names = [n for field_name, f in fields for n in (field_name, f.alias) if n]
-        inside = _dotted(place.path[:-1])
+        inside = dotted(place.path[:-1])
         message = f"unknown key {name!r}" + (f" in {inside}" if inside else "")
         return place.key.start_mark, message + _did_you_mean(name, names)
     value = error["input"]
@@ -680,7 +329,7 @@ def _field_adapter(model: type[BaseModel], name: str) -> TypeAdapter[typing.Any]
     return TypeAdapter(tp, config=None if _is_model(tp) else model.model_config)
 
 
-def _check_semantics(spec: PolicySpec, where: _Locator, report: _Report) -> None:
+def _check_semantics(spec: PolicySpec, where: Locator, report: Report) -> None:
     """What the schema cannot say alone: cross references, uniqueness and safe paths.
 
     `spec` may be partial (some fields BROKEN, see `_partial`): each check stands in a
@@ -688,7 +337,7 @@ def _check_semantics(spec: PolicySpec, where: _Locator, report: _Report) -> None
     skipped."""
 
     def add(loc: Loc, message: str) -> None:
-        report.add(where.mark(loc), f"{_dotted(loc)}: {message}")
+        report.add(where.mark(loc), f"{dotted(loc)}: {message}")
 
     def line_of(loc: Loc) -> int:
         return where.mark(loc).line + 1
@@ -864,7 +513,7 @@ def _items(values: typing.Any) -> list[typing.Any]:
     return []
 
 
-def _warnings(spec: PolicySpec, where: _Locator, filename: str) -> tuple[Problem, ...]:
+def _warnings(spec: PolicySpec, where: Locator, filename: str) -> tuple[Problem, ...]:
     """What is valid but almost surely not meant: no rules, and rules that never apply."""
     found: list[Problem] = []
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from nodeagent.access import Caller, refusal
-from nodeagent.policyfile.load import PolicyError, parse_policy
+from nodeagent.policyfile.load import parse_policy
 from nodeagent.policyfile.model import PolicySpec, WorkloadClass
+from nodeagent.policyfile.yamlfile import PolicyError
 
 HEAD = "version: 1\ntenants:\n  research: {shares: 2}\n  prod: {shares: 1}\n"
 POLICY = parse_policy(

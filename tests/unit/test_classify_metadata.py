@@ -10,10 +10,11 @@ import pytest
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
 from nodeagent.meta import ContainerMeta, PodMeta, labels
 from nodeagent.policy.classify import assign, unmatched_for_metadata
-from nodeagent.policyfile.load import PolicyError, parse_policy
+from nodeagent.policyfile.load import parse_policy
 from nodeagent.policyfile.matching import matches
 from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 from nodeagent.policyfile.nesting import nesting_warnings
+from nodeagent.policyfile.yamlfile import PolicyError
 
 CID = "c" * 64
 UID = "0d6f6d1e-8a8b-4c1e-9b1a-1c2d3e4f5a6b"

@@ -22,8 +22,9 @@ from policy_fuzz import SEED, check_rejection, count, policies, seeded_policies,
 
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent
-from nodeagent.policyfile.load import PolicyError, parse_policy
+from nodeagent.policyfile.load import parse_policy
 from nodeagent.policyfile.model import PolicySpec
+from nodeagent.policyfile.yamlfile import PolicyError
 
 DRAWN = 500
 """Policies whose every choice hypothesis draws: slow to make, but a failure shrinks."""

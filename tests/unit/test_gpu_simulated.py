@@ -15,7 +15,7 @@ from nodeagent.gpu.backend import GpuError, NoGpus
 from nodeagent.gpu.choice import open_backend
 from nodeagent.gpu.model import PcieLevel, format_cpulist, parse_cpulist
 from nodeagent.gpu.simulated import WHAT, SimulatedBackend, load_simulated, parse_node
-from nodeagent.policyfile.load import PolicyError
+from nodeagent.policyfile.yamlfile import PolicyError
 
 REPO = Path(__file__).resolve().parents[2]
 GPUS = REPO / "config" / "gpus"

@@ -28,8 +28,9 @@ from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.ownership import WriteMode, classify_level, write_mode
 from nodeagent.policy.classify import assign
 from nodeagent.policy.plan import Target
-from nodeagent.policyfile.load import PolicyError, parse_policy
+from nodeagent.policyfile.load import parse_policy
 from nodeagent.policyfile.model import AgentSettings, PolicySpec, SlurmSettings
+from nodeagent.policyfile.yamlfile import PolicyError
 from nodeagent.slurm import Answer, SlurmJobs, SlurmUnavailable, parse_jobs, run_command
 
 SCOPE = "system.slice/slurmstepd.scope"

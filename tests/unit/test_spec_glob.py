@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 
 from nodeagent.cli import main
 from nodeagent.policyfile.glob import MAX_GLOB, compile_glob, glob_matches
-from nodeagent.policyfile.load import PolicyError, parse_policy
+from nodeagent.policyfile.load import parse_policy
 from nodeagent.policyfile.matching import matches
 from nodeagent.policyfile.model import Match
+from nodeagent.policyfile.yamlfile import PolicyError
 
 HEAD = "version: 1\ntenants:\n  research: {shares: 2}\n  prod: {shares: 1}\n"
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from nodeagent.policyfile.listen import parse_listen
-from nodeagent.policyfile.load import PolicyError, parse_policy
+from nodeagent.policyfile.load import parse_policy
+from nodeagent.policyfile.yamlfile import PolicyError
 
 HEAD = "version: 1\ntenants: {a: {shares: 1}}\nagent:\n  metrics:\n    listen: "
 

@@ -17,16 +17,9 @@ from hypothesis import strategies as st
 
 from nodeagent.errors import NodeagentError
 from nodeagent.identity import QosTier, Runtime
-from nodeagent.policyfile.load import (
-    MAX_BYTES,
-    MAX_SHOWN,
-    PolicyError,
-    Problem,
-    check_text,
-    load_policy,
-    parse_policy,
-)
+from nodeagent.policyfile.load import check_text, load_policy, parse_policy
 from nodeagent.policyfile.model import PolicySpec, WorkloadClass
+from nodeagent.policyfile.yamlfile import MAX_BYTES, MAX_SHOWN, PolicyError, Problem
 
 REPO = Path(__file__).resolve().parents[2]
 HEAD = "version: 1\ntenants:\n  research: {shares: 2}\n  prod: {shares: 1}\n"

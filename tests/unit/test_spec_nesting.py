@@ -13,8 +13,9 @@ from click.testing import CliRunner
 from nodeagent.cli import main
 from nodeagent.policy.base import Assignment
 from nodeagent.policy.classify import nested_claims, outer_claims
-from nodeagent.policyfile.load import Problem, check_text
+from nodeagent.policyfile.load import check_text
 from nodeagent.policyfile.model import WorkloadClass
+from nodeagent.policyfile.yamlfile import Problem
 
 REPO = Path(__file__).resolve().parents[2]
 CID = "4f1c2a9be7d3" + "0123456789abcdef" * 3 + "0123"

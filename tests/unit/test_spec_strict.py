@@ -13,9 +13,10 @@ from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.policy.base import Share
 from nodeagent.policy.fairshare import FairShare
 from nodeagent.policy.plan import make_plan
-from nodeagent.policyfile.load import PolicyError, parse_policy
+from nodeagent.policyfile.load import parse_policy
 from nodeagent.policyfile.model import HALF_LIFE_MAX, SHARES_MAX, SHARES_MIN, PolicySpec
 from nodeagent.policyfile.units import MAX_SIZE, parse_size
+from nodeagent.policyfile.yamlfile import PolicyError
 
 HEAD = "version: 1\ntenants:\n  research: {shares: 2}\n  prod: {shares: 1}\n"
 RULE = "rules:\n  - {name: r, match: {}, tenant: prod}\n"
