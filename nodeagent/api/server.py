@@ -14,9 +14,11 @@ user, and any other uid is served on at most `per_uid_connections` at once, with
 `per_uid_waiting` more waiting their turn in the daemon (the waiting room has the same
 shape). A waiting connection that gets no slot within `timeout` is told the daemon is busy
 (503). A served one has `header_timeout` seconds for its request line and headers, the
-whole request `timeout` seconds, and its answer `timeout` seconds to leave. An accept()
-that fails for want of file descriptors backs off instead of spinning, so the reconcile
-loop keeps the descriptors it needs.
+whole request `timeout` seconds, and its answer `timeout` seconds to leave. A refused
+connection is answered at once and then kept, briefly and a bounded number per uid, until
+its client has sent its request and hung up: closed earlier, a client still sending gets
+EPIPE instead of its answer. An accept() that fails for want of file descriptors backs off
+instead of spinning, so the reconcile loop keeps the descriptors it needs.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ _WITH_BODY = frozenset({"POST", "DELETE"})
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0  # seconds, for an accept() short of resources
 _ACCEPT_BATCH = 64  # connections taken in per wake-up before the waiting room is looked at
 _REFUSAL_LOG_EVERY = 10.0  # seconds: one api.refused line per uid and reason, then a count
+_LINGER = 2.0  # seconds a refused connection is kept open to take in what its client sends
+_LINGER_MAX, _LINGER_PER_UID = 32, 8  # refused connections kept so, in all and per uid
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,6 +318,8 @@ class ApiServer:
         self._waiting = Pool(0, 0, 0)
         self._queue: deque[_Waiting] = deque()
         self._refusals: dict[tuple[int, int], tuple[float, int]] = {}
+        self._selector: selectors.BaseSelector | None = None
+        self._lingering: dict[socket.socket, tuple[int, float]] = {}  # conn: (uid, until)
 
     def start(self) -> None:
         if self._listener is not None or self.closing:
@@ -333,6 +339,7 @@ class ApiServer:
         selector = selectors.DefaultSelector()
         selector.register(listener, selectors.EVENT_READ)
         selector.register(self._wake_r, selectors.EVENT_READ)
+        self._selector = selector
         self._thread = threading.Thread(
             target=self._accept_loop, args=(listener, selector), name="nodeagent-api", daemon=True
         )
@@ -351,6 +358,7 @@ class ApiServer:
                         self._wake_r.recv(4096)
                 if self.closing:
                     return
+                self._linger(ready)
                 self._admit_waiting()
                 if listener not in ready:
                     continue
@@ -427,12 +435,13 @@ class ApiServer:
 
     def _until_next_expiry(self) -> float | None:
         with self._slots:
-            if not self._queue:
-                return None
-            return max(0.0, min(w.until for w in self._queue) - time.monotonic())
+            ends = [w.until for w in self._queue]
+        ends += [until for _, until in self._lingering.values()]
+        return max(0.0, min(ends) - time.monotonic()) if ends else None
 
     def _refuse(self, conn: socket.socket, peer: Peer, status: int, message: str) -> None:
-        """Answer `status` without reading the request, then hang up; never blocks."""
+        """Answer `status` without reading the request and end our side; never blocks. The
+        connection lingers until its client hangs up (`_linger`)."""
         body = encode({"error": message})
         reason = BaseHTTPRequestHandler.responses.get(status, ("error", ""))[0]
         head = (
@@ -442,12 +451,48 @@ class ApiServer:
         conn.setblocking(False)
         with contextlib.suppress(OSError):
             conn.send(head.encode() + body)
-        # What the client already sent is read and dropped, so that it reads our answer
-        # rather than a reset.
-        with contextlib.suppress(OSError):
-            conn.recv(MAX_BODY)
-        conn.close()
+            conn.shutdown(socket.SHUT_WR)
         self._log_refusal(peer, status, message)
+        if self._drained(conn) or self._selector is None:
+            conn.close()
+            return
+        # Closed now, a client that has not sent its request yet gets EPIPE when it does, and
+        # one whose request we have not read gets a reset instead of the answer (af_unix):
+        # keep it until it hangs up, within bounds, making room by closing the oldest of the
+        # same uid, else the oldest of all.
+        mine = [c for c, (uid, _) in self._lingering.items() if uid == peer.uid]
+        if len(mine) >= _LINGER_PER_UID:
+            self._stop_lingering(mine[0])
+        elif len(self._lingering) >= _LINGER_MAX:
+            self._stop_lingering(next(iter(self._lingering)))
+        self._lingering[conn] = (peer.uid, time.monotonic() + _LINGER)
+        self._selector.register(conn, selectors.EVENT_READ)
+
+    @staticmethod
+    def _drained(conn: socket.socket) -> bool:
+        """Read and drop what the client has sent so far; whether it has hung up."""
+        try:
+            while True:
+                if not conn.recv(MAX_BODY):
+                    return True
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def _linger(self, ready: set[Any]) -> None:
+        """Close the refused connections whose client hung up, or whose time is up."""
+        now = time.monotonic()
+        for conn, (_, until) in list(self._lingering.items()):
+            if now >= until or (conn in ready and self._drained(conn)):
+                self._stop_lingering(conn)
+
+    def _stop_lingering(self, conn: socket.socket) -> None:
+        del self._lingering[conn]
+        if self._selector is not None:
+            with contextlib.suppress(KeyError, ValueError, OSError):  # closed with the loop
+                self._selector.unregister(conn)
+        conn.close()
 
     def _log_refusal(self, peer: Peer, status: int, message: str) -> None:
         """One api.refused line per uid and status every few seconds, with how many more."""
@@ -513,6 +558,9 @@ class ApiServer:
             self._wake_w.send(b"x")
         if thread is not None:
             thread.join(timeout=5)
+        for conn in list(self._lingering):  # the accept loop has ended: no one else has them
+            self._stop_lingering(conn)
+        self._selector = None
         listener.close()
         with self._slots:
             waiting, self._queue = list(self._queue), deque()

@@ -991,6 +991,63 @@ def test_a_uid_over_its_caps_is_told_at_once_before_it_sends_a_byte(
 
 
 @needs_root
+def test_a_refused_client_that_sends_its_request_late_still_reads_its_answer(
+    serve: Callable[..., ApiServer],
+) -> None:
+    # CI (stop 23): curl, refused before it had sent its request, got "Send failure: Broken
+    # pipe" and no status: the daemon answered and closed at once.
+    server = serve({"/v1/echo": {"GET": echo}}, group="nogroup")
+    caps = server.per_uid_connections + server.per_uid_waiting
+
+    def late_sender() -> str:
+        held = []
+        for _ in range(caps):
+            held.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            held[-1].connect(server.socket_path)
+        time.sleep(0.5)  # all taken in, served or waiting
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(server.socket_path)
+            time.sleep(0.5)  # refused by now, its request not yet sent
+            sock.settimeout(3)
+            try:
+                sock.sendall(b"GET /v1/echo HTTP/1.0\r\n\r\n")
+                answer = b""
+                while chunk := sock.recv(4096):
+                    answer += chunk
+            except OSError as exc:
+                return f"{type(exc).__name__}: {exc}"
+            return answer.decode()
+
+    answer = as_user(NOBODY, NOGROUP, [], late_sender)
+    assert answer.startswith("HTTP/1.0 429 "), answer
+
+
+@needs_root
+def test_refused_connections_are_kept_only_until_their_clients_hang_up(
+    serve: Callable[..., ApiServer],
+) -> None:
+    # Kept open for a late sender, but bounded: a uid that never hangs up holds a few.
+    server = serve({"/v1/echo": {"GET": echo}}, group="nogroup")
+    caps = server.per_uid_connections + server.per_uid_waiting
+    with held_as(NOBODY, NOGROUP, server.socket_path, caps + 50) as held:
+        assert held == caps + 50
+        assert settles(lambda: len(server._lingering) == 8), len(server._lingering)
+        time.sleep(0.3)
+        assert len(server._lingering) == 8  # not more
+    assert settles(lambda: not server._lingering), len(server._lingering)
+
+
+def settles(check: Callable[[], bool], seconds: float = 10.0) -> bool:
+    """Whether `check` holds within `seconds`."""
+    end = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@needs_root
 def test_a_members_burst_of_calls_all_succeed(serve: Callable[..., ApiServer]) -> None:
     # More calls at once than one uid is served: the rest wait their turn, none is refused.
     server = serve({"/v1/echo": {"GET": echo}}, group="nogroup")
