@@ -30,7 +30,7 @@ from benchkit import Bench, clear, populate, quantile
 
 from nodeagent import logs
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree
-from nodeagent.daemon import Agent
+from nodeagent.daemon import Agent, open_agent
 from nodeagent.policyfile.model import PolicySpec
 from nodeagent.sense.cgroup_files import TICK_FILES
 from nodeagent.sense.sensor import raise_fd_limit
@@ -149,7 +149,7 @@ def bench_ticks(bench: Bench, state_dir: str) -> None:
         procs = populate(ROOT / MANAGED, names(n))
         try:
             raise_fd_limit()  # as `nodeagent run` does
-            agent = Agent(spec, CgroupTree(str(ROOT)))
+            agent = open_agent(spec, CgroupTree(str(ROOT)))
             agent.prepare()
             agent.tick()  # applies everything
             time.sleep(SPACING)

@@ -91,7 +91,7 @@ def run(
     from nodeagent import logs
     from nodeagent.cgroupfs.detect import detect
     from nodeagent.cgroupfs.tree import CgroupTree
-    from nodeagent.daemon import Agent, serve, serve_metrics
+    from nodeagent.daemon import open_agent, serve, serve_metrics
     from nodeagent.sense.sensor import raise_fd_limit
 
     logs.configure(log_level)
@@ -110,7 +110,7 @@ def run(
     refused = None if once else metrics_refused(spec.agent.metrics.listen)
     if refused is not None:
         raise NodeagentError(refused)
-    agent = Agent(
+    agent = open_agent(
         spec,
         CgroupTree(host.root),
         proc_root=proc_root,

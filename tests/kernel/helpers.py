@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent, serve
+from nodeagent.daemon import Agent, open_agent, serve
 from nodeagent.policyfile.model import PolicySpec
 
 ROOT = "/sys/fs/cgroup"
@@ -67,7 +67,7 @@ def spec(managed_root: str, tmp_path: Path, **sections: Any) -> PolicySpec:
 
 
 def agent(policy: PolicySpec) -> Agent:
-    a = Agent(policy, CgroupTree(ROOT))
+    a = open_agent(policy, CgroupTree(ROOT))
     a.prepare()
     return a
 

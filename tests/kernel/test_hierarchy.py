@@ -22,7 +22,7 @@ from conftest import enable_controllers
 from helpers import busy, spec, usage_us, wait_for
 
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent
+from nodeagent.daemon import open_agent
 
 WINDOW = float(os.environ.get("NODEAGENT_SPLIT_WINDOW", "30"))
 CIDS = [f"{i:x}" * 64 for i in range(1, 5)]
@@ -78,7 +78,7 @@ def test_tenant_split_holds_across_parents(
             {"name": "b", "match": {"runtime": "docker"}, "tenant": "b"},
         ],
     )
-    agent = Agent(policy, CgroupTree(str(root)))
+    agent = open_agent(policy, CgroupTree(str(root)))
     agent.prepare()
     loop = threading.Thread(target=agent.run, daemon=True)
     loop.start()

@@ -28,7 +28,7 @@ from nodeagent import logs
 from nodeagent.act import Outcome
 from nodeagent.api.wire import encode
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent
+from nodeagent.daemon import open_agent
 from nodeagent.discovery.registry import Registry
 from nodeagent.report import TickRecord, allocations
 
@@ -138,7 +138,7 @@ def test_the_kernel_refuses_a_newline_and_a_tree_with_one_is_still_managed(
             "memory.max": "max\n",
         }.items():
             (d / f).write_text(text)
-    a = Agent(spec("managed", tmp_path, **capped("managed")), CgroupTree(str(root)))
+    a = open_agent(spec("managed", tmp_path, **capped("managed")), CgroupTree(str(root)))
     a.registry.resync()
     records: list[TickRecord] = []
     lines = json_log_lines(lambda: records.append(a.tick()))
@@ -222,7 +222,7 @@ def test_a_symlinked_workload_directory_is_not_followed(
             {"name": "rest", "match": {"kind": "container"}, "tenant": "a", "limits": LIMITS},
         ],
     )
-    a = Agent(policy, CgroupTree(str(root)))
+    a = open_agent(policy, CgroupTree(str(root)))
     with structlog.testing.capture_logs() as events:
         a.prepare()
         record = a.tick()

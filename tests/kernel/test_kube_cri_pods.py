@@ -18,7 +18,7 @@ from conftest import CGROUP_ROOT
 from helpers import spec
 
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent
+from nodeagent.daemon import open_agent
 
 SLEEP = ("sleep", "3600")
 
@@ -54,7 +54,7 @@ def test_cri_pods_tenant_from_namespace_class_from_annotations_and_a_claim_refus
                     "tenant": "other", "tenant_from": {"kubernetes": True},
                     "class_from": {"kubernetes": True}}],
         )  # fmt: skip
-        agent = Agent(policy, CgroupTree(str(r.sandbox_root)))
+        agent = open_agent(policy, CgroupTree(str(r.sandbox_root)))
         agent.prepare()
         with structlog.testing.capture_logs() as logs:
             record = agent.tick()

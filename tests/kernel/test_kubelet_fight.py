@@ -17,7 +17,7 @@ from conftest import enable_controllers
 from helpers import busy, read, spec, wait_for
 
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent
+from nodeagent.daemon import open_agent
 from nodeagent.metrics.collector import TickCollector
 
 UID = "6f1d2c3b-4a5e-4f60-8b7a-9c0d1e2f3a4b"
@@ -54,7 +54,7 @@ def test_the_kubelet_setting_a_pods_weight_back_is_counted(
                 "limits": {"cpu_max": 1}}],
         tenants={"a": {"shares": 1}},
     )  # fmt: skip
-    agent = Agent(policy, CgroupTree(str(root)))
+    agent = open_agent(policy, CgroupTree(str(root)))
     agent.prepare()
     collector = TickCollector()
     tier_weight = read(root / "kubepods" / "burstable", "cpu.weight")

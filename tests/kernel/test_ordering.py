@@ -12,7 +12,7 @@ from pathlib import Path
 from helpers import spec
 
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent
+from nodeagent.daemon import open_agent
 
 POD = "kubepods/burstable/pod0b6a1b3e-6f3c-4a57-9b8e-2d6a3f1e9c11"
 CONTAINER = POD + "/" + "ab" * 32
@@ -50,7 +50,7 @@ def test_tightening_goes_bottom_up_and_loosening_top_down(
             for c in ("cpu", "memory"):
                 (path / "cgroup.subtree_control").write_text(f"+{c}")
 
-    agent = Agent(spec("managed", tmp_path, **_limits(2, 1.5)), CgroupTree(str(root)))
+    agent = open_agent(spec("managed", tmp_path, **_limits(2, 1.5)), CgroupTree(str(root)))
     agent.prepare()
     order: list[tuple[str, str]] = []
 

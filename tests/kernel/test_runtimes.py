@@ -29,7 +29,7 @@ from standin_runtime import StandInDocker, container
 from systemd_host import SystemdHost
 
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent
+from nodeagent.daemon import Agent, open_agent
 from nodeagent.policy.classify import unmatched_for_metadata
 from nodeagent.report import TickRecord, allocations, identities
 from nodeagent.sdbus import Systemd
@@ -91,10 +91,9 @@ def make_agent(
         **sections,
     )
     host = getattr(r.place, "host", None)
-    agent = Agent(policy, CgroupTree(str(r.sandbox_root)))
+    agent = open_agent(policy, CgroupTree(str(r.sandbox_root)))
     if host is not None:
-        agent.systemd = Systemd(bus_address=host.system_bus_address, timeout=30)
-        agent.executor.units = agent.systemd
+        agent.executor.units = Systemd(bus_address=host.system_bus_address, timeout=30)
     agent.prepare()
     return agent
 

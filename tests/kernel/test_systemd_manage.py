@@ -21,7 +21,7 @@ from systemd_host import SystemdHost
 from nodeagent.act import Outcome
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute
-from nodeagent.daemon import Agent
+from nodeagent.daemon import open_agent
 from nodeagent.report import allocations, explain, identities
 from nodeagent.sdbus import Systemd
 
@@ -44,9 +44,8 @@ def test_a_docker_scope_is_managed_through_systemd(
             rules=[{"name": "docker", "match": {"runtime": "docker"}, "tenant": "a",
                     "limits": {"cpu_max": 0.333, "memory_max": "256Mi"}}],
         )  # fmt: skip
-        agent = Agent(policy, CgroupTree(str(host.cgroup)))
-        agent.systemd = Systemd(bus_address=host.system_bus_address, timeout=30)
-        agent.executor.units = agent.systemd
+        agent = open_agent(policy, CgroupTree(str(host.cgroup)))
+        agent.executor.units = Systemd(bus_address=host.system_bus_address, timeout=30)
         writes: list[tuple[str, str | None, str]] = []
         agent.executor.audit = lambda path, attr, old, new, reason: writes.append((attr, old, new))
         agent.prepare()
@@ -176,9 +175,8 @@ def test_names_in_a_users_delegated_tree_never_reach_the_system_managers_units(
                  "tenant": "b", "limits": {"cpu_max": 0.5}},
             ],
         )  # fmt: skip
-        agent = Agent(policy, CgroupTree(str(host.cgroup)))
-        agent.systemd = RecordingSystemd(bus_address=host.system_bus_address, timeout=30)
-        agent.executor.units = agent.systemd
+        agent = open_agent(policy, CgroupTree(str(host.cgroup)))
+        agent.executor.units = RecordingSystemd(bus_address=host.system_bus_address, timeout=30)
         agent.prepare()
         with capture_logs() as logs:
             first = agent.tick()
@@ -187,10 +185,10 @@ def test_names_in_a_users_delegated_tree_never_reach_the_system_managers_units(
 
         claimed = {host.inner(p)[1:] for p in (rootless, user_dbus, hand_made, real)}
         assert claimed <= {cg.path for cg in first.plan.cgroups}, "all four are claimed"
-        assert not set(agent.systemd.written) & set(victims), agent.systemd.written
+        assert not set(agent.executor.units.written) & set(victims), agent.executor.units.written
         after = {u: as_it_is(host, u, cg) for u, cg in victims.items()}
         assert after == before, "their properties and files are as they were"
-        for cgroup, unit in agent.systemd.units_given:  # levels included (user.slice, ...)
+        for cgroup, unit in agent.executor.units.units_given:  # levels included (user.slice, ...)
             owns = host.systemctl("show", unit, "-p", "ControlGroup").stdout.strip()
             assert owns == f"ControlGroup=/{cgroup}", f"{unit} was given for {cgroup}"
 
@@ -214,7 +212,7 @@ def test_names_in_a_users_delegated_tree_never_reach_the_system_managers_units(
         assert read(hand_made, "cpu.max") == "max 100000"
         # and the real docker scope, through its own unit
         assert read(real, "cpu.max") == "50000 100000"
-        assert real_docker in agent.systemd.written
+        assert real_docker in agent.executor.units.written
     finally:
         for p in procs:
             p.kill()

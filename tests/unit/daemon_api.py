@@ -20,7 +20,7 @@ from typing import Any
 from nodeagent.api.peer import Peer
 from nodeagent.api.server import Request
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent
+from nodeagent.daemon import Agent, open_agent
 from nodeagent.errors import Refused
 from nodeagent.policyfile.model import PolicySpec
 
@@ -134,7 +134,7 @@ def daemon(tmp_path: Path, policy: Mapping[str, Any] | None = None, gpus: str = 
             **given,
         }
     )
-    agent = Agent(spec, FilesTree(str(root)))
+    agent = open_agent(spec, FilesTree(str(root)))
     proc = tmp_path / "proc"
     proc.mkdir(exist_ok=True)
     agent.jobs.proc_root = str(proc)
@@ -146,7 +146,7 @@ def daemon(tmp_path: Path, policy: Mapping[str, Any] | None = None, gpus: str = 
 
 def restart(d: Daemon) -> Daemon:
     """The same daemon started again on its state file."""
-    agent = Agent(d.agent.spec, FilesTree(str(d.root)))
+    agent = open_agent(d.agent.spec, FilesTree(str(d.root)))
     agent.jobs.proc_root = str(d.proc)
     agent.jobs.open_process = lambda pid: AlwaysAlive()
     agent.tick()

@@ -12,7 +12,7 @@ from nodeagent.api.peer import Peer
 from nodeagent.api.server import Request
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.commands import Commands
-from nodeagent.daemon import Agent
+from nodeagent.daemon import open_agent
 from nodeagent.errors import Conflict, TryLater
 from nodeagent.policyfile.model import PolicySpec
 from nodeagent.wakeup import Wakeup
@@ -111,7 +111,7 @@ def test_the_agent_runs_what_changes_state_on_its_loop_and_reads_on_the_api_thre
             "rules": [{"name": "all", "match": {}, "tenant": "t"}],
         }
     )
-    agent = Agent(spec, CgroupTree(str(root)))
+    agent = open_agent(spec, CgroupTree(str(root)))
     seen: dict[str, int] = {}
 
     def record(*_: object) -> object:

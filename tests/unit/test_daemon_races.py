@@ -14,7 +14,7 @@ import structlog
 from nodeagent import state
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.changes import NoteLog
-from nodeagent.daemon import Agent
+from nodeagent.daemon import Agent, open_agent
 from nodeagent.policy.base import Assignment
 from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 
@@ -30,7 +30,7 @@ def _agent(tmp_path: Path) -> Agent:
             "rules": [{"name": "all", "match": {}, "tenant": "t"}],
         }
     )
-    return Agent(spec, CgroupTree(str(root)))
+    return open_agent(spec, CgroupTree(str(root)))
 
 
 def test_a_later_save_is_never_replaced_by_an_earlier_one(
@@ -101,6 +101,6 @@ def test_a_refusal_is_said_once_while_its_cgroup_is_claimed(tmp_path: Path) -> N
     unread = {"pods/c": Assignment("pods", "t", WorkloadClass.BATCH)}
     with structlog.testing.capture_logs() as logs:
         for assignments in (with_claim, unread, with_claim, {}, with_claim):
-            agent._say_refused(assignments)
+            agent.rec._say_refused(assignments)
     said = [e["refused"] for e in logs if e["event"] == "rule.value_refused"]
     assert said == [refused, refused]  # once, then again after the cgroup went

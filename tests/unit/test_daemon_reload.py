@@ -15,7 +15,7 @@ from nodeagent import state
 from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute
-from nodeagent.daemon import Agent
+from nodeagent.daemon import Agent, open_agent
 from nodeagent.errors import NodeagentError
 from nodeagent.policyfile.load import load_policy
 
@@ -38,7 +38,7 @@ def policy_file(tmp_path: Path) -> Path:
 def make_agent(policy_file: Path, tmp_path: Path) -> Agent:
     cgroups = tmp_path / "cgroup"
     cgroups.mkdir()
-    return Agent(
+    return open_agent(
         load_policy(policy_file),
         CgroupTree(str(cgroups)),
         dry_run=True,
@@ -83,7 +83,7 @@ def test_moving_the_managed_root_needs_a_restart(policy_file: Path, tmp_path: Pa
 def test_command_line_overrides_survive_a_reload(policy_file: Path, tmp_path: Path) -> None:
     cgroups = tmp_path / "cgroup"
     cgroups.mkdir()
-    agent = Agent(
+    agent = open_agent(
         load_policy(policy_file),
         CgroupTree(str(cgroups)),
         dry_run=True,
@@ -114,7 +114,7 @@ def test_run_once_reports_a_failed_tick(
 
 def test_a_bad_override_is_refused_like_a_bad_file(policy_file: Path, tmp_path: Path) -> None:
     with pytest.raises(NodeagentError, match=r"^--state-file: must be an absolute path"):
-        Agent(
+        open_agent(
             load_policy(policy_file),
             CgroupTree(str(tmp_path)),
             dry_run=True,
@@ -147,7 +147,7 @@ def test_a_fast_path_write_to_a_cgroup_gone_by_the_tick_is_reported_not_fatal(
     agent = make_agent(policy_file, tmp_path)
     gone = WriteResult("nodeagent.slice/w-0", Attribute.CPU_MAX, "max 100000",
                        "50000 100000", "rule r: cpu_max 0.5 cores", Outcome.WRITTEN)  # fmt: skip
-    agent._fast_results = [gone]
+    agent.rec._fast_results = [gone]
     record = agent.tick()
     assert gone in record.results
     assert agent.tick().results == ()  # reported once
@@ -163,18 +163,20 @@ def test_a_first_change_is_saved_with_its_original_at_once_and_restored(
     of the cgroups that still exist, and the next save folds the journal into the file."""
     cgroups = tmp_path / "cgroup"
     (cgroups / "system.slice" / "x.scope").mkdir(parents=True)
-    agent = Agent(load_policy(policy_file), CgroupTree(str(cgroups)), config_path=str(policy_file))
+    agent = open_agent(
+        load_policy(policy_file), CgroupTree(str(cgroups)), config_path=str(policy_file)
+    )
     wrote = [
         WriteResult("system.slice/x.scope", Attribute.FREEZE, "0", "1", "freeze", Outcome.WRITTEN),
         WriteResult("nodeagent.slice/gone", Attribute.CPU_MAX, "max 100000", "1000 100000", "cap",
                     Outcome.WRITTEN),
         WriteResult("system.slice/x.scope", Attribute.CPU_WEIGHT, "100", "9", "w", Outcome.FAILED),
     ]  # fmt: skip
-    agent._record_originals(wrote, SimpleNamespace(cgroups=[]))  # type: ignore[arg-type]
+    agent.rec.record_originals(wrote, SimpleNamespace(cgroups=[]))  # type: ignore[arg-type]
     file = tmp_path / "state.json"
     assert not file.exists()
     assert len(Path(state.journal_path(str(file))).read_text().splitlines()) == 2
-    agent._record_originals(wrote[:1], SimpleNamespace(cgroups=[]))  # type: ignore[arg-type]
+    agent.rec.record_originals(wrote[:1], SimpleNamespace(cgroups=[]))  # type: ignore[arg-type]
     assert len(Path(state.journal_path(str(file))).read_text().splitlines()) == 2  # known
     saved = state.load(str(file))
     assert saved is not None
@@ -184,7 +186,9 @@ def test_a_first_change_is_saved_with_its_original_at_once_and_restored(
         },
         "system.slice/x.scope": {"cgroup.freeze": {"was": "0", "set": "1", "via": "systemd"}},
     }
-    again = Agent(load_policy(policy_file), CgroupTree(str(cgroups)), config_path=str(policy_file))
+    again = open_agent(
+        load_policy(policy_file), CgroupTree(str(cgroups)), config_path=str(policy_file)
+    )
     assert [(p, str(a)) for p, a, _ in again.originals.items()] == [
         ("system.slice/x.scope", "cgroup.freeze")
     ]

@@ -25,13 +25,13 @@ CHILD = r"""
 import sys, structlog
 from nodeagent import logs
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent
+from nodeagent.daemon import Agent, open_agent
 from nodeagent.policyfile.load import load_policy
 
 policy, root, pad = sys.argv[1], sys.argv[2], int(sys.argv[3])
 logs.configure("info", json=True)
 log = structlog.get_logger("nodeagent.test")
-agent = Agent(load_policy(policy), CgroupTree(root), dry_run=True, config_path=policy)
+agent = open_agent(load_policy(policy), CgroupTree(root), dry_run=True, config_path=policy)
 agent.install_signal_handlers()
 agent.prepare()
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from policy_fuzz import SEED, check_rejection, count, policies, seeded_policies, total
 
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent
+from nodeagent.daemon import open_agent
 from nodeagent.policyfile.load import parse_policy
 from nodeagent.policyfile.model import PolicySpec
 from nodeagent.policyfile.yamlfile import PolicyError
@@ -109,7 +109,7 @@ def test_a_reload_with_any_of_them_keeps_the_last_good_policy(tmp_path: Path) ->
     config = tmp_path / "policy.yaml"
     config.write_text(SEED)
     good = parse_policy(SEED, str(config))
-    agent = Agent(
+    agent = open_agent(
         good,
         CgroupTree(str(cgroups)),
         dry_run=True,

@@ -104,7 +104,7 @@ def test_what_the_card_applies_is_what_is_audited(d: Daemon, monkeypatch: Any) -
 
 def test_a_dry_run_sets_no_power_limit(tmp_path: Path) -> None:
     d = powered(tmp_path)
-    d.agent.dry_run = True
+    d.agent.rec.dry_run = True
     gpu = reserve(d, "train", "training")
     with capture_logs() as logs:
         record = d.agent.tick()

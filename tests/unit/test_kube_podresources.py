@@ -29,7 +29,7 @@ from nodeagent.api.client import ApiRefused
 from nodeagent.api.peer import Peer
 from nodeagent.api.server import ApiServer, Request
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent
+from nodeagent.daemon import Agent, open_agent
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.gpualloc import service as gpu_service
 from nodeagent.gpualloc.service import GpuService
@@ -178,10 +178,10 @@ def agent(tmp_path: Path, api: ApiServerStandIn) -> Iterator[tuple[Agent, Kubele
             (root / path / name).write_text(text)
     with KubeletStandIn(str(tmp_path / "kubelet.sock"), load("podresources.json")) as k:
         spec = policy(tmp_path, k.socket)
-        a = Agent(spec, CgroupTree(str(root)), dry_run=True)
+        a = open_agent(spec, CgroupTree(str(root)), dry_run=True)
         assert a.kube is not None
         a.kube.close()
-        a.kube = watching(spec, api)
+        a.rec.kube = watching(spec, api)
         a.registry.resync()
         try:
             yield a, k
@@ -243,7 +243,7 @@ def test_no_cuda_visible_devices_is_ever_made_for_a_pod(
         raise AssertionError(f"an environment was made for {hold}")
 
     monkeypatch.setattr(gpu_service, "environment", refuse)
-    monkeypatch.setattr("nodeagent.daemon.environment", refuse)
+    monkeypatch.setattr("nodeagent.routes.agent.environment", refuse)
     for _ in range(3):
         a.tick()
     assert a.gpus.ledger.holds() == ()
@@ -261,7 +261,7 @@ def test_gpus_the_kubelet_cannot_tie_to_a_cgroup_are_not_checked_and_said_once(
     with kubelet(tmp_path, load("podresources.json")) as k:
         spec = policy(tmp_path, k.socket)
         (tmp_path / "cgroup").mkdir()
-        a = Agent(spec, CgroupTree(str(tmp_path / "cgroup")), dry_run=True)
+        a = open_agent(spec, CgroupTree(str(tmp_path / "cgroup")), dry_run=True)
         with pytest.MonkeyPatch.context() as m:
             events: list[dict[str, object]] = []
             m.setattr("nodeagent.kube.node.audit_warning",

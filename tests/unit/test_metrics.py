@@ -37,7 +37,7 @@ from ticks import (
 from nodeagent import __version__
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
-from nodeagent.daemon import Agent, serve_metrics
+from nodeagent.daemon import open_agent, serve_metrics
 from nodeagent.gpu.model import GpuProcess
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.metrics.collector import TickCollector
@@ -594,7 +594,7 @@ def test_the_daemons_reload_result_and_interval(tmp_path: Path) -> None:
     policy.write_text(RELOADED.format(interval="2s", tmp=tmp_path, port=port))
     (tmp_path / "cgroup").mkdir()
     before = time.time()
-    agent = Agent(
+    agent = open_agent(
         load_policy(policy), CgroupTree(str(tmp_path / "cgroup")), config_path=str(policy)
     )
     server = serve_metrics(agent)

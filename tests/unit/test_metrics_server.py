@@ -22,7 +22,7 @@ from peers import as_user, held_as
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent, serve_metrics
+from nodeagent.daemon import Agent, open_agent, serve_metrics
 from nodeagent.errors import NodeagentError
 from nodeagent.metrics.collector import TickCollector
 from nodeagent.metrics.server import MetricsServer
@@ -105,7 +105,7 @@ def agent_for(tmp_path: Path, port: int) -> Agent:
     policy.write_text(POLICY.format(state=tmp_path / "state.json", port=port))
     (tmp_path / "cgroup").mkdir(exist_ok=True)
     tree = CgroupTree(str(tmp_path / "cgroup"))
-    return Agent(load_policy(policy), tree, dry_run=True, config_path=str(policy))
+    return open_agent(load_policy(policy), tree, dry_run=True, config_path=str(policy))
 
 
 @contextlib.contextmanager
@@ -132,7 +132,7 @@ def test_the_daemon_counts_its_ticks_on_the_endpoint(tmp_path: Path) -> None:
 
 def test_off_unless_listen_is_set(tmp_path: Path) -> None:
     spec = parse_policy("version: 1\ntenants: {a: {shares: 1}}\n", "p.yaml")
-    agent = Agent(spec, CgroupTree(str(tmp_path)), dry_run=True)
+    agent = open_agent(spec, CgroupTree(str(tmp_path)), dry_run=True)
     assert serve_metrics(agent) is None
     assert agent.observers == []
 

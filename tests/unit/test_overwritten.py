@@ -9,6 +9,7 @@ test writing the file.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from builders import CID, CID2, POD_UID
 from nodeagent import state
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
-from nodeagent.daemon import Agent
+from nodeagent.daemon import Agent, open_agent
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.metrics.collector import TickCollector
 from nodeagent.policyfile.model import PolicySpec
@@ -67,7 +68,7 @@ def agent(tree: CgroupTree, tmp_path: Path) -> Agent:
             ],
         }
     )  # fmt: skip
-    a = Agent(spec, tree)
+    a = open_agent(spec, tree)
     a.registry.resync()
     return a
 
@@ -122,7 +123,9 @@ def test_a_workloads_value_changed_is_seen_at_its_next_full_read(
     Path(tree.root, container, "cpu.max").write_text("max 100000\n")
     lean = a.tick()  # a lean read takes the settings it learnt: not seen yet
     assert lean.snapshot.overwritten == ()
-    a._read_all = True  # its turn for a full read (at most agent.resync_interval away)
+    a.rec.feedback = replace(
+        a.rec.feedback, read_all=True
+    )  # its turn for a full read (at most agent.resync_interval away)
     full = a.tick()
     assert full.snapshot.overwritten == ((container, Attribute.CPU_MAX),)
 

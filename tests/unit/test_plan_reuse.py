@@ -4,9 +4,9 @@ or `agent.replan_interval` passing makes a new plan; jobs with deadlines are pla
 tick.
 
 The agent runs in dry-run on a fixture tree (a plain directory standing in for cgroupfs),
-its monotonic clock is the test's (`nodeagent.daemon.time` replaced by a shim, the real
+its monotonic clock is the test's (`nodeagent.reconcile.time` replaced by a shim, the real
 module but for `monotonic()`), each busy workload's cpu.stat moves by one core per second of that
-clock, and the plans made are counted where the loop calls `make_plan`.
+clock, and the plans made are counted where the plan cache calls `make_plan`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from typing import Any
 
 import pytest
 
-from nodeagent import daemon as daemon_module
+from nodeagent import reconcile as reconcile_module
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent
+from nodeagent.daemon import Agent, open_agent
+from nodeagent.policy import plancache as plancache_module
 from nodeagent.policy.plan import make_plan
 from nodeagent.policyfile.model import PolicySpec
 from nodeagent.report import TickRecord
@@ -105,18 +106,18 @@ class Node:
 def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **policy: Any) -> Node:
     root = tmp_path / "cgroup"
     clock = [1000.0]
-    monkeypatch.setattr(daemon_module, "time", Clock(clock))
+    monkeypatch.setattr(reconcile_module, "time", Clock(clock))
     plans: list[float] = []
 
     def counted(*args: Any, **kw: Any) -> Any:
         plans.append(clock[0])
         return make_plan(*args, **kw)
 
-    monkeypatch.setattr(daemon_module, "make_plan", counted)
+    monkeypatch.setattr(plancache_module, "make_plan", counted)
     body = {**POLICY, **policy}
     body["agent"] = {**POLICY["agent"], **policy.get("agent", {})}
     body["agent"]["state_file"] = str(tmp_path / "state.json")
-    agent = Agent(PolicySpec.model_validate(body), CgroupTree(str(root)), dry_run=True)
+    agent = open_agent(PolicySpec.model_validate(body), CgroupTree(str(root)), dry_run=True)
     # a long history, the same for both: a second's use moves their parts by far less than
     # the percent that makes a new plan
     agent.usage = {"a": 1e5, "b": 1e5}

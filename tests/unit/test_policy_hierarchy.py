@@ -12,7 +12,7 @@ from builders import CID, CID2, POD_UID, docker_cgroupfs, job, k8s_container, sn
 
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
-from nodeagent.daemon import Agent
+from nodeagent.daemon import open_agent
 from nodeagent.ownership import WriteMode, classify_level, parent_identity, write_mode
 from nodeagent.policy.base import Assignment
 from nodeagent.policy.plan import CgroupPlan, make_plan
@@ -138,7 +138,7 @@ def besteffort_pod_tick(tmp_path: Path, spec: PolicySpec) -> TickRecord:
             (Path(d) / name).write_text(text)
     state = str(tmp_path / "state.json")
     spec = spec.model_copy(update={"agent": spec.agent.model_copy(update={"state_file": state})})
-    agent = Agent(spec, CgroupTree(str(tree)), dry_run=True)
+    agent = open_agent(spec, CgroupTree(str(tree)), dry_run=True)
     agent.prepare()
     return agent.tick()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -14,14 +14,16 @@ from test_sense import FILES
 
 from nodeagent.cgroupfs.parse import Psi, PsiLine
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree
-from nodeagent.daemon import Agent
+from nodeagent.daemon import Agent, open_agent
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.jobs import Job
 from nodeagent.policy.base import Assignment, Output, Policy, PolicyInput
 from nodeagent.policy.deadlines import Deadlines
 from nodeagent.policy.plan import DEFAULT_POLICIES
+from nodeagent.policy.plancache import PlanCache, stale
 from nodeagent.policy.protection import Protection
 from nodeagent.policyfile.model import PolicySpec, WorkloadClass
+from nodeagent.reconcile import Reconciler
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
 from nodeagent.snapshot import NO_NEEDS, CgroupSample, Needs, WorkloadState
@@ -101,7 +103,7 @@ def agent(tmp_path: Path) -> Agent:
             ],
         }
     )
-    a = Agent(spec, CgroupTree(str(root)))
+    a = open_agent(spec, CgroupTree(str(root)))
     a.registry.resync()
     return a
 
@@ -112,7 +114,7 @@ def exec_job() -> dict[str, Assignment]:
 
 
 def claimed(agent: Agent) -> tuple[dict[str, Assignment], list[WorkloadIdentity]]:
-    assignments, managed, _, _ = agent._claimed(agent.registry.identities(), exec_job())
+    assignments, managed, _, _ = agent.rec.claimed(agent.registry.identities(), exec_job())
     assert sorted(i.name for i in managed) == sorted(WORKLOADS)
     return assignments, managed
 
@@ -159,7 +161,7 @@ def test_the_sensor_reads_exactly_what_a_policy_declares(
     them is fresh."""
     agent.policies = (policy,)
     assignments, managed = claimed(agent)
-    needs = agent._needs(assignments, managed)
+    needs = agent.rec.needs(assignments, managed)
     assert by_name(needs) == union(EXPECTED[policy.name], REAPER)
 
     sensor = Sensor(agent.tree, NodeSensor(), verify_every=3600)
@@ -196,8 +198,7 @@ def test_the_loop_reads_the_union_of_what_the_policies_declare(agent: Agent) -> 
     and pressure; a protected or reserved class's pressure; an exec job's processes; and
     memory.current while a memory.max is held back."""
     assignments, managed = claimed(agent)
-    agent._held_back = {f"{SLICE}/batch-a"}
-    needs = by_name(agent._needs(assignments, managed))
+    needs = by_name(agent.rec.needs(assignments, managed, frozenset({f"{SLICE}/batch-a"})))
     assert needs == union(*EXPECTED.values(), REAPER, {"batch-a": Needs(memory=True)})
     assert needs == {
         "deadline-a": Needs(events=True, pressure=True, threads=True),
@@ -212,8 +213,8 @@ def test_a_deadline_job_a_rule_claims_is_read_for_its_processes_every_tick(agent
     """A rule's deadline job is 'waiting' until it holds a process: cgroup.events must be
     read every tick, or it stays waiting (and its threads uncounted) until its next full
     read, while the earlier deadlines are planned without it (seen in the VM)."""
-    assignments, managed, _, _ = agent._claimed(agent.registry.identities(), {})
-    needs = agent._needs(assignments, managed)
+    assignments, managed, _, _ = agent.rec.claimed(agent.registry.identities(), {})
+    needs = agent.rec.needs(assignments, managed)
     assert needs[f"{SLICE}/deadline-a"] == Needs(events=True, pressure=True, threads=True)
 
 
@@ -242,35 +243,41 @@ def test_the_loop_knows_no_policy_by_name(agent: Agent) -> None:
     assignments, managed = claimed(agent)
     agent.carry = {"protection": {"caps": {"batch": 1.0}, "frozen": ["x"]}, "wants": {}}
     agent.policies = ()
-    assert by_name(agent._needs(assignments, managed)) == REAPER
-    assert not agent._stale(assignments)
+    assert by_name(agent.rec.needs(assignments, managed)) == REAPER
+    assert not stale(agent.policies, agent.carry, assignments)
 
     agent.policies = (Wants(),)
-    agent._needs_key = None
-    assert by_name(agent._needs(assignments, managed)) == union(
+    agent.rec.forget_derived()
+    assert by_name(agent.rec.needs(assignments, managed)) == union(
         REAPER, {n: Needs(memory=True) for n in ("deadline-a", "batch-a", "job-a")}
     )
-    assert not agent._stale(assignments)
+    assert not stale(agent.policies, agent.carry, assignments)
     agent.carry["wants"] = {"busy": True}
-    assert agent._stale(assignments)
+    assert stale(agent.policies, agent.carry, assignments)
     busy = WorkloadState(managed[0], CgroupSample(), cpu_rate=2.0)
-    assert agent._sensed((busy,))[2]
-    assert not agent._sensed((WorkloadState(managed[0], CgroupSample(), cpu_rate=0.5),))[2]
+    assert PlanCache()._sensed((busy,), agent.spec, agent.policies)[2]
+    assert not PlanCache()._sensed(
+        (WorkloadState(managed[0], CgroupSample(), cpu_rate=0.5),), agent.spec, agent.policies
+    )[2]
 
     agent.policies = (Protection(), Deadlines())
     agent.carry = {"protection": {"caps": {"batch": 1.0}}}
-    assert agent._stale(assignments)
+    assert stale(agent.policies, agent.carry, assignments)
 
 
 FORBIDDEN_NAMES = {"stall", "deadline", "protect", "reserved_cpu", "protection", "startswith"}
 FORBIDDEN_STRINGS = {"protection", "caps", "frozen", "uncap", "thaw", "deadlines"}
 
 
-@pytest.mark.parametrize("method", ["_needs", "_stale", "_sensed", "_plan"])
-def test_the_loop_holds_no_policy_specific_code(method: str) -> None:
+@pytest.mark.parametrize(
+    "code",
+    [Reconciler.needs, Reconciler.tick, stale, PlanCache._sensed, PlanCache.plan, PlanCache.key],
+    ids=lambda f: f.__qualname__,
+)
+def test_the_loop_holds_no_policy_specific_code(code: Callable[..., object]) -> None:
     """What reads or re-plans for a policy only iterates over the policies: no policy's
     name, carried key, class setting or rule-name prefix is left in it (docstrings aside)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(Agent, method))))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
     (fn,) = tree.body
     assert isinstance(fn, ast.FunctionDef)
     body = fn.body[1:] if ast.get_docstring(fn) else fn.body

@@ -18,7 +18,7 @@ from pathlib import Path
 import structlog
 
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent
+from nodeagent.daemon import Agent, open_agent
 from nodeagent.policyfile.filewatch import FileWatch
 from nodeagent.policyfile.load import load_policy
 
@@ -63,7 +63,7 @@ def running_agent(tmp_path: Path, first: str) -> Iterator[tuple[Agent, Path]]:
     write_configmap(volume, 1, first)
     (tmp_path / "cgroup").mkdir()
     path = str(volume / "policy.yaml")
-    agent = Agent(load_policy(path), CgroupTree(str(tmp_path / "cgroup")), dry_run=True,
+    agent = open_agent(load_policy(path), CgroupTree(str(tmp_path / "cgroup")), dry_run=True,
                   config_path=path)  # fmt: skip
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()

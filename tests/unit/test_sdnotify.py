@@ -15,7 +15,7 @@ import pytest
 
 from nodeagent import sdnotify
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent
+from nodeagent.daemon import open_agent
 from nodeagent.policyfile.load import load_policy
 from nodeagent.sdnotify import healthy
 
@@ -115,7 +115,7 @@ def _loop_pings(
     (tmp_path / "cgroup").mkdir()
     monkeypatch.setenv("WATCHDOG_USEC", str(int(kw["watchdog"] * 1e6)))
     monkeypatch.delenv("WATCHDOG_PID", raising=False)
-    agent = Agent(load_policy(policy), CgroupTree(str(tmp_path / "cgroup")), dry_run=True)
+    agent = open_agent(load_policy(policy), CgroupTree(str(tmp_path / "cgroup")), dry_run=True)
     if "tick" in kw:
         monkeypatch.setattr(agent, "tick", kw["tick"](agent.tick))
     agent.prepare()

@@ -20,7 +20,7 @@ import structlog
 from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute, CpuMax, Frozen
-from nodeagent.daemon import Agent
+from nodeagent.daemon import Agent, open_agent
 from nodeagent.discovery.layouts import classify
 from nodeagent.discovery.registry import Registry
 from nodeagent.discovery.scan import scan
@@ -320,8 +320,8 @@ def agent_on(root: Path, tmp_path: Path, slurm: dict[str, Any] | None = None) ->
             ],
         }
     )  # fmt: skip
-    agent = Agent(spec, CgroupTree(str(root)))
-    agent.slurm = SlurmJobs(Squeue(listing("11|physics", "12|bio")))
+    agent = open_agent(spec, CgroupTree(str(root)))
+    agent.rec.slurm = SlurmJobs(Squeue(listing("11|physics", "12|bio")))
     agent.registry.resync()
     return agent
 
@@ -409,7 +409,7 @@ def test_slurm_down_the_jobs_are_claimed_by_the_rules_that_need_no_account(
 ) -> None:
     root = slurm_node(tmp_path)
     agent = agent_on(root, tmp_path)
-    agent.slurm = SlurmJobs(Squeue(subprocess.TimeoutExpired("squeue", 5)))
+    agent.rec.slurm = SlurmJobs(Squeue(subprocess.TimeoutExpired("squeue", 5)))
     with structlog.testing.capture_logs() as logs:
         run_ticks(agent, root)
     record = agent.last

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from nodeagent import state
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent
+from nodeagent.daemon import Agent, open_agent
 from nodeagent.errors import NodeagentError
 from nodeagent.policyfile.load import parse_policy
 from nodeagent.state import SavedState
@@ -318,7 +318,7 @@ def _agent(tmp_path: Path, state_file: Path, tenants: str = "a: {shares: 1}") ->
     spec = parse_policy(
         f"version: 1\nagent: {{state_file: {state_file}}}\ntenants: {{{tenants}}}\n", "p.yaml"
     )
-    return Agent(spec, CgroupTree(str(cgroups)))
+    return open_agent(spec, CgroupTree(str(cgroups)))
 
 
 def test_the_agent_loads_only_the_tenants_of_its_policy(tmp_path: Path) -> None:

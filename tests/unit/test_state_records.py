@@ -126,7 +126,7 @@ def test_saving_never_raises_and_says_so_once_per_interval(d: Daemon, monkeypatc
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(state, "save", broken)
-    d.agent._save_logged = -math.inf
+    d.agent.rec.saver.logged_at = -math.inf
     with structlog.testing.capture_logs() as logs:
         d.agent.save_state()
     assert events(logs, "state.save_failed")[0]["error"] == "RuntimeError: a bug"

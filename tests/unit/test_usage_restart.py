@@ -15,7 +15,7 @@ import pytest
 
 from nodeagent import state
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.daemon import Agent
+from nodeagent.daemon import Agent, open_agent
 from nodeagent.policyfile.model import PolicySpec
 
 HALF_LIFE = 3600.0
@@ -36,7 +36,7 @@ def started(tmp_path: Path, usage: dict[str, float], away: float) -> tuple[Agent
     (tmp_path / "cgroup").mkdir(exist_ok=True)
     before = time.time()
     state.save(str(path), state.SavedState(before - away, usage))
-    agent = Agent(spec, CgroupTree(str(tmp_path / "cgroup")), dry_run=True)
+    agent = open_agent(spec, CgroupTree(str(tmp_path / "cgroup")), dry_run=True)
     return agent, away, away + time.time() - before
 
 

@@ -1,0 +1,148 @@
+"""When the loop plans anew and when it makes the last plan again.
+
+Planning is the tick's dearest pure step, and on a steady node its answer does not change:
+the cache keeps the last plan's key (what a plan depends on) and makes that plan again,
+with the usage history advanced, until the key changes, `agent.replan_interval` passes, or
+something that moves every tick asks for a new one (a policy's own staleness, a memory.max
+the executor holds back). Pure: the caller passes the clock, the last plan and the feedback.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from nodeagent.policy import history
+from nodeagent.policy.base import Assignment, Policy
+from nodeagent.policy.fairshare import is_active
+from nodeagent.policy.plan import Plan, make_plan
+from nodeagent.policyfile.model import PolicySpec
+from nodeagent.snapshot import NodeSnapshot, WorkloadState
+
+
+@dataclass(frozen=True, slots=True)
+class PlanInputs:
+    """What one tick hands the cache: the tick's snapshot and claims, the state the last
+    tick left (usage history, the policies' carried state, the plan it applied), and
+    whether the executor holds a write back until usage fits (a new plan every tick)."""
+
+    snapshot: NodeSnapshot
+    spec: PolicySpec
+    usage: Mapping[str, float]
+    carry: Mapping[str, Mapping[str, object]]
+    assignments: Mapping[str, Assignment]
+    last: Plan | None
+    held_back: bool = False
+
+
+class PlanCache:
+    """The key of the last plan made, and when it must be made anew regardless."""
+
+    def __init__(self) -> None:
+        self._key: object = None
+        self._replan_at = 0.0
+        self._sensed_value: tuple[
+            PolicySpec | None,
+            tuple[WorkloadState, ...],
+            tuple[frozenset[str], frozenset[str], bool],
+        ] = (None, (), (frozenset(), frozenset(), False))
+        self._assigned: tuple[object, dict[str, Assignment]] = (None, {})
+        """The last plan's assignments, for as long as it is made again (same cgroups)."""
+
+    def expire(self) -> None:
+        """Plan anew at the next tick (a reload)."""
+        self._replan_at = 0.0
+
+    def plan(
+        self, given: PlanInputs, policies: tuple[Policy, ...], now: float
+    ) -> tuple[Plan, bool]:
+        """A new plan when something it depends on changed, or `agent.replan_interval`
+        has passed (`now` on the monotonic clock); otherwise the last one again, with the
+        usage history advanced; and whether it is the last one. What a plan depends on:
+        which workloads there are and which are busy, what could not be read, the GPUs'
+        holders, each tenant's part of the usage history (to the percent), and anything
+        that moves every tick: a memory.max waiting for usage to fit, or what a policy says
+        makes its plan stale (`Policy.stale`, `Policy.stale_sensed`: deadline jobs, a
+        protected cgroup under pressure, the protection controller at work)."""
+        snapshot, spec, last = given.snapshot, given.spec, given.last
+        key = self.key(given, policies)
+        moving = given.held_back or self._sensed(snapshot.workloads, spec, policies)[2]
+        moving = moving or stale(policies, given.carry, given.assignments)
+        if last is not None and key == self._key and now < self._replan_at and not moving:
+            if self._assigned[0] is not last.cgroups:  # kept by every plan made again
+                self._assigned = (last.cgroups, last.assignments())
+            usage = history.advance(
+                given.usage, snapshot, self._assigned[1], spec.fair_share.half_life
+            )
+            again = replace(
+                last, seq=snapshot.seq, wall_time=snapshot.wall_time, tenant_usage=usage
+            )
+            return again, True
+        self._key, self._replan_at = key, now + spec.agent.replan_interval
+        plan = make_plan(
+            snapshot,
+            spec,
+            given.usage,
+            policies,
+            assignments=given.assignments,
+            carried=given.carry,
+        )
+        return plan, False
+
+    def key(self, given: PlanInputs, policies: tuple[Policy, ...]) -> object:
+        """What a plan depends on, besides what moves every tick."""
+        snapshot, gpus = given.snapshot, given.snapshot.gpus
+        paths, active, _ = self._sensed(snapshot.workloads, given.spec, policies)
+        return (
+            paths,
+            active,
+            frozenset(s.path for s in snapshot.skipped),
+            frozenset(w.path for w in snapshot.levels),
+            None
+            if gpus is None
+            else (gpus.holds, tuple((p.pid, p.device_uuid) for p in gpus.processes)),
+            usage_shares(given.usage),
+        )
+
+    def _sensed(
+        self,
+        workloads: tuple[WorkloadState, ...],
+        spec: PolicySpec,
+        policies: tuple[Policy, ...],
+    ) -> tuple[frozenset[str], frozenset[str], bool]:
+        """What the plan's key and its staleness take from the workloads: their paths, the
+        active ones, and whether a policy finds them stale (`Policy.stale_sensed`: one
+        stalls); worked out again only when a workload's state is a new object (the sensor
+        keeps an unchanged one) or the policy changed."""
+        last_spec, last, value = self._sensed_value
+        if (
+            last_spec is spec
+            and len(last) == len(workloads)
+            and all(map(operator.is_, last, workloads))
+        ):
+            return value
+        value = (
+            frozenset(w.path for w in workloads),
+            frozenset(w.path for w in workloads if is_active(w, spec.fair_share)),
+            any(p.stale_sensed(workloads, spec) for p in policies),
+        )
+        self._sensed_value = (spec, workloads, value)
+        return value
+
+
+def stale(
+    policies: tuple[Policy, ...],
+    carry: Mapping[str, Mapping[str, object]],
+    assignments: Mapping[str, Assignment],
+) -> bool:
+    """A policy says its carried state or the workloads it plans need a new plan next
+    tick (the protection controller at work, deadline jobs)."""
+    return any(p.stale(carry.get(p.name, {}), assignments) for p in policies)
+
+
+def usage_shares(usage: Mapping[str, float]) -> tuple[tuple[str, float], ...]:
+    """Each tenant's part of the decayed usage, to the percent: fair share re-plans when
+    it moves, and not for every last core-second."""
+    total = sum(usage.values())
+    return tuple(sorted((t, round(u / total, 2) if total else 0.0) for t, u in usage.items()))

@@ -1,0 +1,431 @@
+"""One tick: sense -> snapshot -> plan -> act -> record, and the fast path between ticks.
+
+Level-triggered: every tick recomputes the whole plan from the kernel's current state, so a
+missed event or a restart costs at most one tick. What a tick leaves the next is data, in
+one place (`Feedback`): the usage history, the policies' carried state, what the executor
+held back or failed to write, whether to read every file again. The caches of what a tick
+derives from the last (who is claimed, what to read, the plan) are keyed on their inputs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import structlog
+
+from nodeagent.act import Executor, Outcome, WriteResult
+from nodeagent.cgroupfs.subtree import ensure_managed_root, leave_managed_path
+from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
+from nodeagent.changes import NoteLog, ProblemLog
+from nodeagent.discovery.registry import Registry
+from nodeagent.errors import NodeagentError
+from nodeagent.gpu.model import GpuState, Hold, HoldKind
+from nodeagent.gpualloc.service import GpuService
+from nodeagent.identity import WorkloadIdentity
+from nodeagent.jobs import Jobs
+from nodeagent.kube.pods import EMPTY, PodDirectory
+from nodeagent.logs import audit_write
+from nodeagent.originals import Originals
+from nodeagent.ownership import WriteMode, parent_identity, write_mode
+from nodeagent.persistence import StateSaver
+from nodeagent.policy.base import Assignment, Policy
+from nodeagent.policy.classify import assign
+from nodeagent.policy.history import decay
+from nodeagent.policy.newcomer import plan_newcomers
+from nodeagent.policy.plan import DEFAULT_POLICIES, Plan
+from nodeagent.policy.plancache import PlanCache, PlanInputs
+from nodeagent.policy.weights import ancestors
+from nodeagent.policyfile.model import PolicySpec
+from nodeagent.report import TickRecord
+from nodeagent.runtimes.metadata import RuntimeMetadata
+from nodeagent.sense.sensor import Sensor
+from nodeagent.slurm import SlurmJobs
+from nodeagent.snapshot import NO_NEEDS, Needs
+from nodeagent.state import SavedState
+
+if TYPE_CHECKING:
+    from nodeagent.kube.node import KubernetesNode
+
+log = structlog.get_logger("nodeagent")
+
+CONTROLLERS = ("cpu", "memory")
+
+
+@dataclass(frozen=True, slots=True)
+class Feedback:
+    """What a tick leaves the next one."""
+
+    usage: Mapping[str, float] = field(default_factory=dict)
+    """The decayed usage history, per tenant."""
+    carry: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+    """The policies' state for their next tick, by policy name."""
+    held_back: frozenset[str] = frozenset()
+    """Workloads whose memory.max waits for their usage to fit: read it every tick."""
+    retry: frozenset[str] = frozenset()
+    """Workloads with a failed write: written again even on an unchanged plan."""
+    read_all: bool = True
+    """Read every file of every workload (at start, after a reload)."""
+
+
+class Reconciler:
+    """The tick and the fast path, over the collaborators the daemon wires in; with no
+    I/O of its own until it is asked to act."""
+
+    def __init__(
+        self,
+        spec: PolicySpec,
+        tree: CgroupTree,
+        *,
+        proc_root: str,
+        dry_run: bool,
+        registry: Registry,
+        sensor: Sensor,
+        executor: Executor,
+        runtimes: RuntimeMetadata,
+        slurm: SlurmJobs,
+        kube: KubernetesNode | None,
+        policies: tuple[Policy, ...] = DEFAULT_POLICIES,
+    ) -> None:
+        self.spec = spec
+        self.tree = tree
+        self.proc_root = proc_root
+        self.dry_run = dry_run
+        self.registry = registry
+        self.sensor = sensor
+        self.executor = executor
+        self.runtimes = runtimes
+        self.slurm = slurm
+        self.kube = kube
+        self.policies = policies
+        """The policies a full tick runs, in order; what they need read every tick and when
+        their plan is stale they say themselves (`Policy.needs`, `Policy.stale`): the loop
+        knows none of them by name."""
+        self.feedback = Feedback()
+        self.originals = Originals()
+        """What the agent changed and the values before, for `nodeagent release`."""
+        self.last: TickRecord | None = None
+        """The last tick's record (replaced whole: readers on other threads take it as is)."""
+        self.problems = ProblemLog()
+        self.notes = NoteLog()
+        self.plans = PlanCache()
+        self._fast_results: list[WriteResult] = []
+        """The fast path's writes since the last tick, reported with the next one."""
+        self.forget_derived()
+        # set by `wire`: they and the reconciler call each other
+        self.gpus: GpuService
+        self.jobs: Jobs
+        self.saver: StateSaver
+
+    def wire(self, gpus: GpuService, jobs: Jobs, saver: StateSaver) -> None:
+        self.gpus, self.jobs, self.saver = gpus, jobs, saver
+
+    def forget_derived(self) -> None:
+        """Empty the caches of what each tick derives from the last (what to read, who is
+        claimed, the refusals said)."""
+        self._needs_key: object = None
+        self._needs_value: dict[str, Needs] = {}
+        self._refused: set[tuple[str, str]] = set()
+        """(cgroup, what a rule refused) said already."""
+        self._claimed_key: object = None
+        self._claimed_value: tuple[
+            dict[str, Assignment],
+            list[WorkloadIdentity],
+            list[WorkloadIdentity],
+            dict[str, WriteMode],
+        ] = ({}, [], [], {})
+
+    # --- what the state file keeps ------------------------------------------------------
+
+    def restore(self, saved: SavedState) -> None:
+        """The saved usage history, decayed by the time away (only tenants still in the
+        policy are kept, so a removed tenant's history is not carried and re-saved forever);
+        and the jobs that still run, their GPU holds and the policies' carried state."""
+        self.jobs.load(saved.jobs, self.spec.agent.managed_root)
+        self.gpus.ledger.load(saved.gpus, self._kept_hold, time.monotonic(), time.time())
+        self.gpus.ledger.load_history(saved.gpu_history)
+        self.originals = Originals.load(saved.originals)
+        self.originals.forget([p for p, _, _ in self.originals.items() if not self.exists(p)])
+        elapsed = time.time() - saved.saved_at
+        usage = decay(saved.tenant_usage, elapsed, self.spec.fair_share.half_life)
+        carry = {k: dict(v) for k, v in saved.carry.items()}
+        self.feedback = replace(self.feedback, usage=usage, carry=carry)
+
+    def _kept_hold(self, hold: Hold) -> Hold | None:
+        """A saved hold is kept if it is a reservation, or the hold of a job still running
+        (the job names it by id, or, in a file from before holds had ids, by its name and
+        GPUs: the job then adopts it)."""
+        if hold.kind is HoldKind.RESERVATION:
+            return hold
+        for job in self.jobs.running():
+            if job.gpu_hold is not None:
+                if job.gpu_hold == hold.id and job.uid == hold.uid:
+                    return hold
+            elif job.name == hold.owner and job.gpus == hold.uuids:
+                self.jobs.adopt(job.name, hold.id)
+                return replace(hold, uid=job.uid, tenant=job.tenant)
+        return None
+
+    def gather(self, now: float, wall: float) -> SavedState:
+        """What a save writes: taken at `now` (monotonic) and `wall`."""
+        ledger = self.gpus.ledger
+        return SavedState(
+            wall,
+            self.feedback.usage,
+            self.jobs.dump(),
+            self.feedback.carry,
+            ledger.dump(now, wall),
+            ledger.history(),
+            self.originals.dump(),
+        )
+
+    # --- the tick -----------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Create and enable the managed subtree, then discover. Writes nothing in dry-run."""
+        if not self.dry_run:
+            root = self.spec.agent.managed_root
+            leave_managed_path(self.tree, root, self.proc_root, audit_write)
+            ensure_managed_root(self.tree, root, CONTROLLERS, audit_write)
+        self.registry.resync()
+        if self.kube is not None:
+            self.kube.start()
+
+    def tick(self) -> TickRecord:
+        started = time.monotonic()
+        fed = self.feedback
+        self.registry.poll()
+        self.registry.new.clear()  # this tick plans them in full
+        jobs = self.jobs.assignments()  # exec's jobs, managed whatever the rules say
+        for path in jobs.keys() - self.registry.workloads.keys():
+            self.registry.track(path)  # started since inotify last spoke
+        # only workloads a rule or exec claims are sensed: the rest are left alone
+        identities = self.runtimes.attach(
+            self.slurm.enrich(self.registry.identities(), self.spec.agent.slurm)
+        )
+        assignments, managed, levels, modes = self.claimed(identities, jobs)
+        snapshot = self.sensor.snapshot(
+            managed,
+            time.time(),
+            started,
+            needs=self.needs(assignments, managed, fed.held_back),
+            levels=levels,
+            full=fed.read_all,
+        )
+        for path in snapshot.vanished:  # inotify may have missed it (a failed watch)
+            self.registry.forget(path)
+        if not self.dry_run:
+            self.jobs.reap(snapshot)
+        kube = self.kube
+        pods = None
+        if kube is not None:
+            spec = self.spec
+
+            def pods(state: GpuState) -> tuple[Hold, ...]:
+                classes = {p: str(a.workload_class) for p, a in assignments.items()}
+                return kube.gpu_holds(state, spec, identities, classes)
+
+        snapshot = replace(
+            snapshot,
+            gpus=self.gpus.sense(time.monotonic(), pods),
+            local_seconds=_local_seconds(snapshot.wall_time),
+        )
+        if kube is not None:
+            kube.publish(snapshot.gpus, self.spec)
+        last = self.last
+        given = PlanInputs(
+            snapshot,
+            self.spec,
+            fed.usage,
+            fed.carry,
+            assignments,
+            None if last is None else last.plan,
+            held_back=bool(fed.held_back),
+        )
+        plan, same = self.plans.plan(given, self.policies, started)
+        # an unchanged plan was applied already: only what was read afresh can differ, and
+        # what failed to be written last time is tried again
+        only = self.sensor.fresh | fed.retry if same else None
+        applied = self.executor.apply(plan, snapshot, only)
+        self.record_originals(applied, plan, snapshot.vanished)
+        results = (*self._fast_results, *applied)  # the fast path's since the last tick too
+        self._fast_results = []
+        # what this plan wrote is known from now on (a newcomer the fast path wrote is read
+        # in full when first sensed, and may be gone from this plan)
+        written = [r for r in applied if r.outcome is Outcome.WRITTEN]
+        if written:
+            targets = {c.path: c.targets for c in plan.cgroups}
+            for r in written:
+                self.sensor.learn(r.path, r.attribute, targets[r.path][r.attribute].value)
+        self.feedback = Feedback(
+            usage=dict(plan.tenant_usage),
+            carry=dict(plan.carry),
+            held_back=frozenset(r.path for r in results if r.outcome is Outcome.UNREACHABLE),
+            retry=frozenset(r.path for r in results if r.outcome is Outcome.FAILED),
+            read_all=False,
+        )
+        self.gpus.apply(plan, self.dry_run)
+        self.problems.update(snapshot, plan, results)
+        self.notes.update(plan.notes)
+        self.last = TickRecord(
+            snapshot, plan, results, time.monotonic() - started, self.dry_run, assignments, modes
+        )
+        if not self.dry_run and self.saver.due():
+            self.saver.save()
+        return self.last
+
+    def claimed(
+        self, identities: list[WorkloadIdentity], jobs: Mapping[str, Assignment]
+    ) -> tuple[
+        dict[str, Assignment], list[WorkloadIdentity], list[WorkloadIdentity], dict[str, WriteMode]
+    ]:
+        """Who the rules and the jobs claim, their parents and write modes: worked out again
+        only when the workloads, the jobs or the policy change (a steady tick skips it)."""
+        pods = self.pods()
+        key = (tuple(identities), tuple(jobs.items()), id(self.spec), pods.version)
+        if key != self._claimed_key:
+            assignments = {**assign(identities, self.spec, pods), **jobs}
+            self._say_refused(assignments)
+            managed = [i for i in identities if i.path in assignments]
+            modes = {i.path: write_mode(i, self.spec.agent) for i in managed}
+            self._claimed_value = (assignments, managed, self._levels(managed), modes)
+            self._claimed_key = key
+        return self._claimed_value
+
+    def _say_refused(self, assignments: Mapping[str, Assignment]) -> None:
+        """A label or annotation that asked for what its rule does not allow: said once per
+        cgroup and value (and shown by workloads, allocations and explain)."""
+        now = {(path, x) for path, a in assignments.items() for x in a.refused}
+        for path, refused in sorted(now - self._refused):
+            log.warning(
+                "rule.value_refused",
+                cgroup=path,
+                rule=assignments[path].rule,
+                refused=refused,
+                action="the rule's own tenant, class or deadline applies",
+            )
+        # remembered while the cgroup is claimed: a tick whose runtime answer came late (the
+        # value unread, so nothing refused) does not make the next one say it again
+        self._refused = {(p, x) for p, x in self._refused | now if p in assignments}
+
+    def needs(
+        self,
+        assignments: Mapping[str, Assignment],
+        managed: list[WorkloadIdentity],
+        held_back: frozenset[str] = frozenset(),
+    ) -> dict[str, Needs]:
+        """What each workload's lean read adds to its usage: what the policies in use
+        declare they need of it (`Policy.needs`), what the job reaper needs (exec's jobs'
+        cgroup.events), and memory.current while the executor holds a memory.max back
+        until usage fits (`held_back`)."""
+        key = (id(assignments), held_back)
+        if key == self._needs_key:
+            return self._needs_value
+        spec, policies = self.spec, self.policies
+        out = {}
+        for i in managed:
+            a = assignments[i.path]
+            need = self.jobs.needs(a)
+            if i.path in held_back:
+                need |= Needs(memory=True)
+            for policy in policies:
+                need |= policy.needs(a, spec)
+            if need != NO_NEEDS:
+                out[i.path] = need
+        self._needs_key, self._needs_value = key, out
+        return out
+
+    def pods(self) -> PodDirectory:
+        """The API server's view of this node's pods (Kubernetes mode, when watched)."""
+        return EMPTY if self.kube is None else self.kube.pods()
+
+    def _levels(self, managed: list[WorkloadIdentity]) -> list[WorkloadIdentity]:
+        """The parents of the claimed workloads, up to (not including) the root, for the
+        hierarchy of fair share."""
+        if not self.spec.fair_share.hierarchy:
+            return []
+        claimed = {i.path for i in managed}
+        found = {a for i in managed for a in ancestors(i.path) if a not in claimed}
+        root = self.spec.agent.managed_root
+        return [parent_identity(p, root) for p in sorted(found)]
+
+    def fairness(self, tenant: str) -> float:
+        """How far a tenant is ahead of its share: decayed usage per share (lower first)."""
+        share = self.spec.tenants[tenant].shares if tenant in self.spec.tenants else 1.0
+        return self.feedback.usage.get(tenant, 0.0) / share
+
+    def exists(self, cgroup: str) -> bool:
+        try:
+            with self.tree.open(cgroup):
+                return True
+        except (CgroupVanished, NodeagentError):
+            return False
+
+    # --- what was written ---------------------------------------------------------------
+
+    def record_originals(
+        self, results: Sequence[WriteResult], plan: Plan, vanished: Iterable[str] = ()
+    ) -> None:
+        """Note the writes just made with what they replaced, right after the executor made
+        them (before GPUs, observers or anything else that may hang); a first change of an
+        attribute goes to the state's journal at once (nodeagent.state), so that release
+        finds it after a crash. tuned records an old value before it sets the new one: here a
+        kill between a write and this append loses that one original, which the next agent
+        then takes to be what the agent had set."""
+        modes = {c.path: c.write for c in plan.cgroups}
+        root = self.spec.agent.managed_root
+        for r in results:
+            if r.outcome is Outcome.WRITTEN:
+                via = modes.get(r.path) or write_mode(
+                    parent_identity(r.path, root), self.spec.agent
+                )
+                self.originals.note(r.path, r.attribute, r.old, r.new, via)
+        self.originals.forget(vanished)
+        if not self.dry_run:
+            self.saver.journal(self._fresh_originals)
+
+    def _fresh_originals(self) -> list[tuple[str, str, Mapping[str, str]]]:
+        return [(p, str(a), o.to_json()) for p, a, o in self.originals.take_fresh()]
+
+    # --- between ticks ------------------------------------------------------------------
+
+    def fast_path(self, paths: list[str]) -> None:
+        """Apply new workloads' own caps and their tenant's weight now, before the next
+        full tick (policy.newcomer explains what it sets)."""
+        found = self.slurm.enrich(
+            (self.registry.workloads[p] for p in paths if p in self.registry.workloads),
+            self.spec.agent.slurm,
+        )
+        # the runtime's answer is part of the fast path: a rule on labels applies at once
+        identities = self.runtimes.attach(found, complete=False, new=True)
+        jobs = self.jobs.assignments()
+        assignments = {**assign(identities, self.spec, self.pods()), **jobs}
+        last = self.last
+        node = last.snapshot.node if last is not None else self.sensor.node.read()
+        plan, snapshot = plan_newcomers(
+            identities, assignments, self.spec, previous=None if last is None else last.plan,
+            node=node, wall_time=time.time(),
+        )  # fmt: skip
+        results = self.executor.apply(plan, snapshot)
+        self.record_originals(results, plan)
+        self._fast_results.extend(results)  # reported with the next tick's
+        for r in results:
+            if r.outcome is Outcome.FAILED:
+                log.warning("fastpath.write_failed", cgroup=r.path, attribute=str(r.attribute),
+                            detail=r.detail)  # fmt: skip
+
+    def reloaded(self, spec: PolicySpec) -> None:
+        """A new policy from the next tick on: every file read again, and a new plan."""
+        self.spec = spec
+        self.sensor.min_window = spec.agent.interval / 2
+        self.sensor.verify_every = spec.agent.resync_interval
+        self.feedback = replace(self.feedback, read_all=True)
+        self.plans.expire()
+
+
+def _local_seconds(wall: float) -> float:
+    """Seconds since local midnight, for the policies' daily windows."""
+    t = time.localtime(wall)
+    return t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec + wall % 1

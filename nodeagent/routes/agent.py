@@ -1,0 +1,79 @@
+"""The agent's own routes: its status, what it set and why, and the jobs `exec` starts.
+
+Reads answer from the last tick's record, which the loop replaces whole; the daemon posts
+whatever changes state (every POST and DELETE) to the loop (nodeagent.commands)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from nodeagent.api.server import Request, Routes
+from nodeagent.errors import BadRequest, NotFound
+from nodeagent.gpualloc.service import environment
+from nodeagent.reconcile import Reconciler
+from nodeagent.report import TickRecord, allocations, explain, find, identities
+
+
+def agent_routes(rec: Reconciler, config_path: str | None) -> Routes:
+    """/v1/status, /v1/allocations, /v1/explain and /v1/jobs over `rec`."""
+
+    def record() -> TickRecord:
+        last = rec.last
+        if last is None:
+            raise NotFound("nodeagent has not completed a tick yet")
+        return last
+
+    def status(_: Request) -> object:
+        last = rec.last
+        return {
+            "pid": os.getpid(),
+            "dry_run": rec.dry_run,
+            "policy_file": config_path,
+            "cgroup_root": rec.tree.root,
+            "managed_root": rec.spec.agent.managed_root,
+            "tick": None if last is None else last.snapshot.seq,
+            "workloads": len(rec.registry.workloads),
+            "slurm_problem": rec.slurm.problem,
+            "deadline_misses": rec.notes.deadline_misses,
+            "runtimes": rec.runtimes.status(),
+        }
+
+    def allocs(_: Request) -> object:
+        return {**allocations(record()), "deadline_misses": rec.notes.deadline_misses}
+
+    def explain_one(request: Request) -> object:
+        last = record()
+        query = request.query.get("cgroup", "")
+        found = find(identities(last), query, rec.tree.root)
+        if len(found) != 1:
+            what = "no workload" if not found else f"{len(found)} workloads"
+            raise NotFound(
+                f"{what} match {query!r} among the workloads a rule claims;"
+                " see 'nodeagent allocations' and 'nodeagent workloads'"
+            )
+        return explain(last, found[0])
+
+    def start_job(request: Request) -> object:
+        if rec.dry_run:
+            raise BadRequest("this daemon runs with --dry-run: it starts no jobs")
+        job = rec.jobs.start(request.body, request.peer, rec.spec, time.time(), rec.gpus.claim)
+        rec.saver.save()  # a restart must know the job before its next periodic save
+        mine = next((h for h in rec.gpus.ledger.holds() if h.id == job.gpu_hold), None)
+        return {**job.to_json(), "env": {} if mine is None else environment(mine)}
+
+    def finish_job(request: Request) -> object:
+        job = rec.jobs.finish(request.body, request.peer)
+        if job.deadline is not None and time.time() > job.deadline:
+            rec.notes.missed(job.cgroup, job.deadline)
+        return job.to_json()
+
+    def list_jobs(_: Request) -> object:
+        return {"jobs": rec.jobs.dump()}
+
+    return {
+        "/v1/jobs": {"GET": list_jobs, "POST": start_job, "DELETE": finish_job},
+        "/v1/status": {"GET": status},
+        "/v1/allocations": {"GET": allocs},
+        "/v1/explain": {"GET": explain_one},
+    }
