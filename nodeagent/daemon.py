@@ -113,7 +113,9 @@ def open_agent(
         saved = None
     if saved is not None:
         rec.restore(saved)
-    return Agent(rec, config_path=config_path, overrides=overrides)
+    # for agent.reload_on_change: the policy file as it was last loaded
+    watch = None if config_path is None else FileWatch(config_path)
+    return Agent(rec, config_path=config_path, overrides=overrides, policy_file=watch)
 
 
 def with_overrides(spec: PolicySpec, overrides: Mapping[str, object]) -> PolicySpec:
@@ -140,12 +142,13 @@ class Agent:
         *,
         config_path: str | None = None,
         overrides: Mapping[str, object] | None = None,
+        policy_file: FileWatch | None = None,
     ) -> None:
         self.rec = rec
         self.config_path = config_path
         self.overrides = dict(overrides or {})
-        # for agent.reload_on_change: the policy file as it was last loaded
-        self.policy_file = None if config_path is None else FileWatch(config_path)
+        self.policy_file = policy_file
+        """The file `agent.reload_on_change` watches, as it was last loaded."""
         self.observers: list[Callable[[TickRecord | None], None]] = []
         """Told of every tick: its record, or None when it failed (the metrics)."""
         self.wakeup = Wakeup()
