@@ -16,7 +16,7 @@ at a steady pace, one in four over 100%, some of those infeasible), each run thr
 
 For each job it prints the rate it needed (work / time to its deadline) against the rate it
 got (work / time it took), how late it was, and the finish the offline simulation
-(nodeagent.policy.simulate, the real policies on simulated ticks, with the overhead measured
+(scripts/benchref/simulate.py, the real policies on simulated ticks, with the overhead measured
 on this node before the runs) predicted against the finish measured.
 """
 
@@ -40,12 +40,12 @@ from typing import Any
 import psutil
 import yaml
 from benchkit import Bench, wait_for_api
+from benchref.simulate import SimJob, simulate
 
 from nodeagent.api import client
 from nodeagent.errors import NodeagentError
 from nodeagent.policy.edf import Demand, feasible
 from nodeagent.policy.plan import DEFAULT_POLICIES
-from nodeagent.policy.simulate import SimJob, simulate
 from nodeagent.policyfile.model import PolicySpec
 
 MANAGED = "nodeagent-bench.slice"

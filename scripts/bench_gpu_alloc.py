@@ -52,10 +52,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from benchref.placement_baselines import best_effort, first_fit
+
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.policy import gpu_durations
 from nodeagent.policy.placement import GpuRequest, Holdings, NodeGpus, Placement, Refusal, place
-from nodeagent.policy.placement_baselines import best_effort, first_fit
 
 REPO = Path(__file__).resolve().parents[1]
 NODES = REPO / "config" / "gpus"

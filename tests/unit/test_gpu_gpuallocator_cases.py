@@ -20,11 +20,11 @@ from __future__ import annotations
 from itertools import combinations
 
 import pytest
+from benchref.placement_baselines import best_effort
 from test_gpu_placement import device, shipped
 
 from nodeagent.gpu.model import Link, PcieLevel, Topology
 from nodeagent.policy.placement import GpuRequest, Holdings, NodeGpus, Placement, Refusal, place
-from nodeagent.policy.placement_baselines import best_effort
 
 P2P = {
     "CrossCPU": (PcieLevel.SYS, 10),

@@ -7,6 +7,7 @@ from itertools import combinations
 from pathlib import Path
 
 import pytest
+from benchref.placement_baselines import best_effort, first_fit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_policy_purity import unflagged
@@ -36,7 +37,6 @@ from nodeagent.policy.placement import (
     pair_score,
     place,
 )
-from nodeagent.policy.placement_baselines import best_effort, first_fit
 
 GPUS = Path(__file__).resolve().parents[2] / "config" / "gpus"
 GIB = 1024**3

@@ -7,12 +7,12 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from benchref.simulate import SimJob, simulate
 from builders import job, snapshot, spec
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight
 from nodeagent.policy.base import Assignment, Note
 from nodeagent.policy.plan import CgroupPlan, Plan, make_plan
-from nodeagent.policy.simulate import SimJob, simulate
 from nodeagent.policyfile.model import Limits, PolicySpec, WorkloadClass
 from nodeagent.snapshot import CgroupSample, WorkloadState
 

@@ -187,3 +187,19 @@ def test_the_whole_policy_package_passes() -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_benchmarks_models_keep_the_policy_bans() -> None:
+    """scripts/benchref/ (the deadline simulation, the baseline GPU allocators) left
+    nodeagent/policy/ only to leave the installed package: its ruff.toml extends the bans."""
+    status, findings = lint(IMPURE, "scripts/benchref/_probe.py")
+    assert status == 1
+    assert {"TID251", "T201", "PTH123"} <= {str(f["code"]) for f in findings}
+    proc = subprocess.run(
+        [*ruff_command(), "check", "--no-cache", "scripts/benchref"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from benchref.simulate import SimJob, simulate, water_fill
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nodeagent.policy.simulate import SimJob, simulate, water_fill
 from nodeagent.policyfile.model import PolicySpec
 
 SPEC = PolicySpec.model_validate({"version": 1, "tenants": {"a": {"shares": 1}}})
