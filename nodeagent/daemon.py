@@ -329,7 +329,7 @@ class Agent:
             targets = {c.path: c.targets for c in plan.cgroups}
             for r in written:
                 self.sensor.learn(r.path, r.attribute, targets[r.path][r.attribute].value)
-        self.gpus.apply(plan, self.dry_run)
+        self.gpus.executor.apply(plan, snapshot, self.dry_run)
         self.usage = dict(plan.tenant_usage)
         self.carry = dict(plan.carry)
         self.problems.update(snapshot, plan, results)

@@ -1,9 +1,10 @@
-"""The daemon's GPU side: one backend for its life, the sensor, the ledger of holds, the
-API routes for GPU requests and reservations, and applying power limits.
+"""The daemon's GPU side: one backend for its life, the sensor, the ledger of holds and
+the API routes for GPU requests and reservations.
 
 The loop calls `sense` before planning (the GPU state goes into the snapshot, with the
-holds as they were) and `apply` after (power limits from the plan); `exec` asks through
-the routes and claims its grant when its job starts.
+holds as they were) and, after it, `executor.apply` (`nodeagent.actgpu`, the act layer's:
+the power limits the plan decides, on the same backend); `exec` asks through the routes
+and claims its grant when its job starts.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import structlog
 from pydantic import BeforeValidator, Field
 
 from nodeagent.access import tenant_and_class
+from nodeagent.actgpu import GpuExecutor
 from nodeagent.api.bodies import (
     MAX_TTL,
     Body,
@@ -38,9 +40,7 @@ from nodeagent.api.server import Request, Routes
 from nodeagent.errors import (
     BadRequest,
     Conflict,
-    NodeagentError,
     NotFound,
-    one_line,
 )
 from nodeagent.gpu.backend import GpuBackend
 from nodeagent.gpu.model import GpuState, Hold, HoldKind
@@ -52,7 +52,6 @@ from nodeagent.logs import audit_event
 from nodeagent.policy.gpu_checks import violations, within
 from nodeagent.policy.gpu_durations import declared_duration
 from nodeagent.policy.placement import GpuRequest, NodeGpus, Refusal, impossible, node_gpus
-from nodeagent.policy.plan import Plan
 from nodeagent.policyfile.model import AgentMode, PolicySpec
 from nodeagent.policyfile.units import parse_duration
 from nodeagent.sense.gpus import GpuSensor
@@ -161,13 +160,14 @@ class GpuService:
     ) -> None:
         self.backend = backend
         self.sensor = GpuSensor(backend)
+        self.executor = GpuExecutor(backend)
+        """Sets the power limits each plan decides (the loop calls it after the plan)."""
         self.ledger = GpuLedger()
         self._spec = spec
         self._fairness = fairness
         self._exists = exists
         self._workloads = workloads
         self.state: GpuState | None = None
-        self._power_failed: dict[str, str] = {}
         self._ambiguous: dict[str, tuple[str, ...]] = {}
         self.pod_holds: tuple[Hold, ...] = ()
         """Kubernetes mode: the GPUs the device plugin gave each container (kind pod), from
@@ -242,34 +242,6 @@ class GpuService:
                     matches=list(found[:10]),
                     action="bound to none until exactly one workload has that name",
                 )
-
-    def apply(self, plan: Plan, dry_run: bool) -> None:
-        """Set the power limits the plan wants, read them back, audit each change. A plan
-        made again on an unchanged key still holds last tick's decisions: a limit this
-        tick's telemetry shows in force already is not set again."""
-        current = {t.uuid: t.power_limit_mw for t in (self.state.telemetry if self.state else ())}
-        for d in plan.devices:
-            if d.setting != "power_limit_mw" or dry_run or current.get(d.uuid) == d.value:
-                continue
-            try:
-                result = self.backend.set_power_limit(d.uuid, d.value)
-            except NodeagentError as e:
-                if self._power_failed.get(d.uuid) != str(e):
-                    log.warning(
-                        "gpu.power_failed", gpu=d.uuid, target_mw=d.value, error=one_line(e)
-                    )
-                    self._power_failed[d.uuid] = str(e)
-                continue
-            self._power_failed.pop(d.uuid, None)
-            audit_event(
-                "gpu.power_limit",
-                gpu=d.uuid,
-                old_mw=current.get(d.uuid),
-                new_mw=result.applied_mw,
-                requested_mw=d.value,
-                reason=d.reason,
-                simulated=result.simulated,
-            )
 
     # --- jobs -------------------------------------------------------------------------
 
