@@ -53,6 +53,7 @@ from nodeagent.policyfile.load import load_policy
 from nodeagent.policyfile.model import AgentMode, AgentSettings, PolicySpec
 from nodeagent.policyfile.yamlfile import PolicyError
 from nodeagent.report import TickRecord, allocations, explain, find, identities
+from nodeagent.routes.gpus import GpuRoutes
 from nodeagent.runtimes.metadata import RuntimeMetadata
 from nodeagent.sdbus import Systemd
 from nodeagent.sense.node import NodeSensor
@@ -121,7 +122,6 @@ class Agent:
         self.gpus = GpuService(
             open_backend(spec.gpu.simulate, proc_root),
             lambda: self.spec,
-            self._fairness,
             self._exists,
             lambda: self.registry.workloads.values(),  # noqa: PLW0108 - a resync replaces the dict
         )
@@ -612,7 +612,7 @@ class Agent:
             return {"jobs": self.jobs.dump()}
 
         routes: Routes = {
-            **self.gpus.routes(),
+            **GpuRoutes(self.gpus, lambda: self.spec, self._fairness).routes(),
             "/v1/jobs": {"GET": list_jobs, "POST": start_job, "DELETE": finish_job},
             "/v1/status": {"GET": status},
             "/v1/allocations": {"GET": allocs},
