@@ -41,6 +41,7 @@ from nodeagent.policyfile.yamlfile import PolicyError
 from nodeagent.reconcile import Reconciler
 from nodeagent.report import TickRecord
 from nodeagent.routes.agent import agent_routes
+from nodeagent.routes.gpus import GpuRoutes
 from nodeagent.runtimes.metadata import RuntimeMetadata
 from nodeagent.sdbus import Systemd
 from nodeagent.sense.node import NodeSensor
@@ -100,7 +101,6 @@ def open_agent(
     gpus = GpuService(
         open_backend(spec.gpu.simulate, proc_root),
         lambda: rec.spec,
-        rec.fairness,
         rec.exists,
         lambda: registry.workloads.values(),  # noqa: PLW0108 - a resync replaces the dict
     )
@@ -307,7 +307,8 @@ class Agent:
     def routes(self) -> Routes:
         """The API's routes; reads answer from the API's threads, from the last tick's record;
         whatever changes state is posted to the loop and runs on its thread."""
-        routes: Routes = {**self.gpus.routes(), **agent_routes(self.rec, self.config_path)}
+        gpus = GpuRoutes(self.gpus, lambda: self.rec.spec, self.rec.fairness)
+        routes: Routes = {**gpus.routes(), **agent_routes(self.rec, self.config_path)}
         return {
             path: {m: h if m == "GET" else self.commands.posted(h) for m, h in methods.items()}
             for path, methods in routes.items()

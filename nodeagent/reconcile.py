@@ -266,7 +266,7 @@ class Reconciler:
             retry=frozenset(r.path for r in results if r.outcome is Outcome.FAILED),
             read_all=False,
         )
-        self.gpus.apply(plan, self.dry_run)
+        self.gpus.executor.apply(plan, snapshot, self.dry_run)
         self.problems.update(snapshot, plan, results)
         self.notes.update(plan.notes)
         self.last = TickRecord(

@@ -1,14 +1,14 @@
 """Benchmark of the daemon's GPU queue, run by `scripts/bench gpu-queue` (no cgroups).
 
 The daemon's GPU side (GpuService with its ledger, on the simulated 4x A100 node, a
-labelled fake) is called through its own API routes, in process: one request takes all
-four GPUs, then --requests more (one GPU each, from one uid per 16 requests, so that no
-per-uid cap refuses them) are asked for and wait. Then --seconds of steady state: each
-second every waiting requester asks for its status once (as `exec` does) and the loop
-ticks once. Then the holder's grant is cancelled and one tick serves the queue. It prints
-the CPU seconds (time.process_time) of each phase. (The holder's grant lapses after
-gpu.claim_timeout, 30 s: where the asks take longer than that, the steady state serves
-the freed GPUs too.)
+labelled fake) is called through its API routes (nodeagent.routes.gpus), in process: one
+request takes all four GPUs, then --requests more (one GPU each, from one uid per 16
+requests, so that no per-uid cap refuses them) are asked for and wait. Then --seconds of
+steady state: each second every waiting requester asks for its status once (as `exec`
+does) and the loop ticks once. Then the holder's grant is cancelled and one tick serves
+the queue. It prints the CPU seconds (time.process_time) of each phase. (The holder's
+grant lapses after gpu.claim_timeout, 30 s: where the asks take longer than that, the
+steady state serves the freed GPUs too.)
 
 It runs against whatever nodeagent is importable, so the same script measures an older
 tree (PYTHONPATH=/path/to/old/tree): the routes' shape is the same.
@@ -30,6 +30,7 @@ from nodeagent.gpu.choice import open_backend
 from nodeagent.gpualloc import ledger
 from nodeagent.gpualloc.service import GpuService
 from nodeagent.policyfile.model import PolicySpec
+from nodeagent.routes.gpus import GpuRoutes
 
 NODE = Path(__file__).resolve().parents[1] / "config" / "gpus" / "4x-a100-two-nvlink-pairs.yaml"
 MONOTONIC = hasattr(ledger, "HoldRecord")
@@ -58,9 +59,9 @@ def main() -> None:
         spec = PolicySpec.model_validate(
             {"version": 1, "tenants": {"a": {"shares": 1}}, "jobs": {"default_tenant": "a"}}
         )
-        service = GpuService(open_backend(str(NODE)), lambda: spec, lambda t: 0.0, lambda c: True)
+        service = GpuService(open_backend(str(NODE)), lambda: spec, lambda c: True)
         service.sense(now())
-        routes = service.routes()
+        routes = GpuRoutes(service, lambda: spec, lambda t: 0.0).routes()
         holder = call(routes, "POST", "/v1/gpus/requests", 0, name="holder", count=4)
         assert holder["status"] == "granted", holder
         clock = "monotonic" if MONOTONIC else "wall"

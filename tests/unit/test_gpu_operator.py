@@ -26,11 +26,12 @@ from test_cli import REPO, assert_one_line_error, nodeagent
 
 from nodeagent.api import client
 from nodeagent.api.client import ApiRefused
-from nodeagent.api.server import ApiServer
+from nodeagent.api.server import ApiServer, Routes
 from nodeagent.gpu.backend import NoGpus
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.gpualloc.service import GpuService
 from nodeagent.policyfile.model import PolicySpec
+from nodeagent.routes.gpus import GpuRoutes
 
 PAIRS = str(REPO / "config" / "gpus" / "4x-a100-two-nvlink-pairs.yaml")
 MIG = str(REPO / "config" / "gpus" / "h100-mig.yaml")
@@ -40,12 +41,17 @@ SPEC = PolicySpec.model_validate(
 UUIDS = [d.uuid for d in load_simulated(PAIRS).inventory()]
 
 
+def routes(service: GpuService) -> Routes:
+    """The /v1/gpus routes over `service`, as the daemon serves them (no fair-share usage)."""
+    return GpuRoutes(service, lambda: SPEC, lambda tenant: 0.0).routes()
+
+
 def start(node: str) -> Iterator[tuple[GpuService, str]]:
     """The daemon's GPU side, one tick sensed, serving its routes on a fresh socket."""
-    service = GpuService(load_simulated(node), lambda: SPEC, lambda tenant: 0.0, lambda cg: True)
+    service = GpuService(load_simulated(node), lambda: SPEC, lambda cg: True)
     service.sense(0.0)
     where = Path(tempfile.mkdtemp(prefix="nodeagent-gpu-"))
-    server = ApiServer(str(where / "api.sock"), service.routes())
+    server = ApiServer(str(where / "api.sock"), routes(service))
     server.start()
     try:
         yield service, str(where / "api.sock")
@@ -322,10 +328,10 @@ def test_reserve_json_and_env(daemon: tuple[GpuService, str]) -> None:
 
 
 def test_place_beside_a_daemon_without_gpus_reads_the_gpus_itself() -> None:
-    service = GpuService(NoGpus("NVML found no GPUs"), lambda: SPEC, lambda t: 0.0, lambda c: True)
+    service = GpuService(NoGpus("NVML found no GPUs"), lambda: SPEC, lambda c: True)
     service.sense(0.0)
     where = Path(tempfile.mkdtemp(prefix="nodeagent-gpu-"))
-    with ApiServer(str(where / "api.sock"), service.routes()):
+    with ApiServer(str(where / "api.sock"), routes(service)):
         sock = str(where / "api.sock")
         proc = nodeagent("gpus", "place", "--socket", sock, NODEAGENT_GPU_SIM=PAIRS)
         assert proc.returncode == 0, proc.stderr

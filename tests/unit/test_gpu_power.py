@@ -1,25 +1,36 @@
-"""Applying GPU power limits (`GpuService.apply`, after each tick's plan): the limit the
-plan wants is set through the backend and read back, each change is one audit event, a
-limit already in force is not set again, a dry run sets nothing, and a failure is logged
-once, not at every tick, and again only when it changes or comes back after a success.
+"""Applying GPU power limits (`GpuExecutor.apply`, the act layer's, after each tick's
+plan): the limit the plan's decisions want is set through the backend and read back, each
+change is one audit event, a limit already in force is not set again, a dry run sets
+nothing, and a failure is logged once, not at every tick, and again only when it changes
+or comes back after a success.
 
-The daemon runs on a plain directory tree with a simulated 2-GPU node with power figures
-(stand-ins, see daemon_api); GPU power by class is the `gpu-power` policy
-(test_gpu_policies has its choices).
+The executor is tested alone on a plan and a snapshot built here, and through the daemon,
+on a plain directory tree with a simulated 2-GPU node with power figures (stand-ins, see
+daemon_api); GPU power by class is the `gpu-power` policy (test_gpu_policies has its
+choices).
 """
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import snapshot
 from daemon_api import ROOT, Daemon, daemon
 from structlog.testing import capture_logs
 
-from nodeagent.gpu.backend import GpuError
+from nodeagent.actgpu import GpuExecutor
+from nodeagent.gpu.backend import GpuBackend, GpuError
 from nodeagent.gpu.model import PowerLimit
+from nodeagent.gpu.simulated import load_simulated
+from nodeagent.policy.base import DeviceDecision
+from nodeagent.policy.plan import Plan
+from nodeagent.sense.gpus import GpuSensor
+from nodeagent.snapshot import NodeSnapshot
 
 POWERED = """\
 gpus:
@@ -59,6 +70,74 @@ def power_events(logs: Iterable[Mapping[str, Any]]) -> list[tuple[str, int | Non
 @pytest.fixture
 def d(tmp_path: Path) -> Daemon:
     return powered(tmp_path)
+
+
+# --- the executor alone: a plan's decisions, a snapshot's telemetry ------------------------
+
+GPU0, GPU1 = "GPU-00000000-0000-0000-0000-000000000000", "GPU-11111111-1111-1111-1111-111111111111"
+
+
+def node(tmp_path: Path) -> GpuBackend:
+    (tmp_path / "gpus.yaml").write_text(textwrap.dedent(POWERED))
+    return load_simulated(tmp_path / "gpus.yaml")
+
+
+def sensed(backend: GpuBackend) -> NodeSnapshot:
+    """A snapshot whose GPU state is the backend's as it reads now."""
+    return replace(snapshot([]), gpus=GpuSensor(backend).read(()))
+
+
+def planned(*decisions: DeviceDecision) -> Plan:
+    return Plan(1, 0.0, (), {}, devices=decisions)
+
+
+def cap(uuid: str, mw: int, setting: str = "power_limit_mw") -> DeviceDecision:
+    return DeviceDecision(uuid, setting, mw, "gpu-power", f"capped at {mw // 1000} W")
+
+
+def backend_limits(backend: GpuBackend) -> dict[str, int | None]:
+    return {t.uuid: t.power_limit_mw for t in backend.telemetry()}
+
+
+def test_the_executor_sets_what_the_plan_decides_and_nothing_in_a_dry_run(
+    tmp_path: Path,
+) -> None:
+    backend = node(tmp_path)
+    executor = GpuExecutor(backend)
+    plan = planned(cap(GPU0, 300_000), cap(GPU1, 250_000, setting="clock_mhz"))
+    with capture_logs() as logs:
+        executor.apply(plan, sensed(backend), dry_run=True)
+    assert backend_limits(backend) == {GPU0: 700_000, GPU1: 700_000}
+    assert logs == [], "a dry run sets and says nothing"
+    with capture_logs() as logs:
+        executor.apply(plan, sensed(backend), dry_run=False)
+    assert backend_limits(backend) == {GPU0: 300_000, GPU1: 700_000}, "a setting not a limit"
+    assert power_events(logs) == [(GPU0, 700_000, 300_000, 300_000)]
+    (event,) = logs
+    assert event["reason"] == "capped at 300 W"
+    assert event["simulated"] is True
+    with capture_logs() as logs:
+        executor.apply(plan, sensed(backend), dry_run=False)
+    assert logs == [], "the snapshot shows it in force already"
+    with capture_logs() as logs:
+        executor.apply(planned(), sensed(backend), dry_run=False)
+    assert logs == [], "no decision, no change: the executor undoes nothing by itself"
+    assert backend_limits(backend) == {GPU0: 300_000, GPU1: 700_000}
+
+
+def test_the_executor_without_gpu_state_sets_each_decision_with_no_old_limit(
+    tmp_path: Path,
+) -> None:
+    """A tick whose GPU read failed has no telemetry: nothing says a limit is in force, so
+    the decisions are set (the backend reads each back)."""
+    backend = node(tmp_path)
+    with capture_logs() as logs:
+        GpuExecutor(backend).apply(planned(cap(GPU1, 400_000)), snapshot([]), dry_run=False)
+    assert power_events(logs) == [(GPU1, None, 400_000, 400_000)]
+    assert backend_limits(backend)[GPU1] == 400_000
+
+
+# --- through the daemon ---------------------------------------------------------------------
 
 
 def test_a_class_cap_is_set_read_back_audited_once_and_undone_when_the_hold_goes(

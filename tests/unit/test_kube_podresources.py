@@ -36,6 +36,7 @@ from nodeagent.gpualloc.service import GpuService
 from nodeagent.kube.node import KubernetesNode
 from nodeagent.kube.podresources import PodResourcesClient, PodResourcesError
 from nodeagent.policyfile.model import ApiServerSettings, PolicySpec
+from nodeagent.routes.gpus import GpuRoutes
 from nodeagent.sense.gpus import GpuSensor
 
 PAIRS = REPO / "config/gpus/4x-a100-two-nvlink-pairs.yaml"
@@ -249,7 +250,7 @@ def test_no_cuda_visible_devices_is_ever_made_for_a_pod(
     assert a.gpus.ledger.holds() == ()
     assert {h.kind for h in a.gpus.holds()} == {"pod"}
     root = Request("GET", "/v1/gpus", {}, Peer(pid=1, uid=0, gid=0, groups=frozenset()))
-    report = a.gpus.routes()["/v1/gpus"]["GET"](root)
+    report = a.routes()["/v1/gpus"]["GET"](root)
     assert "CUDA_VISIBLE_DEVICES" not in str(report)
 
 
@@ -290,10 +291,12 @@ def kube_daemon() -> Iterator[str]:
         {"version": 1, "agent": {"mode": "kubernetes"}, "tenants": {"a": {"shares": 1}},
          "jobs": {"default_tenant": "a"}}
     )  # fmt: skip
-    service = GpuService(load_simulated(str(PAIRS)), lambda: spec, lambda t: 0.0, lambda c: True)
+    service = GpuService(load_simulated(str(PAIRS)), lambda: spec, lambda c: True)
     service.sense(0.0)
     where = Path(tempfile.mkdtemp(prefix="nodeagent-kube-"))
-    server = ApiServer(str(where / "api.sock"), service.routes())
+    server = ApiServer(
+        str(where / "api.sock"), GpuRoutes(service, lambda: spec, lambda t: 0.0).routes()
+    )
     server.start()
     try:
         yield str(where / "api.sock")

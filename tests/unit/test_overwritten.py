@@ -159,7 +159,7 @@ def test_the_originals_are_recorded_even_when_the_gpu_step_after_the_writes_fail
     def broken(*_: object) -> None:
         raise RuntimeError("NVML: the driver stopped answering")
 
-    monkeypatch.setattr(a.gpus, "apply", broken)
+    monkeypatch.setattr(a.gpus.executor, "apply", broken)
     with pytest.raises(RuntimeError, match="NVML"):
         tick(a)
     assert Path(a.tree.root, CONTAINERS[0], "cpu.max").read_text().strip() == "100000 100000"

@@ -1,0 +1,298 @@
+"""The /v1/gpus routes: GPU requests (`nodeagent exec --gpus`), reservations, `gpus place`
+and the `nodeagent gpus` report, over the daemon's GPU service (its ledger, its last GPU
+state, its backend). The request bodies are here, as strict models; the ledger refuses with
+nodeagent.errors' kinds, which the API server answers as HTTP statuses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Annotated
+
+from pydantic import BeforeValidator, Field
+
+from nodeagent.access import tenant_and_class
+from nodeagent.api.bodies import (
+    MAX_TTL,
+    Body,
+    Classed,
+    Container,
+    Cpus,
+    GpuCount,
+    GpuMemory,
+    Instant,
+    MigProfile,
+    Name,
+    Text,
+    Token,
+    Work,
+    check_future,
+    parse,
+)
+from nodeagent.api.server import Request, Routes
+from nodeagent.errors import BadRequest, Conflict, NotFound
+from nodeagent.gpu.report import read_report
+from nodeagent.gpualloc.ledger import holdings
+from nodeagent.gpualloc.placing import BadQuestion, answer, from_query
+from nodeagent.gpualloc.service import GpuService, node_of
+from nodeagent.logs import audit_event
+from nodeagent.policy.gpu_checks import violations
+from nodeagent.policy.gpu_durations import declared_duration
+from nodeagent.policy.placement import GpuRequest, NodeGpus, Refusal, impossible
+from nodeagent.policyfile.model import AgentMode, PolicySpec
+from nodeagent.policyfile.units import parse_duration
+
+
+def refuse_impossible(want: GpuRequest, node: NodeGpus) -> None:
+    """A request this node could never satisfy is refused now, not left in the queue."""
+    never = impossible(want, node)
+    if never is not None:
+        raise BadRequest(f"{never.reason}; the request can never be placed here")
+
+
+class _Want(Classed):
+    name: Name
+    count: GpuCount = 1
+    memory: GpuMemory | None = None
+    shared: bool = False
+    mig: MigProfile | None = None
+
+    def request(self) -> GpuRequest:
+        if self.shared and self.memory is None:
+            raise BadRequest("a shared GPU request needs the memory it uses, to pack it")
+        return GpuRequest(self.count, self.memory, self.shared, self.mig)
+
+
+class AskBody(_Want):
+    """POST /v1/gpus/requests. The job's deadline orders the queue; with its work and CPUs
+    it also says how long the job is expected to hold the GPUs."""
+
+    deadline: Instant | None = None
+    work: Work | None = None
+    cpus: Cpus | None = None
+
+
+class ReserveBody(_Want):
+    """POST /v1/gpus/reservations."""
+
+    ttl: Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=MAX_TTL)] = 600.0
+    container: Container | None = None
+
+
+class AttachBody(Body):
+    """POST /v1/gpus/reservations/container."""
+
+    name: Text
+    container: Container
+
+
+class IdBody(Body):
+    id: Token
+
+
+class NameBody(Body):
+    name: Text
+
+
+class GpuRoutes:
+    """The handlers of /v1/gpus over `gpus`; `spec` is the policy in force, `fairness` how
+    far a tenant is ahead of its share (a waiting request's place among equal priorities
+    and deadlines: lower first)."""
+
+    def __init__(
+        self,
+        gpus: GpuService,
+        spec: Callable[[], PolicySpec],
+        fairness: Callable[[str], float],
+    ) -> None:
+        self._gpus = gpus
+        self._spec = spec
+        self._fairness = fairness
+
+    def routes(self) -> Routes:
+        return {
+            "/v1/gpus": {"GET": self._report},
+            "/v1/gpus/requests": {"POST": self._ask, "GET": self._status, "DELETE": self._cancel},
+            "/v1/gpus/reservations": {"POST": self._reserve, "DELETE": self._unreserve},
+            "/v1/gpus/place": {"GET": self._place},
+            "/v1/gpus/reservations/container": {"POST": self._attach},
+        }
+
+    def _place(self, request: Request) -> object:
+        """`gpus place` against the live holds: read-only, nothing reserved."""
+        node = self._node()
+        held = holdings(self._gpus.holds())
+        try:
+            return answer(
+                from_query(request.query),
+                node,
+                held,
+                source=self._gpus.backend.source,
+                simulated=self._gpus.backend.simulated,
+                holds_considered=True,
+            )
+        except BadQuestion as e:
+            raise BadRequest(str(e)) from None
+
+    def _node(self) -> NodeGpus:
+        node = node_of(self._gpus.state)
+        if node is None:
+            why = self._gpus.backend.reason or "none read yet"
+            raise NotFound(f"this node has no GPUs the agent can use ({why})")
+        return node
+
+    def _refuse_in_kubernetes(self, what: str) -> None:
+        if self._spec().agent.mode is AgentMode.KUBERNETES:
+            raise BadRequest(
+                f"{what} is refused: agent.mode is kubernetes, where the kubelet's device"
+                " plugin assigns GPUs; request nvidia.com/gpu in a pod spec instead"
+            )
+
+    def _ask(self, request: Request) -> object:
+        self._refuse_in_kubernetes("nodeagent exec --gpus")
+        body = parse(AskBody, request.body)
+        spec = self._spec()
+        want = body.request()
+        refuse_impossible(want, self._node())
+        tenant, cls = tenant_and_class(spec, request.peer, body.tenant, body.workload_class)
+        wall = time.time()
+        check_future(body.deadline, wall)
+        due = None if body.deadline is None else body.deadline - wall
+        answer = self._gpus.ledger.ask(
+            body.name,
+            want,
+            uid=request.peer.uid,
+            tenant=tenant,
+            priority=spec.classes[cls].priority,
+            deadline=body.deadline,
+            fairness=self._fairness(tenant),
+            workload_class=str(cls),
+            node=self._node(),
+            now=time.monotonic(),
+            claim_timeout=spec.gpu.claim_timeout,
+            max_waiting=spec.gpu.max_waiting_per_user,
+            declared=declared_duration(due, body.work, body.cpus),
+            patience=spec.gpu.patience,
+        )
+        if answer.status == "granted" and answer.hold is not None:
+            audit_event(
+                "gpu.granted",
+                owner=body.name,
+                uid=request.peer.uid,
+                uuids=list(answer.hold.uuids),
+                request=answer.id,
+            )
+        return answer.to_json()
+
+    def _status(self, request: Request) -> object:
+        rid = request.query.get("id", "")
+        return self._gpus.ledger.status(rid, request.peer.uid, time.monotonic()).to_json()
+
+    def _cancel(self, request: Request) -> object:
+        body = parse(IdBody, request.body)
+        self._gpus.ledger.cancel(body.id, request.peer.uid)
+        return {"cancelled": True}
+
+    def _reserve(self, request: Request) -> object:
+        self._refuse_in_kubernetes("nodeagent gpus reserve")
+        body = parse(ReserveBody, request.body)
+        want = body.request()
+        refuse_impossible(want, self._node())
+        tenant, cls = tenant_and_class(self._spec(), request.peer, body.tenant, body.workload_class)
+        got = self._gpus.ledger.reserve(
+            body.name,
+            want,
+            uid=request.peer.uid,
+            tenant=tenant,
+            workload_class=str(cls),
+            container=body.container,
+            node=self._node(),
+            until=time.monotonic() + body.ttl,
+        )
+        if isinstance(got, Refusal):
+            raise Conflict(f"no GPUs fit now: {got.reason}")
+        hold, result = got
+        audit_event(
+            "gpu.reserved",
+            owner=hold.owner,
+            uid=hold.uid,
+            uuids=list(hold.uuids),
+            ttl=body.ttl,
+            container=hold.container,
+        )
+        return {
+            "name": hold.owner,
+            "uuids": list(hold.uuids),
+            "indices": list(hold.indices),
+            "score": result.score,
+            "fraction": result.fraction,
+            "until": time.time() + body.ttl,
+            "container": hold.container,
+        }
+
+    def _attach(self, request: Request) -> object:
+        body = parse(AttachBody, request.body)
+        hold = self._gpus.ledger.attach(body.name, request.peer.uid, body.container)
+        audit_event("gpu.reservation_container", owner=hold.owner, container=hold.container)
+        return {"name": hold.owner, "container": hold.container}
+
+    def _unreserve(self, request: Request) -> object:
+        body = parse(NameBody, request.body)
+        hold = self._gpus.ledger.release_reservation(body.name, request.peer.uid)
+        audit_event(
+            "gpu.released",
+            owner=hold.owner,
+            uid=request.peer.uid,
+            uuids=list(hold.uuids),
+            reason="released by request",
+        )
+        return {"released": hold.owner}
+
+    def _report(self, request: Request) -> object:
+        state = self._gpus.state
+        report = read_report(self._gpus.backend)
+        holds = self._gpus.holds()
+        found = violations(state) if state is not None else []
+        for gpu in report["gpus"]:
+            gpu["assigned"] = [
+                {
+                    "owner": h.owner,
+                    "kind": str(h.kind),
+                    "uid": h.uid,
+                    "tenant": h.tenant,
+                    "class": h.workload_class,
+                    "cgroup": h.cgroup,
+                    "container": h.container,
+                    "uuids": list(h.uuids),
+                    "shared_memory": h.shared_memory,
+                }
+                for h in holds
+                if gpu["index"] in h.indices
+            ]
+            on = {gpu["uuid"], *(m["uuid"] for m in gpu["mig_devices"])}
+            gpu["violations"] = [
+                {
+                    "pid": p.pid,
+                    "cgroup": p.cgroup,
+                    "device": p.device_uuid,
+                    "kind": kind,
+                    "holder": None if h is None else h.owner,
+                }
+                for p, kind, h in found
+                if p.device_uuid in on
+            ]
+        uid = request.peer.uid
+        report["queue"] = [
+            {
+                # a request's id is shown to its asker and root only
+                "id": w.id if uid in (0, w.uid) else None,
+                "owner": w.owner,
+                "uid": w.uid,
+                "count": w.request.count,
+                "class": w.workload_class,
+                "reason": w.reason,
+            }
+            for w in self._gpus.ledger.queue()
+        ]
+        return report
