@@ -2,25 +2,30 @@
 
 When inotify reports a workload cgroup the rules or a job claim, the daemon applies this
 small plan to it alone instead of waiting for (or running) a full tick: its rule's
-static caps and memory protection (StaticLimits, on its own), and the cpu.weight its
-tenant's other workloads under the same parent got in the last full tick (they share
-it, as fair share splits a tenant's part evenly). A newcomer with no such sibling keeps
-the kernel's default weight until the full tick, which stays the source of truth and
-follows within an interval: it then has the newcomer's usage, its deadline, and every
-other policy.
+static caps and memory protection (StaticLimits), and the cpu.weight its tenant's other
+workloads under the same parent got in the last full tick (SiblingWeight: they share it,
+as fair share splits a tenant's part evenly). A newcomer with no such sibling keeps the
+kernel's default weight until the full tick, which stays the source of truth and follows
+within an interval: it then has the newcomer's usage, its deadline, and every other policy.
+A job `nodeagent exec` starts gets the same plan, written before its process moves in.
+
+The plan is the pipeline's own (`make_plan` with these two policies), so its merge rules,
+error isolation and traces are the full tick's: a newcomer a policy cannot plan is skipped
+(no targets at all, as a full tick skips it), and the trace reads as a tick's, after a
+first line that says it is the fast path's.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.identity import WorkloadIdentity
-from nodeagent.ownership import write_mode
-from nodeagent.policy.base import Assignment, Decision, PolicyInput, Skip
+from nodeagent.policy.base import Assignment, Decision, Output, Policy, PolicyInput
 from nodeagent.policy.limits import StaticLimits
-from nodeagent.policy.plan import CgroupPlan, Plan, Target, as_written, decide_isolated
+from nodeagent.policy.plan import Plan, make_plan
 from nodeagent.policy.weights import parent
 from nodeagent.policyfile.model import PolicySpec
 from nodeagent.snapshot import CgroupSample, NodeSnapshot, NodeState, WorkloadState
@@ -46,6 +51,37 @@ def sibling_weight(path: str, tenant: str, previous: Plan) -> tuple[int, int] | 
     return seen.most_common(1)[0][0], previous.seq
 
 
+class SiblingWeight(Policy):
+    """The fast path's weight: a newcomer without a deadline gets the cpu.weight its tenant's
+    workloads under the same parent got in `previous` (the last full tick's plan)."""
+
+    name = "sibling-weight"
+
+    def __init__(self, previous: Plan | None) -> None:
+        self.previous = previous
+
+    def decide(self, given: PolicyInput) -> Sequence[Output]:
+        if self.previous is None:
+            return []
+        out: list[Output] = []
+        for w in given.snapshot.workloads:
+            a = given.assignments.get(w.path)
+            if a is None or a.deadline is not None:
+                continue
+            found = sibling_weight(w.path, a.tenant, self.previous)
+            if found is None:
+                continue
+            weight, tick = found
+            reason = (
+                f"fast path: the weight of tenant {a.tenant}'s workloads beside it in tick {tick}"
+            )
+            out.append(Decision(w.path, Attribute.CPU_WEIGHT, CpuWeight(weight), self.name, reason))
+        return out
+
+
+FAST_PATH = "fast path: a new cgroup, before the next tick"
+
+
 def plan_newcomers(
     identities: Sequence[WorkloadIdentity],
     assignments: Mapping[str, Assignment],
@@ -56,43 +92,15 @@ def plan_newcomers(
     wall_time: float,
 ) -> tuple[Plan, NodeSnapshot]:
     """The plan for the claimed newcomers, and the snapshot it is made from (nothing read:
-    the executor re-reads each file it writes)."""
+    the executor re-reads each file it writes). The pipeline's own (`make_plan`) with its
+    few policies: StaticLimits, then SiblingWeight. A policy that fails as a whole fails
+    the fast path (RuntimeError): the full tick follows."""
     states = tuple(WorkloadState(i, CgroupSample()) for i in identities if i.path in assignments)
     snapshot = NodeSnapshot(0, wall_time, None, node, states)
     claimed = {w.path: assignments[w.path] for w in states}
-    given = PolicyInput(snapshot, spec, claimed, {})
-    targets: dict[str, dict[Attribute, Target]] = {w.path: {} for w in states}
-    traces: dict[str, list[str]] = {
-        w.path: ["fast path: a new cgroup, before the next tick"] for w in states
-    }
-    outputs, failed = decide_isolated(StaticLimits(), given)
-    if failed is not None:
-        raise failed
-    for d in outputs:
-        if isinstance(d, Decision):
-            targets[d.path][d.attribute] = Target(d.value, d.policy, d.reason)
-            traces[d.path].append(f"{d.policy}: {d.reason}")
-        elif isinstance(d, Skip):  # no caps it cannot plan; the next tick skips it too
-            traces[d.path].append(f"{d.policy}: skipped: {d.reason}")
-    for w in states:
-        a = claimed[w.path]
-        found = (
-            None
-            if previous is None or a.deadline is not None
-            else sibling_weight(w.path, a.tenant, previous)
-        )
-        if found is not None:
-            weight, tick = found
-            reason = (
-                f"fast path: the weight of tenant {a.tenant}'s workloads beside it in tick {tick}"
-            )
-            targets[w.path][Attribute.CPU_WEIGHT] = Target(CpuWeight(weight), "fast-path", reason)
-            traces[w.path].append(reason)
-    cgroups = []
-    for w in states:
-        mode = write_mode(w.identity, spec.agent)
-        t = as_written(targets[w.path], mode)
-        cgroups.append(
-            CgroupPlan(w.identity, claimed[w.path], t, tuple(traces[w.path]), write=mode)
-        )
-    return Plan(0, wall_time, tuple(cgroups), {}), snapshot
+    policies = (StaticLimits(), SiblingWeight(previous))
+    plan = make_plan(snapshot, spec, {}, policies, assignments=claimed)
+    if plan.problems:
+        raise RuntimeError("; ".join(plan.problems))
+    cgroups = tuple(replace(cg, trace=(FAST_PATH, *cg.trace)) for cg in plan.cgroups)
+    return replace(plan, cgroups=cgroups), snapshot

@@ -41,3 +41,68 @@ def test_without_a_sibling_the_weight_waits_for_the_full_tick() -> None:
         new, assign(new, policy), policy, previous=None, node=node, wall_time=0
     )
     assert set(plan.cgroups[0].targets) == {Attribute.CPU_MAX}
+
+
+CAPPED = [
+    {
+        "name": "a",
+        "match": {"name": "a-*"},
+        "tenant": "a",
+        "class": "inference",
+        "limits": {"cpu_max": 1.5, "memory_max": "1Gi", "memory_request": "256Mi"},
+    },
+]
+
+
+def test_the_fast_path_and_the_full_tick_agree_on_a_newcomers_caps() -> None:
+    """The same policy code, the same merge: the caps and protection the fast path writes
+    are the full tick's for the same workload, so the tick that follows changes none."""
+    policy = spec({"a": 1}, CAPPED)
+    new = [job("nodeagent.slice/a-1")]
+    full = make_plan(snapshot([workload("nodeagent.slice/a-1", cpu_rate=None)]), policy, {})
+    fast, _ = plan_newcomers(
+        new, assign(new, policy), policy, previous=None, node=snapshot([]).node, wall_time=0
+    )
+    caps = {
+        Attribute.CPU_MAX, Attribute.MEMORY_MAX, Attribute.MEMORY_HIGH,
+        Attribute.MEMORY_MIN, Attribute.MEMORY_LOW,
+    }  # fmt: skip
+    want = {a: t for a, t in full.cgroups[0].targets.items() if a in caps}
+    assert set(want) == caps
+    assert {a: t for a, t in fast.cgroups[0].targets.items() if a in caps} == want
+
+
+def test_the_trace_says_fast_path_then_what_each_policy_decided() -> None:
+    policy = spec({"a": 3, "b": 1}, RULES)
+    before = snapshot([workload("nodeagent.slice/a-1"), workload("nodeagent.slice/b-1")])
+    last = make_plan(before, policy, {})
+    new = [job("nodeagent.slice/a-2")]
+    plan, _ = plan_newcomers(
+        new, assign(new, policy), policy, previous=last, node=before.node, wall_time=0.0
+    )
+    assert plan.cgroups[0].trace == (
+        "fast path: a new cgroup, before the next tick",
+        "matched rule a: tenant a, class batch",
+        "static-limits: rule a: cpu_max 0.5 cores",
+        "sibling-weight: fast path: the weight of tenant a's workloads beside it in tick 7",
+    )
+    weight = plan.cgroups[0].targets[Attribute.CPU_WEIGHT]
+    assert weight.policy == "sibling-weight"
+    assert weight.reason == "fast path: the weight of tenant a's workloads beside it in tick 7"
+
+
+def test_a_newcomer_the_pipeline_skips_gets_no_targets_as_in_a_full_tick() -> None:
+    """The one merge's rule: a cgroup a policy cannot plan gets nothing this time, not even
+    its siblings' weight (a full tick skips it the same way)."""
+    policy = spec({"a": 1}, RULES[:1])
+    before = snapshot([workload("nodeagent.slice/a-1")])
+    last = make_plan(before, policy, {})
+    new = [job("nodeagent.slice/a-2")]
+    broken = assign(new, policy)["nodeagent.slice/a-2"]
+    object.__setattr__(broken, "limits", None)  # a bug: no Limits at all
+    plan, _ = plan_newcomers(
+        new, {new[0].path: broken}, policy, previous=last, node=before.node, wall_time=0.0
+    )
+    (cg,) = plan.cgroups
+    assert cg.targets == {}
+    assert cg.skipped is not None and cg.skipped.startswith("static-limits: rule a: ")
