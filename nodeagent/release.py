@@ -65,6 +65,8 @@ def _value(attribute: Attribute, text: str) -> Value:
         return parse.cpu_max(text)
     if attribute is Attribute.FREEZE:
         return Frozen(text.strip() == "1")
+    if attribute is Attribute.CPUSET_CPUS:
+        return parse.cpuset(text)
     return MemoryLimit(parse.limit(text))
 
 

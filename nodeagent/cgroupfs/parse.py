@@ -6,9 +6,10 @@ kernel output and fuzzed without a kernel.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from nodeagent.cgroupfs.values import CpuMax
+from nodeagent.cgroupfs.values import CpuMax, CpuSet
 
 
 def flat_keyed(text: str) -> dict[str, int]:
@@ -36,6 +37,27 @@ def cpu_max(text: str) -> CpuMax:
     """cpu.max: '$MAX $PERIOD', where $MAX may be 'max'."""
     quota, _, period = text.strip().partition(" ")
     return CpuMax(None if quota == "max" else int(quota), int(period) if period else 100_000)
+
+
+def parse_cpulist(text: str) -> tuple[int, ...]:
+    """CPUs from the kernel's list format, such as '0-55,112-167' (empty for '')."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        m = re.fullmatch(r"(\d{1,5})(?:-(\d{1,5}))?", part)
+        if not m:
+            raise ValueError(f"expected a CPU list such as 0-55,112-167, got {text!r}")
+        first, last = int(m.group(1)), int(m.group(2) or m.group(1))
+        if last < first:
+            raise ValueError(f"CPU range {part!r} runs backwards")
+        cpus.update(range(first, last + 1))
+    return tuple(sorted(cpus))
+
+
+def cpuset(text: str) -> CpuSet:
+    """cpuset.cpus: a CPU list; empty when the cgroup takes its parent's CPUs."""
+    return CpuSet(parse_cpulist(text.strip()))
 
 
 def controllers(text: str) -> frozenset[str]:

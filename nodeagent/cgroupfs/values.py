@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from nodeagent.errors import InvalidValue
@@ -28,6 +29,7 @@ class Attribute(enum.StrEnum):
     MEMORY_LOW = "memory.low"
     MEMORY_MIN = "memory.min"
     FREEZE = "cgroup.freeze"
+    CPUSET_CPUS = "cpuset.cpus"
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +129,38 @@ class Frozen:
         return other.frozen and not self.frozen
 
 
-Value = CpuWeight | CpuMax | MemoryLimit | Frozen
+def format_cpulist(cpus: Iterable[int]) -> str:
+    """The kernel's list format for CPUs: (0, 1, 2, 5) is '0-2,5'."""
+    runs: list[list[int]] = []
+    for cpu in sorted(set(cpus)):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuSet:
+    """cpuset.cpus: the CPUs the cgroup's processes may run on, sorted; none means its
+    parent's (the kernel's default)."""
+
+    cpus: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if any(c < 0 for c in self.cpus) or list(self.cpus) != sorted(set(self.cpus)):
+            raise InvalidValue(f"cpuset.cpus {self.cpus} is not a sorted list of CPUs")
+
+    def render(self) -> str:
+        return format_cpulist(self.cpus)
+
+    def looser_than(self, other: CpuSet) -> bool:
+        """No order between parent and child is needed: a child's CPUs outside its parent's
+        are simply not effective (cgroup v2), so a write never fails for its order."""
+        return False
+
+
+Value = CpuWeight | CpuMax | MemoryLimit | Frozen | CpuSet
 
 
 def is_looser(new: Value, old: Value) -> bool:
@@ -139,5 +172,7 @@ def is_looser(new: Value, old: Value) -> bool:
     if isinstance(new, MemoryLimit) and isinstance(old, MemoryLimit):
         return new.looser_than(old)
     if isinstance(new, Frozen) and isinstance(old, Frozen):
+        return new.looser_than(old)
+    if isinstance(new, CpuSet) and isinstance(old, CpuSet):
         return new.looser_than(old)
     return False

@@ -8,9 +8,13 @@ is milliwatts, as NVML reports them; None is a figure the device does not report
 from __future__ import annotations
 
 import enum
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+# the kernel's CPU list format, which cpuset.cpus holds too: re-exported (explicitly, for
+# mypy) from cgroupfs, where the cgroup values are
+from nodeagent.cgroupfs.parse import parse_cpulist as parse_cpulist  # noqa: PLC0414
+from nodeagent.cgroupfs.values import format_cpulist as format_cpulist  # noqa: PLC0414
 
 
 class PcieLevel(enum.IntEnum):
@@ -153,33 +157,6 @@ class PowerLimit:
     @property
     def clamped(self) -> bool:
         return self.applied_mw != self.requested_mw
-
-
-def parse_cpulist(text: str) -> tuple[int, ...]:
-    """CPUs from the kernel's list format, such as '0-55,112-167' (empty for '')."""
-    cpus: set[int] = set()
-    for part in text.replace(" ", "").split(","):
-        if not part:
-            continue
-        m = re.fullmatch(r"(\d{1,5})(?:-(\d{1,5}))?", part)
-        if not m:
-            raise ValueError(f"expected a CPU list such as 0-55,112-167, got {text!r}")
-        first, last = int(m.group(1)), int(m.group(2) or m.group(1))
-        if last < first:
-            raise ValueError(f"CPU range {part!r} runs backwards")
-        cpus.update(range(first, last + 1))
-    return tuple(sorted(cpus))
-
-
-def format_cpulist(cpus: Iterable[int]) -> str:
-    """The kernel's list format for CPUs: (0, 1, 2, 5) is '0-2,5'."""
-    runs: list[list[int]] = []
-    for cpu in sorted(set(cpus)):
-        if runs and cpu == runs[-1][1] + 1:
-            runs[-1][1] = cpu
-        else:
-            runs.append([cpu, cpu])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 class HoldKind(enum.StrEnum):

@@ -34,6 +34,7 @@ TICK_FILES = (
     "memory.stat",
     "memory.pressure",
     "cgroup.freeze",
+    "cpuset.cpus",
 )
 
 _MEMORY_LIMITS = (
@@ -96,6 +97,9 @@ def read_sample(d: CgroupDir, page_size: int, *, threads: bool = False) -> Cgrou
     frozen = get(Attribute.FREEZE, _frozen)
     if frozen is not None:
         settings[Attribute.FREEZE] = frozen
+    cpuset = get(Attribute.CPUSET_CPUS, parse.cpuset)  # only where the controller is enabled
+    if cpuset is not None:
+        settings[Attribute.CPUSET_CPUS] = cpuset
     return CgroupSample(
         populated=bool(events["populated"]) if "populated" in events else None,
         cpu_usage_us=cpu.get("usage_usec"),

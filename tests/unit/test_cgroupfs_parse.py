@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nodeagent.cgroupfs import parse
-from nodeagent.cgroupfs.values import PERIOD_MAX_US, PERIOD_MIN_US, QUOTA_MIN_US, CpuMax
+from nodeagent.cgroupfs.values import PERIOD_MAX_US, PERIOD_MIN_US, QUOTA_MIN_US, CpuMax, CpuSet
 
 # Captured from a 6.x kernel (values shortened where the file is long).
 CPU_STAT = """\
@@ -202,3 +202,21 @@ cpu_max_values = st.builds(
 @given(cpu_max_values)
 def test_cpu_max_render_parse_round_trip(value: CpuMax) -> None:
     assert parse.cpu_max(value.render() + "\n") == value
+
+
+@pytest.mark.parametrize(
+    ("text", "cpus"),
+    [("0-3,8\n", (0, 1, 2, 3, 8)), ("\n", ()), ("5", (5,)), ("0-1,2-3", (0, 1, 2, 3))],
+)
+def test_cpuset_cpus(text: str, cpus: tuple[int, ...]) -> None:
+    """cpuset.cpus as the kernel writes it; empty: the cgroup takes its parent's CPUs."""
+    assert parse.cpuset(text) == CpuSet(cpus)
+
+
+@given(st.frozensets(st.integers(0, 1023), max_size=64))
+def test_cpuset_round_trips_in_the_kernels_own_form(cpus: frozenset[int]) -> None:
+    """What the agent writes is what the kernel reads back (ranges merged, sorted), so an
+    unchanged cpuset.cpus is never written again."""
+    value = CpuSet(tuple(sorted(cpus)))
+    assert parse.cpuset(value.render()) == value
+    assert parse.cpuset(value.render()).render() == value.render()
