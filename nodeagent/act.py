@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -351,6 +351,18 @@ class _VerifiedUnits:
             if not alive:
                 del self._known[path]
         self._sweep_at = max(_SWEEP_MIN, 2 * len(self._known))
+
+
+def not_in_place(plan: Plan, results: Sequence[WriteResult]) -> list[str]:
+    """What of `plan` the kernel does not hold after `results` (all of its writes): each
+    cgroup it skipped, and each write that neither landed nor found the value there, one
+    line each."""
+    out = [f"{cg.path}: not planned: {cg.skipped}" for cg in plan.cgroups if cg.skipped]
+    for r in results:
+        if r.outcome not in (Outcome.WRITTEN, Outcome.UNCHANGED):
+            detail = f": {r.detail}" if r.detail else ""
+            out.append(f"{r.attribute} {r.new}: {r.outcome}{detail}")
+    return out
 
 
 def _writable(mode: WriteMode, attribute: Attribute) -> bool:

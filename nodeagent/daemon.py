@@ -104,7 +104,7 @@ def open_agent(
         rec.exists,
         lambda: registry.workloads.values(),  # noqa: PLW0108 - a resync replaces the dict
     )
-    jobs = Jobs(tree, audit_write, proc_root, on_end=gpus.release_job)
+    jobs = Jobs(tree, audit_write, proc_root, on_end=gpus.release_job, write_limits=rec.new_job)
     rec.wire(gpus, jobs, StateSaver(lambda: rec.spec.agent.state_file, rec.gather))
     try:
         saved = state.load(spec.agent.state_file, tenants=spec.tenants)

@@ -3,10 +3,15 @@
 The CLI forks the command's process, which waits on a pipe; it asks the daemon over the
 API to start the job, naming that process. The daemon checks the request (a known tenant
 and class, a free and safe name, a deadline in the future, positive work, and a pid that
-is the caller's own child), makes the cgroup, writes the job's limits, moves the process
-in, and records the job; only then does the CLI let the process exec the command. So the
-command runs in its cgroup, under its limits, from its first instruction, and only the
-daemon ever writes cgroup files.
+is the caller's own child), makes the cgroup, has the job's limits written, moves the
+process in, and records the job; only then does the CLI let the process exec the command.
+So the command runs in its cgroup, under its limits, from its first instruction, and only
+the daemon ever writes cgroup files.
+
+The limits are not this module's: the job's cgroup is planned as the fast path plans any
+new workload (policy.newcomer: StaticLimits on the job's assignment, its caps and the CPUs
+it is pinned to) and written by the executor, audited and recorded as every write is, by
+the `write_limits` the daemon gives; every tick's plan then holds them too.
 
 A job is managed whether or not a rule matches its path: its tenant, class, deadline,
 work and limits come from the request. Its record and cgroup go away when the cgroup
@@ -20,7 +25,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Annotated, Any, Protocol
 
@@ -49,16 +54,29 @@ from nodeagent.api.bodies import (
 )
 from nodeagent.api.peer import Peer
 from nodeagent.cgroupfs.tree import AuditFn, CgroupTree, CgroupVanished
-from nodeagent.cgroupfs.values import Attribute, CpuMax, MemoryLimit
-from nodeagent.errors import BadRequest, Conflict, Forbidden, NodeagentError, NotFound, one_line
-from nodeagent.gpu.model import Hold, format_cpulist
+from nodeagent.discovery.layouts import classify
+from nodeagent.errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    NodeagentError,
+    NotFound,
+    Refused,
+    one_line,
+)
+from nodeagent.gpu.model import Hold
+from nodeagent.identity import WorkloadIdentity
 from nodeagent.policy.base import Assignment
 from nodeagent.policyfile.model import Limits, PolicySpec, WorkloadClass
 from nodeagent.snapshot import NO_NEEDS, Needs, NodeSnapshot
 
 log = structlog.get_logger("nodeagent.jobs")
 
-__all__ = ["MIN_MEMORY", "Job", "Jobs", "check_name"]
+__all__ = ["MIN_MEMORY", "Job", "Jobs", "WriteLimits", "check_name"]
+
+WriteLimits = Callable[[WorkloadIdentity, Assignment], Sequence[str]]
+"""Plan a new job's cgroup with its assignment as the fast path plans a newcomer, and have
+the executor write it; what of it is not in place, one line each (empty: all of it is)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +95,9 @@ class Job:
     gpus: tuple[str, ...] = field(default_factory=tuple)
     gpu_hold: str | None = None
     """The id of its GPU hold: what its end releases (None: it holds no GPUs)."""
+    pinned_cpus: tuple[int, ...] = ()
+    """The CPUs its cpuset.cpus holds, sorted: its GPUs' (gpu.pin_cpus), where its cgroup
+    has the cpuset controller; none: not pinned."""
 
     def assignment(self) -> Assignment:
         limits = Limits.model_validate(
@@ -95,12 +116,14 @@ class Job:
             work=self.work,
             cpus=self.cpus,
             exec_job=True,
+            cpuset=self.pinned_cpus,
         )
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["workload_class"] = str(self.workload_class)
         data["gpus"] = list(self.gpus)
+        data["pinned_cpus"] = list(self.pinned_cpus)
         return data
 
     @classmethod
@@ -111,7 +134,7 @@ class Job:
             name=r.name, cgroup=r.cgroup, tenant=r.tenant, workload_class=r.workload_class,
             uid=r.uid, pid=r.pid, submitted_at=r.submitted_at, deadline=r.deadline,
             work=r.work, cpus=r.cpus, memory=r.memory, gpus=tuple(r.gpus),
-            gpu_hold=r.gpu_hold,
+            gpu_hold=r.gpu_hold, pinned_cpus=tuple(r.pinned_cpus),
         )  # fmt: skip
 
 
@@ -131,6 +154,9 @@ class JobRecord(Body):
     memory: Memory | None = None
     gpus: Annotated[list[Text], Field(max_length=64)] = Field(default_factory=list)
     gpu_hold: Token | None = None
+    pinned_cpus: Annotated[
+        list[Annotated[int, Field(ge=0, lt=1 << 16)]], Field(max_length=1 << 16)
+    ] = Field(default_factory=list)
 
 
 class StartBody(Classed):
@@ -203,15 +229,21 @@ class Jobs:
         audit: AuditFn,
         proc_root: str = "/proc",
         on_end: Callable[[Job], None] = lambda _: None,
+        *,
+        write_limits: WriteLimits,
     ) -> None:
         self.tree = tree
         self.audit = audit
         self.proc_root = proc_root
         self.on_end = on_end
         """Called exactly once when a job is gone (its GPUs go back)."""
+        self.write_limits = write_limits
+        """Writes a new job's limits, through the executor (see WriteLimits)."""
         self.open_process: Callable[[int], Process] = Pidfd
         self._jobs: dict[str, Job] = {}
-        self._lock = threading.Lock()
+        # reentrant: write_limits runs under it, and what it calls back may read the jobs
+        # (the originals' journal, when it cannot be appended to, saves the whole state)
+        self._lock = threading.RLock()
 
     # --- the API's side ---------------------------------------------------------------
 
@@ -237,7 +269,7 @@ class Jobs:
                     hold = claim_gpus(request.gpu_request, job)
                     job = replace(job, gpus=hold.uuids, gpu_hold=hold.id)
                 try:
-                    self._make_cgroup(job, spec, hold, process)
+                    job = self._make_cgroup(job, spec, hold, process)
                 except BaseException:
                     if hold is not None:
                         self.on_end(job)
@@ -318,7 +350,10 @@ class Jobs:
         )
         return job, process
 
-    def _make_cgroup(self, job: Job, spec: PolicySpec, hold: Hold | None, process: Process) -> None:
+    def _make_cgroup(self, job: Job, spec: PolicySpec, hold: Hold | None, process: Process) -> Job:
+        """Make the job's cgroup, have its limits written, then move its process in; the job
+        as recorded (with the CPUs it is pinned to). Refused, its cgroup removed, if any
+        of it fails: the command never runs outside its cgroup or without its limits."""
         try:
             if not self.tree.mkdir(job.cgroup):
                 raise Conflict(f"job name {job.name!r} is taken: cgroup {job.cgroup} exists")
@@ -329,16 +364,19 @@ class Jobs:
         self.audit(self.tree.path_of(job.cgroup), "mkdir", None, "cgroup", f"job {job.name}")
         try:
             with self.tree.open(job.cgroup) as d:
-                limits = job.assignment().limits
-                if limits.cpu_max is not None and limits.cpu_max != "max":
-                    value = CpuMax.from_cores(float(limits.cpu_max)).render()
-                    self._write(d, Attribute.CPU_MAX, value, job)
-                if job.memory is not None:
-                    page = os.sysconf("SC_PAGE_SIZE")
-                    value = MemoryLimit.aligned(job.memory, page).render()
-                    self._write(d, Attribute.MEMORY_MAX, value, job)
-                if hold is not None and spec.gpu.pin_cpus and hold.cpus and d.has("cpuset.cpus"):
-                    self._write(d, "cpuset.cpus", format_cpulist(hold.cpus), job)
+                pin = hold is not None and spec.gpu.pin_cpus and d.has("cpuset.cpus")
+            if pin and hold is not None:
+                job = replace(job, pinned_cpus=tuple(sorted(set(hold.cpus))))
+            identity = classify(job.cgroup, spec.agent.managed_root)
+            if identity is None:  # cannot be: a checked name right under the managed root
+                raise BadRequest(f"cgroup {job.cgroup} is not a job's")
+            missed = self.write_limits(identity, job.assignment())
+            if missed:
+                raise BadRequest(
+                    f"cannot start job {job.name!r}: its limits are not in place: "
+                    + "; ".join(missed)
+                )
+            with self.tree.open(job.cgroup) as d:
                 if not process.alive():
                     raise Forbidden(f"process {job.pid} ended before it could be moved")
                 d.write("cgroup.procs", str(job.pid))
@@ -354,11 +392,12 @@ class Jobs:
                     str(job.pid),
                     f"job {job.name}: its process, before it runs the command",
                 )
-        except (NodeagentError, CgroupVanished) as e:
+        except BaseException as e:
             self._rmdir(job)
-            if isinstance(e, Forbidden):
+            if isinstance(e, Refused) or not isinstance(e, NodeagentError | CgroupVanished):
                 raise
             raise BadRequest(f"cannot start job {job.name!r}: {one_line(e)}") from e
+        return job
 
     def _evict(self, job: Job) -> None:
         """Move every process in a refused job's cgroup to the cgroup root."""
@@ -376,17 +415,6 @@ class Jobs:
                     f" process {job.pid} ended",
                 )
         log.warning("job.pid_reused", job=job.name, pid=job.pid, moved_to_root=strays)
-
-    def _write(self, d: Any, attribute: str, value: str, job: Job) -> None:
-        old = d.read(attribute).strip()
-        d.write(attribute, value)
-        self.audit(
-            self.tree.path_of(job.cgroup) + "/" + attribute,
-            attribute,
-            old,
-            value,
-            f"job {job.name}: its limits, before it runs",
-        )
 
     # --- the loop's side --------------------------------------------------------------
 

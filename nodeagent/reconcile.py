@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from nodeagent.act import Executor, Outcome, WriteResult
+from nodeagent.act import Executor, Outcome, WriteResult, not_in_place
 from nodeagent.cgroupfs.subtree import ensure_managed_root, leave_managed_path
 from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
 from nodeagent.changes import NoteLog, ProblemLog
@@ -415,6 +415,22 @@ class Reconciler:
             if r.outcome is Outcome.FAILED:
                 log.warning("fastpath.write_failed", cgroup=r.path, attribute=str(r.attribute),
                             detail=r.detail)  # fmt: skip
+
+    def new_job(self, identity: WorkloadIdentity, assignment: Assignment) -> list[str]:
+        """A new job's cgroup planned as the fast path plans a newcomer and written by the
+        executor (audited, recorded), before its process moves in (Jobs' `write_limits`);
+        what of it is not in place."""
+        last = self.last
+        plan, snapshot = plan_newcomers(
+            [identity], {identity.path: assignment}, self.spec,
+            previous=None if last is None else last.plan,
+            node=last.snapshot.node if last is not None else self.sensor.node.read(),
+            wall_time=time.time(),
+        )  # fmt: skip
+        results = self.executor.apply(plan, snapshot)
+        self.record_originals(results, plan)
+        self._fast_results.extend(results)  # reported with the next tick's
+        return not_in_place(plan, results)
 
     def reloaded(self, spec: PolicySpec) -> None:
         """A new policy from the next tick on: every file read again, and a new plan."""

@@ -58,6 +58,9 @@ class Assignment:
     read): the rule's own were used instead. Reported by `workloads`, `allocations`, the log."""
     exec_job: bool = False
     """A job `nodeagent exec` started: the agent removes its cgroup once it is empty."""
+    cpuset: tuple[int, ...] = ()
+    """The CPUs it is pinned to (cpuset.cpus), sorted; none: its parent's. A job's GPUs'
+    CPUs, with gpu.pin_cpus where its cgroup has the cpuset controller."""
 
 
 def describe(

@@ -28,7 +28,15 @@ ROOT = Peer(pid=3000, uid=0, gid=0, groups=frozenset())
 ALICE = Peer(pid=4000, uid=1000, gid=1000, groups=frozenset({1000}))
 BOB = Peer(pid=5000, uid=1001, gid=1001, groups=frozenset({1001}))
 CID = "4f1c2a9be7d3" + "0123456789abcdef" * 3 + "0123"
-FILES = {"cgroup.procs": "", "cpu.max": "max 100000", "memory.max": "max", "cgroup.events": ""}
+FILES = {
+    "cgroup.procs": "",
+    "cgroup.events": "",
+    "cpu.weight": "100",
+    "cpu.max": "max 100000",
+    "memory.current": "0",
+    "memory.high": "max",
+    "memory.max": "max",
+}
 
 GPUS = """\
 gpus:

@@ -37,7 +37,7 @@ def jobs(tmp_path: Path) -> Jobs:
         (proc / str(pid) / "status").write_text(
             f"Name:\tsh\nPPid:\t{ppid}\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n"
         )
-    jobs = Jobs(CgroupTree(str(tmp_path)), lambda *a: None, str(proc))
+    jobs = Jobs(CgroupTree(str(tmp_path)), lambda *a: None, str(proc), write_limits=lambda *a: [])
     jobs.open_process = lambda pid: AlwaysAlive()
     return jobs
 
