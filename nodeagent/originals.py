@@ -8,8 +8,9 @@ is stopped for good: the original value, and only where the attribute still hold
 agent set (a value someone changed since is theirs). Also kept: how the agent wrote it
 (directly, or through systemd), so that release writes it the same way without the policy.
 
-A job's own limits, written when `nodeagent exec` starts it, are recorded as every write
-is (the executor writes them: one writer): their original is the new cgroup's default.
+A job's own limits (the executor writes them when `nodeagent exec` starts it) are not
+recorded: they are the job's terms, not a change to a workload the agent found. What the
+loop wrote over them later (a throttle, a freeze) is, with the job's own limit as its original.
 """
 
 from __future__ import annotations

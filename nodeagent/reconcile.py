@@ -402,15 +402,8 @@ class Reconciler:
         identities = self.runtimes.attach(found, complete=False, new=True)
         jobs = self.jobs.assignments()
         assignments = {**assign(identities, self.spec, self.pods()), **jobs}
-        last = self.last
-        node = last.snapshot.node if last is not None else self.sensor.node.read()
-        plan, snapshot = plan_newcomers(
-            identities, assignments, self.spec, previous=None if last is None else last.plan,
-            node=node, wall_time=time.time(),
-        )  # fmt: skip
-        results = self.executor.apply(plan, snapshot)
+        plan, results = self._newcomers(identities, assignments)
         self.record_originals(results, plan)
-        self._fast_results.extend(results)  # reported with the next tick's
         for r in results:
             if r.outcome is Outcome.FAILED:
                 log.warning("fastpath.write_failed", cgroup=r.path, attribute=str(r.attribute),
@@ -418,19 +411,27 @@ class Reconciler:
 
     def new_job(self, identity: WorkloadIdentity, assignment: Assignment) -> list[str]:
         """A new job's cgroup planned as the fast path plans a newcomer and written by the
-        executor (audited, recorded), before its process moves in (Jobs' `write_limits`);
-        what of it is not in place."""
+        executor (audited), before its process moves in (Jobs' `write_limits`); what of it
+        is not in place. Its limits are the job's own terms, not a change the agent made to
+        a workload it found: they are not originals for `release` to hand back (a stop
+        leaves running jobs running, under the limits they were started with)."""
+        plan, results = self._newcomers([identity], {identity.path: assignment})
+        return not_in_place(plan, results)
+
+    def _newcomers(
+        self, identities: Sequence[WorkloadIdentity], assignments: Mapping[str, Assignment]
+    ) -> tuple[Plan, list[WriteResult]]:
+        """New cgroups' plan (policy.newcomer) applied by the executor; the results are
+        reported with the next tick's."""
         last = self.last
+        node = last.snapshot.node if last is not None else self.sensor.node.read()
         plan, snapshot = plan_newcomers(
-            [identity], {identity.path: assignment}, self.spec,
-            previous=None if last is None else last.plan,
-            node=last.snapshot.node if last is not None else self.sensor.node.read(),
-            wall_time=time.time(),
+            identities, assignments, self.spec, previous=None if last is None else last.plan,
+            node=node, wall_time=time.time(),
         )  # fmt: skip
         results = self.executor.apply(plan, snapshot)
-        self.record_originals(results, plan)
-        self._fast_results.extend(results)  # reported with the next tick's
-        return not_in_place(plan, results)
+        self._fast_results.extend(results)
+        return plan, results
 
     def reloaded(self, spec: PolicySpec) -> None:
         """A new policy from the next tick on: every file read again, and a new plan."""

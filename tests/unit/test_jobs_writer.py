@@ -28,7 +28,7 @@ def writes(logs: Sequence[Mapping[str, Any]]) -> list[tuple[str, str | None, str
     ]
 
 
-def test_a_jobs_limits_are_executor_writes_audited_recorded_and_made_before_it_runs(
+def test_a_jobs_limits_are_executor_writes_audited_and_made_before_it_runs(
     tmp_path: Path,
 ) -> None:
     d = daemon(tmp_path)
@@ -44,9 +44,8 @@ def test_a_jobs_limits_are_executor_writes_audited_recorded_and_made_before_it_r
     assert len(moved) == 1 and all(wrote.index(w) < moved[0] for w in limits), "capped first"
     assert (d.root / JOB / "cpu.max").read_text() == "200000 100000"
     assert (d.root / JOB / "memory.max").read_text() == str(1 << 30)
-    recorded = {(p, str(a)): (o.was, o.set) for p, a, o in d.agent.originals.items()}
-    assert recorded[(JOB, "cpu.max")] == ("max 100000", "200000 100000")
-    assert recorded[(JOB, "memory.max")] == ("max", str(1 << 30))
+    # the job's own terms, not a change release hands back (a stop leaves jobs running)
+    assert not [(p, a) for p, a, _ in d.agent.originals.items() if p == JOB]
 
 
 def test_a_job_whose_cpu_max_write_fails_is_refused_and_its_cgroup_removed(
@@ -89,8 +88,6 @@ def test_a_pinned_jobs_cpuset_is_the_policys_written_by_the_executor_and_kept(
     cpuset = [w for w in writes(logs) if w[0] == "cpuset.cpus"]
     assert len(cpuset) == 1 and cpuset[0][:3] == ("cpuset.cpus", "", "0-3"), cpuset
     assert cpuset[0][3].startswith("rule exec:j: "), "the policy's reason"
-    recorded = {(p, str(a)) for p, a, _ in d.agent.originals.items()}
-    assert (JOB, "cpuset.cpus") in recorded
     file = d.root / JOB / "cpuset.cpus"
     assert file.read_text() == "0-3"
     file.write_text("7")  # another writer
