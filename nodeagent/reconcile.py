@@ -440,6 +440,9 @@ class Reconciler:
         self.sensor.verify_every = spec.agent.resync_interval
         self.feedback = replace(self.feedback, read_all=True)
         self.plans.expire()
+        # the claims' key holds the policy by id: a new policy object may take the freed
+        # one's id, so what was derived from the old one goes with it
+        self.forget_derived()
 
 
 def _local_seconds(wall: float) -> float:

@@ -231,3 +231,17 @@ def test_jobs_with_deadlines_are_planned_every_tick(
     n = node(tmp_path, monkeypatch, rules=[due, POLICY["rules"][1]])
     n.planned(3)
     assert n.planned(4) == 4
+
+
+def test_a_reloaded_policy_that_takes_the_old_ones_id_still_claims_anew(
+    n: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claims are cached under the policy's id; a policy freed by a reload may hand its
+    id to the next one (CPython reuses addresses), which must not keep the old claims."""
+    monkeypatch.setattr(reconcile_module, "id", lambda _: 1, raising=False)  # every id alike
+    assert {a.tenant for a in n.tick().assignments.values()} == {"a", "b"}
+    swapped = {**POLICY, "rules": [{"name": "all", "match": {"path": "nodeagent.slice/*"},
+                                    "tenant": "b"}]}  # fmt: skip
+    swapped["agent"] = {**POLICY["agent"], "state_file": n.agent.spec.agent.state_file}
+    n.agent.rec.reloaded(PolicySpec.model_validate(swapped))
+    assert {a.tenant for a in n.tick().assignments.values()} == {"b"}
