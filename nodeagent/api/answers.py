@@ -23,12 +23,13 @@ mappings.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    RootModel,
     SerializerFunctionWrapHandler,
     model_serializer,
 )
@@ -417,48 +418,46 @@ class Pair(Answer):
     score: Number
 
 
-class Placement(_Sparse):
-    """GET /v1/gpus/place (and `gpus place` without a daemon, with its `note`): where a
-    request would go now, reserving nothing; `placed` false and the reason when nothing
-    fits, and then none of the set's fields."""
+class _Placing(_Sparse):
+    _omitted: ClassVar[frozenset[str]] = frozenset({"note"})
 
-    _omitted: ClassVar[frozenset[str]] = frozenset(
-        {
-            "reserved",
-            "request",
-            "uuids",
-            "indices",
-            "devices",
-            "score",
-            "pair_score",
-            "numa_bonus",
-            "best_possible",
-            "fraction",
-            "pairs",
-            "numa_nodes",
-            "note",
-        }
-    )
-
-    placed: bool
     source: str
     simulated: bool
     holds_considered: bool
     reason: str
-    reserved: bool | None = None
-    request: PlacedRequest | None = None
-    uuids: list[str] | None = None
-    indices: list[int] | None = None
-    devices: list[PlacedDevice] | None = None
-    score: Number | None = None
-    pair_score: Number | None = None
-    numa_bonus: Number | None = None
-    best_possible: Number | None = None
-    fraction: Number | None = None
-    pairs: list[Pair] | None = None
-    numa_nodes: list[int] | None = None
     note: str | None = None
     """Why holds were not considered (`gpus place` without a daemon); never on the wire."""
+
+
+class Placed(_Placing):
+    """Where the request would go: the set, its score and the reasoning."""
+
+    placed: Literal[True]
+    reserved: bool
+    request: PlacedRequest
+    uuids: list[str]
+    indices: list[int]
+    devices: list[PlacedDevice]
+    score: Number
+    pair_score: Number
+    numa_bonus: Number
+    best_possible: Number
+    fraction: Number
+    pairs: list[Pair]
+    numa_nodes: list[int]
+
+
+class NotPlaced(_Placing):
+    """Nothing fits now: the reason, and no set."""
+
+    placed: Literal[False]
+
+
+class Placement(RootModel[Annotated[Placed | NotPlaced, Field(discriminator="placed")]]):
+    """GET /v1/gpus/place (and `gpus place` without a daemon, with its `note`): where a
+    request would go now, reserving nothing, or why nothing fits."""
+
+    model_config = ConfigDict(frozen=True)
 
 
 class Error(Answer):

@@ -18,9 +18,8 @@ import struct
 from collections.abc import Mapping
 from typing import TypeVar, cast
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from nodeagent.api.answers import Answer
 from nodeagent.api.wire import MAX_BODY, Deadline, DeadlineIO, encode, encode_query
 from nodeagent.errors import DaemonUnreachable, NodeagentError
 
@@ -38,7 +37,8 @@ class ApiRefused(NodeagentError):
         self.status = status
 
 
-A = TypeVar("A", bound=Answer)
+A = TypeVar("A", bound=BaseModel)
+"""An answer's model (nodeagent.api.answers)."""
 
 
 class _DeadlineSocket:
