@@ -146,7 +146,13 @@ def workload_name(row: Mapping[str, Any]) -> str | None:
     (`namespace/pod` for the pod itself and its sandbox), else the container's name; None
     when the runtime said nothing."""
     container = row.get("container_name")
-    if row.get("namespace") is not None and row.get("pod") is not None:
-        pod = f"{row['namespace']}/{row['pod']}"
-        return pod if container is None else f"{pod}/{container}"
-    return container if isinstance(container, str) else None
+    return runtime_name(
+        container if isinstance(container, str) else None, row.get("namespace"), row.get("pod")
+    )
+
+
+def runtime_name(container: str | None, namespace: str | None, pod: str | None) -> str | None:
+    """`workload_name` from its parts."""
+    if namespace is not None and pod is not None:
+        return f"{namespace}/{pod}" if container is None else f"{namespace}/{pod}/{container}"
+    return container

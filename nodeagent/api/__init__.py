@@ -9,10 +9,13 @@ Adding an endpoint: a route maps a path to its methods, each a handler taking a
 
     {"/v1/jobs": {"GET": list_jobs, "POST": add_job, "DELETE": remove_job}}
 
-A handler returns JSON-serialisable data (200), or raises one of nodeagent.errors' refusals
+A handler returns its answer (200): a model of `answers`, which the CLI reads back by
+attribute through the same model; or raises one of nodeagent.errors' refusals
 (BadRequest, Forbidden, NotFound, Conflict, TryLater: 400, 403, 404, 409, 503, as
 `server.STATUS` maps them) with a message for the user; the domain code raises them without
 knowing of HTTP. The CLI calls
-`client.get`, `client.post` or `client.delete`; every failure is one line (ApiRefused, with
-the status, when the daemon said no).
+`client.get_as`, `client.post_as` or `client.delete_as` with the answer's model (or
+`client.get`, `post`, `delete` for the raw JSON); every failure is one line (ApiRefused, with
+the status, when the daemon said no; an answer that does not fit its model names the socket
+and the path).
 """

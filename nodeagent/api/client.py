@@ -16,7 +16,9 @@ import json
 import socket
 import struct
 from collections.abc import Mapping
-from typing import cast
+from typing import TypeVar, cast
+
+from pydantic import BaseModel, ValidationError
 
 from nodeagent.api.wire import MAX_BODY, Deadline, DeadlineIO, encode, encode_query
 from nodeagent.errors import DaemonUnreachable, NodeagentError
@@ -33,6 +35,10 @@ class ApiRefused(NodeagentError):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+
+A = TypeVar("A", bound=BaseModel)
+"""An answer's model (nodeagent.api.answers)."""
 
 
 class _DeadlineSocket:
@@ -122,6 +128,62 @@ def delete(
 ) -> object:
     """DELETE `path`, with the JSON object `body` (empty by default)."""
     return _call(socket_path, "DELETE", path, params=params, body=body or {}, timeout=timeout)
+
+
+def get_as(
+    model: type[A],
+    socket_path: str,
+    path: str,
+    *,
+    params: Mapping[str, str] | None = None,
+    timeout: float = 5.0,
+) -> A:
+    """`get`, its answer validated as `model` (see `fit`)."""
+    return fit(model, socket_path, path, get(socket_path, path, params, timeout))
+
+
+def post_as(
+    model: type[A],
+    socket_path: str,
+    path: str,
+    body: Mapping[str, object],
+    *,
+    params: Mapping[str, str] | None = None,
+    timeout: float = 5.0,
+) -> A:
+    """`post`, its answer validated as `model` (see `fit`)."""
+    return fit(model, socket_path, path, post(socket_path, path, body, params, timeout))
+
+
+def delete_as(
+    model: type[A],
+    socket_path: str,
+    path: str,
+    body: Mapping[str, object] | None = None,
+    *,
+    params: Mapping[str, str] | None = None,
+    timeout: float = 5.0,
+) -> A:
+    """`delete`, its answer validated as `model` (see `fit`)."""
+    return fit(model, socket_path, path, delete(socket_path, path, body, params, timeout))
+
+
+def fit(model: type[A], socket_path: str, path: str, answer: object) -> A:
+    """A 200 answer as `model`; one NodeagentError naming the socket, the path and the first
+    thing that does not fit when it is not one (a daemon of another version, or something
+    else answering on the socket)."""
+    try:
+        return model.model_validate(answer)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the answer"
+        raise NodeagentError(
+            " ".join(
+                f"the nodeagent daemon on {socket_path} answered {path} with what this"
+                f" nodeagent does not expect ({where}: {first['msg']}); is the daemon the"
+                " same version as this CLI?".split()
+            )
+        ) from None
 
 
 def _call(

@@ -86,7 +86,8 @@ class Request:
 
 
 Handler = Callable[[Request], object]
-"""Serves one method of one path: returns a JSON-serialisable object, or raises Refused."""
+"""Serves one method of one path: returns its answer (a model of nodeagent.api.answers, or
+JSON-serialisable data), or raises Refused."""
 
 Routes = Mapping[str, Mapping[str, Handler]]
 """Path -> method ("GET", "POST" or "DELETE") -> handler."""

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, unquote_to_bytes
 
+from pydantic import BaseModel
+
 MAX_BODY = 64 * 1024
 """The largest request body (bytes) a POST or DELETE may carry."""
 
@@ -61,10 +63,13 @@ class DeadlineIO(io.RawIOBase):
 
 
 def encode(obj: object) -> bytes:
-    """The wire format of every body: compact, sorted, ASCII-only JSON.
+    """The wire format of every body: compact, sorted, ASCII-only JSON; a model (an answer in
+    nodeagent.api.answers) as its fields by their wire names (its aliases).
 
     ASCII-only keeps strings that came from non-UTF-8 names (lone surrogates) encodable.
     """
+    if isinstance(obj, BaseModel):
+        obj = obj.model_dump(by_alias=True)
     return json.dumps(obj, indent=None, sort_keys=True, default=str).encode()
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 from nodeagent.api import client
+from nodeagent.api.answers import GpuGrant, StartedJob
 from nodeagent.cli.common import socket_option
 from nodeagent.errors import NodeagentError
 
@@ -115,25 +116,21 @@ def _child(go: int, command: Sequence[str]) -> None:
 def _wait_for_gpus(socket: str, want: dict[str, Any], timeout: float | None) -> str:
     """Ask the daemon for GPUs and wait, saying so, until they are granted; the request's id.
     Waiting requests are served by class priority, then deadline, then fair share."""
-    answer = client.post(socket, "/v1/gpus/requests", want)
-    if not isinstance(answer, dict) or not isinstance(answer.get("id"), str):
-        raise NodeagentError("the daemon gave a GPU answer of the wrong shape")
-    rid, said = str(answer["id"]), None
+    answer = client.post_as(GpuGrant, socket, "/v1/gpus/requests", want)
+    rid, said = answer.id, None
     give_up = None if timeout is None else time.monotonic() + timeout
     try:
-        while answer.get("status") != "granted":
-            line = f"waiting for {want['count']} GPU(s): position {answer.get('position')}"
-            if answer.get("reason"):
-                line += f" ({answer['reason']})"
+        while answer.status != "granted":
+            line = f"waiting for {want['count']} GPU(s): position {answer.position}"
+            if answer.reason:
+                line += f" ({answer.reason})"
             if line != said:
                 click.echo(f"nodeagent exec: {line}", err=True)
                 said = line
             if give_up is not None and time.monotonic() > give_up:
                 raise NodeagentError(f"no GPUs within --gpu-timeout: {line}")
             time.sleep(1)
-            answer = client.get(socket, "/v1/gpus/requests", {"id": rid})
-            if not isinstance(answer, dict):
-                raise NodeagentError("the daemon gave a GPU answer of the wrong shape")
+            answer = client.get_as(GpuGrant, socket, "/v1/gpus/requests", params={"id": rid})
     except BaseException:
         with contextlib.suppress(NodeagentError):
             client.delete(socket, "/v1/gpus/requests", {"id": rid})
@@ -315,8 +312,8 @@ def exec_cmd(
     # waiting process, and with it the job, as it would end the command.
     with _forwarding(pid):
         try:
-            started = client.post(
-                socket, "/v1/jobs", {k: v for k, v in request.items() if v is not None}
+            started = client.post_as(
+                StartedJob, socket, "/v1/jobs", {k: v for k, v in request.items() if v is not None}
             )
         except NodeagentError:
             os.close(write_end)  # the child reads no go and exits without running anything
@@ -325,7 +322,7 @@ def exec_cmd(
                 with contextlib.suppress(NodeagentError):
                     client.delete(socket, "/v1/gpus/requests", {"id": grant})
             raise
-        env = started.get("env", {}) if isinstance(started, dict) else {}
+        env = started.env
         with _foreground(pid) as terminal:
             with contextlib.suppress(OSError):  # the child died of a signal meanwhile
                 os.write(write_end, GO + json.dumps(env).encode())

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from nodeagent.api.answers import GpuList, NotPlaced, Placed, Placement, Reservation
 from nodeagent.cli.common import json_option, socket_option
 from nodeagent.cli.output import document, echo_json, item_list, renamed
 from nodeagent.errors import NodeagentError
@@ -80,22 +81,23 @@ def _gpu_document(gpu: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def gpu_list_document(data: Mapping[str, Any]) -> dict[str, Any]:
+def gpu_list_document(data: GpuList) -> dict[str, Any]:
     """`gpus --json`: kind GpuList; `source`, `simulated`, `reason` (why there are none),
     with a daemon `queue` (the requests waiting), and the GPUs as `items`."""
-    extra = {k: v for k, v in data.items() if k != "gpus"}
-    return item_list("GpuList", (_gpu_document(g) for g in data["gpus"]), **extra)
+    plain = data.model_dump(by_alias=True)
+    extra = {k: v for k, v in plain.items() if k != "gpus"}
+    return item_list("GpuList", (_gpu_document(g) for g in plain["gpus"]), **extra)
 
 
-def reservation_document(got: Mapping[str, Any]) -> dict[str, Any]:
+def reservation_document(got: Reservation) -> dict[str, Any]:
     """`gpus reserve --json` (and --format json): kind GpuReservation."""
-    return document("GpuReservation", renamed(got, _RESERVATION_UNITS))
+    return document("GpuReservation", renamed(got.model_dump(by_alias=True), _RESERVATION_UNITS))
 
 
-def placement_document(data: Mapping[str, Any]) -> dict[str, Any]:
+def placement_document(data: Placement) -> dict[str, Any]:
     """`gpus place --json`: kind GpuPlacement; when nothing fits, `placed` false and the
     reason, no set."""
-    body = renamed(data, _SCORE_UNITS)
+    body = renamed(data.model_dump(by_alias=True), _SCORE_UNITS)
     if "request" in body:
         body["request"] = renamed(body["request"], _REQUEST_UNITS)
     return document("GpuPlacement", body)
@@ -132,11 +134,10 @@ def gpus(ctx: click.Context, simulate: str | None, socket: str, as_json: bool) -
     from nodeagent.errors import DaemonUnreachable
     from nodeagent.gpu.report import read_report
 
-    data: dict[str, Any] | None = None
+    data: GpuList | None = None
     if simulate is None:
         try:
-            answer = client.get(socket, "/v1/gpus")
-            data = answer if isinstance(answer, dict) and "gpus" in answer else None
+            data = client.get_as(GpuList, socket, "/v1/gpus")
         except DaemonUnreachable:
             pass
         except NodeagentError as e:
@@ -145,42 +146,42 @@ def gpus(ctx: click.Context, simulate: str | None, socket: str, as_json: bool) -
     if data is None:
         backend = _open(simulate)
         try:
-            data = read_report(backend)
+            data = GpuList.model_validate(read_report(backend))
         finally:
             backend.close()
     if as_json:
         echo_json(gpu_list_document(data))
-    elif not data["gpus"]:
-        click.echo(f"no GPUs: {data['reason']}")
+    elif not data.gpus:
+        click.echo(f"no GPUs: {data.reason}")
     else:
         click.echo(_gpus_table(data))
 
 
-def _gpus_table(data: dict[str, Any]) -> str:
-    gpus = data["gpus"]
-    head = f"{len(gpus)} GPU{'s' if len(gpus) != 1 else ''}, {data['source']}"
+def _gpus_table(data: GpuList) -> str:
+    gpus = data.gpus
+    head = f"{len(gpus)} GPU{'s' if len(gpus) != 1 else ''}, {data.source}"
     rows = [
         (
-            g["index"],
-            g["uuid"] or "?",
-            g["name"] or "?",
-            "ok" if g["healthy"] else f"UNHEALTHY: {g['reason']}",
-            _num(g["utilization"], "%"),
-            f"{_bytes(g['memory_used'])}/{_bytes(g['memory_total'])}",
-            f"{_num(g['power_draw_w'])}/{_num(g['power_limit_w'], 'W')}",
-            _num(g["temperature_c"], "C"),
-            _num(g["numa_node"]),
-            g["cpus"] or "-",
-            ", ".join(a["owner"] for a in g["assigned"]) if "assigned" in g else "?",
+            g.index,
+            g.uuid or "?",
+            g.name or "?",
+            "ok" if g.healthy else f"UNHEALTHY: {g.reason}",
+            _num(g.utilization, "%"),
+            f"{_bytes(g.memory_used)}/{_bytes(g.memory_total)}",
+            f"{_num(g.power_draw_w)}/{_num(g.power_limit_w, 'W')}",
+            _num(g.temperature_c, "C"),
+            _num(g.numa_node),
+            g.cpus or "-",
+            "?" if g.assigned is None else ", ".join(a.owner for a in g.assigned),
         )
         for g in gpus
     ]
     headers: tuple[str, ...] = ("GPU", "UUID", "NAME", "HEALTH", "UTIL", "MEMORY", "POWER")
     headers += ("TEMP", "NUMA", "CPUS", "ASSIGNED")
     out = [head, table(headers, rows)]
-    if "assigned" not in gpus[0]:
+    if gpus[0].assigned is None:
         out.append("(assignments and violations: no nodeagent daemon answered)")
-    migs = [(g["index"], m) for g in gpus for m in g["mig_devices"]]
+    migs = [(g.index, m) for g in gpus for m in g.mig_devices]
     if migs:
         out += [
             "",
@@ -190,54 +191,45 @@ def _gpus_table(data: dict[str, Any]) -> str:
                 [
                     (
                         i,
-                        m["uuid"],
-                        m["profile"],
-                        _bytes(m["memory_total"]),
-                        "ok" if m["healthy"] else f"UNHEALTHY: {m['reason']}",
+                        m.uuid,
+                        m.profile,
+                        _bytes(m.memory_total),
+                        "ok" if m.healthy else f"UNHEALTHY: {m.reason}",
                     )
                     for i, m in migs
                 ],
             ),
         ]
-    procs = [(g["index"], p) for g in gpus for p in g["processes"]]
+    procs = [(g.index, p) for g in gpus for p in g.processes]
     out += ["", "compute processes:" if procs else "compute processes: none"]
     if procs:
         out.append(
             table(
                 ("PID", "GPU", "DEVICE", "MEMORY", "CGROUP"),
                 [
-                    (
-                        p["pid"],
-                        i,
-                        p["device_uuid"],
-                        _bytes(p["used_memory"]),
-                        p["cgroup"] or "(exited)",
-                    )
+                    (p.pid, i, p.device_uuid, _bytes(p.used_memory), p.cgroup or "(exited)")
                     for i, p in procs
                 ],
             )
         )
-    violations = [(g["index"], v) for g in gpus for v in g.get("violations", [])]
+    violations = [(g.index, v) for g in gpus for v in g.violations or ()]
     if violations:
         out += ["", "VIOLATIONS: processes on GPUs their cgroup does not hold:"]
         out.append(
             table(
                 ("PID", "GPU", "DEVICE", "KIND", "CGROUP", "HOLDS"),
                 [
-                    (v["pid"], i, v["device"], v["kind"], v["cgroup"], v["holder"] or "nothing")
+                    (v.pid, i, v.device, v.kind, v.cgroup, v.holder or "nothing")
                     for i, v in violations
                 ],
             )
         )
-    if data.get("queue"):
+    if data.queue:
         out += ["", "waiting for GPUs:"]
         out.append(
             table(
                 ("REQUEST", "FOR", "COUNT", "CLASS", "WHY"),
-                [
-                    (q["id"] or "-", q["owner"], q["count"], q["class"], q["reason"])
-                    for q in data["queue"]
-                ],
+                [(q.id or "-", q.owner, q.count, q.workload_class, q.reason) for q in data.queue],
             )
         )
     return "\n".join(out)
@@ -333,10 +325,8 @@ def reserve_cmd(
     body |= {k: v for k, v in optional.items() if v is not None}
     if memory is not None:
         body["memory"] = _size(memory)
-    got = client.post(socket, "/v1/gpus/reservations", body)
-    if not isinstance(got, dict) or not isinstance(got.get("uuids"), list):
-        raise NodeagentError("the daemon gave a reservation answer of the wrong shape")
-    visible = ",".join(got["uuids"])
+    got = client.post_as(Reservation, socket, "/v1/gpus/reservations", body)
+    visible = ",".join(got.uuids)
     if as_json or fmt == "json":
         echo_json(reservation_document(got))
     elif fmt == "env":
@@ -345,7 +335,7 @@ def reserve_cmd(
             "CUDA_DEVICE_ORDER=PCI_BUS_ID"
         )
     else:
-        click.echo(docker_gpus(got["uuids"]))
+        click.echo(docker_gpus(got.uuids))
 
 
 def docker_gpus(uuids: list[str]) -> str:
@@ -472,26 +462,25 @@ def place_cmd(
         if simulate is None:
             data, note = _ask_daemon(socket, question)
         if data is None:
-            data = _place_here(question, simulate)
-            data["holds_considered"] = False
-            data["note"] = note
+            data = _place_here(question, simulate, note)
     except BadQuestion as e:
         raise click.BadParameter(e.message, param_hint=f"--{e.what}") from None
+    placed = data.root
     if as_json:
         echo_json(placement_document(data))
-    elif not data["placed"]:
-        click.echo(f"nothing fits now: {data['reason']}" + _considered(data))
+    elif isinstance(placed, NotPlaced):
+        click.echo(f"nothing fits now: {placed.reason}" + _considered(placed.note))
     else:
-        click.echo(_placement_text(data) + _considered(data))
-    if not data["placed"]:
+        click.echo(_placement_text(placed) + _considered(placed.note))
+    if not placed.placed:
         raise SystemExit(1)
 
 
-def _considered(data: dict[str, Any]) -> str:
-    return f"\n({data['note']})" if "note" in data else ""
+def _considered(note: str | None) -> str:
+    return "" if note is None else f"\n({note})"
 
 
-def _ask_daemon(socket: str, question: Question) -> tuple[dict[str, Any] | None, str]:
+def _ask_daemon(socket: str, question: Question) -> tuple[Placement | None, str]:
     """The daemon's answer against its live holds; else None and why it gave none (no
     daemon; a daemon without GPUs, or without this route, while this command may read
     some itself, such as a NODEAGENT_GPU_SIM node)."""
@@ -501,7 +490,7 @@ def _ask_daemon(socket: str, question: Question) -> tuple[dict[str, Any] | None,
     from nodeagent.gpualloc.placing import BadQuestion
 
     try:
-        data = client.get(socket, "/v1/gpus/place", question.query())
+        data = client.get_as(Placement, socket, "/v1/gpus/place", params=question.query())
     except DaemonUnreachable:
         return None, "no daemon: holds not considered"
     except ApiRefused as e:
@@ -511,16 +500,15 @@ def _ask_daemon(socket: str, question: Question) -> tuple[dict[str, Any] | None,
         if e.status == 404:
             return None, f"the daemon gave no placement ({e}): holds not considered"
         raise
-    if not isinstance(data, dict) or not isinstance(data.get("placed"), bool):
-        raise NodeagentError("the daemon gave a placement answer of the wrong shape")
     return data, ""
 
 
 _QUESTION_PARTS = frozenset({"count", "memory", "shared", "mig", "numa", "busy"})
 
 
-def _place_here(question: Question, simulate: str | None) -> dict[str, Any]:
-    """The answer from this command's own reading of the GPUs: no holds but --busy."""
+def _place_here(question: Question, simulate: str | None, note: str) -> Placement:
+    """The answer from this command's own reading of the GPUs: no holds but --busy; `note`
+    says why holds were not considered."""
     from nodeagent.gpu.model import GpuState
     from nodeagent.gpualloc.placing import answer
     from nodeagent.policy.placement import Holdings, node_gpus
@@ -541,7 +529,7 @@ def _place_here(question: Question, simulate: str | None) -> dict[str, Any]:
         )
     finally:
         backend.close()
-    return answer(
+    placed = answer(
         question,
         node_gpus(state),
         Holdings(),
@@ -549,6 +537,7 @@ def _place_here(question: Question, simulate: str | None) -> dict[str, Any]:
         simulated=state.simulated,
         holds_considered=False,
     )
+    return Placement.model_validate({**placed, "note": note})
 
 
 def _size(text: str | None) -> int | None:
@@ -562,28 +551,28 @@ def _size(text: str | None) -> int | None:
         raise click.BadParameter(str(e), param_hint="--memory") from None
 
 
-def _placement_text(d: dict[str, Any]) -> str:
-    where = "simulated node" if d["simulated"] else d["source"]
-    plural = "s" if len(d["uuids"]) > 1 else ""
-    gpus = sorted(set(d["indices"]))
+def _placement_text(d: Placed) -> str:
+    where = "simulated node" if d.simulated else d.source
+    plural = "s" if len(d.uuids) > 1 else ""
+    gpus = sorted(set(d.indices))
     on = f"GPU{'s' if len(gpus) > 1 else ''} {', '.join(map(str, gpus))}"
-    if d["request"]["mig_profile"]:
-        on = f"{len(d['uuids'])} MIG instance{plural} ({d['request']['mig_profile']}) on {on}"
+    if d.request.mig_profile:
+        on = f"{len(d.uuids)} MIG instance{plural} ({d.request.mig_profile}) on {on}"
     lines = [f"would place on {on} ({where}; nothing reserved)"]
-    lines += [f"  GPU {g['index']}  {g['uuid']}  NUMA {_num(g['numa_node'])}" for g in d["devices"]]
-    if d["pairs"]:
+    lines += [f"  GPU {g.index}  {g.uuid}  NUMA {_num(g.numa_node)}" for g in d.devices]
+    if d.pairs:
         lines.append(
-            f"score {d['score']} (pairs {d['pair_score']} + NUMA {d['numa_bonus']}); "
-            f"{d['fraction']:.2f} of the best {len(d['indices'])}-GPU set on an empty node "
-            f"({d['best_possible']})"
+            f"score {d.score} (pairs {d.pair_score} + NUMA {d.numa_bonus}); "
+            f"{d.fraction:.2f} of the best {len(d.indices)}-GPU set on an empty node "
+            f"({d.best_possible})"
         )
         lines.append("pairs:")
         lines += [
-            f"  {q['gpus'][0]}-{q['gpus'][1]}  "
-            + (f"NV{q['nvlinks']}{' (NVSwitch)' if q['nvswitch'] else ''} " if q["nvlinks"] else "")
-            + f"{q['pcie']}  {q['score']}"
-            for q in d["pairs"]
+            f"  {q.gpus[0]}-{q.gpus[1]}  "
+            + (f"NV{q.nvlinks}{' (NVSwitch)' if q.nvswitch else ''} " if q.nvlinks else "")
+            + f"{q.pcie}  {q.score}"
+            for q in d.pairs
         ]
-    lines.append(f"NUMA nodes: {', '.join(map(str, d['numa_nodes'])) or '-'}")
-    lines.append(f"why: {d['reason']}")
+    lines.append(f"NUMA nodes: {', '.join(map(str, d.numa_nodes)) or '-'}")
+    lines.append(f"why: {d.reason}")
     return "\n".join(lines)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator, Mapping
-from typing import Any, cast
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import click
 
 from nodeagent.api import client
+from nodeagent.api.answers import Allocation, Allocations, DeadlineFigures, Explanation, Workload
 from nodeagent.cli.common import json_option, load, socket_option, wide_option
 from nodeagent.cli.output import (
     counted,
@@ -26,6 +26,7 @@ from nodeagent.tables import (
     cores,
     percent,
     printable,
+    runtime_name,
     setting,
     short_ids,
     size,
@@ -33,20 +34,6 @@ from nodeagent.tables import (
     workload_name,
     yes_no,
 )
-
-
-@contextlib.contextmanager
-def daemon_answer(path: str) -> Iterator[None]:
-    """Rendering an answer of a shape this CLI does not know is a one-line error, not a
-    traceback: a daemon of another version, or something else listening on the socket."""
-    try:
-        yield
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-        raise NodeagentError(
-            f"the daemon's answer to {path} is not what this nodeagent expects"
-            f" ({type(exc).__name__}: {exc}); is the daemon the same version as this CLI?"
-        ) from None
-
 
 # The --json documents (see cli/output.py): the daemon's answers with units in their keys.
 _ROW_UNITS = {"cpu_rate": "cpu_rate_cores", "memory_current": "memory_current_bytes"}
@@ -95,77 +82,79 @@ def _workload_document(row: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def allocations_document(data: Mapping[str, Any]) -> dict[str, Any]:
+def allocations_document(answer: Allocations) -> dict[str, Any]:
     """`allocations --json`: kind Allocations, the tick's figures, `allocations` (one per
     workload and parent level) and `node_notes`."""
+    data = answer.model_dump(by_alias=True)
     body = renamed(
         data,
         {"time": "timestamp_seconds", "tenant_usage": "tenant_usage_cpu_seconds"},
     )
     body["allocations"] = [_workload_document(a) for a in data["allocations"]]
-    body["node_notes"] = [_note_document(n) for n in data.get("node_notes", [])]
+    body["node_notes"] = [_note_document(n) for n in data["node_notes"]]
     return document("Allocations", body)
 
 
-def explanation_document(data: Mapping[str, Any]) -> dict[str, Any]:
+def explanation_document(answer: Explanation) -> dict[str, Any]:
     """`explain --json`: kind Explanation; under `explanation`, one workload's values,
     trace and sensed figures (under a key of its own: a workload has a kind too)."""
+    data = answer.model_dump(by_alias=True)
     return document("Explanation", {"explanation": _workload_document(data)})
 
 
-def _mode(row: Mapping[str, Any]) -> str:
+def _mode(write: str | None) -> str:
     """' (read-only)' or ' (via systemd)' after a cgroup the agent does not write directly."""
-    return {"read-only": " (read-only)", "systemd": " (via systemd)"}.get(
-        row.get("write") or "", ""
-    )
+    return {"read-only": " (read-only)", "systemd": " (via systemd)"}.get(write or "", "")
 
 
-def _setting(row: Mapping[str, Any], attribute: str) -> str:
-    v = row["values"][attribute]
-    return setting(attribute, v["current"], v["target"], row.get("write") != "read-only")
+def _setting(row: Allocation, attribute: str) -> str:
+    v = row.values[attribute]
+    return setting(attribute, v.current, v.target, row.write != "read-only")
 
 
 def allocations_table(
-    data: Mapping[str, Any], *, width: int | None = None, wide: bool = True
+    data: Allocations | Mapping[str, Any], *, width: int | None = None, wide: bool = True
 ) -> str:
     """The allocations as a table; not `wide`: short ids, and the GPUS column only where a
-    workload holds GPUs; `width`: reasons, then paths, cut to fit."""
-    allocated = data["allocations"]
-    gpus = wide or any(a.get("gpus") for a in allocated)
+    workload holds GPUs; `width`: reasons, then paths, cut to fit. A mapping (what
+    report.allocations builds, as `run --once` has it) is read as the answer would be."""
+    if not isinstance(data, Allocations):
+        data = Allocations.model_validate(data)
+    allocated = data.allocations
+    gpus = wide or any(a.gpus for a in allocated)
     named = any(_name_image(a) for a in allocated)
     rows = []
     for a in allocated:
         row = [
-            (a["cgroup"] if wide else short_ids(a["cgroup"])) + _mode(a),
+            (a.cgroup if wide else short_ids(a.cgroup)) + _mode(a.write),
             *((_name_image(a),) if named else ()),
-            a["tenant"],
-            a["class"],
+            a.tenant,
+            a.workload_class,
             *(_setting(a, str(attribute)) for attribute in SHOWN),
-            ",".join(map(str, a.get("gpus") or [])) or None,
-            cores(a["cpu_rate"]),
+            ",".join(map(str, a.gpus)) or None,
+            cores(a.cpu_rate),
             "; ".join(
                 [
-                    a["reason"]
-                    if a.get("status", "ok") == "ok"
-                    else f"{a['status'].upper()}: {a['problem']}",
-                    *(f"REFUSED {x}" for x in a.get("refused") or ()),
+                    a.reason if a.status == "ok" else f"{a.status.upper()}: {a.problem}",
+                    *(f"REFUSED {x}" for x in a.refused),
                 ]
             ),
         ]
         at = 7 + named  # the GPUS column
         rows.append(row if gpus else row[:at] + row[at + 1 :])
-    mode = " (dry run: nothing written)" if data["dry_run"] else ""
-    levels = sum(1 for a in allocated if a.get("level"))
+    mode = " (dry run: nothing written)" if data.dry_run else ""
+    levels = sum(1 for a in allocated if a.level)
     found = counted(len(rows) - levels, "workload") + (
         f", {counted(levels, 'parent level')}" if levels else ""
     )
-    head = f"tick {data['tick']}{mode}: {found}; OLD->NEW where the kernel differs"
-    notes = data.get("node_notes", [])
-    tail = "".join("\n" + printable(f"{n['kind']}: {n['status']}: {n['message']}") for n in notes)
-    jobs = [a for a in allocated if a.get("deadline")]
+    head = f"tick {data.tick}{mode}: {found}; OLD->NEW where the kernel differs"
+    notes = data.node_notes
+    tail = "".join("\n" + printable(f"{n.kind}: {n.status}: {n.message}") for n in notes)
+    jobs = [(a.cgroup, a.deadline) for a in allocated if a.deadline is not None]
     if jobs:
-        tail += "\n\ndeadline jobs (misses so far: " + str(data.get("deadline_misses", "?")) + ")\n"
-        tail += deadlines_table(jobs, data["time"], width=width, wide=wide)
+        misses = "?" if data.deadline_misses is None else str(data.deadline_misses)
+        tail += "\n\ndeadline jobs (misses so far: " + misses + ")\n"
+        tail += deadlines_table(jobs, data.time, width=width, wide=wide)
     headers = [
         "CGROUP", "NAME", "TENANT", "CLASS", "CPU.WEIGHT", "CPU.MAX", "MEM.MAX", "MEM.HIGH",
         "GPUS", "CPU", "REASON",
@@ -179,9 +168,9 @@ def allocations_table(
     return printable(head) + "\n" + table(headers, rows, width=width, cut=cut) + tail
 
 
-def _name_image(row: Mapping[str, Any]) -> str | None:
+def _name_image(row: Workload) -> str | None:
     """The runtime's name for a workload, and its image: `web-1 (nginx:1.25)`."""
-    name, image = workload_name(row), row.get("image")
+    name, image = runtime_name(row.container_name, row.namespace, row.pod), row.image
     if name is None:
         return image
     return name if image is None else f"{name} ({image})"
@@ -198,24 +187,28 @@ def _when(at: float | None, now: float) -> str | None:
 
 
 def deadlines_table(
-    rows: list[dict[str, Any]], now: float, *, width: int | None = None, wide: bool = True
+    rows: Sequence[tuple[str, DeadlineFigures]],
+    now: float,
+    *,
+    width: int | None = None,
+    wide: bool = True,
 ) -> str:
-    """Each deadline job's status, time to its deadline, remaining work (CPU-s), the rate it
-    needs and is given (cores), its slack and its predicted finish, relative to now."""
+    """Each deadline job (its cgroup, its figures): status, time to its deadline, remaining
+    work (CPU-s), the rate it needs and is given (cores), its slack and its predicted
+    finish, relative to now."""
     headers = ("CGROUP", "STATUS", "DEADLINE", "REMAINING", "NEED", "GIVEN", "SLACK", "FINISH")
     body = []
-    for a in rows:
-        d = a["deadline"]
+    for cgroup, d in rows:
         body.append(
             (
-                a["cgroup"] if wide else short_ids(a["cgroup"]),
-                d["status"],
-                _when(d["deadline"], now),
-                f"{d['remaining']:.1f}",
-                cores(d.get("required_rate")),
-                cores(d.get("rate")),
-                _seconds(d.get("slack")),
-                _when(d.get("predicted_finish"), now),
+                cgroup if wide else short_ids(cgroup),
+                d.status,
+                _when(d.deadline, now),
+                f"{d.remaining:.1f}",
+                cores(d.required_rate),
+                cores(d.rate),
+                _seconds(d.slack),
+                _when(d.predicted_finish, now),
             )
         )
     return table(headers, body, width=width, cut=[(0, "tail")])
@@ -232,16 +225,12 @@ def allocations_cmd(socket: str, as_json: bool, wide: bool) -> None:
     plan: in a dry run, for cgroups that are read-only (see `workloads`), or
     when a write failed.
     """
-    data = client.get(socket, "/v1/allocations")
+    data = client.get_as(Allocations, socket, "/v1/allocations")
     if as_json:
-        with daemon_answer("/v1/allocations"):
-            doc = allocations_document(cast(Mapping[str, Any], data))
-        echo_json(doc)
+        echo_json(allocations_document(data))
         return
-    with daemon_answer("/v1/allocations"):
-        width = None if wide else terminal_width()
-        text = allocations_table(cast(Mapping[str, Any], data), width=width, wide=wide)
-    click.echo(text)
+    width = None if wide else terminal_width()
+    click.echo(allocations_table(data, width=width, wide=wide))
 
 
 @click.command()
@@ -256,26 +245,21 @@ def explain(cgroup: str, socket: str, as_json: bool) -> None:
     namespace/pod/container) or a container-id prefix. The answer says what the
     runtime said about it and which of that its rule matched.
     """
-    data = client.get(socket, "/v1/explain", {"cgroup": cgroup})
+    data = client.get_as(Explanation, socket, "/v1/explain", params={"cgroup": cgroup})
     if as_json:
-        with daemon_answer("/v1/explain"):
-            doc = explanation_document(cast(Mapping[str, Any], data))
-        echo_json(doc)
+        echo_json(explanation_document(data))
         return
-    with daemon_answer("/v1/explain"):
-        text = explain_text(cast(Mapping[str, Any], data))
-    click.echo(text)
+    click.echo(explain_text(data))
 
 
-def _claim(data: Mapping[str, Any]) -> str:
+def _claim(data: Explanation) -> str:
     """Which rule claims the cgroup, or, for a parent level, what it holds and why it is
     weighted at all."""
-    if data.get("rule") is not None:
-        return f"rule {data['rule']}  tenant {data['tenant']}  class {data['class']}"
-    below = data.get("below") or {}
-    if data.get("level"):
-        tenants = ", ".join(below.get("tenants", [])) or "none"
-        held = below.get("workloads", 0)
+    if data.rule is not None:
+        return f"rule {data.rule}  tenant {data.tenant}  class {data.workload_class}"
+    if data.level:
+        tenants = ", ".join(data.below.tenants if data.below else ()) or "none"
+        held = data.below.workloads if data.below else 0
         return (
             f"parent level of {held} claimed workload{'' if held == 1 else 's'}"
             f" (tenants: {tenants}); no rule claims it: only its cpu.weight is planned,"
@@ -284,17 +268,17 @@ def _claim(data: Mapping[str, Any]) -> str:
     return "no rule claims it"
 
 
-def _explain_metadata(data: Mapping[str, Any]) -> list[str]:
+def _explain_metadata(data: Explanation) -> list[str]:
     """What the runtime said, and which of it the rule matched (or refused)."""
     lines = []
     named = _name_image(data)
     if named is not None:
         lines.append(f"  runtime says: {named}")
-    if data.get("metadata_problem"):
-        lines.append(f"  no runtime metadata: {data['metadata_problem']}")
-    if data.get("matched"):
-        lines.append(f"  rule {data['rule']} matched: {', '.join(data['matched'])}")
-    lines.extend(f"  refused: {x}" for x in data.get("refused") or ())
+    if data.metadata_problem:
+        lines.append(f"  no runtime metadata: {data.metadata_problem}")
+    if data.matched:
+        lines.append(f"  rule {data.rule} matched: {', '.join(data.matched)}")
+    lines.extend(f"  refused: {x}" for x in data.refused)
     return lines
 
 
@@ -318,34 +302,38 @@ def _sensed(key: str, value: object) -> str:
     return str(value)
 
 
-def explain_text(data: Mapping[str, Any]) -> str:
-    written = data.get("write") != "read-only"
+def explain_text(data: Explanation | Mapping[str, Any]) -> str:
+    """One workload's explanation; a mapping (what report.explain builds) is read as the
+    answer would be."""
+    if not isinstance(data, Explanation):
+        data = Explanation.model_validate(data)
+    written = data.write != "read-only"
     lines = [
-        f"{data['cgroup']}  ({data['kind']}, {data['runtime']}, owner {data['owner']}"
-        + ("" if data.get("write") in (None, "direct") else f", {data['write']}")
+        f"{data.cgroup}  ({data.kind}, {data.runtime}, owner {data.owner}"
+        + ("" if data.write in (None, "direct") else f", {data.write}")
         + ")",
         f"  {_claim(data)}",
         *_explain_metadata(data),
-        f"  cpu now: {cores(data['cpu_rate'])} cores   (tick {data['tick']}"
-        + (", dry run" if data["dry_run"] else "")
+        f"  cpu now: {cores(data.cpu_rate)} cores   (tick {data.tick}"
+        + (", dry run" if data.dry_run else "")
         + ")",
         "values:",
     ]
     for attr in SHOWN:
-        v = data["values"][attr]
-        if v["target"] is not None or v["current"] is not None:
-            why = f"  [{v['policy']}] {v['reason']}" if v["policy"] else ""
-            shown = setting(attr, v["current"], v["target"], written)
+        v = data.values[attr]
+        if v.target is not None or v.current is not None:
+            why = f"  [{v.policy}] {v.reason}" if v.policy else ""
+            shown = setting(attr, v.current, v.target, written)
             lines.append(f"  {attr:<12} {shown}{why}")
-    sensed = [(k, v) for k, v in data["sensed"].items() if v not in (None, {})]
+    sensed = [(k, v) for k, v in data.sensed.items() if v not in (None, {})]
     if sensed:
         lines.append("sensed this tick:")
         lines.extend(f"  {k:<28} {_sensed(k, v)}" for k, v in sensed)
     lines.append("trace:")
-    lines.extend(f"  {t}" for t in data["trace"] or [data.get("reason") or "nothing planned"])
-    for w in data["writes"]:
-        shown = setting(w["attribute"], w["old"], w["new"])
-        lines.append(f"last tick: {w['attribute']} {shown}: {w['outcome']} {w['detail']}")
+    lines.extend(f"  {t}" for t in data.trace or [data.reason or "nothing planned"])
+    for w in data.writes:
+        shown = setting(w.attribute, w.old, w.new)
+        lines.append(f"last tick: {w.attribute} {shown}: {w.outcome} {w.detail}")
     return "\n".join(printable(line) for line in lines)
 
 
@@ -473,7 +461,7 @@ def workloads_table(
             *((workload_name(r), r.get("image")) if named else ()),
             r.get("kind"),
             r.get("runtime"),
-            None if "owner" not in r else f"{r['owner']}" + _mode(r),
+            None if "owner" not in r else f"{r['owner']}" + _mode(r.get("write")),
             *(
                 (r.get("container_id") or r.get("job_id"), r.get("pod_uid"), r.get("qos"))
                 if wide

@@ -62,7 +62,6 @@ def release(
       nodeagent release --all --json
     """
     from nodeagent import logs, state
-    from nodeagent.api import client
     from nodeagent.cgroupfs.tree import CgroupTree
     from nodeagent.logs import audit_write
     from nodeagent.policyfile.model import AgentSettings
@@ -91,17 +90,7 @@ def release(
         )
     path = state_file or agent.state_file
     if unit is None:  # as ExecStopPost= the agent is gone, but its socket file may be left
-        try:
-            status = client.get(agent.socket, "/v1/status", timeout=2)
-        except NodeagentError:
-            pass
-        else:
-            pid = status.get("pid") if isinstance(status, dict) else "?"
-            raise NodeagentError(
-                f"nodeagent is running (pid {pid}, {agent.socket}): it would apply its"
-                " policy again at its next tick; stop it first (systemctl stop nodeagent"
-                " releases by itself)"
-            )
+        _refuse_while_running(agent.socket)
     saved = state.load(path)
     if saved is None:
         _say(as_json, f"nodeagent release: no state file {path}: nothing to hand back",
@@ -131,6 +120,25 @@ def release(
         click.echo(f"nodeagent release: {told or 'nothing recorded to hand back'}; {path} updated")
     if counts.get("failed"):
         sys.exit(1)
+
+
+def _refuse_while_running(socket: str) -> None:
+    """NodeagentError when a daemon answers on `socket`, even with an answer we do not know."""
+    from nodeagent.api import client
+    from nodeagent.api.answers import Status
+
+    try:
+        status = client.get(socket, "/v1/status", timeout=2)
+    except NodeagentError:
+        return
+    try:
+        pid = str(client.fit(Status, socket, "/v1/status", status).pid)
+    except NodeagentError:
+        pid = "?"
+    raise NodeagentError(
+        f"nodeagent is running (pid {pid}, {socket}): it would apply its policy again at its"
+        " next tick; stop it first (systemctl stop nodeagent releases by itself)"
+    )
 
 
 def _say(as_json: bool, line: str, body: dict[str, object]) -> None:

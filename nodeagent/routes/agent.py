@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 
+from nodeagent.api import answers
 from nodeagent.api.server import Request, Routes
 from nodeagent.errors import BadRequest, NotFound
 from nodeagent.gpualloc.service import environment
@@ -24,25 +25,32 @@ def agent_routes(rec: Reconciler, config_path: str | None) -> Routes:
             raise NotFound("nodeagent has not completed a tick yet")
         return last
 
-    def status(_: Request) -> object:
+    def status(_: Request) -> answers.Status:
         last = rec.last
-        return {
-            "pid": os.getpid(),
-            "dry_run": rec.dry_run,
-            "policy_file": config_path,
-            "cgroup_root": rec.tree.root,
-            "managed_root": rec.spec.agent.managed_root,
-            "tick": None if last is None else last.snapshot.seq,
-            "workloads": len(rec.registry.workloads),
-            "slurm_problem": rec.slurm.problem,
-            "deadline_misses": rec.notes.deadline_misses,
-            "runtimes": rec.runtimes.status(),
-        }
+        return answers.Status(
+            pid=os.getpid(),
+            dry_run=rec.dry_run,
+            policy_file=config_path,
+            cgroup_root=rec.tree.root,
+            managed_root=rec.spec.agent.managed_root,
+            tick=None if last is None else last.snapshot.seq,
+            workloads=len(rec.registry.workloads),
+            slurm_problem=rec.slurm.problem,
+            deadline_misses=rec.notes.deadline_misses,
+            runtimes={
+                name: answers.RuntimeState.model_validate(state)
+                for name, state in rec.runtimes.status().items()
+            },
+        )
 
-    def allocs(_: Request) -> object:
-        return {**allocations(record()), "deadline_misses": rec.notes.deadline_misses}
+    def allocs(_: Request) -> answers.Allocations:
+        # report.py builds the rows as dicts (run --once and its tests read them so); the
+        # model checks them here, so that a key renamed there fails the route's tests
+        return answers.Allocations.model_validate(
+            {**allocations(record()), "deadline_misses": rec.notes.deadline_misses}
+        )
 
-    def explain_one(request: Request) -> object:
+    def explain_one(request: Request) -> answers.Explanation:
         last = record()
         query = request.query.get("cgroup", "")
         found = find(identities(last), query, rec.tree.root)
@@ -52,24 +60,25 @@ def agent_routes(rec: Reconciler, config_path: str | None) -> Routes:
                 f"{what} match {query!r} among the workloads a rule claims;"
                 " see 'nodeagent allocations' and 'nodeagent workloads'"
             )
-        return explain(last, found[0])
+        return answers.Explanation.model_validate(explain(last, found[0]))
 
-    def start_job(request: Request) -> object:
+    def start_job(request: Request) -> answers.StartedJob:
         if rec.dry_run:
             raise BadRequest("this daemon runs with --dry-run: it starts no jobs")
         job = rec.jobs.start(request.body, request.peer, rec.spec, time.time(), rec.gpus.claim)
         rec.saver.save()  # a restart must know the job before its next periodic save
         mine = next((h for h in rec.gpus.ledger.holds() if h.id == job.gpu_hold), None)
-        return {**job.to_json(), "env": {} if mine is None else environment(mine)}
+        env = {} if mine is None else environment(mine)
+        return answers.StartedJob.model_validate({**job.to_json(), "env": env})
 
-    def finish_job(request: Request) -> object:
+    def finish_job(request: Request) -> answers.Job:
         job = rec.jobs.finish(request.body, request.peer)
         if job.deadline is not None and time.time() > job.deadline:
             rec.notes.missed(job.cgroup, job.deadline)
-        return job.to_json()
+        return answers.Job.model_validate(job.to_json())
 
-    def list_jobs(_: Request) -> object:
-        return {"jobs": rec.jobs.dump()}
+    def list_jobs(_: Request) -> answers.Jobs:
+        return answers.Jobs.model_validate({"jobs": rec.jobs.dump()})
 
     return {
         "/v1/jobs": {"GET": list_jobs, "POST": start_job, "DELETE": finish_job},

@@ -13,6 +13,7 @@ from typing import Annotated
 from pydantic import BeforeValidator, Field
 
 from nodeagent.access import tenant_and_class
+from nodeagent.api import answers
 from nodeagent.api.bodies import (
     MAX_TTL,
     Body,
@@ -119,12 +120,12 @@ class GpuRoutes:
             "/v1/gpus/reservations/container": {"POST": self._attach},
         }
 
-    def _place(self, request: Request) -> object:
+    def _place(self, request: Request) -> answers.Placement:
         """`gpus place` against the live holds: read-only, nothing reserved."""
         node = self._node()
         held = holdings(self._gpus.holds())
         try:
-            return answer(
+            placed = answer(
                 from_query(request.query),
                 node,
                 held,
@@ -134,6 +135,7 @@ class GpuRoutes:
             )
         except BadQuestion as e:
             raise BadRequest(str(e)) from None
+        return answers.Placement.model_validate(placed)
 
     def _node(self) -> NodeGpus:
         node = node_of(self._gpus.state)
@@ -149,7 +151,7 @@ class GpuRoutes:
                 " plugin assigns GPUs; request nvidia.com/gpu in a pod spec instead"
             )
 
-    def _ask(self, request: Request) -> object:
+    def _ask(self, request: Request) -> answers.GpuGrant:
         self._refuse_in_kubernetes("nodeagent exec --gpus")
         body = parse(AskBody, request.body)
         spec = self._spec()
@@ -183,18 +185,19 @@ class GpuRoutes:
                 uuids=list(answer.hold.uuids),
                 request=answer.id,
             )
-        return answer.to_json()
+        return answers.GpuGrant.model_validate(answer.to_json())
 
-    def _status(self, request: Request) -> object:
+    def _status(self, request: Request) -> answers.GpuGrant:
         rid = request.query.get("id", "")
-        return self._gpus.ledger.status(rid, request.peer.uid, time.monotonic()).to_json()
+        got = self._gpus.ledger.status(rid, request.peer.uid, time.monotonic())
+        return answers.GpuGrant.model_validate(got.to_json())
 
-    def _cancel(self, request: Request) -> object:
+    def _cancel(self, request: Request) -> answers.Cancelled:
         body = parse(IdBody, request.body)
         self._gpus.ledger.cancel(body.id, request.peer.uid)
-        return {"cancelled": True}
+        return answers.Cancelled(cancelled=True)
 
-    def _reserve(self, request: Request) -> object:
+    def _reserve(self, request: Request) -> answers.Reservation:
         self._refuse_in_kubernetes("nodeagent gpus reserve")
         body = parse(ReserveBody, request.body)
         want = body.request()
@@ -221,23 +224,23 @@ class GpuRoutes:
             ttl=body.ttl,
             container=hold.container,
         )
-        return {
-            "name": hold.owner,
-            "uuids": list(hold.uuids),
-            "indices": list(hold.indices),
-            "score": result.score,
-            "fraction": result.fraction,
-            "until": time.time() + body.ttl,
-            "container": hold.container,
-        }
+        return answers.Reservation(
+            name=hold.owner,
+            uuids=list(hold.uuids),
+            indices=list(hold.indices),
+            score=result.score,
+            fraction=result.fraction,
+            until=time.time() + body.ttl,
+            container=hold.container,
+        )
 
-    def _attach(self, request: Request) -> object:
+    def _attach(self, request: Request) -> answers.Attached:
         body = parse(AttachBody, request.body)
         hold = self._gpus.ledger.attach(body.name, request.peer.uid, body.container)
         audit_event("gpu.reservation_container", owner=hold.owner, container=hold.container)
-        return {"name": hold.owner, "container": hold.container}
+        return answers.Attached(name=hold.owner, container=hold.container)
 
-    def _unreserve(self, request: Request) -> object:
+    def _unreserve(self, request: Request) -> answers.Released:
         body = parse(NameBody, request.body)
         hold = self._gpus.ledger.release_reservation(body.name, request.peer.uid)
         audit_event(
@@ -247,9 +250,9 @@ class GpuRoutes:
             uuids=list(hold.uuids),
             reason="released by request",
         )
-        return {"released": hold.owner}
+        return answers.Released(released=hold.owner)
 
-    def _report(self, request: Request) -> object:
+    def _report(self, request: Request) -> answers.GpuList:
         state = self._gpus.state
         report = read_report(self._gpus.backend)
         holds = self._gpus.holds()
@@ -295,4 +298,4 @@ class GpuRoutes:
             }
             for w in self._gpus.ledger.queue()
         ]
-        return report
+        return answers.GpuList.model_validate(report)

@@ -10,6 +10,7 @@ would get, and anything else would have been a 500.
 
 from __future__ import annotations
 
+import json
 import os
 import textwrap
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from typing import Any
 
 from nodeagent.api.peer import Peer
 from nodeagent.api.server import Request
+from nodeagent.api.wire import encode
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent, open_agent
 from nodeagent.errors import Refused
@@ -86,8 +88,10 @@ class Daemon:
         body: Mapping[str, Any] | None = None,
         query: Mapping[str, str] | None = None,
     ) -> Any:
+        """The route's answer as the client decodes it (the wire's JSON)."""
         handler = self.agent.routes()[path][method]
-        return handler(Request(method, path, dict(query or {}), peer, dict(body or {})))
+        answer = handler(Request(method, path, dict(query or {}), peer, dict(body or {})))
+        return json.loads(encode(answer))
 
     def refused(self, peer: Peer, method: str, path: str, body: Any = None, **kw: Any) -> Refused:
         """The Refused a call must end in (a 4xx, never anything else)."""

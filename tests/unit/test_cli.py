@@ -579,23 +579,56 @@ def allocation(cgroup: str) -> dict[str, Any]:
         "container_id": None,
         "pod_uid": None,
         "qos": None,
+        "write": "direct",
+        "job_id": None,
+        "account": None,
         "rule": "jobs",
         "tenant": "t",
         "class": "batch",
+        "container_name": None,
+        "image": None,
+        "namespace": None,
+        "pod": None,
+        "metadata": None,
+        "metadata_problem": None,
+        "matched": [],
+        "refused": [],
+        "level": False,
+        "status": "ok",
+        "problem": None,
         "values": {a: value for a in ("cpu.weight", "cpu.max", "memory.max", "memory.high")},
         "cpu_rate": 0.5,
         "memory_current": 4096,
         "reason": "fair share",
         "writes": [],
+        "deadline": None,
+        "notes": [],
+        "gpus": [],
+    }
+
+
+def allocations_answer(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """/v1/allocations with these rows, as the route serves it."""
+    return {
+        "tick": 7,
+        "time": 1_700_000_000.0,
+        "dry_run": False,
+        "tick_seconds": 0.01,
+        "tenant_usage": {},
+        "problems": [],
+        "node_notes": [],
+        "allocations": rows,
+        "deadline_misses": 0,
     }
 
 
 def explanation(cgroup: str) -> dict[str, Any]:
     """/v1/explain for one cgroup, as report.explain makes it."""
     row = allocation(cgroup)
-    del row["memory_current"], row["reason"]
+    del row["memory_current"], row["gpus"]
     return {
         **row,
+        "below": None,
         "tick": 7,
         "dry_run": False,
         "sensed": {"cpu_rate": 0.5},
@@ -632,7 +665,7 @@ def odd_daemon(fake_daemon: Any) -> str:
             raise NotFound(f"no workload match {request.query.get('cgroup')!r}")
         return explanation(request.query["cgroup"])
 
-    answer = {"tick": 7, "dry_run": False, "allocations": [allocation(p) for p in paths]}
+    answer = allocations_answer([allocation(p) for p in paths])
     return str(
         fake_daemon({"/v1/allocations": {"GET": lambda _: answer}, "/v1/explain": {"GET": explain}})
     )
@@ -673,9 +706,12 @@ WRONG_SHAPES: list[object] = [
     "text",
     None,
     {"tick": 1, "dry_run": False, "allocations": [{"cgroup": 5}]},
-    {"tick": 1, "dry_run": False, "allocations": [{**allocation("a"), "cpu_rate": "fast"}]},
-    {"tick": 1, "dry_run": False, "allocations": [{**allocation("a"), "values": []}]},
+    allocations_answer([{**allocation("a"), "cpu_rate": "fast"}]),
+    allocations_answer([{**allocation("a"), "values": []}]),
+    {**allocations_answer([allocation("a")]), "tick": None},
+    {k: v for k, v in allocations_answer([allocation("a")]).items() if k != "time"},
 ]
+"""Answers this CLI cannot read: another daemon's, or a version's with a key renamed."""
 
 
 @pytest.mark.parametrize("answer", WRONG_SHAPES)
@@ -689,8 +725,8 @@ def test_an_answer_of_the_wrong_shape_is_a_one_line_error(
     args = [command, "x"] if command == "explain" else [command]
     message = assert_one_line_error(nodeagent(*args, "--socket", sock))
     assert message.startswith(
-        f"nodeagent: error: the daemon's answer to /v1/{endpoint} is not what this nodeagent"
-        " expects ("
+        f"nodeagent: error: the nodeagent daemon on {sock} answered /v1/{endpoint} with what"
+        " this nodeagent does not expect ("
     )
     assert message.endswith("); is the daemon the same version as this CLI?")
 
@@ -754,7 +790,7 @@ def test_allocations_fits_the_terminal(fake_daemon: Any) -> None:
         {**allocation(p), "reason": "cpu weight for a target of 1.33 cores; " * 3}
         for p in (DOCKER, POD_CONTAINER, JOB)
     ]
-    answer = {"tick": 7, "dry_run": False, "allocations": rows}
+    answer = allocations_answer(rows)
     sock = fake_daemon({"/v1/allocations": {"GET": lambda _: answer}})
     proc = nodeagent("allocations", "--socket", sock, COLUMNS="100")
     assert proc.returncode == 0, proc.stderr

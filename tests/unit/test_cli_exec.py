@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from nodeagent.api.answers import StartedJob
 from nodeagent.api.server import ApiServer, Request
 from nodeagent.cli.exec import wait
 
@@ -75,8 +76,14 @@ def daemon() -> Iterator[str]:
     """The daemon's API, as far as exec needs it: a job is accepted, and finished."""
     sockdir = Path(tempfile.mkdtemp(prefix="nodeagent-exec-"))
 
-    def start(request: Request) -> object:
-        return {"name": request.body.get("name"), "env": {"NODEAGENT_TEST": "1"}}
+    def start(request: Request) -> StartedJob:
+        name = str(request.body.get("name"))
+        return StartedJob(
+            name=name, cgroup=f"nodeagent.slice/{name}", tenant="t", workload_class="batch",
+            uid=os.getuid(), pid=int(request.body["pid"]), submitted_at=1.0, deadline=None,
+            work=None, cpus=None, memory=None, gpus=[], gpu_hold=None,
+            env={"NODEAGENT_TEST": "1"},
+        )  # fmt: skip
 
     server = ApiServer(
         str(sockdir / "api.sock"),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from nodeagent.api.answers import Jobs
 from nodeagent.api.peer import Peer
 from nodeagent.api.server import Request
 from nodeagent.cgroupfs.tree import CgroupTree
@@ -129,7 +130,7 @@ def test_the_agent_runs_what_changes_state_on_its_loop_and_reads_on_the_api_thre
             routes["/v1/jobs"]["POST"](request)
         assert seen["start"] == loop.ident
         listed = routes["/v1/jobs"]["GET"](request)
-        assert listed == {"jobs": []}
+        assert listed == Jobs(jobs=[])
     finally:
         agent.stop.set()
         loop.join(30)

@@ -11,6 +11,7 @@ from typing import Any
 
 from ticks import A1, DUE, NOW, WITH_DEADLINE, record, state
 
+from nodeagent.api.answers import DeadlineFigures
 from nodeagent.cli.inspection import allocations_table, deadlines_table
 from nodeagent.report import allocations
 
@@ -18,10 +19,11 @@ HEADERS = ["CGROUP", "STATUS", "DEADLINE", "REMAINING", "NEED", "GIVEN", "SLACK"
 CID = "4f1c2a9be7d3" + "0123456789abcdef" * 3 + "0123"
 
 
-def row(cgroup: str, **deadline: Any) -> dict[str, Any]:
-    """A job's allocation as the API serves it: due a minute from NOW unless said."""
+def row(cgroup: str, **deadline: Any) -> tuple[str, DeadlineFigures]:
+    """A job's cgroup and deadline figures as the API serves them: due a minute from NOW
+    unless said."""
     figures = {"status": "on-track", "deadline": NOW + 60, "remaining": 0.0, **deadline}
-    return {"cgroup": cgroup, "deadline": figures}
+    return cgroup, DeadlineFigures.model_validate(figures)
 
 
 def cells(text: str) -> list[list[str]]:

@@ -300,10 +300,14 @@ def test_explain_says_what_the_runtime_said_and_what_matched() -> None:
         "tick": 3, "dry_run": False, "values": {}, "sensed": {}, "trace": [], "writes": [],
         "container_name": "web-1", "image": "nginx:1.25", "namespace": None, "pod": None,
         "matched": ["labels.team=a"], "refused": ["label t='big' is not a tenant rule ..."],
+        "name": None, "writable": True, "container_id": A, "pod_uid": None, "qos": None,
+        "job_id": None, "account": None, "metadata": None, "metadata_problem": None,
+        "level": False, "below": None, "status": "ok", "problem": None, "reason": "",
+        "deadline": None, "notes": [],
     }  # fmt: skip
     from nodeagent.tables import SHOWN
 
-    data["values"] = {a: {"current": None, "target": None} for a in SHOWN}
+    data["values"] = {a: dict.fromkeys(("current", "target", "policy", "reason")) for a in SHOWN}
     text = explain_text(data)
     assert "  runtime says: web-1 (nginx:1.25)" in text
     assert "  rule team-a matched: labels.team=a" in text

@@ -18,6 +18,7 @@ import pytest
 import structlog
 
 from nodeagent.act import Outcome, WriteResult
+from nodeagent.api.answers import Status
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute, CpuMax, Frozen
 from nodeagent.daemon import Agent, open_agent
@@ -418,8 +419,8 @@ def test_slurm_down_the_jobs_are_claimed_by_the_rules_that_need_no_account(
     unreachable = [e for e in logs if e["event"] == "slurm.unreachable"]
     assert [e["error"] for e in unreachable] == ["/usr/bin/squeue --jobs=11,12: no answer in 5 s"]
     status = agent.routes()["/v1/status"]["GET"](None)  # type: ignore[arg-type]
-    assert isinstance(status, dict)
-    assert status["slurm_problem"] == "/usr/bin/squeue --jobs=11,12: no answer in 5 s"
+    assert isinstance(status, Status)
+    assert status.slurm_problem == "/usr/bin/squeue --jobs=11,12: no answer in 5 s"
 
 
 def test_the_scan_watches_the_scope_and_stops_at_the_jobs(tmp_path: Path) -> None:
