@@ -234,6 +234,8 @@ class Job(Answer):
     memory: int | None
     gpus: list[str]
     gpu_hold: str | None
+    pinned_cpus: list[int]
+    """The CPUs its cgroup is pinned to, beside its GPUs (gpu.pin_cpus); none: not pinned."""
 
 
 class StartedJob(Job):
