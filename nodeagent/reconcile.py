@@ -34,7 +34,7 @@ from nodeagent.persistence import StateSaver
 from nodeagent.policy.base import Assignment, Policy
 from nodeagent.policy.classify import assign
 from nodeagent.policy.history import decay
-from nodeagent.policy.newcomer import plan_newcomers
+from nodeagent.policy.newcomer import Siblings, plan_newcomers
 from nodeagent.policy.plan import DEFAULT_POLICIES, Plan
 from nodeagent.policy.plancache import PlanCache, PlanInputs
 from nodeagent.policy.weights import ancestors
@@ -113,6 +113,8 @@ class Reconciler:
         self.plans = PlanCache()
         self._fast_results: list[WriteResult] = []
         """The fast path's writes since the last tick, reported with the next one."""
+        self._siblings: Siblings | None = None
+        """The last tick's weights by parent and tenant, made at its first newcomer."""
         self.forget_derived()
         # set by `wire`: they and the reconciler call each other
         self.gpus: GpuService
@@ -272,6 +274,7 @@ class Reconciler:
         self.last = TickRecord(
             snapshot, plan, results, time.monotonic() - started, self.dry_run, assignments, modes
         )
+        self._siblings = None
         if not self.dry_run and self.saver.due():
             self.saver.save()
         return self.last
@@ -425,9 +428,11 @@ class Reconciler:
         reported with the next tick's."""
         last = self.last
         node = last.snapshot.node if last is not None else self.sensor.node.read()
+        if last is not None and self._siblings is None:
+            self._siblings = Siblings.of(last.plan)
         plan, snapshot = plan_newcomers(
-            identities, assignments, self.spec, previous=None if last is None else last.plan,
-            node=node, wall_time=time.time(),
+            identities, assignments, self.spec, siblings=self._siblings, node=node,
+            wall_time=time.time(),
         )  # fmt: skip
         results = self.executor.apply(plan, snapshot)
         self._fast_results.extend(results)

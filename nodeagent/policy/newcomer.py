@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.identity import WorkloadIdentity
@@ -31,49 +31,58 @@ from nodeagent.policyfile.model import PolicySpec
 from nodeagent.snapshot import CgroupSample, NodeSnapshot, NodeState, WorkloadState
 
 
-def sibling_weight(path: str, tenant: str, previous: Plan) -> tuple[int, int] | None:
-    """(weight, tick) its tenant's workloads under the same parent had in the last plan."""
-    seen: Counter[int] = Counter()
-    for cg in previous.cgroups:
-        a = cg.assignment
-        t = cg.targets.get(Attribute.CPU_WEIGHT)
-        if (
-            a is not None
-            and a.tenant == tenant
-            and a.deadline is None
-            and parent(cg.path) == parent(path)
-            and t is not None
-            and isinstance(t.value, CpuWeight)
-        ):
-            seen[t.value.value] += 1
-    if not seen:
-        return None
-    return seen.most_common(1)[0][0], previous.seq
+@dataclass(frozen=True)
+class Siblings:
+    """The cpu.weight a full tick's plan gave each tenant's workloads without a deadline,
+    by parent (the most common one, should they differ): what a newcomer beside them
+    gets. Made once per plan (`of`), so that each newcomer costs a lookup, not a pass
+    over every cgroup of the node."""
+
+    seq: int
+    """The tick whose plan it is."""
+    weights: Mapping[tuple[str, str], int]
+    """(parent, tenant) -> weight."""
+
+    @classmethod
+    def of(cls, plan: Plan) -> Siblings:
+        seen: dict[tuple[str, str], Counter[int]] = {}
+        for cg in plan.cgroups:
+            a = cg.assignment
+            t = cg.targets.get(Attribute.CPU_WEIGHT)
+            if (
+                a is not None
+                and a.deadline is None
+                and t is not None
+                and isinstance(t.value, CpuWeight)
+            ):
+                seen.setdefault((parent(cg.path), a.tenant), Counter())[t.value.value] += 1
+        weights = {key: counts.most_common(1)[0][0] for key, counts in seen.items()}
+        return cls(plan.seq, weights)
 
 
 class SiblingWeight(Policy):
     """The fast path's weight: a newcomer without a deadline gets the cpu.weight its tenant's
-    workloads under the same parent got in `previous` (the last full tick's plan)."""
+    workloads under the same parent got in the last full tick's plan (`Siblings`)."""
 
     name = "sibling-weight"
 
-    def __init__(self, previous: Plan | None) -> None:
-        self.previous = previous
+    def __init__(self, siblings: Siblings | None) -> None:
+        self.siblings = siblings
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
-        if self.previous is None:
+        if self.siblings is None:
             return []
         out: list[Output] = []
         for w in given.snapshot.workloads:
             a = given.assignments.get(w.path)
             if a is None or a.deadline is not None:
                 continue
-            found = sibling_weight(w.path, a.tenant, self.previous)
-            if found is None:
+            weight = self.siblings.weights.get((parent(w.path), a.tenant))
+            if weight is None:
                 continue
-            weight, tick = found
             reason = (
-                f"fast path: the weight of tenant {a.tenant}'s workloads beside it in tick {tick}"
+                f"fast path: the weight of tenant {a.tenant}'s workloads beside it"
+                f" in tick {self.siblings.seq}"
             )
             out.append(Decision(w.path, Attribute.CPU_WEIGHT, CpuWeight(weight), self.name, reason))
         return out
@@ -87,7 +96,7 @@ def plan_newcomers(
     assignments: Mapping[str, Assignment],
     spec: PolicySpec,
     *,
-    previous: Plan | None,
+    siblings: Siblings | None,
     node: NodeState,
     wall_time: float,
 ) -> tuple[Plan, NodeSnapshot]:
@@ -98,7 +107,7 @@ def plan_newcomers(
     states = tuple(WorkloadState(i, CgroupSample()) for i in identities if i.path in assignments)
     snapshot = NodeSnapshot(0, wall_time, None, node, states)
     claimed = {w.path: assignments[w.path] for w in states}
-    policies = (StaticLimits(), SiblingWeight(previous))
+    policies = (StaticLimits(), SiblingWeight(siblings))
     plan = make_plan(snapshot, spec, {}, policies, assignments=claimed)
     if plan.problems:
         raise RuntimeError("; ".join(plan.problems))

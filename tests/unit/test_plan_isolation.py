@@ -166,7 +166,7 @@ def test_the_fast_path_skips_a_newcomer_static_limits_cannot_plan() -> None:
         [job(GOOD), job(BAD)],
         {GOOD: limited, BAD: broken},
         spec({"a": 1}),
-        previous=None,
+        siblings=None,
         node=node,
         wall_time=NOW,
     )

@@ -21,6 +21,7 @@ import pytest
 
 from nodeagent import reconcile as reconcile_module
 from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.daemon import Agent, open_agent
 from nodeagent.policy import plancache as plancache_module
 from nodeagent.policy.plan import make_plan
@@ -245,3 +246,35 @@ def test_a_reloaded_policy_that_takes_the_old_ones_id_still_claims_anew(
     swapped["agent"] = {**POLICY["agent"], "state_file": n.agent.spec.agent.state_file}
     n.agent.rec.reloaded(PolicySpec.model_validate(swapped))
     assert {a.tenant for a in n.tick().assignments.values()} == {"b"}
+
+
+def test_a_newcomer_takes_its_siblings_weight_from_the_latest_tick(n: Node) -> None:
+    """The fast path looks its tenant's weight up in what the last tick's plan gave the
+    workloads beside it (an index made once per tick, not a pass over every cgroup per
+    newcomer): after more ticks, from the newest one, not the tick the index was first
+    made for."""
+
+    def newcomer(name: str) -> str:
+        n.mkdir(name)
+        n.agent.registry.poll()
+        new, n.agent.registry.new = n.agent.registry.new, []
+        n.agent.fast_path(new)
+        (weight,) = [
+            r for r in n.agent.rec._fast_results
+            if r.path.endswith(name) and r.attribute is Attribute.CPU_WEIGHT
+        ]  # fmt: skip
+        return weight.reason
+
+    last = n.agent.last
+    assert last is not None
+    a1 = {c.path: c for c in last.plan.cgroups}["nodeagent.slice/a-1"]
+    weight = a1.targets[Attribute.CPU_WEIGHT].value
+    assert isinstance(weight, CpuWeight)
+    first = newcomer("a-2")
+    assert (
+        first == f"fast path: the weight of tenant a's workloads beside it in tick {last.plan.seq}"
+    )
+    n.planned(2)
+    assert n.agent.last is not None
+    seq = n.agent.last.plan.seq
+    assert newcomer("a-3").endswith(f"in tick {seq}") and seq == last.plan.seq + 2

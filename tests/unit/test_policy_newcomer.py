@@ -6,7 +6,7 @@ from builders import job, snapshot, spec, workload
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight
 from nodeagent.policy.classify import assign
-from nodeagent.policy.newcomer import plan_newcomers
+from nodeagent.policy.newcomer import Siblings, plan_newcomers
 from nodeagent.policy.plan import make_plan
 
 RULES = [
@@ -22,7 +22,12 @@ def test_a_newcomer_gets_its_caps_and_its_tenants_weight() -> None:
     a_weight = last.cgroups[0].targets[Attribute.CPU_WEIGHT].value
     new = [job("nodeagent.slice/a-2"), job("nodeagent.slice/b-2"), job("other.slice/x")]
     plan, snap = plan_newcomers(
-        new, assign(new, policy), policy, previous=last, node=before.node, wall_time=0.0
+        new,
+        assign(new, policy),
+        policy,
+        siblings=Siblings.of(last),
+        node=before.node,
+        wall_time=0.0,
     )
     targets = {cg.path: cg.targets for cg in plan.cgroups}
     assert set(targets) == {"nodeagent.slice/a-2", "nodeagent.slice/b-2"}, "unclaimed: left"
@@ -38,7 +43,7 @@ def test_without_a_sibling_the_weight_waits_for_the_full_tick() -> None:
     new = [job("nodeagent.slice/a-1")]
     node = snapshot([]).node
     plan, _ = plan_newcomers(
-        new, assign(new, policy), policy, previous=None, node=node, wall_time=0
+        new, assign(new, policy), policy, siblings=None, node=node, wall_time=0
     )
     assert set(plan.cgroups[0].targets) == {Attribute.CPU_MAX}
 
@@ -61,7 +66,7 @@ def test_the_fast_path_and_the_full_tick_agree_on_a_newcomers_caps() -> None:
     new = [job("nodeagent.slice/a-1")]
     full = make_plan(snapshot([workload("nodeagent.slice/a-1", cpu_rate=None)]), policy, {})
     fast, _ = plan_newcomers(
-        new, assign(new, policy), policy, previous=None, node=snapshot([]).node, wall_time=0
+        new, assign(new, policy), policy, siblings=None, node=snapshot([]).node, wall_time=0
     )
     caps = {
         Attribute.CPU_MAX, Attribute.MEMORY_MAX, Attribute.MEMORY_HIGH,
@@ -78,7 +83,12 @@ def test_the_trace_says_fast_path_then_what_each_policy_decided() -> None:
     last = make_plan(before, policy, {})
     new = [job("nodeagent.slice/a-2")]
     plan, _ = plan_newcomers(
-        new, assign(new, policy), policy, previous=last, node=before.node, wall_time=0.0
+        new,
+        assign(new, policy),
+        policy,
+        siblings=Siblings.of(last),
+        node=before.node,
+        wall_time=0.0,
     )
     assert plan.cgroups[0].trace == (
         "fast path: a new cgroup, before the next tick",
@@ -101,7 +111,12 @@ def test_a_newcomer_the_pipeline_skips_gets_no_targets_as_in_a_full_tick() -> No
     broken = assign(new, policy)["nodeagent.slice/a-2"]
     object.__setattr__(broken, "limits", None)  # a bug: no Limits at all
     plan, _ = plan_newcomers(
-        new, {new[0].path: broken}, policy, previous=last, node=before.node, wall_time=0.0
+        new,
+        {new[0].path: broken},
+        policy,
+        siblings=Siblings.of(last),
+        node=before.node,
+        wall_time=0.0,
     )
     (cg,) = plan.cgroups
     assert cg.targets == {}
