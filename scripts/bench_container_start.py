@@ -133,6 +133,12 @@ def case(
             deadline = time.monotonic() + 60
             while leaf not in writes(log) and time.monotonic() < deadline:
                 time.sleep(0.01)
+            if leaf not in writes(log):
+                # the rest would wait as long: say why now, with what the daemon said
+                raise SystemExit(
+                    f"{name}: the daemon never wrote cpu.max to {parent / leaf} in 60 s;"
+                    f" its log ends:\n{log.read_text()[-4000:]}"
+                )
     finally:
         daemon.terminate()
         daemon.wait(timeout=60)
