@@ -91,7 +91,7 @@ def writes(log: Path) -> dict[str, float]:
             continue
         event = json.loads(line)
         if event.get("event") == "cgroup.write" and event.get("attribute") == "cpu.max":
-            first.setdefault(event["path"].rstrip("/").rsplit("/", 1)[-1], event["ts"])
+            first.setdefault(Path(event["path"]).parent.name, event["ts"])  # .../<leaf>/cpu.max
     return first
 
 
