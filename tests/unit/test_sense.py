@@ -226,8 +226,8 @@ def test_a_quiet_workload_is_read_every_few_seconds_until_it_moves(
         return {p for p in opened if p.endswith("cpu.stat")}
 
     q, every = sensor_module.QUIET_READS, sensor_module.QUIET_EVERY
-    # a full read, a first lean read, then q lean reads that find the same
-    last_read = q + 1
+    # a full read, then q lean reads that find the same
+    last_read = q
     reads = {t: tick(t) for t in range(last_read + 1)}
     assert all("s/good/cpu.stat" in r for r in reads.values())
     assert "s/good/cpu.stat" not in tick(last_read + 1), "quiet: not read this tick"
@@ -241,3 +241,38 @@ def test_a_quiet_workload_is_read_every_few_seconds_until_it_moves(
     woke = last_read + 2 * every
     assert "s/good/cpu.stat" in tick(woke)
     assert "s/good/cpu.stat" in tick(woke + 1), "moving: read every tick again"
+
+
+def test_a_full_read_that_finds_the_same_keeps_a_quiet_workload_quiet(
+    tree: CgroupTree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rolling full read that finds what the last one found (and the same cpu.stat) is
+    the same sample again, and the workload stays quiet; one that finds another writer's
+    value is a change: the workload is read every tick again until it is quiet anew."""
+    opened: list[str] = []
+    real = CgroupDir.read
+
+    def counting(self: CgroupDir, name: str) -> str:
+        opened.append(name)
+        return real(self, name)
+
+    monkeypatch.setattr(CgroupDir, "read", counting)
+    sensor = Sensor(tree, NodeSensor(), verify_every=0)
+    jobs = [job("good")]
+    q, every = sensor_module.QUIET_READS, sensor_module.QUIET_EVERY
+    for t in range(q + 1):  # a full read, then q lean reads that find the same
+        sensor.snapshot(jobs, t, t)
+    known = sensor._known["s/good"]
+
+    def tick(t: float, full: bool = False) -> list[str]:
+        opened.clear()
+        sensor.snapshot(jobs, t, t, full=full)
+        return list(opened)
+
+    assert "cpu.weight" in tick(q + 1, full=True)
+    assert sensor._known["s/good"] is known, "the same full read: the same sample"
+    assert tick(q + 2) == [], "still quiet"
+    (tmp_path / "s" / "good" / "cpu.weight").write_text("777\n")  # another writer
+    assert "cpu.weight" in tick(q + 1 + every, full=True)
+    assert sensor._known["s/good"] is not known
+    assert tick(q + 2 + every) == ["cpu.stat"], "a change: read every tick again"
