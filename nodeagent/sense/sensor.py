@@ -17,6 +17,7 @@ from nodeagent.identity import WorkloadIdentity
 from nodeagent.sense.cgroup_files import (
     NO_NEEDS,
     LeanRead,
+    Memo,
     Needs,
     read_lean,
     read_sample,
@@ -73,6 +74,9 @@ class Sensor:
         self._rates: dict[str, _Rates] = {}
         self._known: dict[str, CgroupSample] = {}
         self._dirs: dict[str, CgroupDir] = {}
+        self._memos: dict[str, Memo] = {}
+        """Each workload's files as its last full read parsed them."""
+        self._memo_page_size = 0
         self._lean: dict[str, LeanRead] = {}
         """Each workload's last lean read: an idle one's next is the same sample again."""
         self._states: dict[str, WorkloadState] = {}
@@ -118,6 +122,7 @@ class Sensor:
         if d is not None:
             os.close(d.fd)
         self._known.pop(path, None)
+        self._memos.pop(path, None)
         self._lean.pop(path, None)
         self._quiet.pop(path, None)
 
@@ -279,7 +284,10 @@ class Sensor:
                 return read_sample(d, page_size, threads=needs.threads)
         known = self._known.get(path)
         if full or known is None:
-            sample = read_sample(d, page_size, threads=needs.threads)
+            if page_size != self._memo_page_size:  # the memory limits are parsed in pages
+                self._memos, self._memo_page_size = {}, page_size
+            memo = self._memos.setdefault(path, {})
+            sample = read_sample(d, page_size, threads=needs.threads, memo=memo)
             if sample == known:  # what stands on the last full read stands on this one
                 sample = known
             self._known[path] = sample

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from nodeagent.cgroupfs import parse
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupReadError, CgroupTree
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
@@ -276,3 +277,35 @@ def test_a_full_read_that_finds_the_same_keeps_a_quiet_workload_quiet(
     assert "cpu.weight" in tick(q + 1 + every, full=True)
     assert sensor._known["s/good"] is not known
     assert tick(q + 2 + every) == ["cpu.stat"], "a change: read every tick again"
+
+
+def test_a_full_read_parses_only_the_files_that_changed(
+    tree: CgroupTree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file that reads as it did at the last full read is the value parsed then; one
+    that changed is parsed anew, and a bad one still skips its cgroup."""
+    parsed: list[str] = []
+    real = parse.flat_keyed
+
+    def counting(text: str) -> dict[str, int]:
+        parsed.append(text.split()[0])
+        return real(text)
+
+    monkeypatch.setattr(parse, "flat_keyed", counting)
+    sensor = Sensor(tree, NodeSensor())
+    first = sensor.snapshot([job("good")], 0.0, 0.0, full=True).workloads[0].sample
+    assert "usage_usec" in parsed and "populated" in parsed
+    stat = tmp_path / "s" / "good" / "cpu.stat"
+    stat.write_text("usage_usec 900100\n")
+    parsed.clear()
+    second = sensor.snapshot([job("good")], 1.0, 1.0, full=True).workloads[0].sample
+    assert parsed == ["usage_usec"], "only cpu.stat changed"
+    assert second.cpu_usage_us == 900100
+    assert second.settings == first.settings and second.cpu_psi is first.cpu_psi
+    stat.write_text("usage_usec lots\n")
+    assert [s.path for s in sensor.snapshot([job("good")], 2.0, 2.0, full=True).skipped] == [
+        "s/good"
+    ]
+    stat.write_text("usage_usec 100\n")
+    (w,) = sensor.snapshot([job("good")], 3.0, 3.0, full=True).workloads
+    assert w.sample == first, "a skipped cgroup's memo goes with it: read anew"
