@@ -438,9 +438,12 @@ class Jobs:
 
     def reap(self, snapshot: NodeSnapshot) -> list[Job]:
         """Forget jobs whose cgroup is gone or empty, removing the empty cgroups."""
+        running = self.running()
+        if not running:
+            return []  # the usual node: no exec jobs, nothing to look up
         states = {w.path: w for w in snapshot.workloads}
         gone = []
-        for job in self.running():
+        for job in running:
             w = states.get(job.cgroup)
             empty = job.cgroup in snapshot.vanished or (
                 w is not None and w.sample.populated is False

@@ -52,6 +52,9 @@ class Originals:
         self._lock = threading.Lock()
         self._fresh: list[tuple[str, Attribute, Original]] = []
         """First records since the last dump or `take_fresh`: the journal's next lines."""
+        self._dumped: dict[str, dict[str, dict[str, str]]] | None = None
+        """The last dump, until a record changes: each save writes them all, mostly as
+        they were."""
 
     def note(
         self, path: str, attribute: Attribute, old: str | None, new: str, via: WriteMode
@@ -60,6 +63,7 @@ class Originals:
         if via is WriteMode.READ_ONLY:
             return
         with self._lock:
+            self._dumped = None
             mine = self._by_path.get(path, {})
             known = mine.get(attribute)
             if known is None:
@@ -76,7 +80,8 @@ class Originals:
         """Cgroups that are gone: nothing of theirs can be handed back."""
         with self._lock:
             for path in paths:
-                self._by_path.pop(path, None)
+                if self._by_path.pop(path, None) is not None:
+                    self._dumped = None
 
     def items(self) -> list[tuple[str, Attribute, Original]]:
         with self._lock:
@@ -89,6 +94,7 @@ class Originals:
             self._drop(path, attribute)
 
     def _drop(self, path: str, attribute: Attribute) -> None:
+        self._dumped = None
         mine = self._by_path.get(path, {})
         mine.pop(attribute, None)
         if not mine:
@@ -107,10 +113,12 @@ class Originals:
     def dump(self) -> dict[str, dict[str, dict[str, str]]]:
         with self._lock:
             self._fresh = []  # the dump holds them: the save that follows clears the journal
-            return {
-                path: {str(a): o.to_json() for a, o in attrs.items()}
-                for path, attrs in sorted(self._by_path.items())
-            }
+            if self._dumped is None:
+                self._dumped = {
+                    path: {str(a): o.to_json() for a, o in attrs.items()}
+                    for path, attrs in sorted(self._by_path.items())
+                }
+            return dict(self._dumped)
 
     @classmethod
     def load(cls, raw: Mapping[str, Any]) -> Originals:

@@ -377,14 +377,12 @@ class Reconciler:
         finds it after a crash. tuned records an old value before it sets the new one: here a
         kill between a write and this append loses that one original, which the next agent
         then takes to be what the agent had set."""
-        modes = {c.path: c.write for c in plan.cgroups}
+        written = [r for r in results if r.outcome is Outcome.WRITTEN]
+        modes = {c.path: c.write for c in plan.cgroups} if written else {}  # none on idle ticks
         root = self.spec.agent.managed_root
-        for r in results:
-            if r.outcome is Outcome.WRITTEN:
-                via = modes.get(r.path) or write_mode(
-                    parent_identity(r.path, root), self.spec.agent
-                )
-                self.originals.note(r.path, r.attribute, r.old, r.new, via)
+        for r in written:
+            via = modes.get(r.path) or write_mode(parent_identity(r.path, root), self.spec.agent)
+            self.originals.note(r.path, r.attribute, r.old, r.new, via)
         self.originals.forget(vanished)
         if not self.dry_run:
             self.saver.journal(self._fresh_originals)

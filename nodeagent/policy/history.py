@@ -6,7 +6,7 @@ recently gets less now, and the memory fades with the half-life.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from nodeagent.policy.base import Assignment
 from nodeagent.policy.classify import outer_claims
@@ -18,16 +18,27 @@ def decay(usage: Mapping[str, float], elapsed: float, half_life: float) -> dict[
     return {t: u * factor for t, u in usage.items()}
 
 
-def tick_usage(snapshot: NodeSnapshot, assignments: Mapping[str, Assignment]) -> dict[str, float]:
-    """Core-seconds each tenant used since the previous snapshot."""
+def tick_usage(
+    snapshot: NodeSnapshot,
+    assignments: Mapping[str, Assignment],
+    outer: Collection[str] | None = None,
+) -> dict[str, float]:
+    """Core-seconds each tenant used since the previous snapshot. `outer`: the claims'
+    `outer_claims`, when the caller keeps them from tick to tick."""
     used: dict[str, float] = {}
-    if not snapshot.elapsed:
+    elapsed = snapshot.elapsed
+    if not elapsed:
         return used
-    outer = outer_claims(assignments)  # their CPU holds the claims' below them
+    if outer is None:
+        outer = outer_claims(assignments)  # their CPU holds the claims' below them
     for w in snapshot.workloads:
-        a = assignments.get(w.path)
-        if a is not None and w.cpu_rate is not None and w.path not in outer:
-            used[a.tenant] = used.get(a.tenant, 0.0) + w.cpu_rate * snapshot.elapsed
+        rate = w.cpu_rate
+        if rate is None:
+            continue
+        path = w.identity.path
+        a = assignments.get(path)
+        if a is not None and path not in outer:
+            used[a.tenant] = used.get(a.tenant, 0.0) + rate * elapsed
     return used
 
 
@@ -36,8 +47,9 @@ def advance(
     snapshot: NodeSnapshot,
     assignments: Mapping[str, Assignment],
     half_life: float,
+    outer: Collection[str] | None = None,
 ) -> dict[str, float]:
     aged = decay(previous, snapshot.elapsed or 0.0, half_life)
-    for tenant, used in tick_usage(snapshot, assignments).items():
+    for tenant, used in tick_usage(snapshot, assignments, outer).items():
         aged[tenant] = aged.get(tenant, 0.0) + used
     return aged

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from nodeagent.policy import history
 from nodeagent.policy.base import Assignment, Policy
+from nodeagent.policy.classify import outer_claims
 from nodeagent.policy.fairshare import is_active
 from nodeagent.policy.plan import Plan, make_plan
 from nodeagent.policyfile.model import PolicySpec
@@ -47,8 +48,13 @@ class PlanCache:
             tuple[WorkloadState, ...],
             tuple[frozenset[str], frozenset[str], bool],
         ] = (None, (), (frozenset(), frozenset(), False))
-        self._assigned: tuple[object, dict[str, Assignment]] = (None, {})
-        """The last plan's assignments, for as long as it is made again (same cgroups)."""
+        self._assigned: tuple[object, dict[str, Assignment], frozenset[str]] = (
+            None,
+            {},
+            frozenset(),
+        )
+        """The last plan's assignments and their outer claims, for as long as it is made
+        again (same cgroups)."""
 
     def expire(self) -> None:
         """Plan anew at the next tick (a reload)."""
@@ -71,9 +77,11 @@ class PlanCache:
         moving = moving or stale(policies, given.carry, given.assignments)
         if last is not None and key == self._key and now < self._replan_at and not moving:
             if self._assigned[0] is not last.cgroups:  # kept by every plan made again
-                self._assigned = (last.cgroups, last.assignments())
+                assigned = last.assignments()
+                self._assigned = (last.cgroups, assigned, frozenset(outer_claims(assigned)))
+            _, assigned, outer = self._assigned
             usage = history.advance(
-                given.usage, snapshot, self._assigned[1], spec.fair_share.half_life
+                given.usage, snapshot, assigned, spec.fair_share.half_life, outer
             )
             again = replace(
                 last, seq=snapshot.seq, wall_time=snapshot.wall_time, tenant_usage=usage

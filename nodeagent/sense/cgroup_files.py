@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from nodeagent.cgroupfs import parse
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupReadError, CgroupTree, CgroupVanished
@@ -14,7 +14,16 @@ from nodeagent.cgroupfs.values import Attribute, CpuWeight, Frozen, MemoryLimit,
 from nodeagent.errors import one_line
 from nodeagent.snapshot import NO_NEEDS, CgroupSample, Needs
 
-__all__ = ["NO_NEEDS", "TICK_FILES", "LeanRead", "Needs", "probe", "read_lean", "read_sample"]
+__all__ = [
+    "NO_NEEDS",
+    "TICK_FILES",
+    "LeanRead",
+    "Memo",
+    "Needs",
+    "probe",
+    "read_lean",
+    "read_sample",
+]
 
 T = TypeVar("T")
 
@@ -45,7 +54,11 @@ _MEMORY_LIMITS = (
 )
 
 
-def _pressure(d: CgroupDir, name: str) -> parse.Psi | None:
+Memo = dict[str, tuple[str, object]]
+"""One cgroup's files as its last full read parsed them: name -> (text, value)."""
+
+
+def _pressure(d: CgroupDir, name: str, memo: Memo | None = None) -> parse.Psi | None:
     """A pressure file, or None where the kernel runs without PSI: older kernels booted
     with psi=0 answer reads with EOPNOTSUPP (newer ones hide the files)."""
     try:
@@ -54,15 +67,25 @@ def _pressure(d: CgroupDir, name: str) -> parse.Psi | None:
         if e.errno == errno.EOPNOTSUPP:
             return None
         raise
-    return None if text is None else _parsed(d, name, text, parse.psi)
+    return None if text is None else _parsed(d, name, text, parse.psi, memo)
 
 
-def _parsed(d: CgroupDir, name: str, text: str, parser: Callable[[str], T]) -> T:
-    """The parsed file; what it holds that cannot be used is an error naming the file."""
+def _parsed(
+    d: CgroupDir, name: str, text: str, parser: Callable[[str], T], memo: Memo | None = None
+) -> T:
+    """The parsed file; what it holds that cannot be used is an error naming the file.
+    With `memo`, a file that reads as it did last time is the value it was then."""
+    if memo is not None:
+        last = memo.get(name)
+        if last is not None and last[0] == text:
+            return cast(T, last[1])
     try:
-        return parser(text)
+        value = parser(text)
     except Exception as e:  # ValueError, KeyError, InvalidValue: whatever the content
         raise CgroupReadError(f"cgroup {d.path or '/'}: {name}: {one_line(e)}", None) from e
+    if memo is not None:
+        memo[name] = (text, value)
+    return value
 
 
 def _frozen(text: str) -> Frozen:
@@ -72,13 +95,17 @@ def _frozen(text: str) -> Frozen:
     return Frozen(value == 1)
 
 
-def read_sample(d: CgroupDir, page_size: int, *, threads: bool = False) -> CgroupSample:
+def read_sample(
+    d: CgroupDir, page_size: int, *, threads: bool = False, memo: Memo | None = None
+) -> CgroupSample:
     """Raises on anything unreadable or unparsable; the sensor skips that one cgroup.
-    `threads` also counts the cgroup's threads (for deadline jobs)."""
+    `threads` also counts the cgroup's threads (for deadline jobs). `memo`: this cgroup's
+    files as its last full read (at the same page size) parsed them, updated here; what
+    reads the same is not parsed again."""
 
     def get(name: str, parser: Callable[[str], T]) -> T | None:
         text = d.read_optional(name)
-        return None if text is None else _parsed(d, name, text, parser)
+        return None if text is None else _parsed(d, name, text, parser, memo)
 
     events = get("cgroup.events", parse.flat_keyed) or {}
     cpu = get("cpu.stat", parse.flat_keyed) or {}
@@ -110,8 +137,8 @@ def read_sample(d: CgroupDir, page_size: int, *, threads: bool = False) -> Cgrou
         memory_anon=mem_stat.get("anon"),
         memory_file=mem_stat.get("file"),
         memory_events=get("memory.events", parse.flat_keyed) or {},
-        cpu_psi=_pressure(d, "cpu.pressure"),
-        memory_psi=_pressure(d, "memory.pressure"),
+        cpu_psi=_pressure(d, "cpu.pressure", memo),
+        memory_psi=_pressure(d, "memory.pressure", memo),
         threads=_threads(d) if threads else None,
         settings=settings,
     )

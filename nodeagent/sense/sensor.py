@@ -7,16 +7,25 @@ import resource
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from nodeagent.cgroupfs import parse
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree, CgroupVanished
 from nodeagent.cgroupfs.values import Attribute, CpuWeight, Value
 from nodeagent.errors import one_line
 from nodeagent.identity import WorkloadIdentity
-from nodeagent.sense.cgroup_files import NO_NEEDS, LeanRead, Needs, read_lean, read_sample
+from nodeagent.sense.cgroup_files import (
+    NO_NEEDS,
+    LeanRead,
+    Memo,
+    Needs,
+    read_lean,
+    read_sample,
+)
 from nodeagent.sense.node import NodeSensor
 from nodeagent.snapshot import CgroupSample, NodeSnapshot, Skipped, WorkloadState
+
+T = TypeVar("T")
 
 
 class _Counters(NamedTuple):
@@ -65,13 +74,16 @@ class Sensor:
         self._rates: dict[str, _Rates] = {}
         self._known: dict[str, CgroupSample] = {}
         self._dirs: dict[str, CgroupDir] = {}
+        self._memos: dict[str, Memo] = {}
+        """Each workload's files as its last full read parsed them."""
+        self._memo_page_size = 0
         self._lean: dict[str, LeanRead] = {}
         """Each workload's last lean read: an idle one's next is the same sample again."""
         self._states: dict[str, WorkloadState] = {}
         """Last snapshot's workloads: one that reads the same again is the same object."""
-        self._quiet: dict[str, tuple[int, float]] = {}
-        """Per workload: lean reads in a row that found it unchanged, and when it was
-        last read. A quiet one (nothing it needs read every tick) is read every
+        self._quiet: dict[str, _Calm] = {}
+        """Per workload: reads in a row that found it unchanged, when it was last read,
+        and what it read. A quiet one (nothing it needs read every tick) is read every
         QUIET_EVERY seconds instead of every tick, until it moves."""
         self._max_dirs = dir_budget()
         self._turn: deque[str] = deque()
@@ -110,6 +122,7 @@ class Sensor:
         if d is not None:
             os.close(d.fd)
         self._known.pop(path, None)
+        self._memos.pop(path, None)
         self._lean.pop(path, None)
         self._quiet.pop(path, None)
 
@@ -164,8 +177,8 @@ class Sensor:
             if last is not None and self._is_quiet(path, monotonic, due, needs):
                 # its usage has not moved for a while: the last reading stands
                 read.add(path)
-                baseline.update((p, last_baseline[p]) for p in (path,) if p in last_baseline)
-                rates.update((p, last_rates[p]) for p in (path,) if p in last_rates)
+                _carried(path, last_baseline, baseline)
+                _carried(path, last_rates, rates)
                 states.append(last)
                 new_states[path] = last
                 continue
@@ -182,8 +195,7 @@ class Sensor:
                     baseline[path] = last_baseline[path]
                 continue
             read.add(path)
-            self._note_read(path, last is not None and sample is last.sample and path not in due,
-                            monotonic)  # fmt: skip
+            self._note_read(path, sample, path in needs, monotonic)
             _measure(path, _counters(sample, monotonic), min_window=min_window,
                      baseline=baseline, rates=rates, last_baseline=last_baseline,
                      last_rates=last_rates)  # fmt: skip
@@ -233,11 +245,22 @@ class Sensor:
                 self._overwritten.append((path, attribute))
                 del written[attribute]
 
-    def _note_read(self, path: str, same: bool, monotonic: float) -> None:
-        """Count the reads in a row that found `path` unchanged (a full read counts as
-        a change), and when it was read."""
+    def _note_read(self, path: str, sample: CgroupSample, needed: bool, monotonic: float) -> None:
+        """Count the reads in a row that found `path` unchanged, and when it was read. A
+        read finds it unchanged when it stands on the same full read (a full read that
+        finds what the last one found keeps it) with the same cpu.stat counters; one that
+        read more than cpu.stat for a need never does."""
+        known = self._known.get(path)
+        read = None if known is None or needed else (known, _usage(sample))
         calm = self._quiet.get(path)
-        self._quiet[path] = ((calm[0] + 1) if same and calm is not None else int(same), monotonic)
+        same = (
+            read is not None
+            and calm is not None
+            and calm.read is not None
+            and calm.read[0] is known
+            and calm.read[1] == read[1]
+        )
+        self._quiet[path] = _Calm(calm.reads + 1 if same and calm else 0, monotonic, read)
 
     def _is_quiet(
         self, path: str, monotonic: float, due: set[str], needs: Mapping[str, Needs]
@@ -247,8 +270,8 @@ class Sensor:
         calm = self._quiet.get(path)
         return (
             calm is not None
-            and calm[0] >= QUIET_READS
-            and monotonic - calm[1] < QUIET_EVERY
+            and calm.reads >= QUIET_READS
+            and monotonic - calm.at < QUIET_EVERY
             and path not in due
             and path not in needs
         )
@@ -261,7 +284,12 @@ class Sensor:
                 return read_sample(d, page_size, threads=needs.threads)
         known = self._known.get(path)
         if full or known is None:
-            sample = read_sample(d, page_size, threads=needs.threads)
+            if page_size != self._memo_page_size:  # the memory limits are parsed in pages
+                self._memos, self._memo_page_size = {}, page_size
+            memo = self._memos.setdefault(path, {})
+            sample = read_sample(d, page_size, threads=needs.threads, memo=memo)
+            if sample == known:  # what stands on the last full read stands on this one
+                sample = known
             self._known[path] = sample
             self._found(path, sample.settings)
             return sample
@@ -285,6 +313,13 @@ class Sensor:
             settings = {} if weight is None else {Attribute.CPU_WEIGHT: weight}
             out.append(WorkloadState(identity, CgroupSample(settings=settings)))
         return tuple(out)
+
+
+def _carried(path: str, last: Mapping[str, T], now: dict[str, T]) -> None:
+    """`path`'s entry of the last tick's map into this tick's, if it had one."""
+    value = last.get(path)
+    if value is not None:
+        now[path] = value
 
 
 def _measure(
@@ -345,6 +380,15 @@ class _NoRoom(Exception):
     pass
 
 
+class _Calm(NamedTuple):
+    reads: int
+    """Reads in a row that found the workload unchanged."""
+    at: float
+    read: tuple[CgroupSample, tuple[int | None, ...]] | None
+    """The full read the last read stood on and its cpu.stat counters (None: it read
+    more than cpu.stat, or was not kept)."""
+
+
 class _Rates(NamedTuple):
     cpu: float
     throttled: float
@@ -390,6 +434,11 @@ def _state(
     ):
         return WorkloadState(identity, sample, cpu, throttled, stall)
     return last
+
+
+def _usage(s: CgroupSample) -> tuple[int | None, ...]:
+    """A sample's cpu.stat counters."""
+    return (s.cpu_usage_us, s.cpu_nr_periods, s.cpu_nr_throttled, s.cpu_throttled_us)
 
 
 def _counters(sample: CgroupSample, at: float) -> _Counters | None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from nodeagent.cgroupfs import parse
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupReadError, CgroupTree
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
@@ -226,8 +227,8 @@ def test_a_quiet_workload_is_read_every_few_seconds_until_it_moves(
         return {p for p in opened if p.endswith("cpu.stat")}
 
     q, every = sensor_module.QUIET_READS, sensor_module.QUIET_EVERY
-    # a full read, a first lean read, then q lean reads that find the same
-    last_read = q + 1
+    # a full read, then q lean reads that find the same
+    last_read = q
     reads = {t: tick(t) for t in range(last_read + 1)}
     assert all("s/good/cpu.stat" in r for r in reads.values())
     assert "s/good/cpu.stat" not in tick(last_read + 1), "quiet: not read this tick"
@@ -241,3 +242,70 @@ def test_a_quiet_workload_is_read_every_few_seconds_until_it_moves(
     woke = last_read + 2 * every
     assert "s/good/cpu.stat" in tick(woke)
     assert "s/good/cpu.stat" in tick(woke + 1), "moving: read every tick again"
+
+
+def test_a_full_read_that_finds_the_same_keeps_a_quiet_workload_quiet(
+    tree: CgroupTree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rolling full read that finds what the last one found (and the same cpu.stat) is
+    the same sample again, and the workload stays quiet; one that finds another writer's
+    value is a change: the workload is read every tick again until it is quiet anew."""
+    opened: list[str] = []
+    real = CgroupDir.read
+
+    def counting(self: CgroupDir, name: str) -> str:
+        opened.append(name)
+        return real(self, name)
+
+    monkeypatch.setattr(CgroupDir, "read", counting)
+    sensor = Sensor(tree, NodeSensor(), verify_every=0)
+    jobs = [job("good")]
+    q, every = sensor_module.QUIET_READS, sensor_module.QUIET_EVERY
+    for t in range(q + 1):  # a full read, then q lean reads that find the same
+        sensor.snapshot(jobs, t, t)
+    known = sensor._known["s/good"]
+
+    def tick(t: float, full: bool = False) -> list[str]:
+        opened.clear()
+        sensor.snapshot(jobs, t, t, full=full)
+        return list(opened)
+
+    assert "cpu.weight" in tick(q + 1, full=True)
+    assert sensor._known["s/good"] is known, "the same full read: the same sample"
+    assert tick(q + 2) == [], "still quiet"
+    (tmp_path / "s" / "good" / "cpu.weight").write_text("777\n")  # another writer
+    assert "cpu.weight" in tick(q + 1 + every, full=True)
+    assert sensor._known["s/good"] is not known
+    assert tick(q + 2 + every) == ["cpu.stat"], "a change: read every tick again"
+
+
+def test_a_full_read_parses_only_the_files_that_changed(
+    tree: CgroupTree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file that reads as it did at the last full read is the value parsed then; one
+    that changed is parsed anew, and a bad one still skips its cgroup."""
+    parsed: list[str] = []
+    real = parse.flat_keyed
+
+    def counting(text: str) -> dict[str, int]:
+        parsed.append(text.split()[0])
+        return real(text)
+
+    monkeypatch.setattr(parse, "flat_keyed", counting)
+    sensor = Sensor(tree, NodeSensor())
+    first = sensor.snapshot([job("good")], 0.0, 0.0, full=True).workloads[0].sample
+    assert "usage_usec" in parsed and "populated" in parsed
+    stat = tmp_path / "s" / "good" / "cpu.stat"
+    stat.write_text("usage_usec 900100\n")
+    parsed.clear()
+    second = sensor.snapshot([job("good")], 1.0, 1.0, full=True).workloads[0].sample
+    assert parsed == ["usage_usec"], "only cpu.stat changed"
+    assert second.cpu_usage_us == 900100
+    assert second.settings == first.settings and second.cpu_psi is first.cpu_psi
+    stat.write_text("usage_usec lots\n")
+    assert [s.path for s in sensor.snapshot([job("good")], 2.0, 2.0, full=True).skipped] == [
+        "s/good"
+    ]
+    stat.write_text("usage_usec 100\n")
+    (w,) = sensor.snapshot([job("good")], 3.0, 3.0, full=True).workloads
+    assert w.sample == first, "a skipped cgroup's memo goes with it: read anew"
