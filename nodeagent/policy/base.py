@@ -275,6 +275,7 @@ class Policy(Protocol):
         return False
 
     def stale_sensed(self, workloads: Sequence[WorkloadState], spec: PolicySpec) -> bool:
-        """Whether what was sensed of the workloads means the plan must be made again next
-        tick; asked again only when a workload's state or the policy file changes."""
+        """Whether what was sensed of any of the workloads means the plan must be made
+        again next tick; asked of each workload whose state changed (or all, when the
+        policy file changes), one at a time: say it of the workload alone."""
         return False

@@ -9,9 +9,8 @@ the executor holds back). Pure: the caller passes the clock, the last plan and t
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from nodeagent.policy import history
 from nodeagent.policy.base import Assignment, Policy
@@ -43,11 +42,7 @@ class PlanCache:
     def __init__(self) -> None:
         self._key: object = None
         self._replan_at = 0.0
-        self._sensed_value: tuple[
-            PolicySpec | None,
-            tuple[WorkloadState, ...],
-            tuple[frozenset[str], frozenset[str], bool],
-        ] = (None, (), (frozenset(), frozenset(), False))
+        self._seen = _Seen()
         self._assigned: tuple[object, dict[str, Assignment], frozenset[str]] = (
             None,
             {},
@@ -72,8 +67,9 @@ class PlanCache:
         makes its plan stale (`Policy.stale`, `Policy.stale_sensed`: deadline jobs, a
         protected cgroup under pressure, the protection controller at work)."""
         snapshot, spec, last = given.snapshot, given.spec, given.last
-        key = self.key(given, policies)
-        moving = given.held_back or self._sensed(snapshot.workloads, spec, policies)[2]
+        version, stalled = self._sensed(snapshot.workloads, spec, policies)
+        key = self.key(given, version)
+        moving = given.held_back or stalled
         moving = moving or stale(policies, given.carry, given.assignments)
         if last is not None and key == self._key and now < self._replan_at and not moving:
             if self._assigned[0] is not last.cgroups:  # kept by every plan made again
@@ -98,13 +94,12 @@ class PlanCache:
         )
         return plan, False
 
-    def key(self, given: PlanInputs, policies: tuple[Policy, ...]) -> object:
-        """What a plan depends on, besides what moves every tick."""
+    def key(self, given: PlanInputs, version: int) -> object:
+        """What a plan depends on, besides what moves every tick; `version`: the
+        workloads' (`_sensed`)."""
         snapshot, gpus = given.snapshot, given.snapshot.gpus
-        paths, active, _ = self._sensed(snapshot.workloads, given.spec, policies)
         return (
-            paths,
-            active,
+            version,
             frozenset(s.path for s in snapshot.skipped),
             frozenset(w.path for w in snapshot.levels),
             None
@@ -118,25 +113,51 @@ class PlanCache:
         workloads: tuple[WorkloadState, ...],
         spec: PolicySpec,
         policies: tuple[Policy, ...],
-    ) -> tuple[frozenset[str], frozenset[str], bool]:
-        """What the plan's key and its staleness take from the workloads: their paths, the
-        active ones, and whether a policy finds them stale (`Policy.stale_sensed`: one
-        stalls); worked out again only when a workload's state is a new object (the sensor
-        keeps an unchanged one) or the policy changed."""
-        last_spec, last, value = self._sensed_value
-        if (
-            last_spec is spec
-            and len(last) == len(workloads)
-            and all(map(operator.is_, last, workloads))
-        ):
-            return value
-        value = (
-            frozenset(w.path for w in workloads),
-            frozenset(w.path for w in workloads if is_active(w, spec.fair_share)),
-            any(p.stale_sensed(workloads, spec) for p in policies),
-        )
-        self._sensed_value = (spec, workloads, value)
-        return value
+    ) -> tuple[int, bool]:
+        """What the plan's key and its staleness take from the workloads: a version that
+        moves when a workload comes or goes or turns active or idle, and whether a policy
+        finds one stale (`Policy.stale_sensed`: one stalls). Each workload is looked at
+        again only when its state is a new object (the sensor keeps an unchanged one), so
+        a steady node costs one identity check per workload, not sets of them all."""
+        seen = self._seen
+        if seen.spec is not spec or seen.policies != policies:
+            seen = self._seen = _Seen(spec, policies, seen.version + 1)
+        changed = False
+        for w in workloads:
+            path = w.identity.path
+            last = seen.states.get(path)
+            if last is w:
+                continue
+            seen.states[path] = w
+            changed |= last is None
+            if is_active(w, spec.fair_share) != (path in seen.active):
+                seen.active ^= {path}
+                changed = True
+            if any(p.stale_sensed((w,), spec) for p in policies):
+                seen.stale.add(path)
+            else:
+                seen.stale.discard(path)
+        if len(seen.states) != len(workloads):  # some went
+            for path in seen.states.keys() - {w.identity.path for w in workloads}:
+                del seen.states[path]
+                seen.active.discard(path)
+                seen.stale.discard(path)
+            changed = True
+        if changed:
+            seen.version += 1
+        return seen.version, bool(seen.stale)
+
+
+@dataclass
+class _Seen:
+    """The workloads as `PlanCache._sensed` last saw them, under one policy."""
+
+    spec: PolicySpec | None = None
+    policies: tuple[Policy, ...] = ()
+    version: int = 0
+    states: dict[str, WorkloadState] = field(default_factory=dict)
+    active: set[str] = field(default_factory=set)
+    stale: set[str] = field(default_factory=set)
 
 
 def stale(

@@ -79,6 +79,7 @@ def test_an_unchanged_key_makes_the_last_plan_again_with_usage_advanced(
     "change",
     [
         "a workload comes",
+        "one goes and another comes",
         "a workload idles",
         "the usage shares move",
         "replan_interval passes",
@@ -97,6 +98,8 @@ def test_what_makes_a_new_plan(counting: Counting, change: str) -> None:
     usage, carry, held_back = {"a": 10.0, "b": 10.0}, {}, False
     if change == "a workload comes":
         snap = snapshot((*WORKLOADS, workload("nodeagent.slice/a-2")), seq=2)
+    elif change == "one goes and another comes":  # as many as before
+        snap = snapshot((WORKLOADS[0], workload("nodeagent.slice/b-2")), seq=2)
     elif change == "a workload idles":
         snap = snapshot((WORKLOADS[0], replace(WORKLOADS[1], cpu_rate=0.0)), seq=2)
     elif change == "the usage shares move":
@@ -132,4 +135,32 @@ def test_the_default_policies_plan_and_reuse_without_a_daemon() -> None:
     first, same = cache.plan(inputs(snapshot(WORKLOADS, seq=1), None), DEFAULT_POLICIES, 0.0)
     assert not same and {c.path for c in first.cgroups} == {w.path for w in WORKLOADS}
     _, same = cache.plan(inputs(snapshot(WORKLOADS, seq=2), first), DEFAULT_POLICIES, 1.0)
+    assert same
+
+
+class Stalls(Policy):
+    """Finds the plan stale while a workload runs above one core."""
+
+    name = "stalls"
+
+    def decide(self, given: PolicyInput) -> Sequence[Output]:
+        return ()
+
+    def stale_sensed(self, workloads: Sequence[WorkloadState], spec: PolicySpec) -> bool:
+        return any((w.cpu_rate or 0.0) > 1.0 for w in workloads)
+
+
+@pytest.mark.parametrize("then", ["it calms", "it goes"])
+def test_a_stale_workload_stops_making_new_plans_once_it_calms_or_goes(then: str) -> None:
+    """Staleness is kept per workload and asked again only of new states: the one that
+    made it stale calming (a new state) or going ends it; the others' kept states don't."""
+    cache, policies = PlanCache(), (Stalls(),)
+    hot = replace(WORKLOADS[1], cpu_rate=2.0)
+    last, same = cache.plan(inputs(snapshot((WORKLOADS[0], hot), seq=1), None), policies, 0.0)
+    last, same = cache.plan(inputs(snapshot((WORKLOADS[0], hot), seq=2), last), policies, 1.0)
+    assert not same, "stale: a new plan every tick"
+    after = (WORKLOADS[0], replace(hot, cpu_rate=0.5)) if then == "it calms" else WORKLOADS[:1]
+    last, same = cache.plan(inputs(snapshot(after, seq=3), last), policies, 2.0)
+    assert same == (then == "it calms"), "calm at once; one going makes one new plan"
+    _, same = cache.plan(inputs(snapshot(after, seq=4), last), policies, 3.0)
     assert same

@@ -255,10 +255,10 @@ def test_the_loop_knows_no_policy_by_name(agent: Agent) -> None:
     agent.carry["wants"] = {"busy": True}
     assert stale(agent.policies, agent.carry, assignments)
     busy = WorkloadState(managed[0], CgroupSample(), cpu_rate=2.0)
-    assert PlanCache()._sensed((busy,), agent.spec, agent.policies)[2]
+    assert PlanCache()._sensed((busy,), agent.spec, agent.policies)[1]
     assert not PlanCache()._sensed(
         (WorkloadState(managed[0], CgroupSample(), cpu_rate=0.5),), agent.spec, agent.policies
-    )[2]
+    )[1]
 
     agent.policies = (Protection(), Deadlines())
     agent.carry = {"protection": {"caps": {"batch": 1.0}}}
