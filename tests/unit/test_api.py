@@ -894,7 +894,11 @@ def test_server_deadline_covers_the_whole_request(
                 sock.sendall(b"X")
                 time.sleep(0.05)
         sock.settimeout(10)
-        assert sock.recv(100) == b""  # the server hung up without answering
+        try:
+            answer = sock.recv(100)
+        except ConnectionResetError:  # af_unix resets a peer whose sent bytes went unread
+            answer = b""
+        assert answer == b""  # the server hung up without answering
     assert seen == []
 
 

@@ -34,6 +34,20 @@ def job(name: str) -> WorkloadIdentity:
 
 
 @pytest.fixture
+def opened(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the interface files read, in order (CgroupDir.read counted)."""
+    names: list[str] = []
+    real = CgroupDir.read
+
+    def counting(self: CgroupDir, name: str) -> str:
+        names.append(name)
+        return real(self, name)
+
+    monkeypatch.setattr(CgroupDir, "read", counting)
+    return names
+
+
+@pytest.fixture
 def tree(tmp_path: Path) -> CgroupTree:
     for name in ("good", "good2", "bad", "worse"):
         d = tmp_path / "s" / name
@@ -105,18 +119,10 @@ def test_a_skipped_cgroup_keeps_its_rate_baseline(tree: CgroupTree, tmp_path: Pa
 
 
 def test_a_steady_tick_reads_usage_and_verifies_a_few_in_turn(
-    tree: CgroupTree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tree: CgroupTree, tmp_path: Path, opened: list[str]
 ) -> None:
     """After a workload's first (full) read, a tick reads its cpu.stat only; settings come
     from what is known, and every workload is read in full again within verify_every."""
-    opened: list[str] = []
-    real = CgroupDir.read
-
-    def counting(self: CgroupDir, name: str) -> str:
-        opened.append(name)
-        return real(self, name)
-
-    monkeypatch.setattr(CgroupDir, "read", counting)
     sensor = Sensor(tree, NodeSensor(), verify_every=3.0)
     jobs = [job("good")]
     sensor.snapshot(jobs, 0.0, 0.0)
@@ -245,19 +251,11 @@ def test_a_quiet_workload_is_read_every_few_seconds_until_it_moves(
 
 
 def test_a_full_read_that_finds_the_same_keeps_a_quiet_workload_quiet(
-    tree: CgroupTree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tree: CgroupTree, tmp_path: Path, opened: list[str]
 ) -> None:
     """A rolling full read that finds what the last one found (and the same cpu.stat) is
     the same sample again, and the workload stays quiet; one that finds another writer's
     value is a change: the workload is read every tick again until it is quiet anew."""
-    opened: list[str] = []
-    real = CgroupDir.read
-
-    def counting(self: CgroupDir, name: str) -> str:
-        opened.append(name)
-        return real(self, name)
-
-    monkeypatch.setattr(CgroupDir, "read", counting)
     sensor = Sensor(tree, NodeSensor(), verify_every=0)
     jobs = [job("good")]
     q, every = sensor_module.QUIET_READS, sensor_module.QUIET_EVERY
