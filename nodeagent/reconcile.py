@@ -251,7 +251,7 @@ class Reconciler:
         # what failed to be written last time is tried again
         only = self.sensor.fresh | fed.retry if same else None
         applied = self.executor.apply(plan, snapshot, only)
-        self.record_originals(applied, plan, snapshot.vanished)
+        self.record_originals(applied, plan, snapshot.vanished, tick=True)
         results = (*self._fast_results, *applied)  # the fast path's since the last tick too
         self._fast_results = []
         # what this plan wrote is known from now on (a newcomer the fast path wrote is read
@@ -275,8 +275,6 @@ class Reconciler:
             snapshot, plan, results, time.monotonic() - started, self.dry_run, assignments, modes
         )
         self._siblings = None
-        if not self.dry_run and self.saver.due():
-            self.saver.save()
         return self.last
 
     def claimed(
@@ -369,14 +367,21 @@ class Reconciler:
     # --- what was written ---------------------------------------------------------------
 
     def record_originals(
-        self, results: Sequence[WriteResult], plan: Plan, vanished: Iterable[str] = ()
+        self,
+        results: Sequence[WriteResult],
+        plan: Plan,
+        vanished: Iterable[str] = (),
+        tick: bool = False,
     ) -> None:
         """Note the writes just made with what they replaced, right after the executor made
         them (before GPUs, observers or anything else that may hang); a first change of an
         attribute goes to the state's journal at once (nodeagent.state), so that release
         finds it after a crash. tuned records an old value before it sets the new one: here a
         kill between a write and this append loses that one original, which the next agent
-        then takes to be what the agent had set."""
+        then takes to be what the agent had set. A tick whose whole save is due saves here
+        instead of journalling: the save holds them all (a first tick's thousands of first
+        changes were journalled line by line, then saved whole at its end); the fast path
+        only journals, so that no whole save delays the next newcomer."""
         written = [r for r in results if r.outcome is Outcome.WRITTEN]
         modes = {c.path: c.write for c in plan.cgroups} if written else {}  # none on idle ticks
         root = self.spec.agent.managed_root
@@ -384,7 +389,11 @@ class Reconciler:
             via = modes.get(r.path) or write_mode(parent_identity(r.path, root), self.spec.agent)
             self.originals.note(r.path, r.attribute, r.old, r.new, via)
         self.originals.forget(vanished)
-        if not self.dry_run:
+        if self.dry_run:
+            return
+        if tick and self.saver.due():
+            self.saver.save()  # what is saved is as of the last tick, these originals included
+        else:
             self.saver.journal(self._fresh_originals)
 
     def _fresh_originals(self) -> list[tuple[str, str, Mapping[str, str]]]:

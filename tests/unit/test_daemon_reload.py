@@ -17,6 +17,7 @@ from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute
 from nodeagent.daemon import Agent, open_agent
 from nodeagent.errors import NodeagentError
+from nodeagent.persistence import Journalled
 from nodeagent.policyfile.load import load_policy
 
 GOOD = """\
@@ -197,3 +198,69 @@ def test_a_first_change_is_saved_with_its_original_at_once_and_restored(
     assert state.load(str(file)).originals == {  # type: ignore[union-attr]
         "system.slice/x.scope": {"cgroup.freeze": {"was": "0", "set": "1", "via": "systemd"}},
     }
+
+
+CAPPED = """\
+version: 1
+agent:
+  state_file: {state}
+tenants:
+  research: {{shares: 1}}
+rules:
+  - name: capped
+    match: {{path: nodeagent.slice/*}}
+    tenant: research
+    limits: {{cpu_max: 0.5}}
+"""
+
+
+def test_a_tick_due_to_save_saves_its_first_changes_whole_and_journals_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first tick writes every attribute the policy sets: thousands of first changes on a
+    big node. Journalled line by line and then saved whole at the tick's end, they cost the
+    first tick twice (and the first newcomer waited on the save). A tick whose save is due
+    saves them once, whole, and journals nothing; one that is not due journals them, as the
+    fast path always does."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(CAPPED.format(state=tmp_path / "state.json"))
+    cgroups = tmp_path / "cgroup"
+    for name in ("a", "b", "c"):
+        d = cgroups / "nodeagent.slice" / name
+        d.mkdir(parents=True)
+        for f, text in {"cgroup.procs": "", "cpu.max": "max 100000\n", "cpu.weight": "100\n",
+                        "cpu.stat": "usage_usec 0\n"}.items():  # fmt: skip
+            (d / f).write_text(text)
+    agent = open_agent(load_policy(policy), CgroupTree(str(cgroups)), config_path=str(policy))
+    appended: list[int] = []
+    real_append = state.append_originals
+
+    def counting(path: str, fresh: Journalled) -> None:
+        appended.append(len(fresh))
+        real_append(path, fresh)
+
+    monkeypatch.setattr(state, "append_originals", counting)
+    file = tmp_path / "state.json"
+    journal = Path(state.journal_path(str(file)))
+    agent.registry.resync()  # what prepare() does but make the managed root
+    record = agent.tick()
+    capped = sorted(r.path for r in record.results if r.attribute is Attribute.CPU_MAX)
+    assert capped == ["nodeagent.slice/a", "nodeagent.slice/b", "nodeagent.slice/c"]
+    assert appended == []  # saved whole, once
+    assert not journal.exists()
+    saved = state.load(str(file))
+    assert saved is not None
+    assert sorted(saved.originals) == capped
+    assert not agent.rec.saver.due()
+    later = [WriteResult("nodeagent.slice/c", Attribute.CPU_WEIGHT, "100", "50", "w",
+                         Outcome.WRITTEN)]  # fmt: skip
+    agent.rec.record_originals(later, SimpleNamespace(cgroups=[]), tick=True)  # type: ignore[arg-type]
+    assert appended == [1]  # not due: journalled
+    assert len(journal.read_text().splitlines()) == 1
+    again = open_agent(load_policy(policy), CgroupTree(str(cgroups)), config_path=str(policy))
+    assert sorted((p, str(a)) for p, a, _ in again.originals.items()) == [
+        ("nodeagent.slice/a", "cpu.max"),
+        ("nodeagent.slice/b", "cpu.max"),
+        ("nodeagent.slice/c", "cpu.max"),
+        ("nodeagent.slice/c", "cpu.weight"),
+    ]
