@@ -8,6 +8,7 @@ is the only thread that changes state (docs/architecture.md, "Threads").
 
 from __future__ import annotations
 
+import math
 import select
 import signal
 import time
@@ -395,10 +396,19 @@ class Agent:
                 left = deadline - now
                 if left <= 0:
                     break
-                wake = min(left, next_resync - now)
+                wake = min(left, next_resync - now, self._lookups_wait())
                 if _guarded("watch.failed", self._wait_for_cgroup_events, max(wake, 0.0)):
                     break
         return ok
+
+    def _lookups_wait(self) -> float:
+        """Seconds until newcomers left without their runtime's answer are due to be asked
+        again; the ones due now are taken through the fast path first."""
+        due = self.rec.lookups_due()
+        if due is not None and due <= self.rec.runtimes.clock():
+            _guarded("fastpath.failed", self.rec.retry_lookups)
+            due = self.rec.lookups_due()
+        return math.inf if due is None else max(0.0, due - self.rec.runtimes.clock())
 
     def _policy_file_changed(self) -> bool:
         """With `agent.reload_on_change`, whether the policy file is a new one since the

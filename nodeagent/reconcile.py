@@ -115,6 +115,10 @@ class Reconciler:
         """The fast path's writes since the last tick, reported with the next one."""
         self._siblings: Siblings | None = None
         """The last tick's weights by parent and tenant, made at its first newcomer."""
+        self._lookups: dict[str, float] = {}
+        """Newcomers the fast path took without the runtime's answer, and when (on the
+        runtimes' clock) it can be asked again: they go through the fast path again then,
+        unless a tick (which asks for them itself) comes first."""
         self.forget_derived()
         # set by `wire`: they and the reconciler call each other
         self.gpus: GpuService
@@ -275,6 +279,7 @@ class Reconciler:
             snapshot, plan, results, time.monotonic() - started, self.dry_run, assignments, modes
         )
         self._siblings = None
+        self._lookups.clear()  # this tick asked the runtimes for whom it could
         return self.last
 
     def claimed(
@@ -410,6 +415,10 @@ class Reconciler:
         )
         # the runtime's answer is part of the fast path: a rule on labels applies at once
         identities = self.runtimes.attach(found, complete=False, new=True)
+        for identity in identities:
+            at = self.runtimes.retry_at(identity)
+            if at is not None:
+                self._lookups[identity.path] = at
         jobs = self.jobs.assignments()
         assignments = {**assign(identities, self.spec, self.pods()), **jobs}
         plan, results = self._newcomers(identities, assignments)
@@ -418,6 +427,22 @@ class Reconciler:
             if r.outcome is Outcome.FAILED:
                 log.warning("fastpath.write_failed", cgroup=r.path, attribute=str(r.attribute),
                             detail=r.detail)  # fmt: skip
+
+    def lookups_due(self) -> float | None:
+        """When the first newcomer left without its runtime's answer is due again (on the
+        runtimes' clock), or None."""
+        return min(self._lookups.values(), default=None)
+
+    def retry_lookups(self) -> None:
+        """The newcomers whose runtime lookup is due again, through the fast path again: a
+        rule on their labels applies now, not at the next tick (an interval away) or later."""
+        now = self.runtimes.clock()
+        due = [path for path, at in self._lookups.items() if at <= now]
+        for path in due:
+            del self._lookups[path]
+        due = [path for path in due if path in self.registry.workloads]  # not gone since
+        if due:
+            self.fast_path(due)
 
     def new_job(self, identity: WorkloadIdentity, assignment: Assignment) -> list[str]:
         """A new job's cgroup planned as the fast path plans a newcomer and written by the

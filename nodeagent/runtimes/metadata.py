@@ -180,6 +180,22 @@ class RuntimeMetadata:
                 del self._attached[path]
         return out
 
+    def retry_at(self, identity: WorkloadIdentity) -> float | None:
+        """When (on `clock`) a lookup this identity still lacks can be made again: its
+        runtime's retry when the runtime did not answer, now when the lookups' budget ran out,
+        the next try when the runtime did not know it yet. None: it has its answer, or none
+        will come (refused, lookups off, not a runtime's, the runtime never knew it)."""
+        if identity.meta is not None:
+            return None
+        target = self._adapter(identity)
+        if target is None or target[0] not in self.adapters or target in self._refused:
+            return None
+        down = self._down.get(target[0])
+        if down is not None:
+            return down.retry_at
+        entry = self._entries.get(target)
+        return self.clock() if entry is None else entry.ask_at
+
     def _identity(self, identity: WorkloadIdentity, entry: _Entry) -> WorkloadIdentity:
         """The identity with the entry's answer: last time's object when nothing changed."""
         last = self._attached.get(identity.path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -336,3 +336,81 @@ def test_a_runtime_down_is_found_back_even_when_nothing_new_needs_it(
     assert meta.status()["docker"]["answering"]
     events = [e["event"] for e in logs if e["event"].startswith("runtime.")]
     assert events == ["runtime.unavailable", "runtime.available"], events
+
+
+def test_a_newcomer_the_runtime_did_not_answer_for_is_taken_again_when_it_is_due(
+    docker: StandInDocker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container whose runtime did not answer in time got only what rules without metadata
+    give; it used to wait for the next tick (an interval away, an hour here) for its label's
+    cap. Now the loop takes it through the fast path again once the runtime is due to be
+    asked again (RETRY_S, shortened here)."""
+    import threading
+
+    from nodeagent.cgroupfs.tree import CgroupTree
+    from nodeagent.daemon import open_agent
+    from nodeagent.policyfile.load import load_policy
+    from nodeagent.runtimes import metadata
+
+    monkeypatch.setattr(metadata, "RETRY_S", 0.5)
+    root = tmp_path / "cgroup"
+    (root / "docker").mkdir(parents=True)
+    for d in (root, root / "docker"):
+        (d / "cgroup.procs").write_text("")
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        f"version: 1\nagent: {{state_file: {tmp_path / 'state.json'}, interval: 3600,"
+        f" runtimes: {{docker: {docker.path}, timeout: {TIMEOUT}}}}}\n"
+        "tenants: {a: {shares: 1}}\n"
+        "rules:\n"
+        "  - {name: team-a, match: {labels: {team: a}}, tenant: a, limits: {cpu_max: 0.5}}\n"
+    )
+    agent = open_agent(load_policy(policy), CgroupTree(str(root)))
+    agent.registry.resync()
+    docker.hang_all = True
+    loop = threading.Thread(target=agent.run)
+    loop.start()
+    try:
+        wait_for(lambda: agent.last is not None, "the first tick")
+        new = root / "docker" / A
+        new.mkdir()
+        for name, text in {"cgroup.procs": "", "cpu.max": "max 100000\n", "cpu.weight": "100\n",
+                           "cpu.stat": "usage_usec 0\n"}.items():  # fmt: skip
+            (new / name).write_text(text)
+        wait_for(lambda: agent.rec.runtimes.lookups > 0, "the fast path's lookup")
+        assert (new / "cpu.max").read_text() == "max 100000\n"  # no answer: no label
+        docker.answers[A] = container(A, "web", "img", {"team": "a"})
+        docker.hang_all = False
+        wait_for(lambda: (new / "cpu.max").read_text() == "50000 100000", "the label's cap")
+        assert agent.last is not None and agent.last.snapshot.seq == 1, "no tick came between"
+    finally:
+        agent.stop.set()
+        loop.join(30)
+    assert not loop.is_alive()
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end, f"{what}: not within {timeout:g} s"
+        time.sleep(0.02)
+
+
+def test_retry_at_says_when_a_missing_answer_can_come(docker: StandInDocker) -> None:
+    """What the loop waits for: a runtime that did not answer, at its retry; one that does not
+    know the container yet, at the next try; nothing for an answer had or refused."""
+    clock = Clock()
+    meta = cache(docker, clock)
+    unknown = meta.attach([ident(A)], complete=False, new=True)[0]
+    assert meta.retry_at(unknown) == clock.t + 1.0
+    docker.answers[A] = container(A, "web", "img", {})
+    clock.t += 1.0
+    assert meta.retry_at(meta.attach([ident(A)], complete=False, new=True)[0]) is None
+    docker.hang_all = True
+    hung = meta.attach([ident(B)], complete=False, new=True)[0]
+    assert meta.retry_at(hung) == clock.t + RETRY_S
+    docker.hang_all = False
+    docker.answers[B] = container(B, "x", "i", {f"k{n}": "v" for n in range(10_000)})
+    patient = cache(docker, clock, timeout=10.0)  # the refusal, not a timeout on a busy host
+    refused = patient.attach([ident(B)], complete=False, new=True)[0]
+    assert refused.meta is None and patient.retry_at(refused) is None
