@@ -13,13 +13,25 @@ from nodeagent.cgroupfs.values import CpuMax, CpuSet
 
 
 def flat_keyed(text: str) -> dict[str, int]:
-    """'KEY VALUE' lines: cpu.stat, memory.stat, memory.events, cgroup.events."""
+    """'KEY VALUE' lines: cpu.stat, memory.events, cgroup.events."""
     out: dict[str, int] = {}
     for line in text.splitlines():
         key, _, value = line.partition(" ")
         if key and value:
             out[key] = int(value)
     return out
+
+
+def anon_file(text: str) -> tuple[int | None, int | None]:
+    """memory.stat's anon and file bytes: all a sample keeps of its fifty-odd keys."""
+    anon = file = None
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "anon":
+            anon = int(value)
+        elif key == "file":
+            file = int(value)
+    return anon, file
 
 
 def single_int(text: str) -> int:

@@ -109,7 +109,10 @@ def read_sample(
 
     events = get("cgroup.events", parse.flat_keyed) or {}
     cpu = get("cpu.stat", parse.flat_keyed) or {}
-    mem_stat = get("memory.stat", parse.flat_keyed) or {}
+    # memory.stat is parsed at every read, not memoized: its counters move at each read of a
+    # live cgroup, and its text (about 1 KB on 6.1) and fifty keys would be kept per workload
+    stat = d.read_optional("memory.stat")
+    anon, file = (None, None) if stat is None else _parsed(d, "memory.stat", stat, parse.anon_file)
     settings: dict[Attribute, Value] = {}
     weight = get(Attribute.CPU_WEIGHT, lambda text: CpuWeight(parse.single_int(text)))
     if weight is not None:
@@ -134,8 +137,8 @@ def read_sample(
         cpu_nr_throttled=cpu.get("nr_throttled"),
         cpu_throttled_us=cpu.get("throttled_usec"),
         memory_current=get("memory.current", parse.single_int),
-        memory_anon=mem_stat.get("anon"),
-        memory_file=mem_stat.get("file"),
+        memory_anon=anon,
+        memory_file=file,
         memory_events=get("memory.events", parse.flat_keyed) or {},
         cpu_psi=_pressure(d, "cpu.pressure", memo),
         memory_psi=_pressure(d, "memory.pressure", memo),

@@ -307,3 +307,24 @@ def test_a_full_read_parses_only_the_files_that_changed(
     stat.write_text("usage_usec 100\n")
     (w,) = sensor.snapshot([job("good")], 3.0, 3.0, full=True).workloads
     assert w.sample == first, "a skipped cgroup's memo goes with it: read anew"
+
+
+def test_a_memo_keeps_no_memory_stat_only_the_two_values_a_sample_uses(
+    tree: CgroupTree, tmp_path: Path
+) -> None:
+    """memory.stat has fifty-odd keys on 6.1 (about 1 KB) and counters that move at every
+    read of a live cgroup: a memo of it held its text and all its keys for every workload
+    (6 MB at 1,000 workloads, for two numbers). It is parsed at each read, for anon and file
+    alone, and a bad one still skips its cgroup."""
+    from nodeagent.sense.cgroup_files import Memo, read_sample
+
+    stat = tmp_path / "s" / "good" / "memory.stat"
+    stat.write_text("anon 4096\nfile 8192\nkernel 12\n" + "".join(f"k{n} {n}\n" for n in range(50)))
+    memo: Memo = {}
+    with tree.open("s/good") as d:
+        sample = read_sample(d, 4096, memo=memo)
+        assert (sample.memory_anon, sample.memory_file) == (4096, 8192)
+        assert "memory.stat" not in memo and "cpu.stat" in memo
+        stat.write_text("anon lots\n")
+        with pytest.raises(CgroupReadError, match=r"memory\.stat"):
+            read_sample(d, 4096, memo=memo)
