@@ -27,9 +27,9 @@ def anon_file(text: str) -> tuple[int | None, int | None]:
     anon = file = None
     for line in text.splitlines():
         key, _, value = line.partition(" ")
-        if key == "anon":
+        if key == "anon" and value:  # as flat_keyed: a key without a value is left out
             anon = int(value)
-        elif key == "file":
+        elif key == "file" and value:
             file = int(value)
     return anon, file
 

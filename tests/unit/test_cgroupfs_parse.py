@@ -88,6 +88,8 @@ def test_memory_stat() -> None:
     assert stat["file"] == 256 << 20
     assert stat["workingset_refault_file"] == 12
     assert len(stat) == MEMORY_STAT.count("\n")
+    assert parse.anon_file(MEMORY_STAT) == (1 << 30, 256 << 20)  # what a sample keeps
+    assert parse.anon_file("anon\nfile_mapped 7\n") == (None, None)  # no value, another key
 
 
 def test_memory_events() -> None:
