@@ -95,6 +95,23 @@ def writes(log: Path) -> dict[str, float]:
     return first
 
 
+def runtime_said(log: Path) -> dict[str, object]:
+    """What the daemon logged of the runtimes (unavailable / refused / available): how often,
+    and the first reason, so that a slow case says why."""
+    counts: dict[str, int] = {}
+    first: str | None = None
+    for line in log.read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        event = json.loads(line)
+        kind = str(event.get("event", ""))
+        if kind.startswith("runtime."):
+            counts[kind] = counts.get(kind, 0) + 1
+            if first is None and kind != "runtime.available":
+                first = str(event.get("error") or event.get("reason") or "")[:200]
+    return {"events": counts, "first_reason": first}
+
+
 def wait_log(log: Path, needle: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while needle not in log.read_text():
@@ -154,9 +171,12 @@ def case(
     p50, p99, top = (quantile(lat, q) * 1e3 for q in (0.5, 0.99, 1)) if lat else (0.0,) * 3
     bench.say(f"  {name:<10} p50 {p50:7.1f} ms   p99 {p99:7.1f} ms   max {top:7.1f} ms"
               f"   (n={len(lat)}{f', {missing} never written' if missing else ''})")  # fmt: skip
+    said = runtime_said(log)
+    if said["events"]:
+        bench.say(f"             the daemon said: {said['events']}, first: {said['first_reason']}")
     bench.figures.setdefault("cases", []).append(
         {"case": name, "p50_ms": round(p50, 2), "p99_ms": round(p99, 2), "max_ms": round(top, 2),
-         "samples": len(lat), "never_written": missing}
+         "samples": len(lat), "never_written": missing, "runtime": said}
     )  # fmt: skip
 
 
