@@ -200,18 +200,16 @@ def test_a_first_change_is_saved_with_its_original_at_once_and_restored(
     }
 
 
-CAPPED = """\
-version: 1
-agent:
-  state_file: {state}
-tenants:
-  research: {{shares: 1}}
+CAPPED = (
+    GOOD
+    + """\
 rules:
   - name: capped
     match: {{path: nodeagent.slice/*}}
     tenant: research
     limits: {{cpu_max: 0.5}}
 """
+)
 
 
 def test_a_tick_due_to_save_saves_its_first_changes_whole_and_journals_none(
