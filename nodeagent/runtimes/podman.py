@@ -27,11 +27,19 @@ from nodeagent.meta import (
     optional_name,
 )
 from nodeagent.regular_file import read_regular_file
-from nodeagent.runtimes.docker import DockerAdapter, _mapping, event_ids
+from nodeagent.runtimes.docker import DockerAdapter, event_ids
 
 API = "/v4.0.0/libpod"
 STORE_LIMIT = 32 << 20
 NO_LABELS = "labels unknown: podman's API socket is absent, and its store on disk keeps none"
+
+
+def _mapping(value: object, what: str) -> Mapping[str, object]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise BadAnswer(f"{what} is not an object")
+    return value
 
 
 class PodmanAdapter(DockerAdapter):
@@ -40,6 +48,17 @@ class PodmanAdapter(DockerAdapter):
     def __init__(self, socket: str, timeout: float, storage: str | None) -> None:
         super().__init__(socket, timeout)
         self.storage = storage
+
+    def _inspect(self, target: str) -> tuple[Mapping[str, object], Mapping[str, object]] | None:
+        """A container's inspect answer and its Config; None for a container podman does not
+        know."""
+        response = self._get(target)
+        if response.status == 404:
+            return None
+        if response.status != 200:
+            raise BadAnswer(f"{self.name} answered HTTP {response.status}")
+        found = _mapping(response.json(), "the answer")
+        return found, _mapping(found.get("Config"), "Config")
 
     def container(self, container_id: str) -> ContainerMeta | None:
         try:

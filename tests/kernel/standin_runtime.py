@@ -1,7 +1,9 @@
 """A STAND-IN for the Docker Engine API, for the answers no real runtime gives: 10,000 labels,
 a 1 MiB label value, invalid UTF-8, a socket that accepts and never answers, a connection
-dropped mid-answer. It is not Docker: it serves only what nodeagent's adapter asks
-(`GET /containers/{id}/json`, `GET /events`), each container's answer as the test sets it.
+dropped mid-answer. It is not Docker: it serves only what nodeagent's adapters ask (Docker's
+container list filtered to one id, podman's `GET /containers/{id}/json`, `GET /events`), each
+container's answer as the test sets it. As dockerd does, it holds an inspect of a container
+that is `starting` until the start is over, and answers the list at once.
 Used by the unit tests and by the real-kernel test of hostile answers (labelled there)."""
 
 from __future__ import annotations
@@ -9,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from urllib.parse import parse_qs, urlsplit
 
 HANG = "hang"
 RESET = "reset"
@@ -22,7 +26,11 @@ RESET = "reset"
 class StandInDocker:
     path: str
     answers: dict[str, object] = field(default_factory=dict)
-    """Per container id: a dict (sent as JSON), bytes (sent as they are), HANG or RESET."""
+    """Per container id: a dict (dockerd's inspect answer, sent as JSON; the list's entry is
+    made from it as dockerd makes it), bytes (sent as they are), HANG or RESET."""
+    starting: set[str] = field(default_factory=set)
+    """Containers being started: their inspect is held (never answered here), as dockerd holds
+    it until `runc start` is done."""
     hang_all: bool = False
     events: list[dict[str, object]] = field(default_factory=list)
     requests: list[str] = field(default_factory=list)
@@ -78,8 +86,16 @@ class StandInDocker:
             body = b"".join(json.dumps(e).encode() + b"\n" for e in self.events)
             self.events.clear()
             return self._send(conn, 200, body)
-        cid = target.split("/")[2] if target.startswith("/containers/") else ""
-        answer = self.answers.get(cid)
+        listed = urlsplit(target)
+        if listed.path == "/containers/json":  # dockerd's filter is a regexp found in the id
+            pattern = json.loads(parse_qs(listed.query)["filters"][0])["id"][0]
+            raw = [a for k, a in self.answers.items() if re.search(pattern, k)]
+            answer = raw[0] if raw and not isinstance(raw[0], dict) else None
+            if answer is None:
+                answer = [listed_entry(a) for a in raw if isinstance(a, dict)]
+        else:
+            cid = target.split("/")[2] if target.startswith("/containers/") else ""
+            answer = HANG if cid in self.starting else self.answers.get(cid)
         if answer == HANG:
             self._held.append(conn)
             return None
@@ -101,6 +117,21 @@ class StandInDocker:
         with contextlib.suppress(OSError):
             conn.sendall(head.encode() + body)
         conn.close()
+
+
+def listed_entry(inspected: dict[str, object]) -> dict[str, object]:
+    """The container list's entry for a container, from its inspect answer, as dockerd makes it
+    (`Names` with the leading slash, `Image` as asked for, `Labels` from its Config)."""
+    config = inspected["Config"]
+    assert isinstance(config, dict)
+    return {
+        "Id": inspected["Id"],
+        "Names": [inspected["Name"]],
+        "Image": config["Image"],
+        "ImageID": inspected["Image"],
+        "Labels": config["Labels"],
+        "State": "running",
+    }
 
 
 def container(cid: str, name: str, image: str, labels: dict[str, str]) -> dict[str, object]:

@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import functools
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -356,6 +357,48 @@ def test_dockerd_stopped_mid_run_and_restarted(
         r.remove(plain)
 
 
+def is_capped(cgroup: Path) -> bool:
+    return read(cgroup, "cpu.max") == "50000 100000"
+
+
+# -- a container just started: its labels while dockerd is still starting it -----------------------
+
+
+def test_a_label_rule_caps_a_starting_container_from_the_fast_path_without_a_timeout(
+    started_runtimes: dict[str, rt.Runtimes], tmp_path: Path, managed: str
+) -> None:
+    """The loop runs (an hour between ticks: only the fast path acts) while `docker run` starts
+    containers with a label a rule caps. The fast path asks dockerd the moment each cgroup
+    appears, while dockerd is still starting the container. It used to ask the inspect, which
+    dockerd holds until the start is over (2.4 to 3.7 s here): it timed out, dockerd was taken
+    for down for 5 s and the cap came then (issue 16's bench: p50 5 s). The list answers."""
+    r = started_runtimes["cgroupfs"]
+    rule = {"name": "by-label", "match": {"labels": {"start": "now"}}, "tenant": "a",
+            "limits": {"cpu_max": 0.5}}  # fmt: skip
+    agent = make_agent(r, tmp_path, managed, [rule],
+                       agent={"interval": 3600, "resync_interval": 3600})  # fmt: skip
+    loop = threading.Thread(target=agent.run)
+    made: list[rt.Container] = []
+    with structlog.testing.capture_logs() as logs:
+        loop.start()
+        try:
+            assert wait_for(lambda: agent.last is not None, timeout=120), "no first tick"
+            for n in range(3):
+                made.append(r.run_docker(f"starting-{n}", "--label", "start=now"))
+                c = made[-1]
+                capped = wait_for(functools.partial(is_capped, c.cgroup), 60)
+                assert capped, f"{c.name}: cpu.max {read(c.cgroup, 'cpu.max')!r} after 60 s"
+            assert agent.last is not None and agent.last.snapshot.seq == 1, "no tick came between"
+        finally:
+            agent.stop.set()
+            loop.join(60)
+            for c in made:
+                r.remove(c)
+    assert not loop.is_alive()
+    said = [e for e in logs if e["event"].startswith("runtime.")]
+    assert said == [], f"dockerd answered every lookup in time: {said}"
+
+
 # -- hostile answers: a STAND-IN Docker API beside the real podman and containerd ------------------
 
 
@@ -384,7 +427,7 @@ def test_hostile_runtime_answers_cost_bounded_time_and_one_line_each(
             ids[0], "many", "x", {f"k{n}": "v" for n in range(10_000)}
         )
         server.answers[ids[1]] = container(ids[1], "huge", "x", {"big": "v" * MIB})
-        server.answers[ids[2]] = b'{"Name": "/bad", "Config": {"Labels": {"team": "a\xff"}}}'
+        server.answers[ids[2]] = b'[{"Id": "%s", "Labels": {"team": "a\xff"}}]' % ids[2].encode()
         server.answers[ids[3]] = container(ids[3], "good", "x", {"team": "a"})
         rules = [
             {"name": "team-a", "match": {"labels": {"team": "a"}}, "tenant": "a",
