@@ -28,6 +28,12 @@ class Adapter(Protocol):
         """A pod's own cgroup, by the pod's UID (None: not a pod this runtime runs)."""
         ...
 
+    def ping(self) -> None:
+        """Raises Unavailable when the runtime does not answer; asks about no container, so
+        it waits for none (a runtime holds a container it is starting: dockerd its inspect,
+        podman all of it)."""
+        ...
+
     def changed(self, since: float, until: float) -> set[str] | None:
         """Ids of containers whose metadata may have changed between the two times (a rename),
         from the runtime's events; None when the runtime's metadata never changes (CRI)."""

@@ -99,6 +99,12 @@ class CriAdapter:
 
     # -- the adapter -------------------------------------------------------------------------
 
+    def ping(self) -> None:
+        from cri_api.v1 import api_pb2  # noqa: PLC0415
+
+        deadline = time.monotonic() + self.timeout
+        self._call("Version", api_pb2.VersionRequest(), api_pb2.VersionResponse, deadline)
+
     def container(self, container_id: str) -> ContainerMeta | None:
         from cri_api.v1 import api_pb2  # noqa: PLC0415
 

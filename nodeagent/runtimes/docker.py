@@ -75,6 +75,7 @@ class DockerAdapter:
     """Docker's Engine API. Also the base of podman's, whose libpod API is shaped alike."""
 
     name = "docker"
+    _ping_target = "/_ping"
 
     def __init__(self, socket: str, timeout: float) -> None:
         self.socket = socket
@@ -108,6 +109,9 @@ class DockerAdapter:
             labels=own,
             pod=_pod_from_labels(own),
         )
+
+    def ping(self) -> None:
+        self._get(self._ping_target)
 
     def pod(self, pod_uid: str) -> ContainerMeta | None:
         return None  # a pod's own cgroup is the kubelet's; its sandbox is a container here

@@ -44,6 +44,7 @@ def _mapping(value: object, what: str) -> Mapping[str, object]:
 
 class PodmanAdapter(DockerAdapter):
     name = "podman"
+    _ping_target = f"{API}/_ping"
 
     def __init__(self, socket: str, timeout: float, storage: str | None) -> None:
         super().__init__(socket, timeout)

@@ -1,9 +1,10 @@
 """A STAND-IN for the Docker Engine API, for the answers no real runtime gives: 10,000 labels,
 a 1 MiB label value, invalid UTF-8, a socket that accepts and never answers, a connection
 dropped mid-answer. It is not Docker: it serves only what nodeagent's adapters ask (Docker's
-container list filtered to one id, podman's `GET /containers/{id}/json`, `GET /events`), each
-container's answer as the test sets it. As dockerd does, it holds an inspect of a container
-that is `starting` until the start is over, and answers the list at once.
+container list filtered to one id, podman's `GET /containers/{id}/json`, `GET /events`, both
+`_ping`s), each container's answer as the test sets it. As dockerd and podman do, it holds an
+inspect of a container that is `starting` until the start is over; Docker's list and the pings
+answer at once.
 Used by the unit tests and by the real-kernel test of hostile answers (labelled there)."""
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlsplit
 
 HANG = "hang"
+LIBPOD = "/v4.0.0/libpod"
+"""podman's API: served alike (its inspect is shaped as Docker's, its `Name` without a slash)"""
 RESET = "reset"
 
 
@@ -86,7 +89,9 @@ class StandInDocker:
             body = b"".join(json.dumps(e).encode() + b"\n" for e in self.events)
             self.events.clear()
             return self._send(conn, 200, body)
-        listed = urlsplit(target)
+        listed = urlsplit(target.removeprefix(LIBPOD))
+        if listed.path == "/_ping":
+            return self._send(conn, 200, b"OK")
         if listed.path == "/containers/json":  # dockerd's filter is a regexp found in the id
             pattern = json.loads(parse_qs(listed.query)["filters"][0])["id"][0]
             raw = [a for k, a in self.answers.items() if re.search(pattern, k)]
@@ -94,7 +99,7 @@ class StandInDocker:
             if answer is None:
                 answer = [listed_entry(a) for a in raw if isinstance(a, dict)]
         else:
-            cid = target.split("/")[2] if target.startswith("/containers/") else ""
+            cid = listed.path.split("/")[2] if listed.path.startswith("/containers/") else ""
             answer = HANG if cid in self.starting else self.answers.get(cid)
         if answer == HANG:
             self._held.append(conn)
