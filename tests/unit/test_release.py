@@ -98,14 +98,16 @@ def test_originals_keep_the_first_old_value_and_drop_one_written_back() -> None:
     assert len(o) == 0
 
 
-def test_a_dump_is_made_again_only_after_a_change() -> None:
-    """Each save dumps every original: an unchanged set is the last dump again, and any
-    note, drop or forget that changes it shows in the next one."""
+def test_each_dump_shows_every_change_since_the_last() -> None:
+    """Each save dumps every original (made anew: keeping the last dump cost about 1 MB at
+    1,000 workloads); any note, drop or forget shows in the next one."""
     o = Originals()
     o.note("a", Attribute.CPU_MAX, "max 100000", "50000 100000", WriteMode.DIRECT)
-    first = o.dump()
-    second = o.dump()
-    assert second == first and second["a"] is first["a"], "unchanged: the same records"
+    assert (
+        o.dump()
+        == o.dump()
+        == {"a": {"cpu.max": {"was": "max 100000", "set": "50000 100000", "via": "direct"}}}
+    )
     o.note("a", Attribute.CPU_MAX, "50000 100000", "20000 100000", WriteMode.DIRECT)
     assert o.dump()["a"]["cpu.max"]["set"] == "20000 100000"
     o.note("b", Attribute.CPU_WEIGHT, "100", "300", WriteMode.DIRECT)
