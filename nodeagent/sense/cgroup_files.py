@@ -54,11 +54,18 @@ _MEMORY_LIMITS = (
 )
 
 
-Memo = dict[str, tuple[str, object]]
-"""One cgroup's files as its last full read parsed them: name -> (text, value)."""
+Memo = dict[str, dict[str, object]]
+"""Settings files as full reads parsed them, for all workloads: name -> text -> value. A
+setting's value depends on its text alone (and the page size: a memo is for one), and
+workloads share few texts ("max", "100", what the agent wrote), so one table serves them all,
+the values shared too."""
+
+MEMO_TEXTS = 1024
+"""Texts kept per file name; a table that fills is emptied (then parses cost what no memo
+costs), so a node of many distinct limits cannot grow it."""
 
 
-def _pressure(d: CgroupDir, name: str, memo: Memo | None = None) -> parse.Psi | None:
+def _pressure(d: CgroupDir, name: str) -> parse.Psi | None:
     """A pressure file, or None where the kernel runs without PSI: older kernels booted
     with psi=0 answer reads with EOPNOTSUPP (newer ones hide the files)."""
     try:
@@ -67,7 +74,7 @@ def _pressure(d: CgroupDir, name: str, memo: Memo | None = None) -> parse.Psi | 
         if e.errno == errno.EOPNOTSUPP:
             return None
         raise
-    return None if text is None else _parsed(d, name, text, parse.psi, memo)
+    return None if text is None else _parsed(d, name, text, parse.psi)
 
 
 def _parsed(
@@ -75,16 +82,17 @@ def _parsed(
 ) -> T:
     """The parsed file; what it holds that cannot be used is an error naming the file.
     With `memo`, a file that reads as it did last time is the value it was then."""
-    if memo is not None:
-        last = memo.get(name)
-        if last is not None and last[0] == text:
-            return cast(T, last[1])
+    table = None if memo is None else memo.setdefault(name, {})
+    if table is not None and text in table:
+        return cast(T, table[text])
     try:
         value = parser(text)
     except Exception as e:  # ValueError, KeyError, InvalidValue: whatever the content
         raise CgroupReadError(f"cgroup {d.path or '/'}: {name}: {one_line(e)}", None) from e
-    if memo is not None:
-        memo[name] = (text, value)
+    if table is not None:
+        if len(table) >= MEMO_TEXTS:
+            table.clear()
+        table[text] = value
     return value
 
 
@@ -99,20 +107,25 @@ def read_sample(
     d: CgroupDir, page_size: int, *, threads: bool = False, memo: Memo | None = None
 ) -> CgroupSample:
     """Raises on anything unreadable or unparsable; the sensor skips that one cgroup.
-    `threads` also counts the cgroup's threads (for deadline jobs). `memo`: this cgroup's
-    files as its last full read (at the same page size) parsed them, updated here; what
-    reads the same is not parsed again."""
+    `threads` also counts the cgroup's threads (for deadline jobs). `memo`: the settings
+    files as full reads (at the same page size) parsed them, updated here; a setting whose
+    text was parsed before is not parsed again. Counters and state (cpu.stat, the
+    memory counters, pressure, cgroup.events) are parsed at each read and not kept: they move
+    at most reads of a live cgroup, parse in microseconds, and their texts and values kept for
+    every workload cost more memory (about 2 MB at 1,000 workloads) than their parse costs
+    time on the few full reads of a tick."""
+
+    def counter(name: str, parser: Callable[[str], T]) -> T | None:
+        text = d.read_optional(name)
+        return None if text is None else _parsed(d, name, text, parser)
 
     def get(name: str, parser: Callable[[str], T]) -> T | None:
         text = d.read_optional(name)
         return None if text is None else _parsed(d, name, text, parser, memo)
 
-    events = get("cgroup.events", parse.flat_keyed) or {}
-    cpu = get("cpu.stat", parse.flat_keyed) or {}
-    # memory.stat is parsed at every read, not memoized: its counters move at each read of a
-    # live cgroup, and its text (about 1 KB on 6.1) and fifty keys would be kept per workload
-    stat = d.read_optional("memory.stat")
-    anon, file = (None, None) if stat is None else _parsed(d, "memory.stat", stat, parse.anon_file)
+    events = counter("cgroup.events", parse.flat_keyed) or {}
+    cpu = counter("cpu.stat", parse.flat_keyed) or {}
+    anon, file = counter("memory.stat", parse.anon_file) or (None, None)
     settings: dict[Attribute, Value] = {}
     weight = get(Attribute.CPU_WEIGHT, lambda text: CpuWeight(parse.single_int(text)))
     if weight is not None:
@@ -136,12 +149,12 @@ def read_sample(
         cpu_nr_periods=cpu.get("nr_periods"),
         cpu_nr_throttled=cpu.get("nr_throttled"),
         cpu_throttled_us=cpu.get("throttled_usec"),
-        memory_current=get("memory.current", parse.single_int),
+        memory_current=counter("memory.current", parse.single_int),
         memory_anon=anon,
         memory_file=file,
-        memory_events=get("memory.events", parse.flat_keyed) or {},
-        cpu_psi=_pressure(d, "cpu.pressure", memo),
-        memory_psi=_pressure(d, "memory.pressure", memo),
+        memory_events=counter("memory.events", parse.flat_keyed) or {},
+        cpu_psi=_pressure(d, "cpu.pressure"),
+        memory_psi=_pressure(d, "memory.pressure"),
         threads=_threads(d) if threads else None,
         settings=settings,
     )

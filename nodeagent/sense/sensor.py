@@ -74,8 +74,8 @@ class Sensor:
         self._rates: dict[str, _Rates] = {}
         self._known: dict[str, CgroupSample] = {}
         self._dirs: dict[str, CgroupDir] = {}
-        self._memos: dict[str, Memo] = {}
-        """Each workload's files as its last full read parsed them."""
+        self._memo: Memo = {}
+        """The settings files' texts full reads parsed, and their values (all workloads)."""
         self._memo_page_size = 0
         self._lean: dict[str, LeanRead] = {}
         """Each workload's last lean read: an idle one's next is the same sample again."""
@@ -122,7 +122,6 @@ class Sensor:
         if d is not None:
             os.close(d.fd)
         self._known.pop(path, None)
-        self._memos.pop(path, None)
         self._lean.pop(path, None)
         self._quiet.pop(path, None)
 
@@ -285,9 +284,8 @@ class Sensor:
         known = self._known.get(path)
         if full or known is None:
             if page_size != self._memo_page_size:  # the memory limits are parsed in pages
-                self._memos, self._memo_page_size = {}, page_size
-            memo = self._memos.setdefault(path, {})
-            sample = read_sample(d, page_size, threads=needs.threads, memo=memo)
+                self._memo, self._memo_page_size = {}, page_size
+            sample = read_sample(d, page_size, threads=needs.threads, memo=self._memo)
             if sample == known:  # what stands on the last full read stands on this one
                 sample = known
             self._known[path] = sample

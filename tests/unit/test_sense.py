@@ -10,7 +10,7 @@ import pytest
 
 from nodeagent.cgroupfs import parse
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupReadError, CgroupTree
-from nodeagent.cgroupfs.values import Attribute, CpuWeight
+from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.sense import sensor as sensor_module
 from nodeagent.sense.cgroup_files import Needs
@@ -277,45 +277,52 @@ def test_a_full_read_that_finds_the_same_keeps_a_quiet_workload_quiet(
     assert tick(q + 2 + every) == ["cpu.stat"], "a change: read every tick again"
 
 
-def test_a_full_read_parses_only_the_files_that_changed(
+def test_a_full_read_parses_a_setting_only_when_its_text_changed(
     tree: CgroupTree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A file that reads as it did at the last full read is the value parsed then; one
-    that changed is parsed anew, and a bad one still skips its cgroup."""
+    """A setting whose text a full read parsed before (in this workload or another) is the
+    value parsed then; a new text is parsed, and a bad file still skips its cgroup. Counters
+    are parsed at each read."""
     parsed: list[str] = []
-    real = parse.flat_keyed
+    real = parse.cpu_max
 
-    def counting(text: str) -> dict[str, int]:
-        parsed.append(text.split()[0])
+    def counting(text: str) -> CpuMax:
+        parsed.append(text.strip())
         return real(text)
 
-    monkeypatch.setattr(parse, "flat_keyed", counting)
+    monkeypatch.setattr(parse, "cpu_max", counting)
     sensor = Sensor(tree, NodeSensor())
     first = sensor.snapshot([job("good")], 0.0, 0.0, full=True).workloads[0].sample
-    assert "usage_usec" in parsed and "populated" in parsed
+    assert parsed == ["max 100000"]
     stat = tmp_path / "s" / "good" / "cpu.stat"
     stat.write_text("usage_usec 900100\n")
-    parsed.clear()
     second = sensor.snapshot([job("good")], 1.0, 1.0, full=True).workloads[0].sample
-    assert parsed == ["usage_usec"], "only cpu.stat changed"
+    assert parsed == ["max 100000"], "cpu.max read the same: not parsed again"
     assert second.cpu_usage_us == 900100
-    assert second.settings == first.settings and second.cpu_psi is first.cpu_psi
+    assert second.settings[Attribute.CPU_MAX] is first.settings[Attribute.CPU_MAX]
+    (tmp_path / "s" / "good" / "cpu.max").write_text("50000 100000\n")
+    third = sensor.snapshot([job("good")], 2.0, 2.0, full=True).workloads[0].sample
+    assert parsed == ["max 100000", "50000 100000"]
+    assert third.settings[Attribute.CPU_MAX] == CpuMax(50000, 100000)
+    other = sensor.snapshot([job("good2")], 2.5, 2.5, full=True).workloads[0].sample
+    assert parsed == ["max 100000", "50000 100000"], "another workload's same text: no parse"
+    assert other.settings[Attribute.CPU_MAX] is first.settings[Attribute.CPU_MAX]
     stat.write_text("usage_usec lots\n")
-    assert [s.path for s in sensor.snapshot([job("good")], 2.0, 2.0, full=True).skipped] == [
+    assert [s.path for s in sensor.snapshot([job("good")], 3.0, 3.0, full=True).skipped] == [
         "s/good"
     ]
     stat.write_text("usage_usec 100\n")
-    (w,) = sensor.snapshot([job("good")], 3.0, 3.0, full=True).workloads
-    assert w.sample == first, "a skipped cgroup's memo goes with it: read anew"
+    (tmp_path / "s" / "good" / "cpu.max").write_text("max 100000\n")
+    (w,) = sensor.snapshot([job("good")], 4.0, 4.0, full=True).workloads
+    assert w.sample == first, "a skipped cgroup is read anew"
 
 
-def test_a_memo_keeps_no_memory_stat_only_the_two_values_a_sample_uses(
-    tree: CgroupTree, tmp_path: Path
-) -> None:
-    """memory.stat has fifty-odd keys on 6.1 (about 1 KB) and counters that move at every
-    read of a live cgroup: a memo of it held its text and all its keys for every workload
-    (6 MB at 1,000 workloads, for two numbers). It is parsed at each read, for anon and file
-    alone, and a bad one still skips its cgroup."""
+def test_a_memo_keeps_the_settings_only_not_the_counters(tree: CgroupTree, tmp_path: Path) -> None:
+    """Counters move at most reads of a live cgroup: a memo of them held their texts and
+    values for every workload (memory.stat alone, fifty-odd keys on 6.1, 6 MB at 1,000
+    workloads; cpu.stat, memory.events and the pressure files about 2 MB more), for a parse
+    of microseconds. The memo keeps the settings; the counters are parsed at each read, and a
+    bad one still skips its cgroup."""
     from nodeagent.sense.cgroup_files import Memo, read_sample
 
     stat = tmp_path / "s" / "good" / "memory.stat"
@@ -324,7 +331,24 @@ def test_a_memo_keeps_no_memory_stat_only_the_two_values_a_sample_uses(
     with tree.open("s/good") as d:
         sample = read_sample(d, 4096, memo=memo)
         assert (sample.memory_anon, sample.memory_file) == (4096, 8192)
-        assert "memory.stat" not in memo and "cpu.stat" in memo
+        assert set(memo) <= {str(a) for a in Attribute}, sorted(memo)
+        assert "cpu.max" in memo and "cpu.weight" in memo
         stat.write_text("anon lots\n")
         with pytest.raises(CgroupReadError, match=r"memory\.stat"):
             read_sample(d, 4096, memo=memo)
+
+
+def test_the_memo_is_bounded_however_many_distinct_settings_a_node_has(
+    tree: CgroupTree, tmp_path: Path
+) -> None:
+    """One table per file name for all workloads: a node whose workloads all have distinct
+    limits empties a full table instead of growing it."""
+    from nodeagent.sense.cgroup_files import MEMO_TEXTS, Memo, read_sample
+
+    memo: Memo = {}
+    weight = tmp_path / "s" / "good" / "cpu.weight"
+    with tree.open("s/good") as d:
+        for n in range(1, MEMO_TEXTS + 10):
+            weight.write_text(f"{n}\n")
+            assert read_sample(d, 4096, memo=memo).settings[Attribute.CPU_WEIGHT] == CpuWeight(n)
+            assert len(memo["cpu.weight"]) <= MEMO_TEXTS
