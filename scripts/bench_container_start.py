@@ -1,16 +1,20 @@
-"""container-start: a real `docker run`, from its container's cgroup being made to the daemon's
-first write to it (cpu.max), p50/p99/max, with and without the runtime metadata lookup.
+"""container-start: a real `docker run` (and `podman run`), from its container's cgroup being
+made to the daemon's first write to it (cpu.max), p50/p99/max, with and without the runtime
+metadata lookup.
 
-In the VM: Debian's containerd and dockerd under the cgroupfs driver (as the kernel tests start
-them, tests/kernel/runtimes.py), and `nodeagent run` with a 1 h tick and resync, so that only
-the fast path (inotify) acts. For --runs containers per case, started one after another with
-`docker run -d`, the time from the cgroup's creation (this script's own inotify watch on
-docker/, woken as the daemon's is) to the daemon's audit event for its cpu.max:
+In the VM: Debian's containerd, dockerd and podman (its API service) under the cgroupfs driver
+(as the kernel tests start them, tests/kernel/runtimes.py), and `nodeagent run` with a 1 h tick
+and resync, so that only the fast path (inotify) acts. For --runs containers per case, started
+one after another with `docker run -d` (`podman run -d`), the time from the cgroup's creation
+(this script's own inotify watch on docker/ or libpod_parent/, woken as the daemon's is) to the
+daemon's audit event for its cpu.max:
 
   no lookup     the rule matches `runtime: docker`, and agent.runtimes.docker is null: the
                 daemon never asks dockerd
   lookup        the rule matches `labels: {bench: start}`: the fast path asks dockerd for the
-                container's labels first (GET /containers/{id}/json), then writes
+                container's labels first (its container list, filtered to the id), then writes
+  podman lookup the same rule on a `podman run`: podman holds a container while it starts it,
+                so its answer comes when the start is over (the container is asked again then)
   mkdir only    a bare mkdir in the managed root, no runtime: the figure of `bench tick`
 
 The runtime's own start (runc create, the image) is not counted: the clock starts when the
@@ -69,13 +73,15 @@ class Births:
         self.inotify.close()
 
 
-def policy(state: Path, match: Mapping[str, object], docker: str | None) -> dict[str, object]:
+def policy(
+    state: Path, match: Mapping[str, object], sockets: Mapping[str, str | None]
+) -> dict[str, object]:
     return {
         "version": 1,
         "agent": {
             "interval": 3600, "resync_interval": 3600, "managed_root": MANAGED,
             "state_file": str(state / "state.json"), "socket": str(state / "api.sock"),
-            "runtimes": {"docker": docker},
+            "runtimes": {"docker": None, "podman": None, **sockets},
         },
         "tenants": {"bench": {"shares": 1}},
         "rules": [{"name": "bench", "match": match, "tenant": "bench",
@@ -124,17 +130,20 @@ def wait_log(log: Path, needle: str, proc: subprocess.Popen[bytes], timeout: flo
 
 def case(
     bench: Bench, runtimes: rt.Runtimes | None, name: str, state: Path, *,
-    match: Mapping[str, object], docker: str | None, runs: int,
+    match: Mapping[str, object], sockets: Mapping[str, str | None], runs: int,
+    podman: bool = False,
 ) -> None:  # fmt: skip
     config = state / f"{name}.yaml"
-    config.write_text(yaml.safe_dump(policy(state, match, docker)))
+    config.write_text(yaml.safe_dump(policy(state, match, sockets)))
     log = state / f"{name}.log"
     with log.open("wb") as out:
         daemon = subprocess.Popen(
             [sys.executable, "-m", "nodeagent", "run", "--config", str(config), "--no-api"],
             stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
-    parent = CGROUP_ROOT / ("docker" if runtimes is not None else MANAGED)
+    parent = CGROUP_ROOT / (
+        MANAGED if runtimes is None else "libpod_parent" if podman else "docker"
+    )
     births = Births(parent)
     made: list[str] = []
     try:
@@ -145,7 +154,9 @@ def case(
                 (parent / leaf).mkdir()
             else:
                 tag = name.replace(" ", "-")
-                leaf = runtimes.run_docker(f"bench-{tag}-{i}", "--label", "bench=start").id
+                run = runtimes.run_podman if podman else runtimes.run_docker
+                c = run(f"bench-{tag}-{i}", "--label", "bench=start")
+                leaf = c.cgroup.name
             made.append(leaf)
             deadline = time.monotonic() + 60
             while leaf not in writes(log) and time.monotonic() < deadline:
@@ -169,7 +180,7 @@ def case(
     lat = sorted(written[c] - births.seen[c] for c in made if c in written and c in births.seen)
     missing = runs - len(lat)
     p50, p99, top = (quantile(lat, q) * 1e3 for q in (0.5, 0.99, 1)) if lat else (0.0,) * 3
-    bench.say(f"  {name:<10} p50 {p50:7.1f} ms   p99 {p99:7.1f} ms   max {top:7.1f} ms"
+    bench.say(f"  {name:<13} p50 {p50:7.1f} ms   p99 {p99:7.1f} ms   max {top:7.1f} ms"
               f"   (n={len(lat)}{f', {missing} never written' if missing else ''})")  # fmt: skip
     said = runtime_said(log)
     if said["events"]:
@@ -185,20 +196,24 @@ def main() -> None:
         runs = bench.args.runs
         with (
             tempfile.TemporaryDirectory() as tmp,
-            rt.started(rt.InVm(), CGROUP_ROOT, docker_only=True) as runtimes,
+            rt.started(rt.InVm(), CGROUP_ROOT) as runtimes,
         ):
             state = Path(tmp)
             bench.figures["dockerd_start_s"] = round(runtimes.started["dockerd"], 2)
             runtimes.run_docker("warm-up")  # docker/ exists, the image is unpacked once
+            runtimes.run_podman("warm-up")
             runtimes.remove_containers()
             bench.say(f"cgroup made -> first cpu.max write, {runs} containers per case"
                       f" ({os.cpu_count()} CPUs)")  # fmt: skip
-            docker = runtimes.paths.docker
+            docker = {"docker": runtimes.paths.docker}
             no_lookup = {"runtime": "docker"}
-            case(bench, runtimes, "no lookup", state, match=no_lookup, docker=None, runs=runs)
+            case(bench, runtimes, "no lookup", state, match=no_lookup, sockets={}, runs=runs)
             lookup = {"labels": {"bench": "start"}}
-            case(bench, runtimes, "lookup", state, match=lookup, docker=docker, runs=runs)
-            case(bench, None, "mkdir only", state, match={"kind": "job"}, docker=None, runs=runs)
+            case(bench, runtimes, "lookup", state, match=lookup, sockets=docker, runs=runs)
+            podman = {"podman": runtimes.paths.podman}
+            case(bench, runtimes, "podman lookup", state, match=lookup, sockets=podman,
+                 runs=runs, podman=True)  # fmt: skip
+            case(bench, None, "mkdir only", state, match={"kind": "job"}, sockets={}, runs=runs)
 
 
 if __name__ == "__main__":

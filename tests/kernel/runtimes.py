@@ -431,9 +431,8 @@ class Runtimes:
 
     # -- life cycle -------------------------------------------------------------------------------
 
-    def start(self, docker_only: bool = False) -> None:
-        """containerd, dockerd and podman's API service, with the images imported;
-        `docker_only`: containerd and dockerd alone (for the benchmark)."""
+    def start(self) -> None:
+        """containerd, dockerd and podman's API service, with the images imported."""
         state, place = self.paths.state, self.place
         for d in ("containerd", "cni", "docker", "podman/tmp"):
             place.file(f"{state}/{d}").mkdir(parents=True, exist_ok=True)
@@ -458,9 +457,6 @@ class Runtimes:
             "--exec-opt", f"native.cgroupdriver={self.driver}", "--log-level", "warn",
         ]  # fmt: skip
         self._start("dockerd", dockerd, {}, self.paths.docker)
-        if docker_only:
-            self._import_images(docker_only=True)
-            return
         manager = self.driver
         place.file(f"{state}/podman/containers.conf").write_text(
             CONTAINERS_CONF.format(manager=manager, state=state)
@@ -501,15 +497,13 @@ class Runtimes:
             time.sleep(0.1)
         self.started[name] = time.monotonic() - t0
 
-    def _import_images(self, docker_only: bool = False) -> None:
+    def _import_images(self) -> None:
         layer = rootfs_tar()
         tar = Path(self.place.file(f"{self.paths.state}/rootfs.tar"))
         tar.write_bytes(layer)
         inside_tar = f"{self.paths.state}/rootfs.tar"
         self.docker("import", "--change", 'CMD ["sleep", "3600"]', "--change", "ENV PATH=/bin",
                     inside_tar, IMAGE)  # fmt: skip
-        if docker_only:
-            return
         self.podman("import", "--change", 'CMD ["sleep", "3600"]', "--change", "ENV PATH=/bin",
                     inside_tar, IMAGE)  # fmt: skip
         archive = oci_archive(
@@ -784,11 +778,11 @@ class Cri:
 
 
 @contextlib.contextmanager
-def started(place: Place, sandbox_root: Path, docker_only: bool = False) -> Iterator[Runtimes]:
+def started(place: Place, sandbox_root: Path) -> Iterator[Runtimes]:
     """One driver's runtimes, started, images imported; stopped and cleaned after."""
     runtimes = Runtimes(place, Paths.for_driver(place.driver), sandbox_root)
     try:
-        runtimes.start(docker_only)
+        runtimes.start()
         yield runtimes
     finally:
         runtimes.stop()
