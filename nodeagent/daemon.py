@@ -418,15 +418,20 @@ class Agent:
 
     def _wait_for_cgroup_events(self, timeout: float) -> bool:
         """Sleep until timeout, a wake-up (a signal, a stop from another thread), or until
-        cgroups appear or go. New workloads get their plan at once through the fast path;
+        cgroups appear or go; a runtime's containers created meanwhile are asked about as they
+        come. New workloads get their plan at once through the fast path;
         True only when events were lost (a resync), so that a full tick follows now."""
         fds = [self.wakeup.fileno()]
         inotify = self.registry.fileno()
         if inotify is not None:
             fds.append(inotify)
-        readable, _, _ = select.select(fds, [], [], timeout)
+        streams = _guarded("runtime.streams_failed", self.rec.runtimes.streams) or []
+        readable, _, _ = select.select(fds + [s.fileno() for s in streams], [], [], timeout)
         if self.wakeup.fileno() in readable:
             self.wakeup.drain()  # the caller looks at the flags before it waits again
+        for stream in streams:  # containers created: asked now, before their cgroups appear
+            if stream.fileno() in readable:
+                _guarded("runtime.created_failed", self.rec.runtimes.created, stream)
         if inotify is None or inotify not in readable:
             return False
         self.registry.poll()

@@ -14,6 +14,25 @@ from typing import Protocol
 from nodeagent.meta import ContainerMeta
 
 
+class Creations(Protocol):
+    """A runtime's stream of the containers it creates, read by the loop when its fd is
+    readable."""
+
+    @property
+    def ended(self) -> bool:
+        """The runtime closed it: open another later."""
+        ...
+
+    def fileno(self) -> int: ...
+
+    def ids(self) -> set[str]:
+        """Containers created since the last call (never blocks). Raises Unavailable or
+        BadAnswer when the stream broke: close it."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class Adapter(Protocol):
     name: str
     """The runtime, as `agent.runtimes` and the logs name it: docker, podman, containerd, crio."""
@@ -32,6 +51,12 @@ class Adapter(Protocol):
         """Raises Unavailable when the runtime does not answer; asks about no container, so
         it waits for none (a runtime holds a container it is starting: dockerd its inspect,
         podman all of it)."""
+        ...
+
+    def creations(self) -> Creations | None:
+        """A stream of the containers the runtime creates, opened now (within the deadline), so
+        that a container's answer can be had before its cgroup appears; None when the runtime
+        has none to follow. Raises Unavailable or BadAnswer."""
         ...
 
     def changed(self, since: float, until: float) -> set[str] | None:

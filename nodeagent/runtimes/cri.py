@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     import grpc
     from cri_api.v1 import api_pb2
 
+    from nodeagent.runtimes.base import Creations
+
 SERVICE = "/runtime.v1.RuntimeService/"
 POD_UID_LABEL = "io.kubernetes.pod.uid"
 SANDBOX_READY = 0
@@ -180,6 +182,9 @@ class CriAdapter:
         ready = [i for i in items if i.state == SANDBOX_READY] or items
         newest = max(ready, key=lambda i: i.created_at)
         return ContainerMeta(runtime=self.name, pod=_pod(newest))
+
+    def creations(self) -> Creations | None:
+        return None  # the kubelet creates a pod's containers through this very API
 
     def changed(self, since: float, until: float) -> set[str] | None:
         return None

@@ -28,6 +28,7 @@ from nodeagent.meta import (
     optional_name,
 )
 from nodeagent.runtimes import unixhttp
+from nodeagent.runtimes.base import Creations
 
 POD_NAMESPACE = "io.kubernetes.pod.namespace"
 POD_NAME = "io.kubernetes.pod.name"
@@ -71,6 +72,27 @@ def event_ids(body: bytes) -> set[str]:
                 ids.add(cid)
 
 
+class _Created:
+    """The ids in a stream of Docker's events, one JSON object a line."""
+
+    def __init__(self, stream: unixhttp.Stream) -> None:
+        self.stream = stream
+
+    @property
+    def ended(self) -> bool:
+        return self.stream.ended
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def ids(self) -> set[str]:
+        lines = self.stream.lines()
+        return event_ids(b"\n".join(lines)) if lines else set()
+
+    def close(self) -> None:
+        self.stream.close()
+
+
 class DockerAdapter:
     """Docker's Engine API. Also the base of podman's, whose libpod API is shaped alike."""
 
@@ -112,6 +134,12 @@ class DockerAdapter:
 
     def ping(self) -> None:
         self._get(self._ping_target)
+
+    def creations(self) -> Creations | None:
+        """dockerd's `create` events: a container is created before it is started, and the
+        start makes its cgroup, so the list can be asked while dockerd holds nothing."""
+        filters = quote(json.dumps({"type": ["container"], "event": ["create"]}), safe="")
+        return _Created(unixhttp.Stream(self.socket, f"/events?filters={filters}", self.timeout))
 
     def pod(self, pod_uid: str) -> ContainerMeta | None:
         return None  # a pod's own cgroup is the kubelet's; its sandbox is a container here

@@ -22,10 +22,17 @@ An identity whose answer has not changed is the same object as last time, so the
   bookkeeping is done) is asked again on the next tick, up to UNKNOWN_TRIES times.
 - All lookups of one `attach` share a budget of LOOKUP_BUDGET_S seconds: what is left over waits
   for the next tick, so a thousand new containers cannot stall one.
+- A runtime that streams the containers it creates (dockerd's `create` events) is followed by
+  the loop (`streams`, `created`): each new container is asked about at its creation, before
+  its start makes its cgroup and while the runtime holds nothing, so the cgroup's fast path
+  finds the answer there (issue 16: dockerd's answer during a start is what the fast path
+  waited for). What was asked so is kept PREFETCH_KEEP_S seconds for its cgroup to appear. A
+  stream that breaks is opened again RETRY_S later; without one, lookups are as above.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -38,7 +45,7 @@ from nodeagent.errors import one_line
 from nodeagent.identity import Kind, Runtime, WorkloadIdentity
 from nodeagent.meta import BadAnswer, ContainerMeta, Unavailable
 from nodeagent.policyfile.model import RuntimeSettings
-from nodeagent.runtimes.base import Adapter
+from nodeagent.runtimes.base import Adapter, Creations
 
 log = structlog.get_logger("nodeagent.runtimes")
 
@@ -47,6 +54,7 @@ LATE_S = 0.25
 EVENTS_EVERY_S = 1.0
 LOOKUP_BUDGET_S = 1.0
 UNKNOWN_TRIES = 10
+PREFETCH_KEEP_S = 60.0
 _CRI = ("containerd", "crio")
 
 
@@ -78,6 +86,13 @@ class _Entry:
     tries: int = 1
     late: int | None = None
     """Lookups in a row that the runtime, answering otherwise, did not answer in time."""
+    prefetched: float | None = None
+    """When it was asked at the container's creation, before its cgroup appeared."""
+
+
+def _fresh(entry: _Entry, now: float) -> bool:
+    """Asked at the container's creation, recently enough to stand for its cgroup's lookup."""
+    return entry.prefetched is not None and now - entry.prefetched < PREFETCH_KEEP_S
 
 
 @dataclass(slots=True)
@@ -115,14 +130,22 @@ class RuntimeMetadata:
         """Per runtime: the wall time its events were read up to, and when (monotonic)."""
         self._attached: dict[str, WorkloadIdentity] = {}
         self._refused: set[tuple[str, str]] = set()
+        self._streams: dict[str, Creations] = {}
+        self._stream_at: dict[str, float] = {}
+        """Per runtime without a stream: when to try to open one (inf: it has none)."""
         self.lookups = 0
         """Calls made to runtimes (for the tests and the benchmark)."""
+        self.prefetched = 0
+        """Containers asked about at their creation (for the tests and the benchmark)."""
 
     @classmethod
     def from_settings(cls, settings: RuntimeSettings, **options: Any) -> RuntimeMetadata:
         return cls(adapters(settings), **options)
 
     def close(self) -> None:
+        for stream in self._streams.values():
+            stream.close()
+        self._streams.clear()
         for a in self.adapters.values():
             a.close()
 
@@ -174,18 +197,68 @@ class RuntimeMetadata:
                 continue
             live.add(target)
             entry = self._entries.get(target)
-            stale = new and entry is not None and target not in self._refused
+            stale = (
+                new and entry is not None and target not in self._refused and not _fresh(entry, now)
+            )
             if entry is None or stale or (entry.ask_at is not None and now >= entry.ask_at):
                 entry = self._ask(target, entry, budget_end)
             out.append(self._identity(identity, entry))
-        if complete:
-            for key in [k for k in self._entries if k not in live]:
-                del self._entries[key]
+        if complete:  # a container asked at its creation may not have its cgroup yet
+            for key, entry in list(self._entries.items()):
+                if key not in live and not _fresh(entry, now):
+                    del self._entries[key]
             self._refused &= live
             paths = {i.path for i in out}
             for path in [p for p in self._attached if p not in paths]:
                 del self._attached[path]
         return out
+
+    def streams(self) -> list[Creations]:
+        """The runtimes' streams of creations, for the loop to wait on; one is opened where
+        it is due (each open costs at most one deadline, at most every RETRY_S a runtime)."""
+        now = self.clock()
+        for runtime, adapter in self.adapters.items():
+            if runtime in self._streams or runtime in self._down:
+                continue
+            if now < self._stream_at.get(runtime, -math.inf):
+                continue
+            try:
+                stream = adapter.creations()
+            except (Unavailable, BadAnswer) as e:
+                self._stream_at[runtime] = now + RETRY_S
+                log.debug("runtime.stream_failed", runtime=runtime, error=one_line(e))
+                continue
+            if stream is None:
+                self._stream_at[runtime] = math.inf
+            else:
+                self._streams[runtime] = stream
+        return list(self._streams.values())
+
+    def created(self, stream: Creations) -> None:
+        """Ask at once about the containers `stream` says were created (within one budget;
+        what it leaves is asked when its cgroup appears, as without a stream)."""
+        runtime = next(r for r, s in self._streams.items() if s is stream)
+        now = self.clock()
+        try:
+            ids = stream.ids()
+        except (Unavailable, BadAnswer) as e:
+            log.debug("runtime.stream_failed", runtime=runtime, error=one_line(e))
+            ids, broken = set(), True
+        else:
+            broken = stream.ended
+        budget_end = now + self.budget
+        for cid in sorted(ids):
+            target = (runtime, cid)
+            if target in self._entries or self.clock() >= budget_end:
+                continue
+            entry = self._ask(target, None, budget_end)
+            if entry.meta is not None:
+                self._keep(target, replace(entry, prefetched=now))
+                self.prefetched += 1
+        if broken:
+            stream.close()
+            del self._streams[runtime]
+            self._stream_at[runtime] = self.clock() + RETRY_S
 
     def retry_at(self, identity: WorkloadIdentity) -> float | None:
         """When (on `clock`) a lookup this identity still lacks can be made again: its

@@ -27,6 +27,7 @@ from nodeagent.meta import (
     optional_name,
 )
 from nodeagent.regular_file import read_regular_file
+from nodeagent.runtimes.base import Creations
 from nodeagent.runtimes.docker import DockerAdapter, event_ids
 
 API = "/v4.0.0/libpod"
@@ -113,6 +114,9 @@ class PodmanAdapter(DockerAdapter):
                 if isinstance(entry, Mapping) and entry.get("id") == container_id:
                     return _store_entry(entry)
         return None
+
+    def creations(self) -> Creations | None:
+        return None  # its events come from a log it tails: a late retry finds its containers
 
     def changed(self, since: float, until: float) -> set[str] | None:
         if self.storage is not None and not os.path.exists(self.socket):

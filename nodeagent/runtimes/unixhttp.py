@@ -38,6 +38,17 @@ def get(path: str, target: str, timeout: float, limit: int = MAX_ANSWER_BYTES) -
     the connection mid-answer), BadAnswer when the answer is not HTTP or is larger than `limit`.
     """
     deadline = time.monotonic() + timeout
+    sock = _asked(path, target, deadline, timeout)
+    try:
+        return _read(_Reader(sock, deadline, limit), path)
+    except OSError as e:
+        raise Unavailable(_why(e, path, timeout)) from None
+    finally:
+        sock.close()
+
+
+def _asked(path: str, target: str, deadline: float, timeout: float) -> socket.socket:
+    """A connection to `path` that has sent the GET of `target`, within the deadline."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         _within(sock, deadline)
@@ -45,17 +56,97 @@ def get(path: str, target: str, timeout: float, limit: int = MAX_ANSWER_BYTES) -
             sock.connect(path)
         except FileNotFoundError:
             raise Unavailable(f"no socket at {path}") from None
-        except OSError as e:
-            raise Unavailable(_why(e, path, timeout)) from None
         request = f"GET {target} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-        try:
-            _within(sock, deadline)
-            sock.sendall(request.encode("ascii"))
-            return _read(sock, deadline, limit, path, timeout)
-        except OSError as e:
-            raise Unavailable(_why(e, path, timeout)) from None
-    finally:
+        _within(sock, deadline)
+        sock.sendall(request.encode("ascii"))
+    except OSError as e:
         sock.close()
+        raise Unavailable(_why(e, path, timeout)) from None
+    except Unavailable:
+        sock.close()
+        raise
+    return sock
+
+
+class Stream:
+    """A GET whose answer goes on (Docker's `/events` without `until`), read as it comes.
+
+    Opened within one deadline (connect, send, the status line and headers); then the caller's
+    loop reads it when its fd is readable, never blocking: `lines()` hands back the complete
+    lines of the body that arrived (a chunked body decoded), and holds at most `limit` bytes
+    of an unfinished one; `ended` once the server has closed it or ended its body. Raises
+    Unavailable when the connection fails, BadAnswer when what it sends is not what HTTP or
+    the limit allow: the caller then closes it."""
+
+    def __init__(
+        self, path: str, target: str, timeout: float, limit: int = MAX_ANSWER_BYTES
+    ) -> None:
+        self.path, self.limit = path, limit
+        deadline = time.monotonic() + timeout
+        self.sock = _asked(path, target, deadline, timeout)
+        try:
+            reader = _Reader(self.sock, deadline, limit)
+            status, headers = _head(reader, path)
+            if status != 200:
+                raise BadAnswer(f"{path} answered HTTP {status}")
+            self.chunked = headers.get("transfer-encoding", "").lower() == "chunked"
+        except OSError as e:
+            self.sock.close()
+            raise Unavailable(_why(e, path, timeout)) from None
+        except BadAnswer:
+            self.sock.close()
+            raise
+        self.sock.setblocking(False)
+        self._raw = reader.buf
+        self._body = b""
+        self.ended = False
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def lines(self) -> list[bytes]:
+        """The body's complete lines received since the last call (without their newline)."""
+        while not self.ended:
+            try:
+                chunk = self.sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                raise Unavailable(f"{self.path}: {e.strerror or type(e).__name__}") from None
+            self.ended = not chunk
+            self._raw += chunk
+            if len(self._raw) > self.limit:
+                raise BadAnswer(f"{self.path} sent more than {self.limit} bytes unfinished")
+        self._decode()
+        *lines, self._body = self._body.split(b"\n")
+        if len(self._body) > self.limit:
+            raise BadAnswer(f"{self.path} sent a line longer than {self.limit} bytes")
+        return [line for line in lines if line.strip()]
+
+    def _decode(self) -> None:
+        if not self.chunked:
+            self._body, self._raw = self._body + self._raw, b""
+            return
+        while True:
+            size_line, sep, rest = self._raw.partition(b"\r\n")
+            if not sep:
+                if len(size_line) > 1024:
+                    raise BadAnswer(f"{self.path} sent a bad chunk size")
+                return
+            try:
+                size = int(size_line.split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                raise BadAnswer(f"{self.path} sent a bad chunk size") from None
+            if size == 0:
+                self.ended = True
+                return
+            if len(rest) < size + 2:
+                return
+            self._body += rest[:size]
+            self._raw = rest[size + 2 :]
 
 
 def _within(sock: socket.socket, deadline: float) -> None:
@@ -117,19 +208,24 @@ class _Reader:
         return out
 
 
-def _read(sock: socket.socket, deadline: float, limit: int, path: str, timeout: float) -> Response:
-    reader = _Reader(sock, deadline, limit)
+def _head(reader: _Reader, path: str) -> tuple[int, dict[str, str]]:
+    """The status and headers (names in lower case) of an answer."""
     head = reader.until(b"\r\n\r\n", _HEAD_LIMIT).decode("latin-1")
     lines = head.split("\r\n")
     parts = lines[0].split(" ", 2)
     if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
         raise BadAnswer(f"{path} does not speak HTTP")
-    status = int(parts[1])
     headers = {}
     for line in lines[1:]:
         key, sep, value = line.partition(":")
         if sep:
             headers[key.strip().lower()] = value.strip()
+    return int(parts[1]), headers
+
+
+def _read(reader: _Reader, path: str) -> Response:
+    limit = reader.limit
+    status, headers = _head(reader, path)
     if headers.get("transfer-encoding", "").lower() == "chunked":
         body = b""
         while True:

@@ -1,10 +1,10 @@
 """A STAND-IN for the Docker Engine API, for the answers no real runtime gives: 10,000 labels,
 a 1 MiB label value, invalid UTF-8, a socket that accepts and never answers, a connection
 dropped mid-answer. It is not Docker: it serves only what nodeagent's adapters ask (Docker's
-container list filtered to one id, podman's `GET /containers/{id}/json`, `GET /events`, both
-`_ping`s), each container's answer as the test sets it. As dockerd and podman do, it holds an
-inspect of a container that is `starting` until the start is over; Docker's list and the pings
-answer at once.
+container list filtered to one id, podman's `GET /containers/{id}/json`, `GET /events` polled
+or streamed, both `_ping`s), each container's answer as the test sets it. As dockerd and
+podman do, it holds an inspect of a container that is `starting` until the start is over;
+Docker's list and the pings answer at once.
 Used by the unit tests and by the real-kernel test of hostile answers (labelled there)."""
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class StandInDocker:
     it until `runc start` is done."""
     hang_all: bool = False
     events: list[dict[str, object]] = field(default_factory=list)
+    """Served to `GET /events` with `until` (a poll), then cleared."""
     requests: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -46,6 +47,7 @@ class StandInDocker:
         self.sock.listen(64)
         self._stop = threading.Event()
         self._held: list[socket.socket] = []
+        self._streams: list[socket.socket] = []
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -55,7 +57,7 @@ class StandInDocker:
             socket.socket(socket.AF_UNIX).connect(self.path)  # wakes accept()
         self.thread.join(timeout=5)
         self.sock.close()
-        for held in self._held:
+        for held in self._held + self._streams:
             held.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
@@ -85,6 +87,12 @@ class StandInDocker:
                 data += chunk
         target = data.split(b" ", 2)[1].decode() if data.count(b" ") >= 2 else "/"
         self.requests.append(target)
+        if target.startswith("/events") and "until=" not in target:  # a stream, as dockerd's
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            self._streams.append(conn)  # before the head: the client may push once it has it
+            with contextlib.suppress(OSError):
+                conn.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n")
+            return None
         if target.startswith("/events"):
             body = b"".join(json.dumps(e).encode() + b"\n" for e in self.events)
             self.events.clear()
@@ -114,6 +122,22 @@ class StandInDocker:
         if isinstance(answer, bytes):
             return self._send(conn, 200, answer)
         return self._send(conn, 200, json.dumps(answer, ensure_ascii=False).encode())
+
+    def push(self, data: dict[str, object] | bytes) -> None:
+        """An event to each open `/events` stream, as dockerd sends one: a chunk holding a
+        JSON object and a newline (bytes: sent as they are, unchunked)."""
+        if isinstance(data, dict):
+            line = json.dumps(data).encode() + b"\n"
+            data = f"{len(line):x}\r\n".encode() + line + b"\r\n"
+        for conn in self._streams:
+            with contextlib.suppress(OSError):
+                conn.sendall(data)
+
+    def end_streams(self) -> None:
+        """Close the open streams, as a dockerd that stops does."""
+        for conn in self._streams:
+            conn.close()
+        self._streams.clear()
 
     @staticmethod
     def _send(conn: socket.socket, status: int, body: bytes) -> None:

@@ -374,7 +374,8 @@ def test_a_label_rule_caps_a_starting_container_from_the_fast_path_without_a_tim
 
     dockerd holds a container's inspect until its start is over (2.4 to 3.7 s here): the
     lookup timed out, dockerd was taken for down for 5 s and the cap came then (issue 16's
-    bench: p50 5 s). The adapter asks the list now, which answers. podman holds every call
+    bench: p50 5 s). The adapter asks the list now, which answers, and asks it at the
+    container's `create` event, before the start makes the cgroup. podman holds every call
     about a container it starts (350 to 700 ms here, beyond this test's 300 ms deadline) while
     its ping answers: the container alone is asked again soon; podman is not taken for down."""
     r = started_runtimes["cgroupfs"]
@@ -405,6 +406,8 @@ def test_a_label_rule_caps_a_starting_container_from_the_fast_path_without_a_tim
     assert not loop.is_alive()
     said = [e for e in logs if e["event"].startswith("runtime.")]
     assert said == [], f"{runtime} was never taken for down: {said}"
+    # dockerd's create events: each container was asked about before its cgroup appeared
+    assert agent.rec.runtimes.prefetched == (3 if runtime == "docker" else 0)
 
 
 # -- hostile answers: a STAND-IN Docker API beside the real podman and containerd ------------------

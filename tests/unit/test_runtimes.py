@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -14,7 +15,7 @@ import structlog
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.meta import MAX_ENTRIES, BadAnswer, Unavailable, labels
 from nodeagent.runtimes.docker import DockerAdapter, event_ids
-from nodeagent.runtimes.metadata import LATE_S, RETRY_S, RuntimeMetadata
+from nodeagent.runtimes.metadata import LATE_S, PREFETCH_KEEP_S, RETRY_S, RuntimeMetadata
 from nodeagent.runtimes.podman import NO_LABELS, PodmanAdapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernel"))
@@ -487,3 +488,120 @@ def test_a_container_its_runtime_holds_is_asked_again_soon_and_the_runtime_is_no
     assert done[0].meta is not None and done[0].meta.name == "web"
     assert meta.status()["podman"]["answering"]
     assert [e for e in logs if e["event"].startswith("runtime.")] == []
+
+
+# -- containers asked at their creation (dockerd's create events) --------------------------------
+
+
+def created_event(cid: str) -> dict[str, object]:
+    """dockerd's `create` event, as its /events stream sends it."""
+    return {"status": "create", "id": cid, "Type": "container", "Action": "create",
+            "Actor": {"ID": cid, "Attributes": {"name": "web", "image": "busybox"}},
+            "time": 1, "timeNano": 1}  # fmt: skip
+
+
+def read_when_ready(meta: RuntimeMetadata, timeout: float = 5.0) -> None:
+    """What the loop does: wait on the streams' fds, read the readable ones."""
+    import select
+
+    streams = meta.streams()
+    readable, _, _ = select.select([s.fileno() for s in streams], [], [], timeout)
+    for stream in streams:
+        if stream.fileno() in readable:
+            meta.created(stream)
+
+
+def test_a_container_is_asked_at_its_creation_and_its_cgroup_needs_no_lookup(
+    docker: StandInDocker,
+) -> None:
+    """dockerd creates a container before it starts it, and the start makes its cgroup: the
+    create event on the stream is when dockerd holds nothing, so the container is asked then,
+    and the fast path, when its cgroup appears, finds the answer (issue 16's lookup p99). A
+    tick between the two does not forget it."""
+    clock = Clock()
+    meta = cache(docker, clock)
+    assert len(meta.streams()) == 1, "the stream is open"
+    assert meta.streams() == meta.streams(), "and kept"
+    docker.answers[A] = container(A, "web", "busybox", {"team": "a"})
+    docker.push(created_event(A))
+    read_when_ready(meta)
+    assert (meta.prefetched, meta.lookups) == (1, 1)
+    meta.attach([], complete=True)  # a tick before the cgroup appears
+    clock.t += 0.5
+    (fresh,) = meta.attach([ident(A)], new=True)  # the fast path, when the cgroup appears
+    assert fresh.meta is not None and dict(fresh.meta.labels) == {"team": "a"}
+    assert meta.lookups == 1, "no lookup on the fast path"
+    clock.t += PREFETCH_KEEP_S
+    meta.attach([], complete=True)
+    assert not meta._entries, "a container created and never started is forgotten"
+
+
+def test_a_stream_that_breaks_is_opened_again_after_retry_s(docker: StandInDocker) -> None:
+    """Bytes that are not chunked JSON, or a dockerd that ends the stream: closed, said at
+    debug level only, opened again RETRY_S later; lookups go on as without it."""
+    clock = Clock()
+    meta = cache(docker, clock)
+    meta.streams()
+    docker.push(b"zz\r\nnot a chunk\r\n")
+    read_when_ready(meta)
+    assert meta.streams() == [], "closed, not opened again at once"
+    clock.t += RETRY_S
+    assert len(meta.streams()) == 1
+    docker.end_streams()
+    read_when_ready(meta)
+    assert meta.streams() == []
+    clock.t += RETRY_S
+    assert len(meta.streams()) == 1
+    docker.answers[A] = container(A, "web", "busybox", {})
+    docker.push(created_event(A))
+    read_when_ready(meta)
+    assert meta.prefetched == 1
+
+
+def test_a_stream_reads_chunks_and_lines_cut_anywhere(tmp_path: Path) -> None:
+    """The stream's bytes as they may come: a chunk cut in its size line, a JSON line cut
+    across chunks, two lines in one chunk; and an unfinished line over the limit refused."""
+    import socket
+    import threading
+
+    from nodeagent.runtimes.unixhttp import Stream
+
+    path = str(tmp_path / "s.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(1)
+    sent: list[socket.socket] = []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        conn.recv(4096)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        sent.append(conn)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    stream = Stream(path, "/events", 1.0, limit=64)
+    t.join()
+    (conn,) = sent
+    body = b'{"id": "a"}\n{"id": "b"}\n{"id": "c"}\n'
+    chunks = b"".join(
+        f"{n:x}\r\n".encode() + body[i : i + n] + b"\r\n" for i, n in ((0, 5), (5, 20), (25, 11))
+    )
+    got: list[bytes] = []
+    for i in range(0, len(chunks), 3):  # three bytes at a time: every cut there can be
+        conn.sendall(chunks[i : i + 3])
+        time.sleep(0.005)
+        got += stream.lines()
+    time.sleep(0.05)
+    got += stream.lines()
+    assert got == [b'{"id": "a"}', b'{"id": "b"}', b'{"id": "c"}']
+    for _ in range(3):  # chunks within the limit, a line beyond it
+        conn.sendall(b"1e\r\n" + b"x" * 30 + b"\r\n")
+        time.sleep(0.02)
+        with contextlib.suppress(BadAnswer):
+            stream.lines()
+    with pytest.raises(BadAnswer, match="longer than 64 bytes"):
+        stream.lines()
+    conn.close()
+    stream.close()
+    server.close()
