@@ -237,7 +237,9 @@ class RuntimeMetadata:
     def created(self, stream: Creations) -> None:
         """Ask at once about the containers `stream` says were created (within one budget;
         what it leaves is asked when its cgroup appears, as without a stream)."""
-        runtime = next(r for r, s in self._streams.items() if s is stream)
+        runtime = next((r for r, s in self._streams.items() if s is stream), None)
+        if runtime is None:
+            return  # closed since the loop took it (the runtimes were reloaded)
         now = self.clock()
         try:
             ids = stream.ids()
