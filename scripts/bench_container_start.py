@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import yaml
 from benchkit import Bench, quantile
@@ -89,13 +90,15 @@ def policy(
     }  # fmt: skip
 
 
+def logged(log: Path) -> list[dict[str, Any]]:
+    """The daemon's JSON log lines, as events."""
+    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+
+
 def writes(log: Path) -> dict[str, float]:
     """The first cpu.max write to each cgroup, from the daemon's JSON log."""
     first: dict[str, float] = {}
-    for line in log.read_text().splitlines():
-        if not line.startswith("{"):
-            continue
-        event = json.loads(line)
+    for event in logged(log):
         if event.get("event") == "cgroup.write" and event.get("attribute") == "cpu.max":
             first.setdefault(Path(event["path"]).parent.name, event["ts"])  # .../<leaf>/cpu.max
     return first
@@ -106,10 +109,7 @@ def runtime_said(log: Path) -> dict[str, object]:
     and the first reason, so that a slow case says why."""
     counts: dict[str, int] = {}
     first: str | None = None
-    for line in log.read_text().splitlines():
-        if not line.startswith("{"):
-            continue
-        event = json.loads(line)
+    for event in logged(log):
         kind = str(event.get("event", ""))
         if kind.startswith("runtime."):
             counts[kind] = counts.get(kind, 0) + 1
