@@ -225,8 +225,8 @@ class RuntimeMetadata:
             try:
                 stream = adapter.creations()
             except (Unavailable, BadAnswer) as e:
-                self._stream_at[runtime] = now + RETRY_S
-                log.debug("runtime.stream_failed", runtime=runtime, error=one_line(e))
+                self._stream_at[runtime] = now + RETRY_S  # no socket is a host without it
+                log.debug("runtime.events_unopened", runtime=runtime, reason=one_line(e))
                 continue
             if stream is None:
                 self._stream_at[runtime] = math.inf
@@ -244,7 +244,7 @@ class RuntimeMetadata:
         try:
             ids = stream.ids()
         except (Unavailable, BadAnswer) as e:
-            log.debug("runtime.stream_failed", runtime=runtime, error=one_line(e))
+            log.debug("runtime.events_broken", runtime=runtime, reason=one_line(e))
             ids, broken = set(), True
         else:
             broken = stream.ended

@@ -558,6 +558,30 @@ def test_a_stream_that_breaks_is_opened_again_after_retry_s(docker: StandInDocke
     assert meta.prefetched == 1
 
 
+def test_a_runtime_without_its_socket_opens_no_stream_and_says_no_failure(tmp_path: Path) -> None:
+    """Most hosts lack some runtime (no dockerd, no podman): its stream is tried every
+    RETRY_S, said at debug level under a name no failure check reads as one (the kernel
+    suite's "nothing failed" found `runtime.stream_failed` on every daemon without dockerd)."""
+    import logging
+
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    clock = Clock()
+    none = str(tmp_path / "none.sock")
+    meta = RuntimeMetadata({"docker": DockerAdapter(none, TIMEOUT)}, clock=clock)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            assert meta.streams() == []
+            assert meta.streams() == [], "not tried again before RETRY_S"
+            clock.t += RETRY_S
+            assert meta.streams() == []
+    finally:
+        structlog.configure(**saved)
+    said = [(e["event"], e["log_level"]) for e in logs]
+    assert said == [("runtime.events_unopened", "debug")] * 2
+    assert all(not e["event"].endswith("failed") for e in logs)
+
+
 def test_a_stream_reads_chunks_and_lines_cut_anywhere(tmp_path: Path) -> None:
     """The stream's bytes as they may come: a chunk cut in its size line, a JSON line cut
     across chunks, two lines in one chunk; and an unfinished line over the limit refused."""
