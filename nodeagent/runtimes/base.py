@@ -25,9 +25,10 @@ class Creations(Protocol):
 
     def fileno(self) -> int: ...
 
-    def ids(self) -> set[str]:
-        """Containers created since the last call (never blocks). Raises Unavailable or
-        BadAnswer when the stream broke: close it."""
+    def created(self) -> dict[str, ContainerMeta | None]:
+        """Containers created since the last call (never blocks), each with what the event
+        said of it (None: it said too little, ask). Raises Unavailable or BadAnswer when the
+        stream broke: close it."""
         ...
 
     def close(self) -> None: ...

@@ -7,16 +7,19 @@ and an inspect asked the moment the container's cgroup appears waits for the who
 3.7 s measured in the VM, where the list answered in 7 to 46 ms: issue 16). The list reads
 dockerd's snapshot of its containers and takes no container's lock. Its `Image` is the image as
 asked for, or the image's id once that name points to another image.
-Renames come from `GET /events` with `until` set, which answers at once with what happened since
-`since` instead of streaming. Containers that cri-dockerd runs for the kubelet carry their pod in
-`io.kubernetes.*` labels.
+A new container is known before its cgroup appears: the loop follows dockerd's `create` events,
+whose attributes carry the container's name, image and labels (`told`); the list confirms them
+at the next tick. Renames come from `GET /events` with `until` set, which answers at once with
+what happened since `since` instead of streaming. Containers that cri-dockerd runs for the
+kubelet carry their pod in `io.kubernetes.*` labels.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 from urllib.parse import quote
 
 from nodeagent.meta import (
@@ -47,9 +50,8 @@ def _begins(value: object, prefix: str) -> bool:
     return isinstance(value, str) and value.startswith(prefix)
 
 
-def event_ids(body: bytes) -> set[str]:
-    """Container ids in a stream of JSON events (one object after another)."""
-    ids: set[str] = set()
+def _events(body: bytes) -> Iterator[Mapping[str, Any]]:
+    """The JSON objects of a stream of events, one after another."""
     decoder = json.JSONDecoder()
     try:
         text = body.decode("utf-8")
@@ -60,20 +62,55 @@ def event_ids(body: bytes) -> set[str]:
         while at < len(text) and text[at].isspace():
             at += 1
         if at >= len(text):
-            return ids
+            return
         try:
             event, at = decoder.raw_decode(text, at)
         except ValueError:
             raise BadAnswer("the events are not JSON") from None
         if isinstance(event, Mapping):
-            actor = event.get("Actor")
-            cid = event.get("id") or (actor.get("ID") if isinstance(actor, Mapping) else None)
-            if isinstance(cid, str):
-                ids.add(cid)
+            yield event
+
+
+def _event_id(event: Mapping[str, Any]) -> str | None:
+    actor = event.get("Actor")
+    cid = event.get("id") or (actor.get("ID") if isinstance(actor, Mapping) else None)
+    return cid if isinstance(cid, str) else None
+
+
+def event_ids(body: bytes) -> set[str]:
+    """Container ids in a stream of JSON events (one object after another)."""
+    return {cid for e in _events(body) if (cid := _event_id(e)) is not None}
+
+
+HIDDEN = ("image", "name")
+"""Attributes dockerd writes over the labels of the same keys in a container's events."""
+
+
+def told(event: Mapping[str, Any]) -> ContainerMeta | None:
+    """What a container's `create` event says of it, or None when it says too little or too
+    much (then the container is asked). dockerd copies the container's labels into the event's
+    attributes, then its `image` (as asked for) and `name` over them (moby's
+    `LogContainerEventWithAttributes`): a label named `image` or `name` is hidden there, so the
+    caller asks the list again off the fast path to be sure."""
+    actor = event.get("Actor")
+    found = actor.get("Attributes") if isinstance(actor, Mapping) else None
+    if event.get("Action") != "create" or not isinstance(found, Mapping) or "name" not in found:
+        return None
+    try:
+        own = labels({k: v for k, v in found.items() if k not in HIDDEN}, "the event's labels")
+        return ContainerMeta(
+            runtime="docker",
+            name=name(found["name"], "the event's name").lstrip("/"),
+            image=optional_name(found.get("image"), "the event's image"),
+            labels=own,
+            pod=_pod_from_labels(own),
+        )
+    except BadAnswer:
+        return None  # asked: the list's answer is refused and said once, as any other
 
 
 class _Created:
-    """The ids in a stream of Docker's events, one JSON object a line."""
+    """The containers in a stream of Docker's `create` events, one JSON object a line."""
 
     def __init__(self, stream: unixhttp.Stream) -> None:
         self.stream = stream
@@ -85,9 +122,14 @@ class _Created:
     def fileno(self) -> int:
         return self.stream.fileno()
 
-    def ids(self) -> set[str]:
+    def created(self) -> dict[str, ContainerMeta | None]:
         lines = self.stream.lines()
-        return event_ids(b"\n".join(lines)) if lines else set()
+        out: dict[str, ContainerMeta | None] = {}
+        for event in _events(b"\n".join(lines)) if lines else ():
+            cid = _event_id(event)
+            if cid is not None:
+                out[cid] = told(event)
+        return out
 
     def close(self) -> None:
         self.stream.close()
@@ -137,7 +179,8 @@ class DockerAdapter:
 
     def creations(self) -> Creations | None:
         """dockerd's `create` events: a container is created before it is started, and the
-        start makes its cgroup, so the list can be asked while dockerd holds nothing."""
+        start makes its cgroup; the event carries the container's name, image and labels, so
+        its cgroup's fast path needs no answer from a dockerd busy starting it."""
         filters = quote(json.dumps({"type": ["container"], "event": ["create"]}), safe="")
         return _Created(unixhttp.Stream(self.socket, f"/events?filters={filters}", self.timeout))
 

@@ -23,11 +23,14 @@ An identity whose answer has not changed is the same object as last time, so the
 - All lookups of one `attach` share a budget of LOOKUP_BUDGET_S seconds: what is left over waits
   for the next tick, so a thousand new containers cannot stall one.
 - A runtime that streams the containers it creates (dockerd's `create` events) is followed by
-  the loop (`streams`, `created`): each new container is asked about at its creation, before
-  its start makes its cgroup and while the runtime holds nothing, so the cgroup's fast path
-  finds the answer there (issue 16: dockerd's answer during a start is what the fast path
-  waited for). What was asked so is kept PREFETCH_KEEP_S seconds for its cgroup to appear. A
-  stream that breaks is opened again RETRY_S later; without one, lookups are as above.
+  the loop (`streams`, `created`): each new container is known at its creation, before its
+  start makes its cgroup, so the cgroup's fast path finds the answer there (issue 16: dockerd's
+  answer during a start is what the fast path waited for). dockerd's event carries the name,
+  image and labels: kept as the answer, and asked once more by the next tick (not the fast
+  path), since the event hides labels named `image` or `name`; an event that says too little is
+  asked about at once, while the runtime holds nothing. What was had so is kept
+  PREFETCH_KEEP_S seconds for its cgroup to appear. A stream that breaks is opened again
+  RETRY_S later; without one, lookups are as above.
 """
 
 from __future__ import annotations
@@ -87,7 +90,10 @@ class _Entry:
     late: int | None = None
     """Lookups in a row that the runtime, answering otherwise, did not answer in time."""
     prefetched: float | None = None
-    """When it was asked at the container's creation, before its cgroup appeared."""
+    """When it was had at the container's creation, before its cgroup appeared."""
+    confirm: bool = False
+    """Told by the runtime's create event: to be asked once more, by a tick (not the fast
+    path), since the event may hide what the answer would show."""
 
 
 def _fresh(entry: _Entry, now: float) -> bool:
@@ -136,7 +142,9 @@ class RuntimeMetadata:
         self.lookups = 0
         """Calls made to runtimes (for the tests and the benchmark)."""
         self.prefetched = 0
-        """Containers asked about at their creation (for the tests and the benchmark)."""
+        """Containers known at their creation (for the tests and the benchmark)."""
+        self.told = 0
+        """Of those, the ones the creation's event described, asked nothing."""
 
     @classmethod
     def from_settings(cls, settings: RuntimeSettings, **options: Any) -> RuntimeMetadata:
@@ -200,7 +208,13 @@ class RuntimeMetadata:
             stale = (
                 new and entry is not None and target not in self._refused and not _fresh(entry, now)
             )
-            if entry is None or stale or (entry.ask_at is not None and now >= entry.ask_at):
+            confirm = complete and not new and entry is not None and entry.confirm
+            if (
+                entry is None
+                or stale
+                or confirm
+                or (entry.ask_at is not None and now >= entry.ask_at)
+            ):
                 entry = self._ask(target, entry, budget_end)
             out.append(self._identity(identity, entry))
         if complete:  # a container asked at its creation may not have its cgroup yet
@@ -235,23 +249,31 @@ class RuntimeMetadata:
         return list(self._streams.values())
 
     def created(self, stream: Creations) -> None:
-        """Ask at once about the containers `stream` says were created (within one budget;
-        what it leaves is asked when its cgroup appears, as without a stream)."""
+        """Keep what `stream` says of the containers created, and ask at once about those it
+        says too little of (within one budget; what it leaves is asked when its cgroup
+        appears, as without a stream)."""
         runtime = next((r for r, s in self._streams.items() if s is stream), None)
         if runtime is None:
             return  # closed since the loop took it (the runtimes were reloaded)
         now = self.clock()
         try:
-            ids = stream.ids()
+            said = stream.created()
         except (Unavailable, BadAnswer) as e:
             log.debug("runtime.events_broken", runtime=runtime, reason=one_line(e))
-            ids, broken = set(), True
+            said, broken = {}, True
         else:
             broken = stream.ended
         budget_end = now + self.budget
-        for cid in sorted(ids):
+        for cid, meta in sorted(said.items()):
             target = (runtime, cid)
-            if target in self._entries or self.clock() >= budget_end:
+            if target in self._entries:
+                continue
+            if meta is not None:
+                self._keep(target, _Entry(meta, None, prefetched=now, confirm=True))
+                self.prefetched += 1
+                self.told += 1
+                continue
+            if self.clock() >= budget_end:
                 continue
             entry = self._ask(target, None, budget_end)
             if entry.meta is not None:

@@ -148,6 +148,22 @@ class StandInDocker:
         conn.close()
 
 
+def create_event(inspected: object) -> dict[str, object]:
+    """dockerd's `create` event for a container, from its inspect answer, as moby makes it
+    (`LogContainerEventWithAttributes`: the labels, then `image` and `name` written over them)."""
+    assert isinstance(inspected, dict)
+    config = inspected["Config"]
+    assert isinstance(config, dict) and isinstance(inspected["Name"], str)
+    attributes = dict(config["Labels"] or {})
+    if config["Image"]:
+        attributes["image"] = config["Image"]
+    attributes["name"] = inspected["Name"].lstrip("/")
+    cid = inspected["Id"]
+    return {"status": "create", "id": cid, "from": config["Image"], "Type": "container",
+            "Action": "create", "Actor": {"ID": cid, "Attributes": attributes},
+            "scope": "local", "time": 1, "timeNano": 1}  # fmt: skip
+
+
 def listed_entry(inspected: dict[str, object]) -> dict[str, object]:
     """The container list's entry for a container, from its inspect answer, as dockerd makes it
     (`Names` with the leading slash, `Image` as asked for, `Labels` from its Config)."""

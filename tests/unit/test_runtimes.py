@@ -14,12 +14,12 @@ import structlog
 
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.meta import MAX_ENTRIES, BadAnswer, Unavailable, labels
-from nodeagent.runtimes.docker import DockerAdapter, event_ids
+from nodeagent.runtimes.docker import DockerAdapter, event_ids, told
 from nodeagent.runtimes.metadata import LATE_S, PREFETCH_KEEP_S, RETRY_S, RuntimeMetadata
 from nodeagent.runtimes.podman import NO_LABELS, PodmanAdapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernel"))
-from standin_runtime import HANG, RESET, StandInDocker, container
+from standin_runtime import HANG, RESET, StandInDocker, container, create_event
 
 TIMEOUT = 0.2
 A = "a" * 64
@@ -493,13 +493,6 @@ def test_a_container_its_runtime_holds_is_asked_again_soon_and_the_runtime_is_no
 # -- containers asked at their creation (dockerd's create events) --------------------------------
 
 
-def created_event(cid: str) -> dict[str, object]:
-    """dockerd's `create` event, as its /events stream sends it."""
-    return {"status": "create", "id": cid, "Type": "container", "Action": "create",
-            "Actor": {"ID": cid, "Attributes": {"name": "web", "image": "busybox"}},
-            "time": 1, "timeNano": 1}  # fmt: skip
-
-
 def read_when_ready(meta: RuntimeMetadata, timeout: float = 5.0) -> None:
     """What the loop does: wait on the streams' fds, read the readable ones."""
     import select
@@ -511,29 +504,85 @@ def read_when_ready(meta: RuntimeMetadata, timeout: float = 5.0) -> None:
             meta.created(stream)
 
 
-def test_a_container_is_asked_at_its_creation_and_its_cgroup_needs_no_lookup(
+def test_a_container_is_told_by_its_create_event_and_its_cgroup_needs_no_lookup(
     docker: StandInDocker,
 ) -> None:
-    """dockerd creates a container before it starts it, and the start makes its cgroup: the
-    create event on the stream is when dockerd holds nothing, so the container is asked then,
-    and the fast path, when its cgroup appears, finds the answer (issue 16's lookup p99). A
-    tick between the two does not forget it."""
+    """dockerd creates a container before it starts it, and the start makes its cgroup; its
+    create event carries the name, image and labels: kept, so the fast path, when the cgroup
+    appears, asks nothing of a dockerd busy starting it (issue 16's lookup p99). The next tick
+    asks the list once, off the fast path, since the event hides a label named `name`."""
     clock = Clock()
     meta = cache(docker, clock)
     assert len(meta.streams()) == 1, "the stream is open"
     assert meta.streams() == meta.streams(), "and kept"
-    docker.answers[A] = container(A, "web", "busybox", {"team": "a"})
-    docker.push(created_event(A))
+    docker.answers[A] = container(A, "web", "busybox", {"team": "a", "name": "hidden"})
+    docker.push(create_event(docker.answers[A]))
     read_when_ready(meta)
-    assert (meta.prefetched, meta.lookups) == (1, 1)
+    assert (meta.prefetched, meta.told, meta.lookups) == (1, 1, 0)
     meta.attach([], complete=True)  # a tick before the cgroup appears
     clock.t += 0.5
-    (fresh,) = meta.attach([ident(A)], new=True)  # the fast path, when the cgroup appears
-    assert fresh.meta is not None and dict(fresh.meta.labels) == {"team": "a"}
-    assert meta.lookups == 1, "no lookup on the fast path"
+    (fresh,) = meta.attach([ident(A)], complete=False, new=True)  # the fast path
+    assert fresh.meta is not None and (fresh.meta.name, fresh.meta.image) == ("web", "busybox")
+    assert dict(fresh.meta.labels) == {"team": "a"}, "the event hides the label `name`"
+    assert meta.lookups == 0, "no lookup on the fast path"
+    (ticked,) = meta.attach([ident(A)])  # the next tick: the list, once
+    assert ticked.meta is not None and dict(ticked.meta.labels) == {"team": "a", "name": "hidden"}
+    assert meta.lookups == 1
+    assert meta.attach([ident(A)]) == [ticked] and meta.lookups == 1, "and not again"
+    docker.answers[B] = container(B, "idle", "busybox", {})
+    docker.push(create_event(docker.answers[B]))
+    read_when_ready(meta)
     clock.t += PREFETCH_KEEP_S
-    meta.attach([], complete=True)
-    assert not meta._entries, "a container created and never started is forgotten"
+    meta.attach([ident(A)], complete=True)
+    assert ("docker", B) not in meta._entries, "a container created and never started is forgotten"
+
+
+def test_a_create_event_that_says_too_little_or_too_much_is_asked_at_once(
+    docker: StandInDocker,
+) -> None:
+    """An event without attributes (not dockerd's shape) or whose labels are past the bounds:
+    the container is asked at once, while dockerd holds nothing; an answer past the bounds is
+    refused and said once, as any other."""
+    clock = Clock()
+    meta = cache(docker, clock)
+    meta.streams()
+    docker.answers[A] = container(A, "web", "busybox", {"team": "a"})
+    bare: dict[str, object] = {"Type": "container", "Action": "create", "Actor": {"ID": A}}
+    docker.push(bare)
+    many = {f"k{i}": "v" for i in range(MAX_ENTRIES + 1)}
+    docker.answers[B] = container(B, "wide", "busybox", many)
+    docker.push(create_event(docker.answers[B]))
+    with structlog.testing.capture_logs() as logs:
+        read_when_ready(meta)
+        read_when_ready(meta, timeout=0.5)
+    assert (meta.prefetched, meta.told, meta.lookups) == (1, 0, 2)
+    (a, b) = meta.attach([ident(A), ident(B)], complete=False, new=True)
+    assert a.meta is not None and dict(a.meta.labels) == {"team": "a"}
+    assert b.meta is None and b.meta_problem is not None and "refused" in b.meta_problem
+    assert [e["event"] for e in logs] == ["runtime.answer_refused"]
+
+
+def test_what_a_create_event_tells_is_bounded_and_checked() -> None:
+    """`told` takes dockerd's `create` event alone: another action, no name, a value that is
+    not text, more labels than MAX_ENTRIES: nothing told (the container is asked)."""
+    event = create_event(container(A, "/web", "busybox", {"team": "a"}))
+    said = told(event)
+    assert said is not None and (said.name, said.image, dict(said.labels)) == (
+        "web", "busybox", {"team": "a"})  # fmt: skip
+    pod = create_event(container(A, "/p", "pause", {
+        "io.kubernetes.pod.namespace": "ns", "io.kubernetes.pod.name": "p"}))  # fmt: skip
+    assert (found := told(pod)) is not None and found.pod is not None
+    assert (found.pod.namespace, found.pod.name) == ("ns", "p")
+    actor = event["Actor"]
+    assert isinstance(actor, dict)
+    bad: list[dict[str, object]] = [
+        {**event, "Action": "start"},
+        {**event, "Actor": {"ID": A, "Attributes": {"image": "busybox"}}},
+        {**event, "Actor": {"ID": A, "Attributes": {**actor["Attributes"], "team": 7}}},
+        {**event, "Actor": {"ID": A, "Attributes": "not a mapping"}},
+        create_event(container(A, "/w", "b", {f"k{i}": "v" for i in range(MAX_ENTRIES + 1)})),
+    ]
+    assert [told(e) for e in bad] == [None] * len(bad)
 
 
 def test_a_stream_that_breaks_is_opened_again_after_retry_s(docker: StandInDocker) -> None:
@@ -553,7 +602,7 @@ def test_a_stream_that_breaks_is_opened_again_after_retry_s(docker: StandInDocke
     clock.t += RETRY_S
     assert len(meta.streams()) == 1
     docker.answers[A] = container(A, "web", "busybox", {})
-    docker.push(created_event(A))
+    docker.push(create_event(docker.answers[A]))
     read_when_ready(meta)
     assert meta.prefetched == 1
 
