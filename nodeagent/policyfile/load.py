@@ -529,6 +529,16 @@ def _warnings(spec: PolicySpec, where: Locator, filename: str) -> tuple[Problem,
                 "the policy has no rules: it claims no workload, and manages only the jobs"
                 " that `nodeagent exec` starts",
             )
+    for j, rule in enumerate(rules):
+        with _SKIP_BROKEN:
+            account = rule.match.account
+            if account is not None and account != account.lower():
+                warn(
+                    ("rules", j, "match", "account"),
+                    f"rules[{j}].match.account: {account!r} never matches: Slurm records"
+                    " accounts in lower case (sbatch --account=A runs under 'a');"
+                    f" write {account.lower()!r}",
+                )
     for j, later in enumerate(rules):
         for i, earlier in enumerate(rules[:j]):
             with _SKIP_BROKEN:

@@ -340,8 +340,8 @@ class Match(_Strict):
     pod_uid: StrictStr | None = None
     container_id: StrictStr | None = None
     account: Glob | None = None
-    """A Slurm job's account, as Slurm reports it: a rule with one never matches a job
-    Slurm has not answered for (nor anything but a Slurm job)."""
+    """A Slurm job's account, as Slurm reports it (in lower case): a rule with one never
+    matches a job Slurm has not answered for (nor anything but a Slurm job)."""
     container_name: Glob | None = None
     image: Glob | None = None
     labels: LabelGlobs | None = None

@@ -925,3 +925,26 @@ def test_a_rejected_policy_carries_its_warnings_too() -> None:
     ]
     assert [w.line for w in info.value.warnings] == [7]
     assert "rule 'jobs' never applies" in info.value.warnings[0].message
+
+
+@pytest.mark.parametrize(
+    ("account", "warned"),
+    [("Physics", True), ("'HPC-*'", True), ("physics", False), ("'hpc-*'", False)],
+)
+def test_an_account_in_capitals_is_warned_about(account: str, warned: bool) -> None:
+    """Slurm records a job's account in lower case (Debian 12's slurmctld, in
+    tests/kernel/test_slurm.py: `sbatch --account=A` runs under 'a'): a glob with capitals
+    never matches it."""
+    text = HEAD + (
+        f"rules:\n  - {{name: hpc, match: {{runtime: slurm, account: {account}}}, tenant: prod}}\n"
+    )
+    bare = account.strip("'")
+    assert warnings_of(text) == (
+        [
+            f"p.yaml:6:50: warning: rules[0].match.account: {bare!r} never matches: Slurm"
+            f" records accounts in lower case (sbatch --account=A runs under 'a');"
+            f" write {bare.lower()!r}"
+        ]
+        if warned
+        else []
+    )
