@@ -23,15 +23,21 @@ def flat_keyed(text: str) -> dict[str, int]:
 
 
 def anon_file(text: str) -> tuple[int | None, int | None]:
-    """memory.stat's anon and file bytes: all a sample keeps of its fifty-odd keys."""
-    anon = file = None
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "anon" and value:  # as flat_keyed: a key without a value is left out
-            anon = int(value)
-        elif key == "file" and value:
-            file = int(value)
-    return anon, file
+    """memory.stat's anon and file bytes: all a sample keeps of its fifty-odd keys. Found by
+    their lines' starts rather than by splitting every line (a full read's dearest parse:
+    the kernel prints them first); what flat_keyed would give for them."""
+    return _keyed(text, "anon"), _keyed(text, "file")
+
+
+def _keyed(text: str, key: str) -> int | None:
+    """The value of the line `KEY VALUE` in flat-keyed text (the last one, as flat_keyed
+    keeps it), or None where there is none or it has no value."""
+    at = text.rfind("\n" + key + " ") + 1
+    if at == 0 and not text.startswith(key + " "):
+        return None
+    end = text.find("\n", at)
+    value = text[at + len(key) + 1 : None if end < 0 else end]
+    return int(value) if value else None
 
 
 def single_int(text: str) -> int:

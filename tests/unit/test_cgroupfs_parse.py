@@ -222,3 +222,21 @@ def test_cpuset_round_trips_in_the_kernels_own_form(cpus: frozenset[int]) -> Non
     value = CpuSet(tuple(sorted(cpus)))
     assert parse.cpuset(value.render()) == value
     assert parse.cpuset(value.render()).render() == value.render()
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["anon", "file", "file_mapped", "anon_thp", "kernel", "x"]),
+            st.one_of(st.just(""), st.integers(0, 1 << 50).map(str)),
+        ),
+        max_size=12,
+    ),
+    st.booleans(),
+)
+def test_anon_file_finds_what_flat_keyed_finds(lines: list[tuple[str, str]], end: bool) -> None:
+    """The two values found by their lines' starts are flat_keyed's, whatever the order,
+    repeats, keys that start alike or values left out."""
+    text = "\n".join(f"{k} {v}" if v else k for k, v in lines) + ("\n" if end else "")
+    flat = parse.flat_keyed(text)
+    assert parse.anon_file(text) == (flat.get("anon"), flat.get("file"))

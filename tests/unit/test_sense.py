@@ -6,6 +6,7 @@ import errno
 import resource
 from pathlib import Path
 
+import psutil
 import pytest
 
 from nodeagent.cgroupfs import parse
@@ -352,3 +353,37 @@ def test_the_memo_is_bounded_however_many_distinct_settings_a_node_has(
             weight.write_text(f"{n}\n")
             assert read_sample(d, 4096, memo=memo).settings[Attribute.CPU_WEIGHT] == CpuWeight(n)
             assert len(memo["cpu.weight"]) <= MEMO_TEXTS
+
+
+MEMINFO = """\
+MemTotal:       16331512 kB
+MemFree:         1208416 kB
+MemAvailable:    9876540 kB
+Buffers:          412300 kB
+Cached:          7213888 kB
+SwapCached:            0 kB
+Active:          8312572 kB
+Inactive:        5307548 kB
+Shmem:            523196 kB
+SReclaimable:     588284 kB
+"""
+
+
+@pytest.mark.parametrize("available", [True, False], ids=["MemAvailable", "before-3.14"])
+def test_node_memory_is_what_psutil_reads_from_the_same_proc(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, available: bool
+) -> None:
+    """The two meminfo lines read by hand give what psutil's virtual_memory() gives (it
+    parses the whole file); a kernel without MemAvailable gets psutil's estimate."""
+    monkeypatch.setattr(psutil, "PROCFS_PATH", psutil.PROCFS_PATH)  # NodeSensor sets it
+    meminfo = MEMINFO if available else MEMINFO.replace("MemAvailable:    9876540 kB\n", "")
+    (tmp_path / "meminfo").write_text(meminfo)
+    (tmp_path / "stat").write_text(
+        "cpu  100 0 50 800 10 0 5 0 0 0\ncpu0 100 0 50 800 10 0 5 0 0 0\n"
+    )
+    node = NodeSensor(str(tmp_path)).read()
+    mem = psutil.virtual_memory()  # PROCFS_PATH is tmp_path now
+    assert (node.memory_total, node.memory_available) == (mem.total, mem.available)
+    assert node.memory_total == 16331512 * 1024
+    if available:
+        assert node.memory_available == 9876540 * 1024
