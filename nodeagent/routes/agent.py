@@ -12,6 +12,7 @@ from nodeagent.api import answers
 from nodeagent.api.server import Request, Routes
 from nodeagent.errors import BadRequest, NotFound
 from nodeagent.gpualloc.service import environment
+from nodeagent.policyfile.model import AgentMode
 from nodeagent.reconcile import Reconciler
 from nodeagent.report import TickRecord, allocations, explain, find, identities
 
@@ -65,6 +66,11 @@ def agent_routes(rec: Reconciler, config_path: str | None) -> Routes:
     def start_job(request: Request) -> answers.StartedJob:
         if rec.dry_run:
             raise BadRequest("this daemon runs with --dry-run: it starts no jobs")
+        if rec.spec.agent.mode is AgentMode.KUBERNETES:
+            raise BadRequest(
+                "nodeagent exec is refused: agent.mode is kubernetes, where the kubelet runs"
+                " the node's workloads and counts what they use; run it as a pod instead"
+            )
         job = rec.jobs.start(request.body, request.peer, rec.spec, time.time(), rec.gpus.claim)
         rec.saver.save()  # a restart must know the job before its next periodic save
         mine = next((h for h in rec.gpus.ledger.holds() if h.id == job.gpu_hold), None)

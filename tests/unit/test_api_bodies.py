@@ -4,6 +4,7 @@ never a 500 (any other exception from a route is one)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -69,3 +70,16 @@ def test_a_past_deadline_says_when_it_was(d: Daemon) -> None:
     assert str(e).startswith("the deadline 1970-01-01T00:00:01Z has passed (now ")
     e = d.refused(ROOT, "POST", "/v1/gpus/requests", {"name": "x", "deadline": 1.0})
     assert str(e).startswith("the deadline 1970-01-01T00:00:01Z has passed (now ")
+
+
+def test_exec_is_refused_in_kubernetes_mode(tmp_path: Path) -> None:
+    """Beside the kubelet a job nodeagent starts itself would be invisible to it (issue 17:
+    exec refused in that mode, with one line saying why); nothing is made."""
+    kube = daemon(tmp_path, {"agent": {"mode": "kubernetes"}})
+    refused = kube.refused(ALICE, "POST", "/v1/jobs", {"name": "j", "pid": kube.child(ALICE)})
+    assert isinstance(refused, BadRequest)
+    assert str(refused) == (
+        "nodeagent exec is refused: agent.mode is kubernetes, where the kubelet runs the"
+        " node's workloads and counts what they use; run it as a pod instead"
+    )
+    assert kube.jobs() == [] and not (kube.root / "nodeagent.slice" / "j").exists()
