@@ -6,13 +6,24 @@ Then, over --seconds (60), it prints the daemon's CPU time (user + system, from
 /proc/PID/stat) as a fraction of one core, and its RSS at the end and at most (sampled
 each second). Goals in the VM: <= 3% of a core and <= 60 MB RSS at 200 workloads.
 
+Then the daemon is stopped (SIGTERM: it saves its state) and started again, as systemd
+restarts it: the seconds from its exec to the end of its first tick (its first
+`protection.idle` note), the writes that tick made (0: the node was left converged, and
+the restarted daemon finds it so), beside the seconds `python3 -c 'import
+nodeagent.daemon'` takes in the same place (the median of 3), which bounds how fast any
+start can be. Goal: the restart at most 2 s more than the import.
+
 --json figures: runs[] (workloads, seconds, cpu_fraction, rss_mb_end, rss_mb_max,
-failed_events: events whose name ends in "failed", which should be 0).
+failed_events: events whose name ends in "failed", which should be 0, restart_s,
+restart_writes, import_s).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -79,9 +90,12 @@ def measure(bench: Bench, n: int, seconds: float, tmp: str) -> None:
         fraction = (cpu1 - cpu0) / (t1 - t0)
         end, top = rss[-1] / 1024, max(rss) / 1024
         failed = [e for e in agent.since_start() if str(e.get("event")).endswith("failed")]
+        agent.stop()
+        restart, writes = restarted(agent)
+        imported = import_seconds()
         bench.say(
             f"{n:>9} {t1 - t0:>8.0f} {fraction * 100:>10.2f}% {end:>10.1f} {top:>10.1f}"
-            f" {len(failed):>13}"
+            f" {len(failed):>13} {restart:>10.2f} {writes:>8} {imported:>8.2f}"
         )
         bench.figures["runs"].append(
             {
@@ -91,11 +105,33 @@ def measure(bench: Bench, n: int, seconds: float, tmp: str) -> None:
                 "rss_mb_end": round(end, 1),
                 "rss_mb_max": round(top, 1),
                 "failed_events": len(failed),
+                "restart_s": round(restart, 2),
+                "restart_writes": writes,
+                "import_s": round(imported, 2),
             }
         )
     finally:
         agent.stop()
         clear(ROOT / MANAGED, procs)
+
+
+def restarted(agent: Agent) -> tuple[float, int]:
+    """Start the stopped daemon again: seconds from its exec to the end of its first tick,
+    and the writes made by then."""
+    agent.start()
+    done = agent.wait_for(lambda e: e.get("event") == "protection.idle")
+    writes = [e for e in agent.since_start() if e.get("event") == "cgroup.write"]
+    return float(str(done["ts"])) - agent.started_at, len(writes)
+
+
+def import_seconds() -> float:
+    """The median wall time of `python3 -c 'import nodeagent.daemon'`, three runs."""
+    took = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-c", "import nodeagent.daemon"], check=True)
+        took.append(time.monotonic() - t0)
+    return statistics.median(took)
 
 
 def main() -> None:
@@ -106,7 +142,8 @@ def main() -> None:
         bench.say("the daemon idle beside sleeping workloads: 1 s tick, info logging, API on")
         bench.say(
             f"{'workloads':>9} {'seconds':>8} {'CPU/core':>11} {'RSS MB end':>10}"
-            f" {'RSS MB max':>10} {'failed events':>13}"
+            f" {'RSS MB max':>10} {'failed events':>13} {'restart s':>10} {'writes':>8}"
+            f" {'import s':>8}"
         )
         for n in sizes:
             measure(bench, n, args.seconds, tmp)

@@ -129,13 +129,20 @@ def ms_figure(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 1)
 
 
-def populate(parent: Path, names: Sequence[str]) -> list[subprocess.Popen[bytes]]:
-    """A cgroup per name under parent, each with one sleeping process so that it is active."""
+def populate(
+    parent: Path, names: Sequence[str], *, busy: bool = False
+) -> list[subprocess.Popen[bytes]]:
+    """A cgroup per name under parent, each with one sleeping process so that it is active;
+    `busy`: one spinning process instead, parent set to cpu.idle=1 so that the spinners
+    only take the CPU time nothing else wants (the benchmark's own process included)."""
     parent.mkdir(exist_ok=True)
+    if busy or (parent / "cpu.idle").exists():  # 0 again after a busy run
+        (parent / "cpu.idle").write_text("1" if busy else "0")
+    work = 'exec sh -c "while :; do :; done"' if busy else "exec sleep 3600"
     procs = []
     for name in names:
         (parent / name).mkdir()
-        enter = 'echo $$ > "$0/cgroup.procs" && exec sleep 3600'
+        enter = f'echo $$ > "$0/cgroup.procs" && {work}'
         procs.append(subprocess.Popen(["sh", "-c", enter, str(parent / name)]))
     for p, name in zip(procs, names, strict=True):
         while str(p.pid) not in (parent / name / "cgroup.procs").read_text().split():

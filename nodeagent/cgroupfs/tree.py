@@ -74,6 +74,9 @@ class CgroupDir:
             raise self._translate(e, name) from e
         finally:
             os.close(fd)
+        return self._text(raw, name)
+
+    def _text(self, raw: bytes, name: str) -> str:
         try:
             return raw.decode("ascii")
         except UnicodeDecodeError:
@@ -140,6 +143,35 @@ class CgroupDir:
         return CgroupReadError(
             f"cgroup {self.path or '/'}: cannot read {name}: {e.strerror}", e.errno
         )
+
+
+class KeptDir(CgroupDir):
+    """A cgroup directory kept open from tick to tick, the files read every tick kept open
+    in it: kernfs makes a file's content anew at each read from offset 0, so reading one
+    again is one pread, not an openat, a read and a close (cpu.stat in the VM: 13 against
+    70 us). A kept file of a removed cgroup reads ENODEV: CgroupVanished."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        super().__init__(path, fd)
+        self._files: dict[str, int] = {}
+
+    def reread(self, name: str) -> str:
+        """`name`, opened on the first call and kept open for the next ones."""
+        fd = self._files.get(name)
+        if fd is None:
+            fd = self._files[name] = self._open_file(name, os.O_RDONLY)
+        try:
+            raw = os.pread(fd, 1 << 16, 0)
+        except OSError as e:
+            raise self._translate(e, name) from e
+        return self._text(raw, name)
+
+    def close(self) -> None:
+        """The directory and every file kept in it."""
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
+        os.close(self.fd)
 
 
 class CgroupTree:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TypeVar, cast
 
 from nodeagent.cgroupfs import parse
-from nodeagent.cgroupfs.tree import CgroupDir, CgroupReadError, CgroupTree, CgroupVanished
+from nodeagent.cgroupfs.tree import CgroupDir, CgroupReadError, CgroupTree, CgroupVanished, KeptDir
 from nodeagent.cgroupfs.values import Attribute, CpuWeight, Frozen, MemoryLimit, Value
 from nodeagent.errors import one_line
 from nodeagent.snapshot import NO_NEEDS, CgroupSample, Needs
@@ -167,7 +167,7 @@ def _threads(d: CgroupDir) -> int | None:
 
 
 def read_lean(
-    d: CgroupDir, known: CgroupSample, needs: Needs, last: LeanRead | None = None
+    d: KeptDir, known: CgroupSample, needs: Needs, last: LeanRead | None = None
 ) -> LeanRead:
     """The usage counters and what `needs` asks for, fresh; everything else as `known`
     (the last full read, updated with what the agent wrote since). Whether it holds
@@ -175,8 +175,8 @@ def read_lean(
 
     `last`: this workload's previous lean read. When cpu.stat reads the same text over the
     same `known` and nothing else is asked for (an idle workload), its sample is the same:
-    it is returned again, unparsed."""
-    text = d.read("cpu.stat")
+    it is returned again, unparsed. cpu.stat, read at every lean read, is kept open."""
+    text = d.reread("cpu.stat")
     if needs is NO_NEEDS or needs == NO_NEEDS:
         if last is not None and last.text == text and last.known is known:
             return last

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import resource
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -10,7 +9,7 @@ from dataclasses import replace
 from typing import NamedTuple, TypeVar
 
 from nodeagent.cgroupfs import parse
-from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree, CgroupVanished
+from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished, KeptDir
 from nodeagent.cgroupfs.values import Attribute, CpuWeight, Value
 from nodeagent.errors import one_line
 from nodeagent.identity import WorkloadIdentity
@@ -73,7 +72,7 @@ class Sensor:
         self._baseline: dict[str, _Counters] = {}
         self._rates: dict[str, _Rates] = {}
         self._known: dict[str, CgroupSample] = {}
-        self._dirs: dict[str, CgroupDir] = {}
+        self._dirs: dict[str, KeptDir] = {}
         self._memo: Memo = {}
         """The settings files' texts full reads parsed, and their values (all workloads)."""
         self._memo_page_size = 0
@@ -106,21 +105,21 @@ class Sensor:
 
     def close(self) -> None:
         for d in self._dirs.values():
-            os.close(d.fd)
+            d.close()
         self._dirs.clear()
 
-    def _dir(self, path: str) -> CgroupDir:
+    def _dir(self, path: str) -> KeptDir:
         d = self._dirs.get(path)
         if d is None:
             if len(self._dirs) >= self._max_dirs:
                 raise _NoRoom
-            d = self._dirs[path] = CgroupDir(path, self.tree.open_fd(path))
+            d = self._dirs[path] = KeptDir(path, self.tree.open_fd(path))
         return d
 
     def _drop(self, path: str) -> None:
         d = self._dirs.pop(path, None)
         if d is not None:
-            os.close(d.fd)
+            d.close()
         self._known.pop(path, None)
         self._lean.pop(path, None)
         self._quiet.pop(path, None)
@@ -279,8 +278,8 @@ class Sensor:
         try:
             d = self._dir(path)
         except _NoRoom:  # more workloads than fds kept: open this one for this read only
-            with self.tree.open(path) as d:
-                return read_sample(d, page_size, threads=needs.threads)
+            with self.tree.open(path) as once:
+                return read_sample(once, page_size, threads=needs.threads)
         known = self._known.get(path)
         if full or known is None:
             if page_size != self._memo_page_size:  # the memory limits are parsed in pages
@@ -352,17 +351,21 @@ QUIET_EVERY = 5.0
 """Seconds between reads of a quiet workload: one that wakes is seen within this."""
 
 
+FDS_PER_DIR = 2
+"""A kept workload directory holds two descriptors: itself and its cpu.stat."""
+
+
 def dir_budget() -> int:
-    """How many workload directories the sensor keeps open: half the soft RLIMIT_NOFILE
-    (at most MAX_OPEN_DIRS), so that the API, writes and logs always have descriptors
-    left. The others are opened for each read."""
+    """How many workload directories the sensor keeps open: as many as half the soft
+    RLIMIT_NOFILE holds (at most MAX_OPEN_DIRS), so that the API, writes and logs always
+    have descriptors left. The others are opened for each read."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return MAX_OPEN_DIRS
-    return max(0, min(MAX_OPEN_DIRS, soft // 2))
+    return max(0, min(MAX_OPEN_DIRS, soft // 2 // FDS_PER_DIR))
 
 
-def raise_fd_limit(want: int = 2 * MAX_OPEN_DIRS) -> int:
+def raise_fd_limit(want: int = 2 * FDS_PER_DIR * MAX_OPEN_DIRS) -> int:
     """Raise the soft RLIMIT_NOFILE towards `want`, within the hard limit, as systemd
     advises programs that need many descriptors (its soft default is 1024; the unit sets
     LimitNOFILE=8192). Returns the soft limit now."""

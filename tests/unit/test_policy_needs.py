@@ -10,10 +10,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
-from test_sense import FILES
+from test_sense import FILES, count_reads
 
 from nodeagent.cgroupfs.parse import Psi, PsiLine
-from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree
+from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent, open_agent
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.jobs import Job
@@ -173,13 +173,7 @@ def test_the_sensor_reads_exactly_what_a_policy_declares(
         (d / "cpu.pressure").write_text("some avg10=9.00 avg60=0.50 avg300=0.10 total=99\n")
         (d / "memory.current").write_text("8192\n")
     read: list[tuple[str, str]] = []
-    real = CgroupDir.read
-
-    def counting(self: CgroupDir, name: str) -> str:
-        read.append((self.path.removeprefix(f"{SLICE}/"), name))
-        return real(self, name)
-
-    monkeypatch.setattr(CgroupDir, "read", counting)
+    count_reads(monkeypatch, lambda d, name: read.append((d.path.removeprefix(f"{SLICE}/"), name)))
     snap = sensor.snapshot(managed, 1.0, 1.0, needs=needs)
     wanted = by_name(needs)
     for w in snap.workloads:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import errno
+import os
 import resource
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 
 from nodeagent.cgroupfs import parse
-from nodeagent.cgroupfs.tree import CgroupDir, CgroupReadError, CgroupTree
+from nodeagent.cgroupfs.tree import CgroupDir, CgroupReadError, CgroupTree, KeptDir
 from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.sense import sensor as sensor_module
@@ -36,16 +38,27 @@ def job(name: str) -> WorkloadIdentity:
 
 @pytest.fixture
 def opened(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the interface files read, in order (CgroupDir.read counted)."""
+    """The names of the interface files read, in order."""
     names: list[str] = []
-    real = CgroupDir.read
+    count_reads(monkeypatch, lambda _, name: names.append(name))
+    return names
+
+
+def count_reads(monkeypatch: pytest.MonkeyPatch, seen: Callable[[CgroupDir, str], object]) -> None:
+    """`seen(dir, name)` at each interface file read: opened (CgroupDir.read) or read
+    again where it is kept open (KeptDir.reread)."""
+    real, real_again = CgroupDir.read, KeptDir.reread
 
     def counting(self: CgroupDir, name: str) -> str:
-        names.append(name)
+        seen(self, name)
         return real(self, name)
 
+    def counting_again(self: KeptDir, name: str) -> str:
+        seen(self, name)
+        return real_again(self, name)
+
     monkeypatch.setattr(CgroupDir, "read", counting)
-    return names
+    monkeypatch.setattr(KeptDir, "reread", counting_again)
 
 
 @pytest.fixture
@@ -140,6 +153,40 @@ def test_a_steady_tick_reads_usage_and_verifies_a_few_in_turn(
     assert sensor.fresh == {"s/good"}
 
 
+def test_cpu_stat_is_opened_once_and_read_again_at_each_lean_read(
+    tree: CgroupTree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lean reads pread the cpu.stat they keep open (kernfs makes its content anew at each
+    read from offset 0); a workload no longer sensed has its descriptors closed."""
+    opens: list[str] = []
+    real = CgroupDir._open_file
+
+    def counting(self: CgroupDir, name: str, mode: int) -> int:
+        opens.append(name)
+        return real(self, name, mode)
+
+    monkeypatch.setattr(CgroupDir, "_open_file", counting)
+    sensor = Sensor(tree, NodeSensor(), verify_every=3600)
+    stat = tmp_path / "s" / "good" / "cpu.stat"
+    usage = []
+    for t in (0.0, 1.0, 2.0, 3.0):
+        stat.write_text(f"usage_usec {100 + int(t) * 500}\nuser_usec 0\nsystem_usec 0\n")
+        opens.clear()
+        snap = sensor.snapshot([job("good")], t, t)
+        usage.append(snap.workloads[0].sample.cpu_usage_us)
+        if t == 1.0:
+            assert opens == ["cpu.stat"], "the first lean read opens it"
+        elif t > 1.0:
+            assert opens == [], f"tick at {t}: {opens}"
+    assert usage == [100, 600, 1100, 1600]
+    kept = sensor._dirs["s/good"]
+    descriptors = [kept.fd, *kept._files.values()]
+    sensor.snapshot([], 4.0, 4.0)
+    for fd in descriptors:
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            os.fstat(fd)
+
+
 def test_what_the_agent_writes_is_known_without_reading_it(tree: CgroupTree) -> None:
     sensor = Sensor(tree, NodeSensor(), verify_every=3600)
     sensor.snapshot([job("good")], 0.0, 0.0)
@@ -176,7 +223,7 @@ def test_a_cgroup_without_cgroup_threads_is_sensed_with_threads_unknown(
 
 
 @pytest.mark.parametrize(
-    ("soft", "budget"), [(1024, 512), (8192, 4096), (1 << 20, 4096), (3, 1), (1, 0)]
+    ("soft", "budget"), [(1024, 256), (8192, 2048), (1 << 20, 4096), (7, 1), (3, 0)]
 )
 def test_the_directories_kept_open_leave_half_the_descriptors(
     monkeypatch: pytest.MonkeyPatch, soft: int, budget: int
@@ -188,7 +235,7 @@ def test_the_directories_kept_open_leave_half_the_descriptors(
 def test_beyond_its_budget_a_workload_is_opened_for_each_read(
     tree: CgroupTree, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(resource, "getrlimit", lambda _: (2, 2))  # budget 1
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (4, 4))  # budget 1
     sensor = Sensor(tree, NodeSensor())
     snap = sensor.snapshot([job("good"), job("good2")], 1.0, 1.0)
     assert [w.identity.name for w in snap.workloads] == ["good", "good2"]
@@ -197,7 +244,7 @@ def test_beyond_its_budget_a_workload_is_opened_for_each_read(
 
 @pytest.mark.parametrize(
     ("soft", "hard", "now"),
-    [(1024, 524288, 8192), (1024, 4096, 4096), (65536, 524288, 65536)],
+    [(1024, 524288, 16384), (1024, 4096, 4096), (65536, 524288, 65536)],
 )
 def test_the_daemon_raises_its_soft_descriptor_limit_within_the_hard_one(
     monkeypatch: pytest.MonkeyPatch, soft: int, hard: int, now: int
@@ -216,13 +263,7 @@ def test_a_quiet_workload_is_read_every_few_seconds_until_it_moves(
     after QUIET_EVERY seconds; once its usage moves it is read every tick again. One
     whose files a policy needs every tick is always read."""
     opened: list[str] = []
-    real = CgroupDir.read
-
-    def counting(self: CgroupDir, name: str) -> str:
-        opened.append(f"{self.path}/{name}")
-        return real(self, name)
-
-    monkeypatch.setattr(CgroupDir, "read", counting)
+    count_reads(monkeypatch, lambda d, name: opened.append(f"{d.path}/{name}"))
     sensor = Sensor(tree, NodeSensor(), verify_every=0)  # no rolling full reads here
     jobs = [job("good"), job("good2")]
     needs = {"s/good2": Needs(events=True)}
