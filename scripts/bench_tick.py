@@ -9,8 +9,8 @@ close in a tight loop) and the tick's ratio to it; the floor of reading each one
 through a descriptor kept open (pread at offset 0: kernfs makes the content anew), as the
 sensor now does; the old floor (every interface file a full read takes); the files the
 agent opened per tick; and the share of workloads whose cpu.stat moved from one tick to
-the next. Busy workloads spin in a slice with cpu.idle=1, so that they use the CPUs the
-agent leaves and never delay its tick: every one's usage moves every tick (the moved
+the next. Busy workloads spin in a slice of cpu.weight 1, so that they use the CPUs the
+agent leaves and hardly delay its tick: every one's usage moves every tick (the moved
 column says how many did). With --profile, the ticks at the largest size are run again
 under cProfile: the functions that took most of them, by own time and by cumulative
 time, go to the table (the first 15) and to OUT/tick-profile-MODE.txt (the first 40).

@@ -133,11 +133,13 @@ def populate(
     parent: Path, names: Sequence[str], *, busy: bool = False
 ) -> list[subprocess.Popen[bytes]]:
     """A cgroup per name under parent, each with one sleeping process so that it is active;
-    `busy`: one spinning process instead, parent set to cpu.idle=1 so that the spinners
-    only take the CPU time nothing else wants (the benchmark's own process included)."""
+    `busy`: one spinning process instead, the parent's cpu.weight 1 so that the spinners
+    take the CPU time others leave and never delay the benchmark's own process (cpu.idle
+    would do it too, but a cgroup with cpu.idle=1 reads cpu.weight 0, which the agent
+    reports as a level it cannot weigh)."""
     parent.mkdir(exist_ok=True)
-    if busy or (parent / "cpu.idle").exists():  # 0 again after a busy run
-        (parent / "cpu.idle").write_text("1" if busy else "0")
+    if (parent / "cpu.weight").exists():
+        (parent / "cpu.weight").write_text("1" if busy else "100")
     work = 'exec sh -c "while :; do :; done"' if busy else "exec sleep 3600"
     procs = []
     for name in names:

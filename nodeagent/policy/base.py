@@ -274,8 +274,14 @@ class Policy(Protocol):
         workload it plans moves every tick."""
         return False
 
-    def stale_sensed(self, workloads: Sequence[WorkloadState], spec: PolicySpec) -> bool:
+    def stale_sensed(
+        self,
+        workloads: Sequence[WorkloadState],
+        spec: PolicySpec,
+        assignments: Mapping[str, Assignment],
+    ) -> bool:
         """Whether what was sensed of any of the workloads means the plan must be made
         again next tick; asked of each workload whose state changed (or all, when the
-        policy file changes), one at a time: say it of the workload alone."""
+        policy file changes), one at a time: say it of the workload alone. `assignments`:
+        the last plan's, by path (a workload not in it is new, and planned anew anyway)."""
         return False

@@ -67,7 +67,7 @@ class PlanCache:
         makes its plan stale (`Policy.stale`, `Policy.stale_sensed`: deadline jobs, a
         protected cgroup under pressure, the protection controller at work)."""
         snapshot, spec, last = given.snapshot, given.spec, given.last
-        version, stalled = self._sensed(snapshot.workloads, spec, policies)
+        version, stalled = self._sensed(snapshot.workloads, spec, policies, given.assignments)
         key = self.key(given, version)
         moving = given.held_back or stalled
         moving = moving or stale(policies, given.carry, given.assignments)
@@ -113,6 +113,7 @@ class PlanCache:
         workloads: tuple[WorkloadState, ...],
         spec: PolicySpec,
         policies: tuple[Policy, ...],
+        assignments: Mapping[str, Assignment],
     ) -> tuple[int, bool]:
         """What the plan's key and its staleness take from the workloads: a version that
         moves when a workload comes or goes or turns active or idle, and whether a policy
@@ -133,7 +134,7 @@ class PlanCache:
             if is_active(w, spec.fair_share) != (path in seen.active):
                 seen.active ^= {path}
                 changed = True
-            if any(p.stale_sensed((w,), spec) for p in policies):
+            if any(p.stale_sensed((w,), spec, assignments) for p in policies):
                 seen.stale.add(path)
             else:
                 seen.stale.discard(path)

@@ -194,11 +194,23 @@ class Protection(Policy):
             or carried.get("thaw")
         )
 
-    def stale_sensed(self, workloads: Sequence[WorkloadState], spec: PolicySpec) -> bool:
-        """A cgroup stalls for CPU above half the threshold (where calm ends)."""
+    def stale_sensed(
+        self,
+        workloads: Sequence[WorkloadState],
+        spec: PolicySpec,
+        assignments: Mapping[str, Assignment],
+    ) -> bool:
+        """A cgroup it watches (`needs`: its pressure read every tick) stalls for CPU above
+        half the threshold (where calm ends). The others' stalls are not its to fix: on a
+        node whose CPUs are all taken every cgroup stalls, and counting them made a new
+        plan every tick."""
         threshold = spec.protection.cpu_pressure / 2
         return any(
-            (stall(w) or 0.0) >= threshold for w in workloads if w.sample.cpu_psi is not None
+            (stall(w) or 0.0) >= threshold
+            for w in workloads
+            if w.sample.cpu_psi is not None
+            and (a := assignments.get(w.identity.path)) is not None
+            and self.needs(a, spec).pressure
         )
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:

@@ -37,7 +37,12 @@ class Counting(Policy):
     def stale(self, carried: Mapping[str, object], assignments: Mapping[str, Assignment]) -> bool:
         return bool(carried.get("again"))
 
-    def stale_sensed(self, workloads: Sequence[WorkloadState], spec: PolicySpec) -> bool:
+    def stale_sensed(
+        self,
+        workloads: Sequence[WorkloadState],
+        spec: PolicySpec,
+        assignments: Mapping[str, Assignment],
+    ) -> bool:
         return self.moving
 
 
@@ -146,7 +151,12 @@ class Stalls(Policy):
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         return ()
 
-    def stale_sensed(self, workloads: Sequence[WorkloadState], spec: PolicySpec) -> bool:
+    def stale_sensed(
+        self,
+        workloads: Sequence[WorkloadState],
+        spec: PolicySpec,
+        assignments: Mapping[str, Assignment],
+    ) -> bool:
         return any((w.cpu_rate or 0.0) > 1.0 for w in workloads)
 
 

@@ -227,7 +227,12 @@ class Wants(Policy):
     def stale(self, carried: Mapping[str, object], assignments: Mapping[str, Assignment]) -> bool:
         return bool(carried.get("busy"))
 
-    def stale_sensed(self, workloads: Sequence[WorkloadState], spec: PolicySpec) -> bool:
+    def stale_sensed(
+        self,
+        workloads: Sequence[WorkloadState],
+        spec: PolicySpec,
+        assignments: Mapping[str, Assignment],
+    ) -> bool:
         return any((w.cpu_rate or 0.0) >= 1 for w in workloads)
 
 
@@ -249,9 +254,12 @@ def test_the_loop_knows_no_policy_by_name(agent: Agent) -> None:
     agent.carry["wants"] = {"busy": True}
     assert stale(agent.policies, agent.carry, assignments)
     busy = WorkloadState(managed[0], CgroupSample(), cpu_rate=2.0)
-    assert PlanCache()._sensed((busy,), agent.spec, agent.policies)[1]
+    assert PlanCache()._sensed((busy,), agent.spec, agent.policies, assignments)[1]
     assert not PlanCache()._sensed(
-        (WorkloadState(managed[0], CgroupSample(), cpu_rate=0.5),), agent.spec, agent.policies
+        (WorkloadState(managed[0], CgroupSample(), cpu_rate=0.5),),
+        agent.spec,
+        agent.policies,
+        assignments,
     )[1]
 
     agent.policies = (Protection(), Deadlines())
@@ -288,10 +296,12 @@ def test_the_loop_holds_no_policy_specific_code(code: Callable[..., object]) -> 
     assert not any(s.startswith("exec:") for s in strings)
 
 
-def stalled(avg10: float | None, cpu_stall: float | None = None) -> WorkloadState:
+def stalled(
+    avg10: float | None, cpu_stall: float | None = None, name: str = "infer-a"
+) -> WorkloadState:
     psi = None if avg10 is None else Psi(PsiLine(avg10, 0.0, 0.0, 0), None)
     identity = WorkloadIdentity(
-        f"{SLICE}/infer-a", Kind.JOB, Runtime.NODEAGENT, Owner.NODEAGENT, "infer-a"
+        f"{SLICE}/{name}", Kind.JOB, Runtime.NODEAGENT, Owner.NODEAGENT, name
     )
     return WorkloadState(identity, CgroupSample(cpu_psi=psi), cpu_stall=cpu_stall)
 
@@ -300,10 +310,22 @@ def test_a_cgroup_stalling_past_half_the_threshold_makes_the_plan_stale(agent: A
     """Where the controller's calm ends (half of protection.cpu_pressure, 0.10 here), as
     the loop checked before; a cgroup whose pressure is not read does not count."""
     spec, protection = agent.spec, Protection()
-    assert protection.stale_sensed([stalled(5.0)], spec)
-    assert protection.stale_sensed([stalled(0.0, cpu_stall=0.05)], spec)
-    assert not protection.stale_sensed([stalled(4.9)], spec)
-    assert not protection.stale_sensed([stalled(None, cpu_stall=0.9)], spec)
+    assignments, _ = claimed(agent)
+    assert protection.stale_sensed([stalled(5.0)], spec, assignments)
+    assert protection.stale_sensed([stalled(0.0, cpu_stall=0.05)], spec, assignments)
+    assert not protection.stale_sensed([stalled(4.9)], spec, assignments)
+    assert not protection.stale_sensed([stalled(None, cpu_stall=0.9)], spec, assignments)
+
+
+@pytest.mark.parametrize("name", ["batch-a", "job-a", "unassigned"])
+def test_a_stall_the_controller_does_not_watch_keeps_the_plan(agent: Agent, name: str) -> None:
+    """On a node whose CPUs are all taken every cgroup stalls: only those the protection
+    watches (a protected class, a floor) make the plan stale, or a busy node would plan
+    anew at every tick (bench tick, busy mode)."""
+    spec, protection = agent.spec, Protection()
+    assignments, _ = claimed(agent)
+    assert protection.stale_sensed([stalled(50.0, cpu_stall=0.9)], spec, assignments)
+    assert not protection.stale_sensed([stalled(50.0, cpu_stall=0.9, name=name)], spec, assignments)
 
 
 @pytest.mark.parametrize("key", ["caps", "frozen", "uncap", "thaw"])
@@ -320,7 +342,7 @@ def test_a_policy_at_rest_keeps_the_plan(agent: Agent, policy: Policy) -> None:
     assignments, _ = claimed(agent)
     plain = {p: a for p, a in assignments.items() if a.deadline is None}
     assert not policy.stale({}, plain)
-    assert not policy.stale_sensed((), agent.spec)
+    assert not policy.stale_sensed((), agent.spec, plain)
 
 
 def test_a_deadline_job_makes_the_plan_stale(agent: Agent) -> None:
