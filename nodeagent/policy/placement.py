@@ -21,11 +21,13 @@ pair (150) for the next job; never a worse set than go-gpuallocator's best effor
 takes the best set of such a partition. A single GPU is the one that leaves the best
 pairs (the best partition of the free GPUs into pairs), so it never splits an NVLink pair
 while a GPU whose partner is taken is free and never leaves worse pairs than
-go-gpuallocator, which takes the first GPU. Ties then go to the set whose holding for the
-job's expected duration delays least the moments the node's best blocks are wholly free
-(when durations are known), that breaks the fewest NVLinks to GPUs that stay free, that
-leaves the best sets of 16, 8, 4 and 2 GPUs, that is taken from the most broken-up part of
-the PCIe tree, then to the lowest indices.
+go-gpuallocator, which takes the first GPU; but when its expected duration is known, of
+the GPUs that leave pairs at least as good as that first one, the one whose hold delays
+least the moments the node's best blocks are wholly free (it joins a quad busy past its end
+rather than break a free one). Ties then go to the set whose holding for the job's
+expected duration delays those moments least (when durations are known), that breaks the
+fewest NVLinks to GPUs that stay free, that leaves the best sets of 16, 8, 4 and 2 GPUs,
+that is taken from the most broken-up part of the PCIe tree, then to the lowest indices.
 
 Durations: a request may carry its expected duration and a patience, and the holdings
 when each held GPU is expected back (from the jobs' deadlines and work, or their classes'
@@ -453,12 +455,12 @@ def _break_ties(
     """The tied set to take, and why it beat the others (empty when it had no rival).
 
     In order: for shared jobs, fewer GPUs opened that held no shared work; for one GPU,
-    the best pairs left (the best partition of the GPUs left free into pairs); with an
-    expected duration, the least delay to the moments the node's blocks are wholly free;
-    fewer NVLinks cut between the GPUs taken from the free pool and those left in it; the
-    best sets left for 16, 8, 4 and 2 GPUs; the least PCIe affinity cut (taking GPUs from a
-    part of the node that is already broken up); for shared jobs, the least memory left
-    over (best fit); the lowest indices.
+    pairs left (the best partition of the GPUs left free into pairs) no worse than the
+    first tied GPU's; with an expected duration, the least delay to the moments the node's
+    blocks are wholly free; for one GPU, the best pairs left; fewer NVLinks cut between the
+    GPUs taken from the free pool and those left in it; the best sets left for 16, 8, 4 and
+    2 GPUs; the least PCIe affinity cut (taking GPUs from a part of the node that is already
+    broken up); for shared jobs, the least memory left over (best fit); the lowest indices.
     """
     if len(ties) == 1:
         return ties[0], ""
@@ -479,20 +481,23 @@ def _break_ties(
     def pairs_left(s: tuple[int, ...]) -> int:
         return pairs.best(everyone & ~_mask(s))[0] if request.count == 1 else 0
 
-    def first(s: tuple[int, ...]) -> tuple[int, int]:
-        return (fresh(s) if request.shared else 0, -pairs_left(s))
+    delay = _Delay(request, node, held)
+    floor = pairs_left(ties[0])
+
+    def first(s: tuple[int, ...]) -> tuple[float, bool, float, int]:
+        # never worse pairs left than the first tied GPU, go-gpuallocator's choice
+        left = pairs_left(s)
+        return (fresh(s) if request.shared else 0, left < floor, delay(s), -left)
 
     keyed = sorted(ties, key=lambda s: (first(s), cut(s, node.nvlinks), _indices(node, s)))
     rivals = [s for s in keyed if first(s) == first(keyed[0])][:MAX_LEFTOVER_CHECKS]
     leftovers = _Leftovers(node, free)
-    delay = _Delay(request, node, held)
 
     def rest(s: tuple[int, ...]) -> tuple[object, ...]:
         # A size no longer possible scores -1, so that a set leaving more GPUs free (a
         # shared job beside a busy GPU's process) is not taken for one leaving better ones.
         left = dict(leftovers.after(s))
         return (
-            delay(s),
             cut(s, node.nvlinks),
             tuple(-left.get(k, -1) for k in LEFTOVER_SIZES),
             cut(s, node.pcie_affinity),
@@ -506,7 +511,7 @@ def _break_ties(
         parts.append(f"{fresh(best)} GPU(s) opened for shared work")
     if request.count == 1 and len(free_set.difference(best)) >= 2:
         parts.append(f"leaves pairs {pairs_left(best)}")
-    if request.expected_duration is not None and len({delay(s) for s in rivals}) > 1:
+    if request.expected_duration is not None and len({delay(s) for s in ties}) > 1:
         parts.append(
             f"its {request.expected_duration:.0f}s expected hold delays the node's best "
             "blocks least"

@@ -265,6 +265,20 @@ def test_an_expected_duration_lines_up_with_the_neighbours_ends() -> None:
     assert placed(place(GpuRequest(expected_duration=8.0), node, unknown)).indices == (4,)
 
 
+def test_one_gpu_with_a_known_duration_joins_the_quad_busy_past_its_end() -> None:
+    """DGX-1, GPU 0 held for 10 s more, one GPU for 8 s: GPU 1 joins quad 0-3, busy past
+    the job's end anyway, and leaves quad 4-7 whole for the next four-GPU job. Its pairs
+    left (690) are go-gpuallocator's (it takes GPU 1 too), never fewer; not knowing the
+    duration, GPU 4, whose pairs left are best (710)."""
+    node = shipped("dgx1-v100-hybrid-cube-mesh.yaml")
+    held = released(node, g0=10.0)
+    known = placed(place(GpuRequest(expected_duration=8.0), node, held))
+    assert known.indices == (1,)
+    assert "leaves pairs 690" in known.reason
+    assert "its 8s expected hold delays the node's best blocks least" in known.reason
+    assert placed(place(GpuRequest(), node, held)).indices == (4,)
+
+
 def test_numa_alignment_with_the_jobs_cpus() -> None:
     node = shipped("dgx-h100-nvswitch.yaml")
     result = placed(place(GpuRequest(count=2, cpu_numa_nodes=frozenset({1})), node, Holdings()))
