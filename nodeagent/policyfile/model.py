@@ -628,9 +628,10 @@ class GpuSettings(_Strict):
     """How long GPUs granted to a request wait for its job to start before they go back."""
     max_waiting_per_user: StrictInt = Field(16, ge=1, le=10_000)
     """GPU requests one uid (other than root) may have waiting at once."""
-    patience: Number = Field(1.0, ge=0, le=10)
+    patience: Number = Field(0.0, ge=0, le=10)
     """A GPU request that already waits may wait this share of its job's expected duration
-    more for a set that scores clearly better and is expected free by then; 0: never."""
+    more for a set that scores clearly better and is expected free by then; 0 (the default):
+    never, as GPUs left idle on estimates make more jobs wait than first fit does."""
 
 
 class ApiServerSettings(_Strict):

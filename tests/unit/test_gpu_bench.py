@@ -148,3 +148,19 @@ def test_the_baselines_are_told_nothing_and_placement_only_what_it_asks(bench: M
 
     bench.replay(node, jobs, baseline)
     assert {(q.expected_duration, q.patience) for q in told} == {(None, 0.0)}
+
+
+def test_by_default_a_waiting_request_never_holds_out_so_waits_match_first_fit(
+    bench: ModuleType,
+) -> None:
+    """Holding out for a better set leaves GPUs idle on estimates that a class's median
+    often misses: on the 4x A100 node, seed 31, it made more jobs wait than first fit. The
+    default patience is none, and waits are first fit's."""
+    node = dict(bench.shipped())["4x-a100-two-nvlink-pairs"]
+    jobs = bench.trace(node, 400, 31, bench.LOAD)
+    ours = bench.replay(node, jobs, bench.place, None, bench.Knowledge())
+    first = bench.replay(node, jobs, bench.ALLOCATORS["first-fit"])
+    assert bench.Knowledge().patience == 0.0
+    for key in ("waited", "waited_with_enough_free", "mean_wait"):
+        assert ours[key] <= first[key] + 1e-12, key
+    assert ours["waited_for_a_better_set"] == 0.0

@@ -182,16 +182,16 @@ def test_a_waiting_request_waits_within_its_patience_for_a_better_set(node: Node
     assert w.held_back == 3.0
     assert w.reason.startswith("waits for GPUs 0, 1: expected free within 2s")
     assert ledger.status(rid, 1000, now=4.0).status == "waiting"
-    ledger.step(node, now=4.0, claim_timeout=30)  # tried again: nothing was released
+    ledger.step(node, now=4.0, claim_timeout=30, patience=1.0)  # nothing was released
     assert granted(ledger) is None
     ledger.release_job(jobs["j1"].id, 1000, now=5.0)
-    ledger.step(node, now=5.0, claim_timeout=30)
+    ledger.step(node, now=5.0, claim_timeout=30, patience=1.0)
     assert granted(ledger) == (0, 1)
     # GPU 1's job runs late: past its expected end nobody knows when it ends, so the
     # request stops waiting for it at the next step and takes what is free
     ledger, jobs, rid = scene(patience=1.0)
     assert ledger.status(rid, 1000, now=6.0).status == "waiting"
-    ledger.step(node, now=6.0, claim_timeout=30)
+    ledger.step(node, now=6.0, claim_timeout=30, patience=1.0)
     assert granted(ledger) == (0, 2)
 
 
