@@ -21,7 +21,7 @@ import structlog
 from pydantic import ValidationError
 
 from nodeagent import sdnotify, state
-from nodeagent.act import Executor
+from nodeagent.act import Executor, Outcome
 from nodeagent.api.server import ApiServer, Routes
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.changes import NoteLog, ProblemLog
@@ -378,6 +378,12 @@ class Agent:
                     on_tick(record)
                 if record.snapshot.seq == 1:
                     sdnotify.ready()
+                    log.info(  # the journal's line for "started and converged"
+                        "agent.ready",
+                        workloads=len(record.snapshot.workloads),
+                        writes=sum(r.outcome is Outcome.WRITTEN for r in record.results),
+                        tick_seconds=round(record.duration, 3),
+                    )
                 if pinger is not None:
                     pinger.beat()
             if once:

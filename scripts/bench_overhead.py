@@ -7,8 +7,8 @@ Then, over --seconds (60), it prints the daemon's CPU time (user + system, from
 each second). Goals in the VM: <= 3% of a core and <= 60 MB RSS at 200 workloads.
 
 Then the daemon is stopped (SIGTERM: it saves its state) and started again, as systemd
-restarts it: the seconds from its exec to the end of its first tick (its first
-`protection.idle` note), the writes that tick made (0: the node was left converged, and
+restarts it: the seconds from its exec to the end of its first tick (its `agent.ready`
+line), the writes that tick made (0: the node was left converged, and
 the restarted daemon finds it so), beside the seconds `python3 -c 'import
 nodeagent.daemon'` takes in the same place (the median of 3), which bounds how fast any
 start can be. Goal: the restart at most 2 s more than the import.
@@ -119,9 +119,8 @@ def restarted(agent: Agent) -> tuple[float, int]:
     """Start the stopped daemon again: seconds from its exec to the end of its first tick,
     and the writes made by then."""
     agent.start()
-    done = agent.wait_for(lambda e: e.get("event") == "protection.idle")
-    writes = [e for e in agent.since_start() if e.get("event") == "cgroup.write"]
-    return float(str(done["ts"])) - agent.started_at, len(writes)
+    done = agent.wait_for(lambda e: e.get("event") == "agent.ready")
+    return float(str(done["ts"])) - agent.started_at, int(str(done["writes"]))
 
 
 def import_seconds() -> float:

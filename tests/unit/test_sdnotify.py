@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog.testing
 
 from nodeagent import sdnotify
 from nodeagent.cgroupfs.tree import CgroupTree
@@ -214,3 +215,21 @@ def test_healthy_is_a_good_tick_within_three_intervals_or_the_watchdog(
     last_ok: float | None, now: float, interval: float, watchdog: float, expected: bool
 ) -> None:
     assert healthy(last_ok, now, interval, watchdog) is expected
+
+
+def test_the_first_good_tick_logs_agent_ready_once(
+    tmp_path: Path, receiver: socket.socket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """READY=1 goes to systemd with the first good tick; the same moment is one info line
+    in the journal (`agent.ready`: what that tick sensed and wrote, and how long it took),
+    so that an operator, and `scripts/bench overhead`'s restart figure, can see when a
+    started daemon has converged the node. Later ticks say nothing at info."""
+    with structlog.testing.capture_logs() as logs:
+        got = _loop_pings(tmp_path, receiver, monkeypatch, interval=0.5, watchdog=30, seconds=2)
+    assert [m for _, m in got].count(b"READY=1") == 1
+    ready = [e for e in logs if e["event"] == "agent.ready"]
+    assert len(ready) == 1, logs
+    assert ready[0]["log_level"] == "info"
+    assert ready[0]["workloads"] == 0 and ready[0]["writes"] == 0
+    assert ready[0]["tick_seconds"] >= 0
+    assert sum(e["event"] == "tick" for e in logs) >= 2  # it went on ticking
