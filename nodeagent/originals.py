@@ -78,6 +78,17 @@ class Originals:
             for path in paths:
                 self._by_path.pop(path, None)
 
+    def forget_below(self, roots: Iterable[str]) -> None:
+        """Cgroups removed with everything below them (a pod's directory takes its
+        containers): nothing of theirs can be handed back, and a busy node's churn must not
+        grow the record, nor the state file that saves it, without end."""
+        gone = set(roots)
+        if not gone:
+            return
+        with self._lock:
+            for path in [p for p in self._by_path if _below(p, gone)]:
+                del self._by_path[path]
+
     def items(self) -> list[tuple[str, Attribute, Original]]:
         with self._lock:
             return [
@@ -142,3 +153,12 @@ class Originals:
                     continue
                 out._by_path.setdefault(str(path), {})[attribute] = Original(was, set_, via)
         return out
+
+
+def _below(path: str, roots: set[str]) -> bool:
+    """Whether `path` is one of `roots` or below one."""
+    while path:
+        if path in roots:
+            return True
+        path = path.rpartition("/")[0]
+    return False

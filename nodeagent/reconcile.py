@@ -204,6 +204,8 @@ class Reconciler:
         fed = self.feedback
         self.registry.poll()
         self.registry.new.clear()  # this tick plans them in full
+        gone, self.registry.gone = self.registry.gone, []
+        self.originals.forget_below(p for p in gone if not self.exists(p))  # not made again
         jobs = self.jobs.assignments()  # exec's jobs, managed whatever the rules say
         for path in jobs.keys() - self.registry.workloads.keys():
             self.registry.track(path)  # started since inotify last spoke

@@ -34,6 +34,9 @@ class Registry:
         self._logged: dict[str, str] = {}
         self.new: list[str] = []
         """Workloads inotify reported since the daemon last took them (its fast path)."""
+        self.gone: list[str] = []
+        """Directories removed (inotify) and workloads a scan no longer found, since the loop
+        last took them: what the agent recorded of them (originals) goes with them."""
         self.resynced = False
         """A resync replaced the set since the daemon last looked (an event queue overflow)."""
         self._inotify = INotify() if watch else None
@@ -49,6 +52,7 @@ class Registry:
     def resync(self) -> None:
         """Full scan: replaces the known set, and watches every place workloads can appear."""
         result = scan(self.tree, self.managed_root)
+        self.gone.extend(p for p in self.workloads if p not in result.workloads)
         self.workloads = result.workloads
         self.problems = result.problems
         self._log_problems()
@@ -115,6 +119,7 @@ class Registry:
 
     def _deleted(self, path: str) -> bool:
         self._budget.give_back(path)  # what was below it went first, each with its event
+        self.gone.append(path)
         gone = [p for p in self.workloads if p == path or p.startswith(path + "/")]
         for p in gone:
             del self.workloads[p]

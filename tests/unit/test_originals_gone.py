@@ -1,0 +1,114 @@
+"""What the agent recorded of a cgroup's values before it changed them (for `nodeagent
+release`) goes when the cgroup goes: a removed container, or a removed pod with its
+containers, is forgotten at the next tick, in memory and in the state file. Before, only a
+cgroup the sensor found vanished mid-read was forgotten; one removed between two ticks (as
+inotify reports nearly all removals) stayed until the next restart, so that on a node with
+churn the record and the state file saved every tick grew without end (`bench churn`: RSS
++24% in 10 minutes; a fixture churn of 2,550 cgroups kept 4,080 records).
+
+The agent runs its real tick over a fixture tree laid out as the kubelet's cgroupfs driver
+lays out pods, with a rule capping each container's CPU.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from builders import CID, CID2, POD_UID
+
+from nodeagent import state
+from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.cgroupfs.values import Attribute
+from nodeagent.daemon import Agent, open_agent
+from nodeagent.originals import Originals
+from nodeagent.ownership import WriteMode
+from nodeagent.policyfile.model import PolicySpec
+
+FILES = {
+    "cgroup.procs": "",
+    "cgroup.events": "populated 1\nfrozen 0\n",
+    "cpu.stat": "usage_usec 100\nuser_usec 60\nsystem_usec 40\n",
+    "cpu.weight": "100\n",
+    "cpu.max": "max 100000\n",
+    "memory.current": "4096\n",
+    "memory.max": "max\n",
+}
+POD = f"kubepods/burstable/pod{POD_UID}"
+POD2 = "kubepods/burstable/pod0c5d8e2a-7b3f-4a1e-9d6c-5f4e3d2c1b0a"
+CONTAINERS = [f"{POD}/{CID}", f"{POD}/{CID2}"]
+OTHER = f"{POD2}/{'ab' * 32}"
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Agent:
+    for path in ["kubepods", "kubepods/burstable", POD, POD2, *CONTAINERS, OTHER]:
+        d = tmp_path / "cgroup" / path
+        d.mkdir(parents=True, exist_ok=True)
+        for name, text in FILES.items():
+            (d / name).write_text(text)
+    spec = PolicySpec.model_validate(
+        {
+            "version": 1,
+            "agent": {"state_file": str(tmp_path / "state.json")},
+            "tenants": {"a": {"shares": 1}},
+            "rules": [
+                {"name": "cap", "match": {"kind": "container"}, "tenant": "a",
+                 "limits": {"cpu_max": 1}},
+            ],
+        }
+    )  # fmt: skip
+    a = open_agent(spec, CgroupTree(str(tmp_path / "cgroup")))
+    a.registry.resync()
+    return a
+
+
+def recorded(a: Agent) -> set[str]:
+    return {p for p, attribute, _ in a.originals.items() if attribute is Attribute.CPU_MAX}
+
+
+def saved(tmp_path: Path) -> set[str]:
+    loaded = state.load(str(tmp_path / "state.json"))
+    assert loaded is not None
+    return set(loaded.originals)
+
+
+def test_a_container_removed_between_ticks_is_forgotten(agent: Agent, tmp_path: Path) -> None:
+    agent.tick()
+    assert recorded(agent) == {*CONTAINERS, OTHER}
+    shutil.rmtree(Path(agent.tree.root, CONTAINERS[1]))  # the runtime removed it
+    agent.registry.resync()  # as inotify's event or the periodic rescan tells the loop
+    agent.tick()
+    assert recorded(agent) == {CONTAINERS[0], OTHER}
+    agent.rec.saver.save()
+    assert CONTAINERS[1] not in saved(tmp_path)
+
+
+def test_a_removed_pod_takes_its_containers_with_it(agent: Agent, tmp_path: Path) -> None:
+    agent.tick()
+    shutil.rmtree(Path(agent.tree.root, POD))
+    agent.registry._deleted(POD)  # the one event inotify gives for the pod's directory
+    agent.tick()
+    assert recorded(agent) == {OTHER}
+
+
+def test_a_workload_a_scan_misses_but_that_is_still_there_keeps_its_record(
+    agent: Agent,
+) -> None:
+    """A scan can leave out a cgroup that still exists (a budget reached, a directory it
+    could not read): what the agent changed there must still be handed back."""
+    agent.tick()
+    agent.registry.gone.append(OTHER)
+    agent.tick()
+    assert OTHER in recorded(agent)
+
+
+def test_forget_below_takes_the_path_and_what_is_below_it_only() -> None:
+    o = Originals()
+    for path in ["a", "a/b", "a/b/c", "ab", "x/a"]:
+        o.note(path, Attribute.CPU_MAX, "max 100000", "50000 100000", WriteMode.DIRECT)
+    o.forget_below(["a/b", "nothing/here"])
+    assert [p for p, _, _ in o.items()] == ["a", "ab", "x/a"]
+    o.forget_below([])
+    assert len(o) == 3
