@@ -81,13 +81,23 @@ class Originals:
     def forget_below(self, roots: Iterable[str]) -> None:
         """Cgroups removed with everything below them (a pod's directory takes its
         containers): nothing of theirs can be handed back, and a busy node's churn must not
-        grow the record, nor the state file that saves it, without end."""
+        grow the record, nor the state file that saves it, without end. Kept: what was set
+        on a service through systemd, which holds the unit's properties across the restarts
+        that remove and make its cgroup again (a scope or a slice ends with its cgroup)."""
         gone = set(roots)
         if not gone:
             return
         with self._lock:
             for path in [p for p in self._by_path if _below(p, gone)]:
-                del self._by_path[path]
+                kept = {
+                    a: o
+                    for a, o in self._by_path[path].items()
+                    if o.via is WriteMode.SYSTEMD and path.endswith(".service")
+                }
+                if kept:
+                    self._by_path[path] = kept
+                else:
+                    del self._by_path[path]
 
     def items(self) -> list[tuple[str, Attribute, Original]]:
         with self._lock:

@@ -112,3 +112,17 @@ def test_forget_below_takes_the_path_and_what_is_below_it_only() -> None:
     assert [p for p, _, _ in o.items()] == ["a", "ab", "x/a"]
     o.forget_below([])
     assert len(o) == 3
+
+
+def test_what_systemd_holds_for_a_service_outlives_its_cgroup() -> None:
+    """A service's restart removes its cgroup and makes it again, and systemd sets the
+    properties nodeagent gave the unit on the new one: forgetting their originals would
+    leave `release` nothing to hand back. A scope (a container of the systemd driver) or a
+    slice ends with its cgroup: forgotten."""
+    o = Originals()
+    service, scope = "system.slice/web.service", "system.slice/docker-1234.scope"
+    for path in (service, scope):
+        o.note(path, Attribute.CPU_MAX, "max 100000", "50000 100000", WriteMode.SYSTEMD)
+    o.note(service, Attribute.MEMORY_MAX, "max", "1073741824", WriteMode.DIRECT)
+    o.forget_below(["system.slice/web.service", scope])
+    assert [(p, a) for p, a, _ in o.items()] == [(service, Attribute.CPU_MAX)]
