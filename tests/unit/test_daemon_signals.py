@@ -70,10 +70,14 @@ class Child:
         )
         self.lines: list[str] = []
         self.stderr: list[str] = []
+        self.readers: list[threading.Thread] = []
         assert self.proc.stdout is not None
-        threading.Thread(
-            target=self._collect, args=(self.proc.stdout, self.lines), daemon=True
-        ).start()
+        self._read(self.proc.stdout, self.lines)
+
+    def _read(self, stream: object, into: list[str]) -> None:
+        reader = threading.Thread(target=self._collect, args=(stream, into), daemon=True)
+        reader.start()
+        self.readers.append(reader)
 
     @staticmethod
     def _collect(stream: object, into: list[str]) -> None:
@@ -82,9 +86,7 @@ class Child:
 
     def drain_stderr(self) -> None:
         assert self.proc.stderr is not None
-        threading.Thread(
-            target=self._collect, args=(self.proc.stderr, self.stderr), daemon=True
-        ).start()
+        self._read(self.proc.stderr, self.stderr)
 
     def ticks(self) -> int:
         return sum(1 for line in self.lines if line.startswith("tick "))
@@ -109,8 +111,13 @@ class Child:
                 seen, since = self.ticks(), time.monotonic()
 
     def exits_within(self, seconds: float) -> int:
+        """Its exit status, once what it wrote has been read to the end (the readers can
+        lag behind its exit on a busy host: a last line not yet read is not a lost one)."""
         try:
-            return self.proc.wait(timeout=seconds)
+            status = self.proc.wait(timeout=seconds)
+            for reader in self.readers:
+                reader.join(timeout=seconds)
+            return status
         except subprocess.TimeoutExpired:
             stack = Path(f"/proc/{self.proc.pid}/wchan")
             where = stack.read_text() if stack.exists() else "?"
