@@ -31,7 +31,14 @@ import structlog
 from nodeagent.cgroupfs import parse
 from nodeagent.cgroupfs.tree import AuditFn, CgroupDir, CgroupTree, CgroupVanished
 from nodeagent.cgroupfs.unitprops import unit_properties
-from nodeagent.cgroupfs.values import Attribute, Frozen, MemoryLimit, Value, is_looser
+from nodeagent.cgroupfs.values import (
+    Attribute,
+    Frozen,
+    MemoryLimit,
+    Value,
+    is_idle_weight,
+    is_looser,
+)
 from nodeagent.errors import NodeagentError, one_line
 from nodeagent.logs import audit_event
 from nodeagent.ownership import WriteMode, read_only_reason
@@ -51,6 +58,9 @@ class Outcome(enum.StrEnum):
     VANISHED = "vanished"
     UNREACHABLE = "unreachable"
     FAILED = "failed"
+
+
+IDLE = "cpu.idle is set (systemd's CPUWeight=idle): the kernel refuses it another weight"
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +186,7 @@ class Executor:
                 raise NoBus("no D-Bus client configured")
             unit = self._verified.unit(d, self.units)
             if isinstance(unit, str):
-                properties = self._systemd.properties(path, self._usage(d))
+                properties = self._systemd.properties(path, self._usage(d), self._idle(d))
                 self.units.set_unit_properties(unit, properties)
         except NoBus as e:
             outcome = self._no_bus(path, str(e))
@@ -218,6 +228,10 @@ class Executor:
             return None
         return WriteResult(path, Attribute.CPU_WEIGHT, None, "", "", Outcome.READ_ONLY, why)
 
+    def _idle(self, d: CgroupDir) -> bool:
+        text = d.read_optional(Attribute.CPU_WEIGHT)
+        return text is not None and is_idle_weight(text)
+
     def _usage(self, d: CgroupDir) -> int | None:
         text = d.read_optional("memory.current")
         return None if text is None else parse.single_int(text)
@@ -249,6 +263,8 @@ class Executor:
         old = text.strip()
         if old == new:
             return WriteResult(d.path, p.attribute, old, new, reason, Outcome.UNCHANGED)
+        if p.attribute is Attribute.CPU_WEIGHT and is_idle_weight(old):
+            return WriteResult(d.path, p.attribute, old, new, reason, Outcome.READ_ONLY, IDLE)
         d.write(p.attribute, new)
         self.audit(self.tree.path_of(d.path) + "/" + p.attribute, p.attribute, old, new, reason)
         return WriteResult(d.path, p.attribute, old, new, reason, Outcome.WRITTEN)
@@ -275,13 +291,14 @@ class _UnitWrites:
     def owns(self, path: str) -> bool:
         return path in self.plans
 
-    def properties(self, path: str, usage: int | None) -> dict[str, int]:
+    def properties(self, path: str, usage: int | None, idle: bool) -> dict[str, int]:
         """Every attribute the plan holds for the cgroup, as unit properties: systemd resets
         any it is not given to the unit's own value. A memory.max that must wait for
-        reclaim keeps the kernel's value meanwhile."""
+        reclaim keeps the kernel's value meanwhile. A unit made idle (`idle`: CPUWeight=idle)
+        keeps it: a weight set on it would end its idleness."""
         out: dict[str, int] = {}
         for attr, target in self.plans[path].targets.items():
-            if attr is Attribute.FREEZE:
+            if attr is Attribute.FREEZE or (attr is Attribute.CPU_WEIGHT and idle):
                 continue
             value = target.value
             if (

@@ -35,6 +35,10 @@ class CgroupSample:
     """Threads in the cgroup (cgroup.threads), read for deadline jobs only: a job cannot
     use more CPUs than it has threads."""
     settings: Mapping[Attribute, Value] = field(default_factory=dict)
+    cpu_idle: bool = False
+    """cpu.idle is set (systemd's CPUWeight=idle): the kernel shows its cpu.weight as 0 and
+    refuses any other with EINVAL, so the weight is not among `settings` and is not
+    planned; its other files are managed as any cgroup's."""
 
 
 @dataclass(frozen=True, slots=True)

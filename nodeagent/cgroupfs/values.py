@@ -48,6 +48,12 @@ class CpuWeight:
         return False
 
 
+def is_idle_weight(text: str) -> bool:
+    """cpu.weight reads 0 only where cpu.idle is set (systemd's CPUWeight=idle; writes take
+    1..10000, and the kernel refuses them while the group is idle)."""
+    return text.strip() == "0"
+
+
 @dataclass(frozen=True, slots=True)
 class CpuMax:
     """A bandwidth limit: `quota_us` of CPU time per `period_us`; quota None means 'max'."""

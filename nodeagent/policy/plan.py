@@ -141,7 +141,8 @@ def make_plan(
         assignments = {p: a for p, a in assignments.items() if p in sensed}
     usage = history.advance(previous_usage, snapshot, assignments, spec.fair_share.half_life)
     usage = {t: u for t, u in usage.items() if t in spec.tenants}  # a reload may drop tenants
-    merged = _Merge({i.path for i in identities})
+    idle = {w.path for w in (*snapshot.workloads, *snapshot.levels) if w.sample.cpu_idle}
+    merged = _Merge({i.path for i in identities}, idle)
     earlier: list[Output] = []
     for policy in policies:
         given = PolicyInput(snapshot, spec, assignments, usage, tuple(earlier), carried or {})
@@ -189,7 +190,9 @@ def make_plan(
 class _Merge:
     """Accumulates the policies' outputs into per-cgroup targets, traces and notes."""
 
-    def __init__(self, paths: set[str]) -> None:
+    def __init__(self, paths: set[str], idle: set[str]) -> None:
+        self.idle = idle
+        """Cgroups with cpu.idle set: the kernel refuses them a weight."""
         self.targets: dict[str, dict[Attribute, Target]] = {p: {} for p in paths}
         self.traces: dict[str, list[str]] = {p: [] for p in paths}
         self.skipped: dict[str, str] = {}
@@ -217,6 +220,14 @@ class _Merge:
         elif isinstance(o, Note):
             self.notes.append(o)
             self.traces[o.path].append(f"{o.policy}: {o.message}")
+        elif (
+            isinstance(o, Decision) and o.attribute is Attribute.CPU_WEIGHT and o.path in self.idle
+        ):
+            self.traces[o.path].append(
+                f"{o.policy}'s cpu.weight {o.value.render()} is not planned: cpu.idle is set"
+                " (systemd's CPUWeight=idle), so the kernel gives it the idle weight and"
+                " refuses another"
+            )
         elif isinstance(o, Decision):
             earlier = self.targets[o.path].get(o.attribute)
             if earlier is not None and binds(o.attribute, earlier.value, o.value):

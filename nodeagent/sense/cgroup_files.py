@@ -10,7 +10,14 @@ from typing import TypeVar, cast
 
 from nodeagent.cgroupfs import parse
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupReadError, CgroupTree, CgroupVanished, KeptDir
-from nodeagent.cgroupfs.values import Attribute, CpuWeight, Frozen, MemoryLimit, Value
+from nodeagent.cgroupfs.values import (
+    Attribute,
+    CpuWeight,
+    Frozen,
+    MemoryLimit,
+    Value,
+    is_idle_weight,
+)
 from nodeagent.errors import one_line
 from nodeagent.snapshot import NO_NEEDS, CgroupSample, Needs
 
@@ -127,9 +134,12 @@ def read_sample(
     cpu = counter("cpu.stat", parse.flat_keyed) or {}
     anon, file = counter("memory.stat", parse.anon_file) or (None, None)
     settings: dict[Attribute, Value] = {}
-    weight = get(Attribute.CPU_WEIGHT, lambda text: CpuWeight(parse.single_int(text)))
-    if weight is not None:
-        settings[Attribute.CPU_WEIGHT] = weight
+    weight_text = d.read_optional(Attribute.CPU_WEIGHT)
+    idle = weight_text is not None and is_idle_weight(weight_text)
+    if weight_text is not None and not idle:
+        settings[Attribute.CPU_WEIGHT] = _parsed(
+            d, Attribute.CPU_WEIGHT, weight_text, _weight, memo
+        )
     cpu_max = get(Attribute.CPU_MAX, parse.cpu_max)
     if cpu_max is not None:
         settings[Attribute.CPU_MAX] = cpu_max
@@ -157,7 +167,12 @@ def read_sample(
         memory_psi=_pressure(d, "memory.pressure"),
         threads=_threads(d) if threads else None,
         settings=settings,
+        cpu_idle=idle,
     )
+
+
+def _weight(text: str) -> CpuWeight:
+    return CpuWeight(parse.single_int(text))
 
 
 def _threads(d: CgroupDir) -> int | None:
@@ -232,6 +247,7 @@ def _lean(
         memory_psi=k.memory_psi,
         threads=threads if needs.threads else k.threads,
         settings=k.settings,
+        cpu_idle=k.cpu_idle,
     )
 
 

@@ -10,7 +10,7 @@ from typing import NamedTuple, TypeVar
 
 from nodeagent.cgroupfs import parse
 from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished, KeptDir
-from nodeagent.cgroupfs.values import Attribute, CpuWeight, Value
+from nodeagent.cgroupfs.values import Attribute, CpuWeight, Value, is_idle_weight
 from nodeagent.errors import one_line
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.sense.cgroup_files import (
@@ -301,14 +301,15 @@ class Sensor:
             try:
                 with self.tree.open(identity.path) as d:
                     text = d.read_optional(Attribute.CPU_WEIGHT)
-                    weight = None if text is None else CpuWeight(parse.single_int(text))
+                    idle = text is not None and is_idle_weight(text)
+                    weight = None if text is None or idle else CpuWeight(parse.single_int(text))
             except CgroupVanished:
                 continue
             except Exception as e:  # unreadable: not weighted this tick, said once
                 skipped.append(Skipped(identity, "sense", one_line(e)))
                 continue
             settings = {} if weight is None else {Attribute.CPU_WEIGHT: weight}
-            out.append(WorkloadState(identity, CgroupSample(settings=settings)))
+            out.append(WorkloadState(identity, CgroupSample(settings=settings, cpu_idle=idle)))
         return tuple(out)
 
 
