@@ -238,7 +238,7 @@ def test_a_symlinked_workload_directory_is_not_followed(
 # Interface files with unexpected content: each a job of its own, one file replaced.
 GARBAGE: dict[str, bytes] = {
     "cpu.max": b"lots 100000\n",
-    "cpu.weight": b"0\n",
+    "cpu.weight": b"10001\n",
     "memory.max": b"-5\n",
     "memory.high": b"12ab\n",
     "cgroup.events": b"populated maybe\n",
