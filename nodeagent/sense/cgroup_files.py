@@ -135,11 +135,14 @@ def read_sample(
     anon, file = counter("memory.stat", parse.anon_file) or (None, None)
     settings: dict[Attribute, Value] = {}
     weight_text = d.read_optional(Attribute.CPU_WEIGHT)
-    idle = weight_text is not None and is_idle_weight(weight_text)
-    if weight_text is not None and not idle:
-        settings[Attribute.CPU_WEIGHT] = _parsed(
-            d, Attribute.CPU_WEIGHT, weight_text, _weight, memo
-        )
+    weight = (
+        None
+        if weight_text is None
+        else _parsed(d, Attribute.CPU_WEIGHT, weight_text, weight_or_idle, memo)
+    )
+    idle = weight_text is not None and weight is None
+    if weight is not None:
+        settings[Attribute.CPU_WEIGHT] = weight
     cpu_max = get(Attribute.CPU_MAX, parse.cpu_max)
     if cpu_max is not None:
         settings[Attribute.CPU_MAX] = cpu_max
@@ -171,8 +174,9 @@ def read_sample(
     )
 
 
-def _weight(text: str) -> CpuWeight:
-    return CpuWeight(parse.single_int(text))
+def weight_or_idle(text: str) -> CpuWeight | None:
+    """What cpu.weight holds; None where cpu.idle is set (it reads 0, and no weight is set)."""
+    return None if is_idle_weight(text) else CpuWeight(parse.single_int(text))
 
 
 def _threads(d: CgroupDir) -> int | None:

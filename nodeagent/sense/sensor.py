@@ -8,9 +8,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import NamedTuple, TypeVar
 
-from nodeagent.cgroupfs import parse
 from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished, KeptDir
-from nodeagent.cgroupfs.values import Attribute, CpuWeight, Value, is_idle_weight
+from nodeagent.cgroupfs.values import Attribute, Value
 from nodeagent.errors import one_line
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.sense.cgroup_files import (
@@ -20,6 +19,7 @@ from nodeagent.sense.cgroup_files import (
     Needs,
     read_lean,
     read_sample,
+    weight_or_idle,
 )
 from nodeagent.sense.node import NodeSensor
 from nodeagent.snapshot import CgroupSample, NodeSnapshot, Skipped, WorkloadState
@@ -301,14 +301,14 @@ class Sensor:
             try:
                 with self.tree.open(identity.path) as d:
                     text = d.read_optional(Attribute.CPU_WEIGHT)
-                    idle = text is not None and is_idle_weight(text)
-                    weight = None if text is None or idle else CpuWeight(parse.single_int(text))
+                    weight = None if text is None else weight_or_idle(text)
             except CgroupVanished:
                 continue
             except Exception as e:  # unreadable: not weighted this tick, said once
                 skipped.append(Skipped(identity, "sense", one_line(e)))
                 continue
             settings = {} if weight is None else {Attribute.CPU_WEIGHT: weight}
+            idle = text is not None and weight is None
             out.append(WorkloadState(identity, CgroupSample(settings=settings, cpu_idle=idle)))
         return tuple(out)
 
