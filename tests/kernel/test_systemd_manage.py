@@ -76,6 +76,41 @@ def test_a_docker_scope_is_managed_through_systemd(
         host.systemctl("stop", unit, check=False)
 
 
+def test_a_scope_made_idle_gets_its_limits_and_stays_idle(
+    systemd_host: SystemdHost, tmp_path: Path
+) -> None:
+    """CPUWeight=idle: systemd sets cpu.idle, the kernel then shows the weight as 0 and
+    refuses another. The agent sets the scope's other properties and no CPUWeight (which
+    would end the idleness), and finds nothing left to write at the next tick."""
+    host = systemd_host
+    unit = f"docker-{secrets.token_hex(32)}.scope"
+    scope = host.start_scope(unit)
+    try:
+        host.systemctl("set-property", "--runtime", unit, "CPUWeight=idle")
+        assert read(scope, "cpu.idle") == "1" and read(scope, "cpu.weight") == "0"
+        policy = spec(
+            "nodeagent.slice",
+            tmp_path,
+            fair_share={"active_threshold": 0},
+            tenants={"a": {"shares": 1}},
+            rules=[{"name": "docker", "match": {"runtime": "docker"}, "tenant": "a",
+                    "limits": {"memory_max": "256Mi"}}],
+        )  # fmt: skip
+        agent = open_agent(policy, CgroupTree(str(host.cgroup)))
+        agent.executor.units = Systemd(bus_address=host.system_bus_address, timeout=30)
+        agent.prepare()
+        record = agent.tick()
+        assert not [s for s in record.snapshot.skipped if s.path.endswith(unit)]
+        mine = [r for r in record.results if r.path.endswith(unit)]
+        assert {r.attribute: r.outcome for r in mine}[Attribute.MEMORY_MAX] is Outcome.WRITTEN
+        assert not [r for r in mine if r.outcome is Outcome.FAILED], mine
+        assert read(scope, "memory.max") == str(256 * MIB)
+        assert read(scope, "cpu.idle") == "1" and read(scope, "cpu.weight") == "0"
+        assert not [r for r in agent.tick().results if r.path.endswith(unit)]
+    finally:
+        host.systemctl("stop", unit, check=False)
+
+
 class RecordingSystemd(Systemd):
     """The real adapter, noting which unit each cgroup was given and what was written."""
 
