@@ -207,22 +207,25 @@ def test_a_failure_is_logged_once_and_again_only_when_it_changes_or_returns(
 
     monkeypatch.setattr(backend, "set_power_limit", flaky)
 
-    def failures(ticks: int) -> list[tuple[str, int, str]]:
+    def ticks(n: int) -> tuple[list[tuple[str, int | None, int, int]], list[tuple[str, int, str]]]:
+        """n ticks: the limits set (gpu.power_limit) and the failures logged."""
         with capture_logs() as logs:
-            for _ in range(ticks):
+            for _ in range(n):
                 d.agent.tick()
-        assert power_events(logs) == [] or not failing
-        return [
+        failed = [
             (e["gpu"], e["target_mw"], e["error"]) for e in logs if e["event"] == "gpu.power_failed"
         ]
+        return power_events(logs), failed
 
-    assert failures(3) == [(gpu, 300_000, failing[0])]
-    assert limits(d)[gpu] == 700_000, "tried again every tick, and logged once"
-    failing[0] = "GPU 0: setting the power limit: GPU is lost"
-    assert failures(2) == [(gpu, 300_000, failing[0])]
+    refused = failing[0]
+    assert ticks(3) == ([], [(gpu, 300_000, refused)]), "tried every tick, logged once"
+    assert limits(d)[gpu] == 700_000
+    failing[0] = lost = "GPU 0: setting the power limit: GPU is lost"
+    assert ticks(2) == ([], [(gpu, 300_000, lost)]), "a new error is news"
     failing.clear()
-    assert failures(1) == []
+    assert ticks(1) == ([(gpu, 700_000, 300_000, 300_000)], []), "set at last, and audited"
     assert limits(d)[gpu] == 300_000
     d.call(ROOT, "DELETE", "/v1/gpus/reservations", {"name": "train"})
-    failing.append("GPU 0: setting the power limit: GPU is lost")  # as before the success
-    assert failures(2) == [(gpu, 700_000, failing[0])], "a failure after a success is news"
+    failing.append(lost)  # the same error as before the success
+    assert ticks(2) == ([], [(gpu, 700_000, lost)]), "a failure after a success is news"
+    assert limits(d)[gpu] == 300_000
