@@ -42,7 +42,7 @@ from nodeagent.cgroupfs.values import (
 from nodeagent.errors import NodeagentError, one_line
 from nodeagent.logs import audit_event
 from nodeagent.ownership import WriteMode, read_only_reason
-from nodeagent.policy.plan import Plan, Target
+from nodeagent.policy.plan import CgroupPlan, Plan, Target
 from nodeagent.policyfile.model import WithoutBus
 from nodeagent.sdbus import NoBus, NotTheUnit
 from nodeagent.snapshot import NodeSnapshot
@@ -115,6 +115,8 @@ class Executor:
         self._bus_down: str | None = None
         """Why D-Bus could not be reached, while it cannot; logged once per outage."""
         self._verified = _VerifiedUnits(tree)
+        self._unthawed: list[CgroupPlan] = []
+        """Thaws outside the plan's workloads that did not land (`_thaws`)."""
 
     def apply(
         self, plan: Plan, snapshot: NodeSnapshot, only: Collection[str] | None = None
@@ -122,12 +124,12 @@ class Executor:
         """`only`: the cgroups to compare (those read afresh when the plan has not
         changed); all of them by default."""
         current = {w.path: w.sample.settings for w in (*snapshot.workloads, *snapshot.levels)}
-        self._systemd = _UnitWrites(plan, current)
+        thaws = self._thaws(plan, current)
+        compared = [cg for cg in plan.cgroups if only is None or cg.path in only]
+        self._systemd = _UnitWrites((*plan.cgroups, *thaws), current)
         results: list[WriteResult] = []
         pending: list[_Pending] = []
-        for cg in plan.cgroups:
-            if only is not None and cg.path not in only:
-                continue
+        for cg in (*compared, *thaws):
             settings = current.get(cg.path, {})
             for attr, target in cg.targets.items():
                 now = settings.get(attr)
@@ -153,7 +155,23 @@ class Executor:
                 results.append(_result(p, Outcome.DRY_RUN))
                 continue
             results.append(self._apply_one(p))
+        again = {r.path for r in results if r.outcome in (Outcome.FAILED, Outcome.READ_ONLY)}
+        self._unthawed = [
+            cg for cg in thaws if cg.path in again and _writable(cg.write, Attribute.FREEZE)
+        ]
         return results
+
+    def _thaws(
+        self, plan: Plan, current: Mapping[str, Mapping[Attribute, Value]]
+    ) -> list[CgroupPlan]:
+        """The plan's thaws of cgroups outside its workloads (`Plan.thaws`: frozen by the
+        agent, no longer planned), and those an earlier apply could not write (a refused
+        write, D-Bus down): tried at every apply until they land or the cgroup is gone,
+        since no policy remembers them. Their value is not known (they are not sensed):
+        each is read, and written only if frozen. One back among the workloads is the
+        policies' again."""
+        thaws = {cg.path: cg for cg in (*self._unthawed, *plan.thaws)}
+        return [cg for path, cg in thaws.items() if path not in current]
 
     def _apply_one(self, p: _Pending) -> WriteResult:
         try:
@@ -181,13 +199,15 @@ class Executor:
         if path in self._systemd.units:
             return self._systemd.units[path]
         outcome: str | WriteResult | None
+        properties: dict[str, int] = {}
         try:
             if self.units is None:
                 raise NoBus("no D-Bus client configured")
             unit = self._verified.unit(d, self.units)
             if isinstance(unit, str):
                 properties = self._systemd.properties(path, self._usage(d), self._idle(d))
-                self.units.set_unit_properties(unit, properties)
+                if properties:  # none for a thaw alone: nothing to set
+                    self.units.set_unit_properties(unit, properties)
         except NoBus as e:
             outcome = self._no_bus(path, str(e))
         except NodeagentError as e:
@@ -202,13 +222,14 @@ class Executor:
                     path, Attribute.CPU_WEIGHT, None, "", "", Outcome.READ_ONLY, why
                 )
             else:
-                audit_event(
-                    "systemd.set_properties",
-                    unit=unit,
-                    cgroup=path,
-                    properties=properties,
-                    reason="set on the unit before its files, as runc does",
-                )
+                if properties:
+                    audit_event(
+                        "systemd.set_properties",
+                        unit=unit,
+                        cgroup=path,
+                        properties=properties,
+                        reason="set on the unit before its files, as runc does",
+                    )
                 outcome = unit
         self._systemd.units[path] = outcome
         return outcome
@@ -241,8 +262,13 @@ class Executor:
         new, reason = p.target.render(), f"{p.target.reason} (through systemd, unit {unit})"
         if p.attribute is Attribute.FREEZE:
             assert isinstance(p.target.value, Frozen)
-            self.units.freeze_unit(unit, p.target.value.frozen)  # type: ignore[union-attr]
             old = None if p.current is None else p.current.render()
+            if old is None:  # not sensed (a thaw outside the workloads): its file says
+                text = d.read_optional(p.attribute)
+                old = None if text is None else text.strip()
+                if old == new:
+                    return WriteResult(d.path, p.attribute, old, new, reason, Outcome.UNCHANGED)
+            self.units.freeze_unit(unit, p.target.value.frozen)  # type: ignore[union-attr]
             self.audit(self.tree.path_of(d.path) + "/" + p.attribute, p.attribute, old, new, reason)
             return WriteResult(d.path, p.attribute, old, new, reason, Outcome.WRITTEN)
         result = self._write(d, replace(p, target=replace(p.target, reason=reason)))
@@ -283,8 +309,10 @@ class Executor:
 class _UnitWrites:
     """One tick's systemd cgroups: their properties, and each unit once set."""
 
-    def __init__(self, plan: Plan, current: Mapping[str, Mapping[Attribute, Value]]) -> None:
-        self.plans = {cg.path: cg for cg in plan.cgroups if cg.write is WriteMode.SYSTEMD}
+    def __init__(
+        self, cgroups: Sequence[CgroupPlan], current: Mapping[str, Mapping[Attribute, Value]]
+    ) -> None:
+        self.plans = {cg.path: cg for cg in cgroups if cg.write is WriteMode.SYSTEMD}
         self.current = current
         self.units: dict[str, str | WriteResult | None] = {}
 

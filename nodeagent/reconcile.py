@@ -266,7 +266,8 @@ class Reconciler:
         if written:
             targets = {c.path: c.targets for c in plan.cgroups}
             for r in written:
-                self.sensor.learn(r.path, r.attribute, targets[r.path][r.attribute].value)
+                if r.path in targets:  # not a thaw outside the workloads (not sensed)
+                    self.sensor.learn(r.path, r.attribute, targets[r.path][r.attribute].value)
         self.feedback = Feedback(
             usage=dict(plan.tenant_usage),
             carry=dict(plan.carry),

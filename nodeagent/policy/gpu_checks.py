@@ -5,7 +5,11 @@ is (inside) a holder's cgroup but runs on a GPU that holder does not hold, or wh
 cgroup holds nothing at all, is a violation: reported as a note (shown by
 `nodeagent gpus`, written to the audit log when it starts), and with
 `gpu.on_violation: freeze` the managed workload it belongs to is frozen until the
-process is gone from the GPU, then thawed. A reservation not yet bound to its container
+process is gone from the GPU, then thawed. A frozen workload the agent no longer plans
+(a reload unclaimed it, it was renamed or removed) is thawed at once where it still exists,
+and forgotten; one the sensor could not read this tick is left frozen and remembered until
+it is read again (nothing is known of it: thawing it would let it run on GPUs it does not
+hold until the next tick froze it again). A reservation not yet bound to its container
 (the one it names, which the daemon binds once discovery shows it) covers nobody: any
 process on its GPUs is a violation.
 """
@@ -90,14 +94,19 @@ class GpuChecks(Policy):
                     "frozen while a process of it uses GPUs it does not hold",
                 )
             )  # fmt: skip
-        kernel = {w.path: w.sample.settings.get(Attribute.FREEZE) for w in given.snapshot.workloads}
+        snapshot = given.snapshot
+        kernel = {w.path: w.sample.settings.get(Attribute.FREEZE) for w in snapshot.workloads}
+        unread = {s.path for s in snapshot.skipped}
+        kept = [p for p in was_frozen if p in unread]  # left as they are, and remembered
         thaw = [p for p in was_frozen if p not in frozen and kernel.get(p) == Frozen(True)]
-        for path in thaw:
-            out.append(
-                Decision(
-                    path, Attribute.FREEZE, Frozen(False), self.name,
-                    "thawed: it no longer uses GPUs it does not hold",
-                )
-            )  # fmt: skip
-        out.append(Carry(self.name, {"frozen": sorted(frozen | set(thaw))}))
+        planned = {*kernel, *unread, *snapshot.vanished}  # this tick's workloads, or removed
+        elsewhere = [p for p in was_frozen if p not in planned]  # thawed, then forgotten
+        for path in (*thaw, *elsewhere):
+            why = (
+                "it no longer uses GPUs it does not hold"
+                if path in kernel
+                else "no longer a workload the agent plans (unclaimed, or gone)"
+            )
+            out.append(Decision(path, Attribute.FREEZE, Frozen(False), self.name, f"thawed: {why}"))
+        out.append(Carry(self.name, {"frozen": sorted({*frozen, *thaw, *kept})}))
         return out

@@ -8,7 +8,10 @@ frozen if any policy freezes it, and otherwise the later policy wins; the trace 
 policy that binds.
 
 Only the workloads in the snapshot are planned: a cgroup that vanished or could
-not be read since discovery is simply absent. A cgroup a policy cannot plan is
+not be read since discovery is simply absent. One exception: a thaw of a cgroup outside
+them (a policy froze it, and no longer claims or sees it: a reload unclaimed it, it was
+renamed or removed) is planned apart (`Plan.thaws`), written as its layout says the agent
+may write it, so that no freeze outlives the agent's claim. A cgroup a policy cannot plan is
 marked skipped and gets no targets; a policy that fails as a whole is left out
 of this tick and named in `Plan.problems`. Either way the rest is planned.
 
@@ -26,9 +29,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from nodeagent.cgroupfs.unitprops import systemd_value
-from nodeagent.cgroupfs.values import Attribute, Value
+from nodeagent.cgroupfs.values import Attribute, Frozen, Value
 from nodeagent.identity import WorkloadIdentity
-from nodeagent.ownership import WriteMode, write_mode
+from nodeagent.ownership import WriteMode, parent_identity, write_mode
 from nodeagent.policy import history
 from nodeagent.policy.base import (
     Assignment,
@@ -116,6 +119,9 @@ class Plan:
     cpu_targets: Mapping[str, CpuTarget] = field(default_factory=dict)
     """The CPU each workload with a floor or a share is meant to get, which its weight
     follows, as CpuWeights said it: the metrics' target shares."""
+    thaws: tuple[CgroupPlan, ...] = ()
+    """Cgroups outside this tick's workloads that a policy froze and gives back, each with
+    its thaw as its only target (the module's docstring says when)."""
 
     def assignments(self) -> dict[str, Assignment]:
         return {cg.path: cg.assignment for cg in self.cgroups if cg.assignment is not None}
@@ -174,6 +180,7 @@ def make_plan(
         )
         for i in identities
     )
+    thaws = tuple(_thaw(path, t, spec) for path, t in sorted(merged.thaws.items()))
     return Plan(
         snapshot.seq,
         snapshot.wall_time,
@@ -184,6 +191,7 @@ def make_plan(
         merged.carry,
         tuple(merged.devices),
         merged.cpu_targets,
+        thaws,
     )
 
 
@@ -201,6 +209,8 @@ class _Merge:
         self.carry: dict[str, Mapping[str, object]] = {}
         self.devices: list[DeviceDecision] = []
         self.cpu_targets: dict[str, CpuTarget] = {}
+        self.thaws: dict[str, Target] = {}
+        """Thaws of cgroups outside the snapshot (`Plan.thaws`)."""
 
     def add(self, policy: str, o: Output) -> None:
         if isinstance(o, Carry):
@@ -213,6 +223,9 @@ class _Merge:
             self.notes.append(o)
             return
         if o.path not in self.targets:
+            if isinstance(o, Decision) and o.value == Frozen(False):  # a thaw (`Plan.thaws`)
+                self.thaws[o.path] = Target(o.value, o.policy, o.reason)
+                return
             self.problems.append(f"policy {policy} planned {o.path}, which is not sensed")
             return
         if isinstance(o, Skip):
@@ -245,6 +258,16 @@ class _Merge:
             self.cpu_targets[o.path] = o
         elif isinstance(o, Share | Floor):
             self.traces[o.path].extend(f"{o.policy}: {line}" for line in (*o.trace, o.reason))
+
+
+def _thaw(path: str, target: Target, spec: PolicySpec) -> CgroupPlan:
+    """A thaw of a cgroup outside the snapshot, to be written as its layout says the agent
+    may write it (through systemd's ThawUnit for a unit's cgroup, never a read-only one)."""
+    identity = parent_identity(path, spec.agent.managed_root)
+    trace = (f"{target.policy}: {target.reason}",)
+    return CgroupPlan(
+        identity, None, {Attribute.FREEZE: target}, trace, write=write_mode(identity, spec.agent)
+    )
 
 
 def as_written(targets: Mapping[Attribute, Target], mode: WriteMode) -> dict[Attribute, Target]:

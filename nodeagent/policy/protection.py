@@ -23,7 +23,10 @@ how far pressure is over the threshold, and a slow additive release):
 - after `calm_ticks` ticks below half the threshold, frozen cgroups are thawed first,
   last frozen first, one per tick; then caps grow by `release_step` of the usable CPUs
   per tick until they no longer bind, and are lifted (cpu.max back to the static cap or
-  max).
+  max);
+- a frozen cgroup that is no longer a workload (a reload unclaimed it, it was renamed or
+  removed) is thawed at once where it still exists (`Plan.thaws`), and forgotten; one
+  the sensor skipped this tick stays as it is and remembered until it is read again.
 
 The controller's state (caps, counters, frozen cgroups) is carried from tick to tick and
 kept in the state file, so a restart does not release a node under pressure.
@@ -121,7 +124,18 @@ class _Node:
         self.outer = outer_claims(given.assignments)
         """Claimed cgroups with claims below them: capped and frozen through those."""
         self.states = {w.path: w for w in given.snapshot.workloads}
+        self.unread = {s.path for s in given.snapshot.skipped}
+        """Claimed, but skipped by the sensor this tick (a file it could not read)."""
+        self.gone = set(given.snapshot.vanished)
+        """Found removed while sensed: nothing is left to thaw."""
         self.capacity = usable(given)
+
+    def seen(self, path: str) -> bool:
+        """Still a workload: sensed this tick, or claimed but unread. An unread one is left
+        as it is, frozen or not, and remembered: nothing is known of it this tick (as for
+        any skipped cgroup, the plan gives it no targets), and thawing it on one unreadable
+        file would undo a freeze the controller still means, to make it again next tick."""
+        return path in self.states or path in self.unread
 
     def priority(self, path: str) -> int:
         return self.spec.classes[self.classes[path]].priority
@@ -216,7 +230,9 @@ class Protection(Policy):
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         node = _Node(given)
         state = _State.load(given.carried.get(self.name))
-        state.frozen = [p for p in state.frozen if p in node.states]
+        left = [p for p in state.frozen if not node.seen(p)]  # unclaimed, renamed, removed
+        state.frozen = [p for p in state.frozen if node.seen(p)]
+        state.thaw += left
         stalling = node.stalling() if node.settings.enabled else {}
         if not node.settings.enabled:  # give everything back at once
             state.thaw += state.frozen
@@ -367,6 +383,8 @@ class Protection(Policy):
     def _freezes(self, node: _Node, state: _State, stalling: Mapping[str, float]) -> list[Output]:
         out: list[Output] = []
         for path in state.frozen:
+            if path in node.unread:
+                continue  # left as it is (`_Node.seen`)
             out.append(
                 Decision(
                     path,
@@ -381,7 +399,16 @@ class Protection(Policy):
         keep = []
         for path in state.thaw:
             w = node.states.get(path)
-            if w is None or not _frozen_now(w):
+            if path in node.unread:
+                keep.append(path)  # thawed once read again, or once no longer claimed
+                continue
+            if path in node.gone:
+                continue
+            if w is None:  # no longer a workload: thawed where it still exists, forgotten
+                why = "thawed: no longer a workload the agent plans (unclaimed, or gone)"
+                out.append(Decision(path, Attribute.FREEZE, Frozen(False), self.name, why))
+                continue
+            if not _frozen_now(w):
                 continue
             keep.append(path)
             out.append(
