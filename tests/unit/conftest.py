@@ -35,3 +35,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(
             f"fuzzed policies through {check}: {sum(outcomes.values())} ({detail})"
         )
+
+
+FUZZ_TIMEOUT_S = 600
+"""The ceiling of a test marked fuzz, unless it has its own (pyproject.toml gives every other
+unit test 120 s): thousands of policies take minutes on a busy 2-core host."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("fuzz") and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(FUZZ_TIMEOUT_S))
