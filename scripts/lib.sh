@@ -24,7 +24,8 @@
 #   NODEAGENT_VM_CPUS=2           guest CPUs
 #   NODEAGENT_VM_MEMORY=2G        guest memory
 #   NODEAGENT_VM_KERNEL=PATH      kernel image to boot (default: newest /boot/vmlinuz-* with modules)
-#   NODEAGENT_VM_TIMEOUT=3600     seconds before a hung VM is killed
+#   NODEAGENT_VM_TIMEOUT=3600     seconds before a hung VM (or native run) is killed; ./scripts/test
+#                                 sets it to what is left of its deadline
 #
 # CMD always gets NODEAGENT_REAL_KERNEL=1, PYTHONDONTWRITEBYTECODE=1 and .venv/bin first on PATH.
 # In the VM the host's files are shared (same paths) under throwaway writable overlays on /etc,
@@ -146,7 +147,8 @@ _make_venv() {
 _NODEAGENT_LOCK_FD=
 _setup_lock() {
   exec {_NODEAGENT_LOCK_FD}<"$NODEAGENT_ROOT/pyproject.toml" || return 0
-  flock -w 1200 "$_NODEAGENT_LOCK_FD" 2>/dev/null || true # best effort
+  flock -w 1200 "$_NODEAGENT_LOCK_FD" 2>/dev/null ||
+    note "waited 1200 s for the set-up lock (pyproject.toml: another run is installing); going on without it"
 }
 _setup_unlock() {
   [[ -n $_NODEAGENT_LOCK_FD ]] || return 0
@@ -280,8 +282,13 @@ on_cgroup2() {
 
   if [[ ${NODEAGENT_FORCE_VM:-0} != 1 ]] && host_has_cgroup2; then
     ON_CGROUP2_WHERE=natively
-    (cd "$NODEAGENT_ROOT" && eval "$env_setup" && exec bash -c "$cmd")
-    return
+    local native_rc=0
+    (cd "$NODEAGENT_ROOT" && eval "$env_setup" &&
+      exec timeout --kill-after=30 "${NODEAGENT_VM_TIMEOUT:-3600}" bash -c "$cmd") || native_rc=$?
+    if ((native_rc == 124 || native_rc == 137)); then
+      echo "error: the command timed out after ${NODEAGENT_VM_TIMEOUT:-3600}s (NODEAGENT_VM_TIMEOUT)" >&2
+    fi
+    return "$native_rc"
   fi
 
   ensure_vm_tools

@@ -88,6 +88,54 @@ def pytest_runtest_makereport(
         report.longrepr = f"kernel tests must never skip, but this one did: {reason}"
 
 
+# -- ceilings: no test can hang the suite ---------------------------------------------------------
+# pytest-timeout (the signal method, pyproject.toml) fails a test that runs past its ceiling and
+# goes on with the next one; the ceiling covers its setup (a session fixture's start counts
+# against the first test that uses it) and its teardown.
+TEST_TIMEOUT_S = 300
+"""The ceiling of a kernel test without a ``@pytest.mark.timeout(N)`` of its own."""
+LONGEST_TEST_S = 900
+"""No test may cost the suite more: a marker above it is refused at collection."""
+
+
+def _ceil_every_test(items: list[pytest.Item]) -> None:
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        if marker is None:
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
+            continue
+        seconds = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+        if not isinstance(seconds, int | float) or not 0 < seconds <= LONGEST_TEST_S:
+            raise pytest.UsageError(
+                f"{item.nodeid}: timeout {seconds!r}: a kernel test's ceiling must be"
+                f" 1..{LONGEST_TEST_S} s"
+            )
+
+
+# -- progress: where a run got to, for a run killed before it wrote its JUnit report -------------
+# ./scripts/test names the file (NODEAGENT_KERNEL_PROGRESS, in the VM's one writable host
+# directory) and reads it when the VM was killed: scripts/junit_report.py progress.
+_PROGRESS = os.environ.get("NODEAGENT_KERNEL_PROGRESS")
+
+
+def _progress(line: str) -> None:
+    if _PROGRESS:
+        with open(_PROGRESS, "a", encoding="utf-8") as out:
+            out.write(line + "\n")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _progress(f"collected {len(session.items)}")
+
+
+def pytest_runtest_logstart(nodeid: str) -> None:
+    _progress(f"start {time.time():.1f} {nodeid}")
+
+
+def pytest_runtest_logfinish(nodeid: str) -> None:
+    _progress(f"end {nodeid}")
+
+
 def enable_controllers(cgroup: Path, controllers: tuple[str, ...] = REQUIRED_CONTROLLERS) -> None:
     """Enable ``controllers`` in ``cgroup``'s cgroup.subtree_control, where not already enabled."""
     control = cgroup / "cgroup.subtree_control"
@@ -152,7 +200,7 @@ def mounts() -> Iterator[list[Path]]:
     made: list[Path] = []
     yield made
     for target in reversed(made):
-        subprocess.run(["umount", str(target)], check=False)
+        subprocess.run(["umount", str(target)], check=False, timeout=60)
 
 
 @pytest.fixture
@@ -177,6 +225,7 @@ _systemd: dict[str, Any] = {}
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     users = [item for item in items if SYSTEMD_FIXTURE in getattr(item, "fixturenames", ())]
     _systemd["last_user"] = users[-1].nodeid if users else None
+    _ceil_every_test(items)
 
 
 def _stop_systemd() -> None:
@@ -256,4 +305,8 @@ def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
     yield started
     for p in started:
         p.kill()
-        p.wait()
+    for p in started:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"process {p.pid} {p.args!r} still there 30 s after SIGKILL")

@@ -94,18 +94,33 @@ class Daemon:
             self.proc = subprocess.Popen(argv, stderr=out, stdout=out)
 
     def stop(self) -> int:
+        """SIGTERM, then its exit status; fails naming its log if it has not exited in 60 s."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=60)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+            raise AssertionError(
+                f"the daemon did not exit in 60 s after SIGTERM (killed; log: {self.log})"
+            ) from None
 
 
 def wait_for(check: Callable[[], bool], timeout: float, step: float = 0.02) -> bool:
+    """Whether `check` came true within `timeout` seconds (the caller asserts, saying what)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():
             return True
         time.sleep(step)
     return check()
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, step: float = 0.1) -> None:
+    """Return once `check` is true; fail naming `what` and the ceiling when `timeout` passes."""
+    if not wait_for(check, timeout, step):
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 @contextlib.contextmanager
@@ -122,3 +137,4 @@ def running(policy: PolicySpec) -> Iterator[Agent]:
         a.stop.set()
         loop.join(timeout=30)
         server.close()
+    assert not loop.is_alive(), "the agent's loop did not end in 30 s after stop"

@@ -39,7 +39,7 @@ import subprocess
 import tarfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -786,14 +786,6 @@ def started(place: Place, sandbox_root: Path) -> Iterator[Runtimes]:
         yield runtimes
     finally:
         runtimes.stop()
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str, step: float = 0.1) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(step)
 
 
 def remove_shared_dir() -> None:
