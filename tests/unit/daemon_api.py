@@ -1,11 +1,12 @@
 """A daemon on a plain directory tree, called through its routes as several users.
 
 The cgroup root is a plain directory (a stand-in: no kernel here), whose mkdir also makes
-the interface files a job's start writes; /proc for the jobs' pid checks is a plain tree
-of status files; the GPUs are a simulated node (a labelled fake, written per test); the
-callers are Peer records as SO_PEERCRED would give them. Each call goes through the same
-route handler the API server runs, so an error is the Refused (and status) the client
-would get, and anything else would have been a 500.
+the interface files a job's start writes, and whose cgroup.events says whether cgroup.procs
+holds a process, as the kernel's does (so the loop's reaper sees a job end); /proc for the
+jobs' pid checks is a plain tree of status files; the GPUs are a simulated node (a
+labelled fake, written per test); the callers are Peer records as SO_PEERCRED would give
+them. Each call goes through the same route handler the API server runs, so an error is
+the Refused (and status) the client would get, and anything else would have been a 500.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import json
 import os
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from typing import Any
 from nodeagent.api.peer import Peer
 from nodeagent.api.server import Request
 from nodeagent.api.wire import encode
-from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree
 from nodeagent.daemon import Agent, open_agent
 from nodeagent.errors import Refused
 from nodeagent.policyfile.model import PolicySpec
@@ -32,7 +34,7 @@ BOB = Peer(pid=5000, uid=1001, gid=1001, groups=frozenset({1001}))
 CID = "4f1c2a9be7d3" + "0123456789abcdef" * 3 + "0123"
 FILES = {
     "cgroup.procs": "",
-    "cgroup.events": "",
+    "cgroup.events": "populated 0\nfrozen 0\n",  # a new cgroup is empty
     "cpu.weight": "100",
     "cpu.max": "max 100000",
     "memory.current": "0",
@@ -51,6 +53,27 @@ links:
 """
 
 
+def set_populated(cgroup: Path) -> None:
+    """cgroup.events' populated as the kernel keeps it: 1 while cgroup.procs holds a pid."""
+    events = cgroup / "cgroup.events"
+    if events.exists():
+        populated = int(bool((cgroup / "cgroup.procs").read_text().split()))
+        lines = [
+            f"populated {populated}" if line.startswith("populated ") else line
+            for line in events.read_text().splitlines()
+        ]
+        events.write_text("\n".join(lines) + "\n")
+
+
+class FilesDir(CgroupDir):
+    """A cgroup of FilesTree: a pid written to cgroup.procs populates it."""
+
+    def write(self, name: str, value: str) -> None:
+        super().write(name, value)
+        if name == "cgroup.procs":
+            set_populated(Path(f"/proc/self/fd/{self.fd}").resolve())
+
+
 class FilesTree(CgroupTree):
     """A plain directory as the cgroup root: a new cgroup gets the files a job's start
     writes, as the kernel would make them."""
@@ -61,6 +84,14 @@ class FilesTree(CgroupTree):
             for name, text in FILES.items():
                 Path(self.root, path, name).write_text(text)
         return made
+
+    @contextmanager
+    def open(self, path: str) -> Iterator[CgroupDir]:
+        fd = self.open_fd(path)
+        try:
+            yield FilesDir(path, fd)
+        finally:
+            os.close(fd)
 
 
 class AlwaysAlive:
@@ -119,8 +150,11 @@ class Daemon:
         return self.call(peer, "POST", "/v1/jobs", {"name": name, "pid": self.child(peer), **body})
 
     def exit(self, name: str) -> None:
-        """The job's command has exited: its cgroup is empty (the stand-in: no procs left)."""
-        (self.root / "nodeagent.slice" / name / "cgroup.procs").write_text("")
+        """The job's command has exited: its cgroup is empty (the stand-in: no procs left,
+        cgroup.events' populated 0)."""
+        cgroup = self.root / "nodeagent.slice" / name
+        (cgroup / "cgroup.procs").write_text("")
+        set_populated(cgroup)
 
     def holds(self) -> list[tuple[str, str]]:
         return sorted((str(h.owner), str(h.kind)) for h in self.agent.gpus.ledger.holds())
