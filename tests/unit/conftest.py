@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -25,6 +27,31 @@ def sockdir() -> Iterator[Path]:
     path.chmod(0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def needs_root() -> None:
+    """For the tests that chgrp a socket or take on another uid: ./scripts/test runs the
+    suite as root; anywhere else they fail saying so, since a skip would prove nothing."""
+    if os.geteuid() != 0:
+        pytest.fail(
+            "needs root to chgrp and setuid: run ./scripts/test unit as root", pytrace=False
+        )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
+    """A unit test must never skip (as tests/kernel/conftest.py holds for the kernel suite):
+    a skip is reported as a failure with its reason. FAST=1's `-m "not fuzz"` deselects,
+    which is no skip."""
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"unit tests must never skip, but this one did: {reason}"
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

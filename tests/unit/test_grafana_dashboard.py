@@ -131,8 +131,7 @@ def test_every_query_asks_for_exported_series(dashboard: dict[str, Any]) -> None
 
 def test_every_query_is_valid_promql(dashboard: dict[str, Any], tmp_path: Path) -> None:
     """promtool parses each query as a recording rule, Grafana's variables filled in."""
-    if not PROMTOOL.exists():
-        pytest.skip(f"no {PROMTOOL}: ./scripts/test installs it")
+    assert PROMTOOL.exists(), f"no {PROMTOOL}: ./scripts/test installs it"
     rules = []
     for i, query in enumerate(queries(dashboard)):
         expr = query

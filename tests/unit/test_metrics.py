@@ -7,7 +7,6 @@ import math
 import platform
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import replace
@@ -18,6 +17,7 @@ from builders import CID2, POD_UID, job
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+from promseries import PROMTOOL
 from structlog.testing import capture_logs
 from ticks import (
     A1,
@@ -410,11 +410,9 @@ def test_a_full_scrape_is_valid_exposition() -> None:
 def test_promtool_accepts_a_full_scrape() -> None:
     """promtool's lint (names, types, units, help); the kernel test checks a real daemon's
     scrape the same way."""
-    promtool = Path(sys.executable).with_name("promtool")
-    if not promtool.exists():
-        pytest.skip(f"no {promtool}: ./scripts/test installs it")
+    assert PROMTOOL.exists(), f"no {PROMTOOL}: ./scripts/test installs it"
     check = subprocess.run(
-        [str(promtool), "check", "metrics"],
+        [str(PROMTOOL), "check", "metrics"],
         input=generate_latest(full_scrape()),
         capture_output=True,
         check=False,
