@@ -7,6 +7,7 @@ import datetime as dt
 import grp
 import json
 import os
+import select
 import socket
 import stat
 import threading
@@ -18,8 +19,10 @@ from typing import Any
 import pytest
 from descriptors import accept_tries_while_out_of_fds
 from peers import as_user, held_as
+from waits import wait_for
 
 from nodeagent.api import client
+from nodeagent.api import server as api_server
 from nodeagent.api.peer import LoopbackPeers, Peer, peer_allowed, read_peer
 from nodeagent.api.server import ApiServer, Handler, Request, Routes
 from nodeagent.api.wire import MAX_BODY
@@ -37,7 +40,7 @@ NOBODY = 65534
 NOGROUP = grp.getgrnam("nogroup").gr_gid
 OTHER_GID = 4321  # a gid nobody's credentials never carry
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chgrp and setuid")
+needs_root = pytest.mark.usefixtures("needs_root")  # fails, never skips, unless root
 
 
 @pytest.fixture
@@ -795,8 +798,9 @@ def test_connections_beyond_the_cap_wait_their_turn(
         )
     )
     worker.start()
-    assert wait_until(lambda: inside[0] == 4)
-    time.sleep(0.3)  # time for a fifth to get in, were the cap not held
+    wait_for(lambda: inside[0] == 4, 10, "4 calls inside the route")
+    # all 10 taken in: the 6 beyond the cap wait (were it not held, they would be served)
+    wait_for(lambda: len(server._queue) == 6, 10, "the other 6 calls waiting for a slot")
     assert most[0] == 4
     release.set()
     worker.join()
@@ -850,22 +854,37 @@ def test_client_deadline_covers_the_whole_call(sockdir: Path) -> None:
     assert str(outcome[0]).endswith("did not answer within 0.5s")
 
 
-def test_client_waits_for_room_in_a_full_listen_queue(sockdir: Path) -> None:
+def test_client_waits_for_room_in_a_full_listen_queue(
+    sockdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = str(sockdir / "api.sock")
     got: list[object] = []
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         listener.bind(path)
         listener.listen(0)
+        listener.settimeout(10)  # a caller that never comes through fails the accept below
         fillers = []
         with contextlib.suppress(BlockingIOError):
             while True:  # fill the queue, however long the kernel makes it
                 fillers.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
                 fillers[-1].setblocking(False)
                 fillers[-1].connect(path)
+        connecting: list[int] = []  # the descriptor the caller connects
+        real_connect = socket.socket.connect
+
+        def connect(sock: socket.socket, address: Any) -> None:
+            connecting.append(sock.fileno())
+            real_connect(sock, address)
+
+        monkeypatch.setattr(socket.socket, "connect", connect)
         caller = threading.Thread(target=lambda: got.append(client.get(path, "/", timeout=30)))
         caller.start()
-        time.sleep(0.3)  # the caller is now blocked in connect()
-        assert caller.is_alive()
+
+        def waits_in_connect() -> bool:
+            assert caller.is_alive(), "the caller gave up instead of waiting for room"
+            return bool(connecting) and sleeps_in_a_call_on(caller, connecting[0])
+
+        wait_for(waits_in_connect, 10, "the caller to wait in connect() on the full queue")
         while True:  # make room, and answer the caller when it comes through
             conn, _ = listener.accept()
             with conn:
@@ -880,6 +899,17 @@ def test_client_waits_for_room_in_a_full_listen_queue(sockdir: Path) -> None:
     assert got == [True]
 
 
+def sleeps_in_a_call_on(thread: threading.Thread, fd: int) -> bool:
+    """Whether `thread` sleeps in a system call whose first argument is descriptor `fd`
+    (/proc's syscall file: the call's number and arguments, or "running")."""
+    assert thread.native_id is not None
+    try:
+        fields = Path(f"/proc/self/task/{thread.native_id}/syscall").read_text().split()
+    except FileNotFoundError:  # it has ended
+        return False
+    return len(fields) > 1 and int(fields[1], 16) == fd
+
+
 def test_server_deadline_covers_the_whole_request(
     serve: Callable[..., ApiServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -892,7 +922,7 @@ def test_server_deadline_covers_the_whole_request(
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             for _ in range(200):  # a header byte every 50 ms, for up to 10 s
                 sock.sendall(b"X")
-                time.sleep(0.05)
+                time.sleep(0.05)  # no wait on anything: the slow client is what is tested
         sock.settimeout(10)
         try:
             answer = sock.recv(100)
@@ -908,7 +938,7 @@ def test_close_ends_connections_accepted_before_it(serve: Callable[..., ApiServe
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(server.socket_path)
         sock.sendall(b"GET /v1/echo HTTP/1.0\r\n")
-        assert wait_until(lambda: len(server._connections) == 1)  # accepted, being read
+        wait_for(lambda: len(server._connections) == 1, 10, "the connection to be accepted")
         server.close()
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             sock.sendall(b"\r\n")
@@ -921,16 +951,22 @@ def test_close_ends_connections_accepted_before_it(serve: Callable[..., ApiServe
     assert seen == []
 
 
-def wait_until(check: Callable[[], bool], timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 # --- floods: who holds the connections (peer credentials at accept) ---------------------------
+
+
+@pytest.fixture
+def admitted(monkeypatch: pytest.MonkeyPatch) -> Callable[[], int]:
+    """How many connections the server has taken in so far (served, made to wait or
+    refused): what a flood test waits for before it looks at what the flood left."""
+    count = [0]
+    real = ApiServer._admit
+
+    def counted(self: ApiServer, conn: socket.socket) -> None:
+        real(self, conn)
+        count[0] += 1  # only the accept loop's thread admits
+
+    monkeypatch.setattr(ApiServer, "_admit", counted)
+    return lambda: count[0]
 
 
 def timed_get(path: str) -> float:
@@ -942,42 +978,40 @@ def timed_get(path: str) -> float:
 
 @needs_root
 def test_a_group_members_idle_connections_leave_root_answered(
-    serve: Callable[..., ApiServer],
+    serve: Callable[..., ApiServer], admitted: Callable[[], int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Issue 12.18: 32 idle connections from one member took every slot for 10 s each.
+    keep_their_slots(monkeypatch)
     server = serve({"/v1/echo": {"GET": echo}}, group="nogroup")
     with held_as(NOBODY, NOGROUP, server.socket_path, 4 * 32) as held:
         assert held == 4 * 32
-        time.sleep(0.5)  # the daemon has taken what it takes of them
+        wait_for(lambda: admitted() == held, 30, f"the daemon to take in all {held}")
         took = [timed_get(server.socket_path) for _ in range(5)]
     assert max(took) < 5.0
 
 
 @needs_root
 def test_one_members_flood_leaves_another_member_answered(
-    serve: Callable[..., ApiServer],
+    serve: Callable[..., ApiServer], admitted: Callable[[], int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    keep_their_slots(monkeypatch)
     server = serve({"/v1/echo": {"GET": echo}}, group="nogroup")
     with held_as(NOBODY, NOGROUP, server.socket_path, 4 * 32) as held:
         assert held == 4 * 32
-        time.sleep(0.5)
+        wait_for(lambda: admitted() == held, 30, f"the daemon to take in all {held}")
         other = as_user(4000, NOGROUP, [], child_client_get(server.socket_path))
     assert json.loads(other) == {"params": {"who": "child"}, "when": "2024-01-02"}
 
 
 @needs_root
 def test_a_uid_over_its_caps_is_told_at_once_before_it_sends_a_byte(
-    serve: Callable[..., ApiServer],
+    serve: Callable[..., ApiServer], admitted: Callable[[], int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    keep_their_slots(monkeypatch)
     server = serve({"/v1/echo": {"GET": echo}}, group="nogroup")
-    caps = getattr(server, "per_uid_connections", 32) + getattr(server, "per_uid_waiting", 0)
+    caps = server.per_uid_connections + server.per_uid_waiting
 
     def one_too_many() -> str:
-        held = []
-        for _ in range(caps):
-            held.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
-            held[-1].connect(server.socket_path)
-        time.sleep(0.5)  # all taken in, served or waiting
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(server.socket_path)
             sock.settimeout(3)
@@ -986,7 +1020,10 @@ def test_a_uid_over_its_caps_is_told_at_once_before_it_sends_a_byte(
             except TimeoutError:
                 return "no answer within 3 s"
 
-    answer = as_user(NOBODY, NOGROUP, [], one_too_many)
+    with held_as(NOBODY, NOGROUP, server.socket_path, caps) as held:
+        assert held == caps
+        wait_for(lambda: admitted() == caps, 30, f"the daemon to serve or queue all {caps}")
+        answer = as_user(NOBODY, NOGROUP, [], one_too_many)
     head, _, body = answer.partition("\r\n\r\n")
     assert head.startswith("HTTP/1.0 429 "), answer
     assert json.loads(body) == {
@@ -996,22 +1033,20 @@ def test_a_uid_over_its_caps_is_told_at_once_before_it_sends_a_byte(
 
 @needs_root
 def test_a_refused_client_that_sends_its_request_late_still_reads_its_answer(
-    serve: Callable[..., ApiServer],
+    serve: Callable[..., ApiServer], admitted: Callable[[], int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # CI (stop 23): curl, refused before it had sent its request, got "Send failure: Broken
     # pipe" and no status: the daemon answered and closed at once.
+    keep_their_slots(monkeypatch)
     server = serve({"/v1/echo": {"GET": echo}}, group="nogroup")
     caps = server.per_uid_connections + server.per_uid_waiting
 
     def late_sender() -> str:
-        held = []
-        for _ in range(caps):
-            held.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
-            held[-1].connect(server.socket_path)
-        time.sleep(0.5)  # all taken in, served or waiting
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(server.socket_path)
-            time.sleep(0.5)  # refused by now, its request not yet sent
+            # the answer is there to read: refused, and its request not yet sent
+            if not select.select([sock], [], [], 10)[0]:
+                return "not refused within 10 s"
             sock.settimeout(3)
             try:
                 sock.sendall(b"GET /v1/echo HTTP/1.0\r\n\r\n")
@@ -1022,33 +1057,35 @@ def test_a_refused_client_that_sends_its_request_late_still_reads_its_answer(
                 return f"{type(exc).__name__}: {exc}"
             return answer.decode()
 
-    answer = as_user(NOBODY, NOGROUP, [], late_sender)
+    with held_as(NOBODY, NOGROUP, server.socket_path, caps) as held:
+        assert held == caps
+        wait_for(lambda: admitted() == caps, 30, f"the daemon to serve or queue all {caps}")
+        answer = as_user(NOBODY, NOGROUP, [], late_sender)
     assert answer.startswith("HTTP/1.0 429 "), answer
+
+
+def keep_their_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Idle connections keep their slot, served or waiting, for the test's length (not the
+    3 s a served one has for its headers, nor the 10 s a waiting one has for a slot), so
+    that the next one is over the caps however slowly the test runs."""
+    monkeypatch.setattr(ApiServer, "header_timeout", 60.0)
+    monkeypatch.setattr(ApiServer, "timeout", 60.0)
 
 
 @needs_root
 def test_refused_connections_are_kept_only_until_their_clients_hang_up(
-    serve: Callable[..., ApiServer],
+    serve: Callable[..., ApiServer], admitted: Callable[[], int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Kept open for a late sender, but bounded: a uid that never hangs up holds a few.
+    # Kept for a minute rather than 2 s, so that only the hang-up can end them here.
+    monkeypatch.setattr(api_server, "_LINGER", 60.0)
     server = serve({"/v1/echo": {"GET": echo}}, group="nogroup")
     caps = server.per_uid_connections + server.per_uid_waiting
     with held_as(NOBODY, NOGROUP, server.socket_path, caps + 50) as held:
         assert held == caps + 50
-        assert settles(lambda: len(server._lingering) == 8), len(server._lingering)
-        time.sleep(0.3)
-        assert len(server._lingering) == 8  # not more
-    assert settles(lambda: not server._lingering), len(server._lingering)
-
-
-def settles(check: Callable[[], bool], seconds: float = 10.0) -> bool:
-    """Whether `check` holds within `seconds`."""
-    end = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.05)
-    return True
+        wait_for(lambda: admitted() == held, 30, f"the daemon to take in all {held}")
+        assert len(server._lingering) == 8  # of the 50 refused: not more
+    wait_for(lambda: not server._lingering, 10, "the refused ones to close as their client left")
 
 
 @needs_root
@@ -1089,8 +1126,10 @@ def test_a_waiting_connection_that_gets_no_slot_in_time_is_told_so(
     serve: Callable[..., ApiServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     release = threading.Event()
+    entered_r, entered_w = os.pipe()  # the route (here) tells the caller (a child) it is in
 
     def stuck(_: Request) -> object:
+        os.write(entered_w, b"x")
         release.wait(30)
         return "done"
 
@@ -1102,7 +1141,8 @@ def test_a_waiting_connection_that_gets_no_slot_in_time_is_told_so(
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as first:
             first.connect(server.socket_path)
             first.sendall(b"GET /v1/echo HTTP/1.0\r\n\r\n")
-            time.sleep(0.3)  # the first is in its route
+            if not select.select([entered_r], [], [], 10)[0]:
+                return "the first call did not reach its route within 10 s"
             try:
                 return client.get(server.socket_path, "/v1/echo", timeout=10)  # type: ignore[return-value]
             except NodeagentError as exc:
@@ -1112,6 +1152,8 @@ def test_a_waiting_connection_that_gets_no_slot_in_time_is_told_so(
         answer = as_user(NOBODY, NOGROUP, [], second_of_two)
     finally:
         release.set()
+        os.close(entered_r)
+        os.close(entered_w)
     assert answer == (
         "nodeagent API error 503 on /v1/echo: the daemon is busy: no connection slot"
         " for uid 65534 within 1s"
