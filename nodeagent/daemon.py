@@ -279,16 +279,7 @@ class Agent:
                     "policy.invalid", problem=str(problem), action="keeping the last good policy"
                 )
             return
-        fixed = ("managed_root", "socket", "socket_group", "metrics")
-        changed = [k for k in fixed if getattr(spec.agent, k) != getattr(self.spec.agent, k)]
-        if spec.gpu.simulate != self.spec.gpu.simulate:
-            changed.append("gpu.simulate")
-        if spec.agent.mode != self.spec.agent.mode:
-            changed.append("agent.mode")
-        if spec.kubernetes.model_dump(include=_KUBE_FIXED) != self.spec.kubernetes.model_dump(
-            include=_KUBE_FIXED
-        ):
-            changed.append("kubernetes (sockets, node name, API server)")
+        changed = needs_restart(self.spec, spec)
         if changed:
             log.error(
                 "policy.needs_restart",
@@ -466,7 +457,36 @@ class Agent:
 
 
 T = TypeVar("T")
-_KUBE_FIXED = {"node_name", "pod_resources_socket", "pod_resources_timeout", "api_server"}
+RESTART_ONLY = (
+    "agent.managed_root",
+    "agent.socket",
+    "agent.socket_group",
+    "agent.metrics",
+    "agent.mode",
+    "gpu.simulate",
+    "kubernetes.node_name",
+    "kubernetes.pod_resources_socket",
+    "kubernetes.pod_resources_timeout",
+    "kubernetes.api_server",
+    "publish.node_resource_topology",
+)
+"""What is used once, at start: the subtree made, the API and metrics sockets bound, the GPU
+backend opened, the Kubernetes clients made (a NodeResourceTopology publisher needs the
+API server's client, made only when it is on at start). A reload that changes any of these
+would leave the daemon running on the old value while reporting the new one: it is refused
+whole."""
+
+
+def needs_restart(old: PolicySpec, new: PolicySpec) -> list[str]:
+    """The fields of RESTART_ONLY that differ between `old` and `new`, by their dotted names."""
+    return [f for f in RESTART_ONLY if _field(old, f) != _field(new, f)]
+
+
+def _field(spec: PolicySpec, dotted: str) -> object:
+    value: object = spec
+    for name in dotted.split("."):
+        value = getattr(value, name)
+    return value
 
 
 def _kubernetes(spec: PolicySpec) -> KubernetesNode | None:

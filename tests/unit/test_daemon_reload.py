@@ -5,6 +5,7 @@ The agent is built over an empty fixture directory; reload touches no cgroup.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,8 +18,11 @@ from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute
 from nodeagent.daemon import Agent, open_agent
 from nodeagent.errors import NodeagentError
+from nodeagent.metrics.collector import TickCollector
 from nodeagent.persistence import Journalled
 from nodeagent.policyfile.load import load_policy
+from nodeagent.runtimes.cri import CriAdapter
+from nodeagent.runtimes.docker import DockerAdapter
 
 GOOD = """\
 version: 1
@@ -77,7 +81,7 @@ def test_moving_the_managed_root_needs_a_restart(policy_file: Path, tmp_path: Pa
         agent.reload()
     assert set(agent.spec.tenants) == {"research"}
     assert [e["changed"] for e in logs if e["event"] == "policy.needs_restart"] == [
-        ["managed_root"]
+        ["agent.managed_root"]
     ]
 
 
@@ -262,3 +266,114 @@ def test_a_tick_due_to_save_saves_its_first_changes_whole_and_journals_none(
         ("nodeagent.slice/c", "cpu.max"),
         ("nodeagent.slice/c", "cpu.weight"),
     ]
+
+
+RESTART_ONLY = {
+    # the field as the refusal names it: what the reloaded file says of it
+    "agent.socket": ("agent", "socket: {tmp}/elsewhere.sock"),
+    "agent.socket_group": ("agent", "socket_group: wheel"),
+    "agent.metrics": ("agent", "metrics: {{listen: 127.0.0.1:9464}}"),
+    "agent.mode": ("agent", "mode: kubernetes"),
+    "gpu.simulate": ("gpu", "simulate: {tmp}/gpus.yaml"),
+    "kubernetes.node_name": ("kubernetes", "node_name: node-1"),
+    "kubernetes.pod_resources_socket": ("kubernetes", "pod_resources_socket: {tmp}/k.sock"),
+    "kubernetes.pod_resources_timeout": ("kubernetes", "pod_resources_timeout: 5"),
+    "kubernetes.api_server": ("kubernetes", "api_server: {{watch: true}}"),
+}
+
+
+def with_setting(tmp_path: Path, section: str, line: str) -> str:
+    """The good file with a tenant more (applied only if the reload is) and `line` set in
+    `section`."""
+    text = GOOD.format(state=tmp_path / "state.json") + "  prod: {shares: 1}\n"
+    line = line.format(tmp=tmp_path)
+    if section == "agent":
+        return text.replace("agent:\n", f"agent:\n  {line}\n")
+    return text + f"{section}:\n  {line}\n"
+
+
+def reload_metric(agent: Agent) -> float:
+    """nodeagent_config_last_reload_successful as a scrape would show it now."""
+    collector = TickCollector(reload=lambda: agent.last_reload)
+    [value] = [
+        s.value
+        for family in collector.collect()
+        for s in family.samples
+        if s.name == "nodeagent_config_last_reload_successful"
+    ]
+    return value
+
+
+@pytest.mark.parametrize("field", sorted(RESTART_ONLY))
+def test_a_reload_that_changes_what_is_read_at_start_is_refused_whole(
+    field: str, policy_file: Path, tmp_path: Path
+) -> None:
+    """Each field used once at start (a socket bound, the GPU backend opened, a Kubernetes
+    client made): a reload that changes it is refused in one line naming that field, and
+    nothing of the file applies (not even its other, reloadable changes: the new tenant);
+    the metrics say the last reload failed, and when the policy in force was loaded."""
+    agent = make_agent(policy_file, tmp_path)
+    before, loaded_at = agent.spec, agent.last_reload[1]
+    assert reload_metric(agent) == 1
+    policy_file.write_text(with_setting(tmp_path, *RESTART_ONLY[field]))
+    with structlog.testing.capture_logs() as logs:
+        agent.reload()
+    assert [(e["event"], e.get("changed")) for e in logs] == [("policy.needs_restart", [field])]
+    assert agent.spec is before
+    assert agent.last_reload == (False, loaded_at)
+    assert reload_metric(agent) == 0
+    # the file put back as it was loaded: the next reload applies again
+    policy_file.write_text(GOOD.format(state=tmp_path / "state.json") + "  prod: {shares: 1}\n")
+    agent.reload()
+    assert set(agent.spec.tenants) == {"research", "prod"} and reload_metric(agent) == 1
+
+
+def test_turning_on_the_topology_publisher_needs_a_restart(
+    policy_file: Path, tmp_path: Path
+) -> None:
+    """In Kubernetes mode (needs a restart itself) the API server's client is made at start
+    only if the policy publishes a NodeResourceTopology or watches the API server: a reload
+    that turns publishing on would publish through no client."""
+    node = with_setting(tmp_path, "agent", "mode: kubernetes") + "kubernetes:\n  node_name: n1\n"
+    policy_file.write_text(node)
+    agent = make_agent(policy_file, tmp_path)
+    before = agent.spec
+    policy_file.write_text(node + "publish:\n  node_resource_topology: true\n")
+    with structlog.testing.capture_logs() as logs:
+        agent.reload()
+    assert [(e["event"], e.get("changed")) for e in logs] == [
+        ("policy.needs_restart", ["publish.node_resource_topology"])
+    ]
+    assert agent.spec is before
+
+
+def test_a_reload_that_moves_a_runtime_s_socket_reopens_the_runtimes(
+    policy_file: Path, tmp_path: Path
+) -> None:
+    """The adapters were made for the old sockets: a reload that moves one closes them all
+    and asks the new sockets from then on; one that leaves the runtimes' settings alone
+    keeps the adapters (and what they learned) as they are."""
+    agent = make_agent(policy_file, tmp_path)
+    old = agent.runtimes
+    closed: list[str] = []
+
+    def closing(name: str) -> Callable[[], None]:
+        return lambda: closed.append(name)
+
+    for name, adapter in old.adapters.items():
+        adapter.close = closing(name)  # type: ignore[method-assign]
+    policy_file.write_text(with_setting(tmp_path, "agent", "reload_on_change: true"))
+    agent.reload()
+    assert agent.spec.agent.reload_on_change and agent.runtimes is old and closed == []
+    moved = "runtimes: {{docker: {tmp}/docker.sock, containerd: null, timeout: 1}}"
+    policy_file.write_text(with_setting(tmp_path, "agent", moved))
+    agent.reload()
+    assert sorted(closed) == sorted(old.adapters)
+    new = agent.runtimes
+    assert new is not old and agent.rec.runtimes is new
+    assert sorted(new.adapters) == ["crio", "docker", "podman"]
+    docker = new.adapters["docker"]
+    assert isinstance(docker, DockerAdapter)
+    assert (docker.socket, docker.timeout) == (f"{tmp_path}/docker.sock", 1)
+    crio = new.adapters["crio"]
+    assert isinstance(crio, CriAdapter) and crio.timeout == 1
