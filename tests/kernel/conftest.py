@@ -99,17 +99,22 @@ LONGEST_TEST_S = 900
 
 
 def _ceil_every_test(items: list[pytest.Item]) -> None:
+    starts: set[str] = set()
     for item in items:
         marker = item.get_closest_marker("timeout")
-        if marker is None:
-            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
-            continue
-        seconds = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+        seconds = TEST_TIMEOUT_S if marker is None else marker.kwargs.get("timeout")
+        if marker is not None and marker.args:
+            seconds = marker.args[0]
         if not isinstance(seconds, int | float) or not 0 < seconds <= LONGEST_TEST_S:
             raise pytest.UsageError(
                 f"{item.nodeid}: timeout {seconds!r}: a kernel test's ceiling must be"
                 f" 1..{LONGEST_TEST_S} s"
             )
+        # the first user of a shared daemon set starts it within its own ceiling
+        for name in SHARED_START_S.keys() & set(getattr(item, "fixturenames", ())) - starts:
+            starts.add(name)
+            seconds += SHARED_START_S[name]
+        item.add_marker(pytest.mark.timeout(min(seconds, LONGEST_TEST_S)), append=False)
 
 
 # -- progress: where a run got to, for a run killed before it wrote its JUnit report -------------
@@ -215,29 +220,54 @@ def cgroup_sandbox() -> Iterator[Path]:
         remove_cgroup_tree(sandbox)
 
 
-# -- a real systemd (tests/kernel/systemd_host.py) -----------------------------------------------
-# Booted once, on first use, and stopped right after the last test that uses it, so that the
-# tests that do not use it neither wait for it nor run beside it.
-SYSTEMD_FIXTURE = "systemd_host"
+# -- daemons shared between tests: a real systemd, the container runtimes -----------------------
+# Each is started once, by the first test that uses it, and stopped right after the last one, so
+# that the tests that do not use it neither wait for it nor run beside it (an idle dockerd or
+# systemd still takes CPU from the split measurements under TCG). Their users run together: at
+# collection the modules are put in the order plain, runtimes (cgroupfs), runtimes with systemd,
+# systemd alone, each group in file order. The first user of each pays its start within its
+# ceiling: SHARED_START_S is added to it.
+SHARED_START_S = {"systemd_host": 180, "cgroupfs_runtimes": 240, "systemd_runtimes": 240}
+"""Seconds each shared daemon set may take to start (a slow TCG boot included)."""
+_RUNTIMES = ("cgroupfs_runtimes", "systemd_runtimes")
+_shared: dict[str, contextlib.ExitStack] = {}
+"""The started ones, in start order: each stack stops its daemons."""
+_last_user: dict[str, str] = {}
 _systemd: dict[str, Any] = {}
 
 
+def _group(uses: set[str]) -> int:
+    """Where a module's tests run: 0 plain, 1 runtimes, 2 runtimes and systemd, 3 systemd."""
+    systemd = "systemd_host" in uses
+    runtimes = any(name in uses for name in _RUNTIMES)
+    return (2 if runtimes else 3) if systemd else int(runtimes)
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: the last user is one that runs
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    users = [item for item in items if SYSTEMD_FIXTURE in getattr(item, "fixturenames", ())]
-    _systemd["last_user"] = users[-1].nodeid if users else None
+    modules: dict[Any, set[str]] = {}
+    for item in items:
+        modules.setdefault(item.path, set()).update(getattr(item, "fixturenames", ()))
+    items.sort(key=lambda item: _group(modules[item.path]))  # stable: file order within
+    _last_user.clear()
+    for item in items:
+        for name in SHARED_START_S:
+            if name in getattr(item, "fixturenames", ()):
+                _last_user[name] = item.nodeid
     _ceil_every_test(items)
 
 
-def _stop_systemd() -> None:
-    host = _systemd.get("host")
-    if host is not None:
-        host.stop()
+def _stop_shared(name: str) -> None:
+    stack = _shared.pop(name, None)
+    if stack is not None:
+        stack.close()
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item) -> None:
-    if item.nodeid == _systemd.get("last_user"):
-        _stop_systemd()
+    for name in reversed(list(_shared)):  # the runtimes under systemd before systemd
+        if _last_user.get(name) == item.nodeid:
+            _stop_shared(name)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -260,15 +290,49 @@ def systemd_host() -> Iterator[Any]:
 
     problem = None
     try:
-        _systemd["host"] = boot()
+        _systemd["host"] = host = boot()
     except SystemdHostError as exc:
         problem = str(exc)
     if problem is not None:
         pytest.fail(problem, pytrace=False)
+    _shared["systemd_host"] = stack = contextlib.ExitStack()
+    stack.callback(host.stop)
     try:
-        yield _systemd["host"]
+        yield host
     finally:
-        _stop_systemd()
+        _stop_shared("systemd_host")
+
+
+@pytest.fixture(scope="session")
+def cgroupfs_runtimes() -> Iterator[Any]:
+    """containerd, dockerd and podman under the cgroupfs driver, processes of the VM
+    (runtimes.py), started once for the run; each user removes what it started."""
+    import runtimes as rt
+
+    yield from _runtimes("cgroupfs_runtimes", lambda: rt.started(rt.InVm(), CGROUP_ROOT))
+
+
+@pytest.fixture(scope="session")
+def systemd_runtimes(systemd_host: Any) -> Iterator[Any]:
+    """The same under the systemd driver, units of the test systemd (runtimes.py)."""
+    import runtimes as rt
+
+    def start() -> contextlib.AbstractContextManager[Any]:
+        return rt.started(rt.InSystemd(systemd_host), systemd_host.cgroup)
+
+    yield from _runtimes("systemd_runtimes", start)
+
+
+def _runtimes(name: str, start: Any) -> Iterator[Any]:
+    stack = contextlib.ExitStack()
+    runtimes = stack.enter_context(start())
+    took = ", ".join(f"{k} {v:.1f} s" for k, v in runtimes.started.items())
+    print(f"\nruntimes ({runtimes.driver}) answering after: {took}")
+    _shared[name] = stack
+    try:
+        yield runtimes
+    finally:
+        _stop_shared(name)
 
 
 PINNED_CPUS = 2

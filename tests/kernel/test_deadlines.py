@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers import ROOT, running, spawn, spec, usage_us, wait_for
 
 from nodeagent.cgroupfs.values import Attribute
@@ -30,6 +31,7 @@ BURN = str(Path(__file__).parents[2] / "scripts" / "burn")
 JOBS = {"a": (12.0, 17.0), "b": (12.0, 17.0), "c": (24.0, 44.0)}  # CPU-s, deadline in s
 
 
+@pytest.mark.nightly
 def test_three_jobs_only_strict_ordering_meets_are_all_met(
     managed: str, tmp_path: Path, procs: list[subprocess.Popen[bytes]]
 ) -> None:

@@ -48,6 +48,7 @@ def scenario(cgroup_sandbox: str) -> Iterator[tuple[str, dict[str, list[Path]]]]
         p.wait()
 
 
+@pytest.mark.nightly
 def test_cpu_split_follows_shares_not_cgroup_count(
     two_cpus: float, scenario: tuple[str, dict[str, list[Path]]], tmp_path: Path
 ) -> None:

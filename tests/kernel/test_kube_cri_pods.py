@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import runtimes as rt
 import structlog
-from conftest import CGROUP_ROOT
 from helpers import spec
 
 from nodeagent.cgroupfs.tree import CgroupTree
@@ -23,10 +22,15 @@ from nodeagent.daemon import open_agent
 SLEEP = ("sleep", "3600")
 
 
-@pytest.fixture(scope="module")
-def containerd() -> Iterator[rt.Runtimes]:
-    with rt.started(rt.InVm(), CGROUP_ROOT) as r:
-        yield r
+@pytest.fixture
+def containerd(cgroupfs_runtimes: rt.Runtimes) -> Iterator[rt.Runtimes]:
+    """The run's cgroupfs runtimes (conftest.py, shared with test_runtimes.py), without the
+    pods and containers this test made once it is done."""
+    try:
+        yield cgroupfs_runtimes
+    finally:
+        cgroupfs_runtimes.remove_pods()
+        cgroupfs_runtimes.remove_containers()
 
 
 def test_cri_pods_tenant_from_namespace_class_from_annotations_and_a_claim_refused(

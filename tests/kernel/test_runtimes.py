@@ -2,7 +2,8 @@
 calls it) started in the VM under both cgroup drivers, and the agent managing what they start by
 the names operators use.
 
-One start of each runtime per driver for the whole module (tests/kernel/runtimes.py): cgroupfs in
+One start of each runtime per driver for the whole run (tests/kernel/runtimes.py, conftest.py's
+cgroupfs_runtimes and systemd_runtimes, shared with test_kube_cri_pods.py): cgroupfs in
 the VM itself, systemd in the real systemd of systemd_host.py. The agent runs in this process,
 on the cgroup root the runtimes write (the VM's, or systemd's), ticked by the test. Where the test
 needs an answer no real runtime gives (10,000 labels, a socket that never answers) a STAND-IN
@@ -11,7 +12,6 @@ Docker API serves it (standin_runtime.py), said so in the test.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 import os
@@ -27,7 +27,6 @@ import structlog
 from conftest import CGROUP_ROOT, enable_controllers
 from helpers import read, sleeper, spec, usage_us, wait_for
 from standin_runtime import StandInDocker, container
-from systemd_host import SystemdHost
 
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent, open_agent
@@ -44,19 +43,11 @@ TENANTS = {"a": {"shares": 2}, "b": {"shares": 1}}
 
 
 @pytest.fixture(scope="module")
-def started_runtimes(systemd_host: SystemdHost) -> Iterator[dict[str, rt.Runtimes]]:
-    """Both drivers' runtimes, started once for the module (and the start times, printed)."""
-    with contextlib.ExitStack() as stack:
-        out = {
-            "cgroupfs": stack.enter_context(rt.started(rt.InVm(), CGROUP_ROOT)),
-            "systemd": stack.enter_context(
-                rt.started(rt.InSystemd(systemd_host), systemd_host.cgroup)
-            ),
-        }
-        for driver, r in out.items():
-            took = ", ".join(f"{k} {v:.1f} s" for k, v in r.started.items())
-            print(f"\nruntimes ({driver}) answering after: {took}")
-        yield out
+def started_runtimes(
+    cgroupfs_runtimes: rt.Runtimes, systemd_runtimes: rt.Runtimes
+) -> dict[str, rt.Runtimes]:
+    """Both drivers' runtimes, started once for the run (conftest.py; the start times printed)."""
+    return {"cgroupfs": cgroupfs_runtimes, "systemd": systemd_runtimes}
 
 
 @pytest.fixture(params=DRIVERS)
@@ -204,6 +195,9 @@ def test_a_real_container_is_known_by_its_metadata_and_capped_by_a_label_rule(
 # -- 2:1 between two labelled tenants' real containers, against the split without the agent --------
 
 
+@pytest.mark.parametrize(
+    "runtimes", ["cgroupfs", pytest.param("systemd", marks=pytest.mark.nightly)], indirect=True
+)
 def test_a_tenant_split_holds_between_real_containers(
     runtimes: rt.Runtimes, tmp_path: Path, managed: str
 ) -> None:

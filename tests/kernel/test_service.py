@@ -776,6 +776,8 @@ def _agent_process(s: Service) -> int:
     return int(procs[0])
 
 
+@pytest.mark.nightly
+@pytest.mark.timeout(900)
 def test_floods_from_a_member_and_a_stranger_leave_the_agent_under_its_unit_ticking(
     service: Service,
     capsys: pytest.CaptureFixture[str],
