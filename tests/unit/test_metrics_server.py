@@ -143,7 +143,9 @@ def test_moving_the_endpoint_needs_a_restart(tmp_path: Path) -> None:
     with structlog.testing.capture_logs() as logs:
         agent.reload()
     assert agent.spec.agent.metrics.listen == "127.0.0.1:9464"
-    assert [e["changed"] for e in logs if e["event"] == "policy.needs_restart"] == [["metrics"]]
+    assert [e["changed"] for e in logs if e["event"] == "policy.needs_restart"] == [
+        ["agent.metrics"]
+    ]
 
 
 # --- floods, deadlines, paths, caching, isolation (issues 12.16 and 13.19) -------------------
