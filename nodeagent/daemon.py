@@ -9,6 +9,7 @@ is the only thread that changes state (docs/architecture.md, "Threads").
 from __future__ import annotations
 
 import math
+import os
 import select
 import signal
 import time
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 import structlog
 from pydantic import ValidationError
 
-from nodeagent import sdnotify, state
+from nodeagent import running, sdnotify, state
 from nodeagent.act import Executor, Outcome
 from nodeagent.api.server import ApiServer, Routes
 from nodeagent.cgroupfs.tree import CgroupTree
@@ -321,10 +322,20 @@ class Agent:
         exit status)."""
         if not once:
             self.commands.bind()
+        # while the loop runs, `nodeagent release` is refused (nodeagent.running says why)
+        mark = None if once or self.dry_run else running.hold(self.spec.agent.state_file)
         try:
-            ok = self._loop(once, on_tick)
+            try:
+                ok = self._loop(once, on_tick)
+            finally:
+                self.commands.unbind()
+            return self._stopped(ok)
         finally:
-            self.commands.unbind()
+            if mark is not None:
+                os.close(mark)
+
+    def _stopped(self, ok: bool) -> bool:
+        """What a stop does after the loop: the last save is made before the mark goes."""
         if self._stop_signal is not None:
             log.info("stopping", signal=signal.Signals(self._stop_signal).name)
         sdnotify.stopping()

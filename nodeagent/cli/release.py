@@ -90,7 +90,7 @@ def release(
         )
     path = state_file or agent.state_file
     if unit is None:  # as ExecStopPost= the agent is gone, but its socket file may be left
-        _refuse_while_running(agent.socket)
+        _refuse_while_running(agent.socket, path)
     saved = state.load(path)
     if saved is None:
         _say(as_json, f"nodeagent release: no state file {path}: nothing to hand back",
@@ -122,11 +122,21 @@ def release(
         sys.exit(1)
 
 
-def _refuse_while_running(socket: str) -> None:
-    """NodeagentError when a daemon answers on `socket`, even with an answer we do not know."""
+def _refuse_while_running(socket: str, state_file: str) -> None:
+    """NodeagentError when a daemon answers on `socket`, even with an answer we do not know,
+    or when one runs on `state_file` (one run with --no-api or --socket elsewhere answers on
+    no socket the policy names: nodeagent.running)."""
+    from nodeagent import running
     from nodeagent.api import client
     from nodeagent.api.answers import Status
 
+    if running.held(state_file):
+        raise NodeagentError(
+            f"nodeagent is running on {state_file} (it holds a lock on"
+            f" {running.lock_path(state_file)}):"
+            " it would apply its policy again at its next tick; stop it first"
+            " (systemctl stop nodeagent releases by itself)"
+        )
     try:
         status = client.get(socket, "/v1/status", timeout=2)
     except NodeagentError:

@@ -19,8 +19,11 @@ from nodeagent import state
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree
 from nodeagent.cgroupfs.values import Attribute
 from nodeagent.cli import main
+from nodeagent.daemon import open_agent, serve
+from nodeagent.errors import NodeagentError
 from nodeagent.originals import Originals
 from nodeagent.ownership import WriteMode
+from nodeagent.policyfile.load import load_policy
 from nodeagent.policyfile.model import AgentSettings
 from nodeagent.release import pending_job, release, stopped_for_good
 from nodeagent.sdbus import NoBus
@@ -377,4 +380,183 @@ def test_a_broken_policy_file_does_not_keep_the_freezes_after_a_stop(tmp_path: P
     warning = [line for line in out.stderr.splitlines() if not line.startswith("{")]  # not audit
     assert len(warning) == 1 and warning[0].startswith(f"nodeagent release: {policy}:3:"), warning
     assert "handing back with the default agent settings" in warning[0]
+    assert (b / "cgroup.freeze").read_text() == "0"
+
+
+@pytest.fixture
+def refusing(monkeypatch: pytest.MonkeyPatch) -> set[tuple[str, str]]:
+    """Interface files whose writes fail, as (cgroup, file): opened for writing, such a
+    file is /dev/full, whose every write(2) fails (ENOSPC), as a write the kernel refuses
+    fails (a stand-in: a plain directory tree cannot refuse a write to root)."""
+    failing: set[tuple[str, str]] = set()
+    opened = CgroupDir._open_file
+
+    def open_file(self: CgroupDir, name: str, mode: int) -> int:
+        if mode & os.O_WRONLY and (self.path, name) in failing:
+            return os.open("/dev/full", os.O_WRONLY | os.O_CLOEXEC)
+        return opened(self, name, mode)
+
+    monkeypatch.setattr(CgroupDir, "_open_file", open_file)
+    return failing
+
+
+def released(root: Path, before: state.SavedState, **kw: Any) -> tuple[list[Any], state.SavedState]:
+    return release(
+        CgroupTree(str(root)), before, managed_root="nodeagent.slice", settings=AgentSettings(),
+        units=Units(), audit=kw.pop("audit", lambda *a: None), **kw,
+    )  # fmt: skip
+
+
+def test_an_original_already_back_is_already_and_its_record_dropped(tmp_path: Path) -> None:
+    """Someone (or the agent itself) put the original back: nothing is written or audited,
+    and the record goes, as one handed back does."""
+    root = tmp_path / "cg"
+    a = cgroup(root, "nodeagent.slice/a", cpu_max="max 100000", cgroup_freeze="0")
+    record = originals(
+        ("nodeagent.slice/a", Attribute.CPU_MAX, "max 100000", "1000 100000", WriteMode.DIRECT),
+        ("nodeagent.slice/a", Attribute.FREEZE, "0", "1", WriteMode.DIRECT),
+    )
+    audit: list[object] = []
+    results, after = released(root, saved(originals=record), audit=lambda *x: audit.append(x))
+    assert [(r.attribute, r.outcome, r.now) for r in results] == [
+        ("cpu.max", "already", "max 100000"),
+        ("cgroup.freeze", "already", "0"),
+    ]
+    assert audit == [] and after.originals == {}
+    assert (a / "cpu.max").read_text() == "max 100000\n"  # not written
+
+
+def test_a_write_that_fails_is_failed_and_its_record_kept_for_the_next_try(
+    tmp_path: Path, refusing: set[tuple[str, str]]
+) -> None:
+    root = tmp_path / "cg"
+    a = cgroup(root, "nodeagent.slice/a", cpu_max="1000 100000", cpu_weight="50")
+    record = originals(
+        ("nodeagent.slice/a", Attribute.CPU_MAX, "max 100000", "1000 100000", WriteMode.DIRECT),
+        ("nodeagent.slice/a", Attribute.CPU_WEIGHT, "100", "50", WriteMode.DIRECT),
+    )
+    refusing.add(("nodeagent.slice/a", "cpu.max"))
+    results, after = released(root, saved(originals=record))
+    outcomes = {r.attribute: (r.outcome, r.detail) for r in results}
+    assert outcomes == {
+        "cpu.max": (
+            "failed",
+            "cgroup nodeagent.slice/a: writing 'max 100000' to cpu.max failed:"
+            " No space left on device",
+        ),
+        "cpu.weight": ("released", ""),
+    }
+    assert after.originals == {
+        "nodeagent.slice/a": {
+            "cpu.max": {"was": "max 100000", "set": "1000 100000", "via": "direct"}
+        }
+    }
+    refusing.clear()  # the next try, once the write goes through
+    [again], last = released(root, after)
+    assert (again.attribute, again.outcome) == ("cpu.max", "released")
+    assert (a / "cpu.max").read_text() == "max 100000" and last.originals == {}
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "carried-only"])
+def test_a_thaw_that_fails_keeps_the_carried_freeze(
+    tmp_path: Path, refusing: set[tuple[str, str]], recorded: bool
+) -> None:
+    """The protection controller's carried state names what it froze: dropped only once
+    every thaw went through, so that a thaw that failed is tried again by the next release
+    (or undone by the next agent) even when no record of the freeze exists."""
+    root = tmp_path / "cg"
+    frozen = cgroup(root, "nodeagent.slice/b", cgroup_freeze="1")
+    carry = {"protection": {"frozen": ["nodeagent.slice/b"]}}
+    record = (
+        originals(("nodeagent.slice/b", Attribute.FREEZE, "0", "1", WriteMode.DIRECT))
+        if recorded
+        else {}
+    )
+    refusing.add(("nodeagent.slice/b", "cgroup.freeze"))
+    [r], after = released(root, saved(carry=carry, originals=record))
+    assert (r.attribute, r.outcome) == ("cgroup.freeze", "failed")
+    assert after.carry == carry and after.originals == record
+    assert (frozen / "cgroup.freeze").read_text() == "1\n"
+    refusing.clear()
+    [r], last = released(root, after)
+    assert r.outcome == "released" and last.carry == {} and last.originals == {}
+    assert (frozen / "cgroup.freeze").read_text() == "0"
+
+
+def test_the_command_exits_1_naming_what_failed_and_keeps_it(
+    tmp_path: Path, refusing: set[tuple[str, str]]
+) -> None:
+    """One line per attribute (the failed one names its cgroup and why), the summary, exit
+    status 1; the state file keeps what failed, and the next run hands it back (exit 0)."""
+    root = tmp_path / "cg"
+    b = cgroup(root, "nodeagent.slice/b", cpu_max="1000 100000", cgroup_freeze="1")
+    record = originals(
+        ("nodeagent.slice/b", Attribute.CPU_MAX, "max 100000", "1000 100000", WriteMode.DIRECT),
+        ("nodeagent.slice/b", Attribute.FREEZE, "0", "1", WriteMode.DIRECT),
+    )
+    policy = _state_file(tmp_path, root, originals=record)
+    refusing.add(("nodeagent.slice/b", "cpu.max"))
+    args = ["release", "--all", "--config", str(policy), "--cgroup-root", str(root)]
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 1, out.output
+    path = tmp_path / "state.json"
+    assert out.stdout.splitlines() == [
+        "failed    nodeagent.slice/b  cpu.max  (cgroup nodeagent.slice/b: writing"
+        " 'max 100000' to cpu.max failed: No space left on device)",
+        "released  nodeagent.slice/b  cgroup.freeze 1 -> 0",
+        f"nodeagent release: 1 failed, 1 released; {path} updated",
+    ]
+    kept = state.load(str(path))
+    assert kept is not None and list(kept.originals) == ["nodeagent.slice/b"]
+    assert list(kept.originals["nodeagent.slice/b"]) == ["cpu.max"]
+    refusing.clear()
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 0, again.output
+    assert (
+        again.stdout.splitlines()[0]
+        == "released  nodeagent.slice/b  cpu.max 1000 100000 -> max 100000"
+    )
+    assert (b / "cpu.max").read_text() == "max 100000"
+
+
+@pytest.mark.parametrize(
+    ("api", "dry_run"),
+    [(True, False), (False, False), (True, True)],
+    ids=["serving-its-api", "no-api", "dry-run-serving-its-api"],
+)
+def test_refused_while_a_daemon_runs(tmp_path: Path, api: bool, dry_run: bool) -> None:
+    """A daemon beside it would apply its policy again at its next tick: refused (exit 1,
+    nothing handed back, the state file as it was) while one runs on this state file,
+    with its API on the policy's socket or with none (--no-api); a dry-run daemon, which
+    marks nothing, is known by its API's answer. Once it stops, release goes ahead."""
+    root = tmp_path / "cg"
+    b = cgroup(root, "nodeagent.slice/b", cgroup_freeze="1")
+    record = originals(("nodeagent.slice/b", Attribute.FREEZE, "0", "1", WriteMode.DIRECT))
+    policy = _state_file(tmp_path, root, originals=record)
+    agent = open_agent(
+        load_policy(policy), CgroupTree(str(root)), dry_run=dry_run, config_path=str(policy)
+    )
+    server = serve(agent) if api else None
+    ticked = threading.Event()
+    loop = threading.Thread(target=agent.run, kwargs={"on_tick": lambda _: ticked.set()})
+    loop.start()
+    args = ["release", "--all", "--config", str(policy), "--cgroup-root", str(root)]
+    try:
+        assert ticked.wait(60), "the daemon's first tick, within 60 s"
+        out = CliRunner().invoke(main, args)
+    finally:
+        agent.stop.set()
+        loop.join(60)
+        if server is not None:
+            server.close()
+    assert not loop.is_alive(), "the daemon's loop stops within 60 s of its stop"
+    assert isinstance(out.exception, NodeagentError), out.output
+    assert str(out.exception).startswith("nodeagent is running "), out.exception
+    assert ("(pid " in str(out.exception)) is dry_run  # the API's answer, not the mark
+    assert out.stdout == ""
+    assert (b / "cgroup.freeze").read_text() == "1\n"
+    kept = state.load(str(tmp_path / "state.json"))
+    assert kept is not None and list(kept.originals) == ["nodeagent.slice/b"]
+    after = CliRunner().invoke(main, args)
+    assert after.exit_code == 0, after.output
     assert (b / "cgroup.freeze").read_text() == "0"
