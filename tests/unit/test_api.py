@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from descriptors import accept_tries_while_out_of_fds
 from peers import as_user, held_as
-from waits import wait_for
+from waits import asleep_on, wait_for
 
 from nodeagent.api import client
 from nodeagent.api import server as api_server
@@ -882,7 +882,7 @@ def test_client_waits_for_room_in_a_full_listen_queue(
 
         def waits_in_connect() -> bool:
             assert caller.is_alive(), "the caller gave up instead of waiting for room"
-            return bool(connecting) and sleeps_in_a_call_on(caller, connecting[0])
+            return bool(connecting) and asleep_on(f"self/task/{caller.native_id}", connecting[0])
 
         wait_for(waits_in_connect, 10, "the caller to wait in connect() on the full queue")
         while True:  # make room, and answer the caller when it comes through
@@ -897,17 +897,6 @@ def test_client_waits_for_room_in_a_full_listen_queue(
         for sock in fillers:
             sock.close()
     assert got == [True]
-
-
-def sleeps_in_a_call_on(thread: threading.Thread, fd: int) -> bool:
-    """Whether `thread` sleeps in a system call whose first argument is descriptor `fd`
-    (/proc's syscall file: the call's number and arguments, or "running")."""
-    assert thread.native_id is not None
-    try:
-        fields = Path(f"/proc/self/task/{thread.native_id}/syscall").read_text().split()
-    except FileNotFoundError:  # it has ended
-        return False
-    return len(fields) > 1 and int(fields[1], 16) == fd
 
 
 def test_server_deadline_covers_the_whole_request(

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from waits import asleep_on, wait_for
 
 EXIT_WITHIN_S = 60.0  # generous: the machine is shared; a deadlocked child never exits at all
 
@@ -91,24 +92,25 @@ class Child:
     def ticks(self) -> int:
         return sum(1 for line in self.lines if line.startswith("tick "))
 
-    def wait_for_ticks(self, n: int, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.ticks() < n:
-            assert self.proc.poll() is None, f"the loop exited early: {self.lines[-3:]}"
-            assert time.monotonic() < deadline, (
-                f"no {n} ticks in {timeout:.0f} s: {self.lines[-3:]}"
-            )
-            time.sleep(0.02)
+    def running(self) -> bool:
+        assert self.proc.poll() is None, f"the loop exited early: {self.lines[-3:]}"
+        return True
 
-    def stalled(self, quiet: float = 2.0, timeout: float = 120.0) -> None:
-        """Wait until no tick has come for `quiet` seconds (the loop is blocked)."""
-        deadline = time.monotonic() + timeout
-        seen, since = self.ticks(), time.monotonic()
-        while time.monotonic() - since < quiet:
-            assert time.monotonic() < deadline, "the loop never blocked on its full stderr"
-            time.sleep(0.05)
-            if self.ticks() != seen:
-                seen, since = self.ticks(), time.monotonic()
+    def wait_for_ticks(self, n: int, timeout: float = 60.0) -> None:
+        wait_for(lambda: self.running() and self.ticks() >= n, timeout, f"tick {n}")
+
+    def blocked_writing_stderr(self, timeout: float = 120.0) -> None:
+        """Wait until the loop (the child's main thread) sleeps in write() on its stderr, a
+        full pipe nobody reads: inside the logger, its lock held."""
+        what = "the loop to block writing to its full stderr"
+        wait_for(lambda: self.running() and asleep_on(str(self.proc.pid), 2), timeout, what)
+
+    def pending(self, signum: signal.Signals) -> bool:
+        """Whether `signum` was sent to the child and not yet delivered (/proc's masks of
+        the signals pending for its main thread, SigPnd, and for the process, ShdPnd)."""
+        status = Path(f"/proc/{self.proc.pid}/status").read_text().splitlines()
+        masks = [int(line.split()[1], 16) for line in status if line[:7] in ("SigPnd:", "ShdPnd:")]
+        return any(mask & 1 << (signum - 1) for mask in masks)
 
     def exits_within(self, seconds: float) -> int:
         """Its exit status, once what it wrote has been read to the end (the readers can
@@ -148,7 +150,7 @@ def test_a_burst_of_sighups_neither_hangs_the_loop_nor_costs_it_its_sigterm(
     for _ in range(300):
         for _ in range(50):
             os.kill(child.proc.pid, signal.SIGHUP)
-        time.sleep(0.002)
+        time.sleep(0.002)  # no wait on anything: bursts 2 ms apart are what is tested
     before = child.ticks()
     child.wait_for_ticks(before + 3)  # still ticking after the bursts
     child.drain_stderr()
@@ -168,9 +170,11 @@ def test_sigterm_while_the_loop_holds_the_loggers_lock_still_stops_it(
     child = Child(tmp_path, pad=8000)
     child_factory.append(child)
     child.wait_for_ticks(1)
-    child.stalled()  # blocked writing to the full pipe, the logger's lock held
+    child.blocked_writing_stderr()  # the logger's lock held
     os.kill(child.proc.pid, signal.SIGTERM)
-    time.sleep(0.5)  # the handler has run (inside the lock) by now
+    # delivered while the write waits: the write returns to the loop (EINTR, or the part
+    # written), which runs the handler there, inside the lock, whenever stderr is read
+    wait_for(lambda: not child.pending(signal.SIGTERM), 30, "SIGTERM to reach the loop")
     child.drain_stderr()
     assert child.exits_within(EXIT_WITHIN_S) == 0
     assert child.lines[-1] == "exited"

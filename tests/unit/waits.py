@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def wait_for(check: Callable[[], object], timeout: float, what: str, step: float = 0.02) -> None:
@@ -18,3 +19,16 @@ def wait_for(check: Callable[[], object], timeout: float, what: str, step: float
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(step)
+
+
+def asleep_on(task: str, fd: int) -> bool:
+    """Whether the thread /proc/`task` ("PID" for a process's main thread, "self/task/TID"
+    for one of this process's) sleeps in a system call whose first argument is descriptor
+    `fd`: connect() on a full listen queue, write() on a full pipe. /proc's syscall file
+    gives the call's number and arguments while the thread sleeps in one, "running" else;
+    so a test sees the block itself rather than guessing how long it takes to come."""
+    try:
+        fields = Path(f"/proc/{task}/syscall").read_text().split()
+    except OSError:  # it has ended
+        return False
+    return len(fields) > 1 and int(fields[1], 16) == fd
