@@ -462,7 +462,8 @@ class GpuLedger:
         wall: float,
     ) -> None:
         """Restore saved holds one by one: a malformed record is dropped with a warning;
-        `keep` says which still have their job (or are reservations), and may amend them."""
+        `keep` says which still have their job (or are reservations), and may amend them.
+        A record that conflicts with one restored before it (`_restorable`) is refused."""
         for i, r in enumerate(records):
             try:
                 record = HoldRecord.model_validate(r)
@@ -496,12 +497,56 @@ class GpuLedger:
             if kept is None:
                 continue
             with self._lock:
-                if kept.id in self._holds or self._name_taken(kept.owner):
-                    log.warning("state.hold_dropped", record=i, error="its id or name is taken")
+                if self._holds.get(kept.id) == kept:
+                    log.warning("state.hold_duplicate", record=i, owner=kept.owner, id=kept.id,
+                                action="restored once")  # fmt: skip
                     continue
-                self._holds[kept.id] = kept
+                restorable = self._restorable(kept)
+                if isinstance(restorable, str):
+                    log.error("state.hold_dropped", record=i, owner=kept.owner, id=kept.id,
+                              kind=str(kept.kind), uuids=list(kept.uuids), error=restorable,
+                              action="its GPUs are not held for it: free them, or reserve"
+                              " them again")  # fmt: skip
+                    continue
+                if restorable.id != kept.id:
+                    log.warning("state.hold_renamed", record=i, owner=kept.owner, was=kept.id,
+                                id=restorable.id, error="its id is another hold's")  # fmt: skip
+                self._holds[restorable.id] = restorable
 
     # --- inside the lock --------------------------------------------------------------
+
+    def _restorable(self, hold: Hold) -> Hold | str:
+        """A saved hold as it may be restored beside the holds restored before it, or why
+        it may not (the same hold twice is restored once, before this). Only a corrupt or
+        hand-edited file gets here; what is safe decides:
+        - GPUs another hold has (an exclusive hold beside any other on a GPU): refused,
+          whatever its id and name, so that no GPU is held twice; the first keeps them;
+        - a name taken: refused, as a new hold with it would be (a reservation is released
+          and attached by name: two of one name would answer for each other);
+        - an id taken by another hold: a job's hold is refused (its job releases its GPUs
+          by that id, which is the other hold's); a reservation, which is released by name
+          and dropped by the daemon by the id it reads here, is kept under a new id.
+        A refused hold's GPUs are free for others: refusing is what keeps the ledger's
+        promise (a GPU granted once), and its line says which GPUs its workload may still
+        be using."""
+        other = self._holds.get(hold.id)
+        holder: dict[str, Hold] = {}  # each GPU's first holder, which the line names
+        for h in self._holds.values():
+            for u in h.uuids:
+                holder.setdefault(u, h)
+        clash = sorted(
+            u for u in hold.uuids
+            if u in holder and (hold.shared_memory is None or holder[u].shared_memory is None)
+        )  # fmt: skip
+        if clash:
+            return f"GPUs {', '.join(clash)} are held by {holder[clash[0]].owner!r} already"
+        if self._name_taken(hold.owner):
+            return f"its name {hold.owner!r} is another hold's"
+        if other is None:
+            return hold
+        if hold.kind is not HoldKind.RESERVATION:
+            return f"its id is the hold of {other.owner!r}, which its job would release"
+        return replace(hold, id=new_id())
 
     def _name_taken(self, owner: str) -> bool:
         return owner in self._waiting_names or any(h.owner == owner for h in self._holds.values())

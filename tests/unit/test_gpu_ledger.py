@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from nodeagent.gpu.model import Hold
 from nodeagent.gpu.simulated import load_simulated
@@ -220,3 +222,86 @@ def test_a_malformed_history_is_dropped_with_a_warning(
     ledger.load_history(saved)  # type: ignore[arg-type]
     assert ledger.history() == {}
     assert "state.gpu_history_dropped" in capsys.readouterr().out
+
+
+# --- restoring a state file whose holds conflict (a corrupt or hand-edited file) -----------
+
+GPU = [f"GPU-{n}" for n in range(4)]
+
+
+def record(owner: str, gpus: list[int], **kw: object) -> dict[str, object]:
+    """A hold as the state file keeps it."""
+    return {
+        "owner": owner, "kind": "reservation", "uuids": [GPU[i] for i in gpus],
+        "indices": gpus, "id": f"id-{owner}-0123456789", "uid": 1000, **kw,
+    }  # fmt: skip
+
+
+def restored(
+    records: list[dict[str, object]],
+) -> tuple[GpuLedger, list[Mapping[str, object]]]:
+    ledger = GpuLedger()
+    with capture_logs() as logs:
+        ledger.load(records, keep=lambda h: h, now=0.0, wall=1e9)
+    return ledger, [e for e in logs if e["event"].startswith("state.hold")]
+
+
+def test_a_hold_recorded_twice_is_restored_once() -> None:
+    ledger, logs = restored([record("web", [0]), record("web", [0])])
+    assert [(h.owner, h.uuids) for h in ledger.holds()] == [("web", (GPU[0],))]
+    assert [(e["event"], e["owner"]) for e in logs] == [("state.hold_duplicate", "web")]
+
+
+def test_a_restored_hold_on_gpus_another_holds_is_refused() -> None:
+    """Never two holds on one GPU (an exclusive hold beside any other): the first restored
+    keeps it, the other is refused in one line naming it and its GPUs, whatever its id and
+    name; holds sharing a GPU by memory are both kept."""
+    ledger, logs = restored(
+        [
+            record("web", [0, 1]),
+            record("train", [1, 2]),
+            record("a", [3], shared_memory=1 << 30),
+            record("b", [3], shared_memory=1 << 30),
+            record("c", [3]),
+        ]
+    )
+    assert sorted(h.owner for h in ledger.holds()) == ["a", "b", "web"]
+    assert [(e["event"], e["owner"], e["uuids"], e["error"]) for e in logs] == [
+        ("state.hold_dropped", "train", [GPU[1], GPU[2]], "GPUs GPU-1 are held by 'web' already"),
+        ("state.hold_dropped", "c", [GPU[3]], "GPUs GPU-3 are held by 'a' already"),
+    ]
+    assert holdings(ledger.holds()).exclusive == frozenset(GPU[:2])
+
+
+def test_a_restored_hold_whose_name_is_taken_is_refused() -> None:
+    """Reservations are released and attached by name: two of one name would answer for
+    each other. The second is refused, in one line naming it."""
+    ledger, logs = restored([record("web", [0]), record("web", [1], id="another-id-0123456")])
+    assert [(h.owner, h.uuids) for h in ledger.holds()] == [("web", (GPU[0],))]
+    assert [(e["event"], e["owner"], e["uuids"], e["error"]) for e in logs] == [
+        ("state.hold_dropped", "web", [GPU[1]], "its name 'web' is another hold's")
+    ]
+
+
+def test_a_restored_hold_whose_id_is_taken() -> None:
+    """A reservation is kept under a new id (it is released by name, and the daemon drops
+    it by the id it reads); a job's hold is refused, since its job releases by that id,
+    which is the first hold's."""
+    taken = "id-web-0123456789"
+    ledger, logs = restored(
+        [
+            record("web", [0]),
+            record("other", [1], id=taken),
+            record("job", [2], id=taken, kind="job", cgroup="nodeagent.slice/job"),
+        ]
+    )
+    holds = {h.owner: h for h in ledger.holds()}
+    assert sorted(holds) == ["other", "web"]
+    assert holds["web"].id == taken and holds["other"].id not in ("", taken)
+    assert [(e["event"], e["owner"]) for e in logs] == [
+        ("state.hold_renamed", "other"),
+        ("state.hold_dropped", "job"),
+    ]
+    assert logs[1]["error"] == "its id is the hold of 'web', which its job would release"
+    assert ledger.release_reservation("other", 1000).uuids == (GPU[1],)
+    assert [h.owner for h in ledger.holds()] == ["web"]

@@ -9,6 +9,7 @@ daemon_api); callers are Peer records as SO_PEERCRED gives them.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -133,3 +134,33 @@ def test_a_reservation_and_its_time_left_survive_a_restart(d: Daemon) -> None:
     )
     assert hold.until is not None
     assert 590 < hold.until - time.monotonic() <= 600, "the ttl runs on, it does not restart"
+
+
+def test_a_reservation_that_could_bind_to_two_containers_binds_to_neither_until_one(
+    d: Daemon,
+) -> None:
+    """A reservation names its container by a 12-digit prefix that two containers' ids
+    share: binding to either would give one of them GPUs meant for the other, and which
+    one would hang on discovery's order. It binds to neither, says so once (not every
+    tick), and binds to the one left when the other goes; a reservation naming the full
+    id binds to exactly that container even while its prefix matches both."""
+    twin = CID[:12] + "f" * (len(CID) - 12)
+    reserve(d, ALICE, "web", container=CID[:12], ttl=600)
+    reserve(d, ALICE, "exact", container=twin, ttl=600)
+    mkdirs(d.root, f"system.slice/docker-{CID}.scope", f"system.slice/docker-{twin}.scope")
+    d.agent.registry.resync()
+    with capture_logs() as logs:
+        d.agent.tick()
+        d.agent.tick()
+    bound = {h.owner: h.cgroup for h in d.agent.gpus.ledger.holds()}
+    assert bound == {"web": None, "exact": f"system.slice/docker-{twin}.scope"}
+    (warned,) = audited(logs, "gpu.reservation_ambiguous")
+    assert (warned["reservation"], sorted(warned["matches"])) == (
+        "web",
+        sorted([f"system.slice/docker-{CID}.scope", f"system.slice/docker-{twin}.scope"]),
+    )
+    os.rmdir(d.root / f"system.slice/docker-{twin}.scope")
+    d.agent.registry.resync()
+    d.agent.tick()
+    bound = {h.owner: h.cgroup for h in d.agent.gpus.ledger.holds()}
+    assert bound == {"web": f"system.slice/docker-{CID}.scope"}  # "exact" went with its own
