@@ -41,6 +41,7 @@ DAEMONSET = CHECKOUT / "deploy" / "kubernetes" / "daemonset.yaml"
 IMAGE = f"localhost/nodeagent:{VERSION}"
 BUSYBOX_IMAGE = "localhost/nodeagent-test/busybox:1"
 WAIT_S = 300.0
+pytestmark = pytest.mark.timeout(900)  # the image's load and start may each wait WAIT_S
 APPLETS = ("sh", "sleep", "true")
 
 

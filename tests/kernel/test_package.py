@@ -36,6 +36,7 @@ UNIT = "nodeagent.service"
 WORKLOADS = "nodeagent-workloads.service"
 """The unit that holds the workloads; nodeagent.service Requires= it."""
 WAIT_S = 300.0
+pytestmark = pytest.mark.timeout(900)  # the install, the start and the cap may each wait WAIT_S
 POLICY = """\
 version: 1
 agent:

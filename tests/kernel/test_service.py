@@ -50,6 +50,7 @@ MANAGED = f"system.slice/{WORKLOADS}/workloads"  # docs/service.md's managed roo
 EXE = installed_executable()  # this checkout's .venv/bin/nodeagent: what the units run
 WAIT_S = 300.0  # under TCG on a busy host, validate and the agent's start took 40 s and 90 s
 WATCHDOG_S = 10  # the watchdog tests' WatchdogSec: ticks take well under 1 s, even here
+pytestmark = pytest.mark.timeout(900)  # a test may wait WAIT_S for a start, a reload and a stop
 METRICS_PORT = 19464
 # The start timeout raised (from 90 s) for the emulated VM, where starting Python and importing
 # the agent can take a minute (it bounds ExecReload= and ExecStopPost= too).

@@ -45,6 +45,7 @@ SCOPE_GLOB = "*slurmstepd.scope"
 """slurmstepd's scope in system.slice: `slurmstepd.scope`, or `<node>_slurmstepd.scope` where
 slurmd is built for several per host, as Debian 12's is (`vm_slurmstepd.scope` in the VM)."""
 WAIT_S = 240.0  # TCG on a busy host: slurmd registers in tens of seconds
+pytestmark = pytest.mark.timeout(600)  # the module's Slurm start waits up to 2 x WAIT_S
 # glibc's getaddrinfo(AI_ADDRCONFIG), which Slurm uses, finds no IPv4 address where a host has
 # only 127.0.0.1: the VM has nothing else. One documentation address on lo (RFC 5737).
 EXTRA_ADDRESS = "192.0.2.1/32"
