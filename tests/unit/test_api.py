@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from descriptors import accept_tries_while_out_of_fds
 from peers import as_user, held_as
-from waits import asleep_on, wait_for
+from waits import asleep_on, counted, wait_for
 
 from nodeagent.api import client
 from nodeagent.api import server as api_server
@@ -947,15 +947,7 @@ def test_close_ends_connections_accepted_before_it(serve: Callable[..., ApiServe
 def admitted(monkeypatch: pytest.MonkeyPatch) -> Callable[[], int]:
     """How many connections the server has taken in so far (served, made to wait or
     refused): what a flood test waits for before it looks at what the flood left."""
-    count = [0]
-    real = ApiServer._admit
-
-    def counted(self: ApiServer, conn: socket.socket) -> None:
-        real(self, conn)
-        count[0] += 1  # only the accept loop's thread admits
-
-    monkeypatch.setattr(ApiServer, "_admit", counted)
-    return lambda: count[0]
+    return counted(monkeypatch, ApiServer, "_admit")  # called by the accept loop alone
 
 
 def timed_get(path: str) -> float:

@@ -11,7 +11,7 @@ import socket
 import stat
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from selectors import SelectorKey
 
@@ -20,6 +20,7 @@ import structlog
 from descriptors import accept_tries_while_out_of_fds
 from peers import as_user, held_as
 from prometheus_client.core import GaugeMetricFamily, Metric
+from waits import counted, wait_for
 
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent, open_agent, serve_metrics
@@ -152,7 +153,7 @@ def test_moving_the_endpoint_needs_a_restart(tmp_path: Path) -> None:
 
 NOBODY = 65534
 NOGROUP = grp.getgrnam("nogroup").gr_gid
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chgrp and setuid")
+needs_root = pytest.mark.usefixtures("needs_root")  # fails, never skips, unless root
 Address = str | tuple[str, int]
 
 
@@ -181,6 +182,12 @@ def http(
     return int(status.split()[1]), fields, body
 
 
+@pytest.fixture
+def admitted(monkeypatch: pytest.MonkeyPatch) -> Callable[[], int]:
+    """How many connections the server has taken in so far (kept, or closed at its cap)."""
+    return counted(monkeypatch, MetricsServer, "_admit")  # called by the server's loop alone
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -202,14 +209,16 @@ def test_idle_connections_cost_the_daemon_a_bounded_number_of_descriptors(
 
 
 @needs_root
-def test_one_local_users_idle_tcp_connections_delay_nobody_else(served: MetricsServer) -> None:
+def test_one_local_users_idle_tcp_connections_delay_nobody_else(
+    served: MetricsServer, admitted: Callable[[], int]
+) -> None:
     # Over loopback the kernel's socket table says whose each connection is: uid 65534's
     # are capped at 8 (the rest closed), so root's scrape and uid 4000's do not queue.
     where = ("127.0.0.1", served.port)
     base = open_fds()
     with held_as(NOBODY, NOGROUP, where, 300) as held:
         assert held == 300
-        time.sleep(0.5)  # the daemon has taken in what it takes of them
+        wait_for(lambda: admitted() == held, 30, f"the daemon to take in all {held}")
         assert http(where)[0] == 200
         assert open_fds() - base <= getattr(MetricsServer, "per_uid_connections", 8) + 2
         other = as_user(4000, 4000, [], lambda: str(http(where)[0]))
@@ -313,7 +322,8 @@ def test_a_render_older_than_the_cache_time_is_made_again() -> None:
     server = MetricsServer.start(f"127.0.0.1:{free_port()}", counting)
     try:
         get(f"http://127.0.0.1:{server.port}/metrics")
-        time.sleep(1.2)  # the cache holds a render for a second
+        # no wait on anything: the render's age is what is tested (a second in the cache)
+        time.sleep(MetricsServer.cache_seconds + 0.2)
         get(f"http://127.0.0.1:{server.port}/metrics")
     finally:
         server.close()
@@ -400,7 +410,7 @@ def test_a_token_file_that_is_missing_or_empty_is_one_line(
 
 @needs_root
 def test_a_unix_socket_answers_its_group_and_caps_each_uid(
-    sockdir: Path, collector: TickCollector
+    sockdir: Path, collector: TickCollector, admitted: Callable[[], int]
 ) -> None:
     path = sockdir / "metrics.sock"
     server = MetricsServer.start(f"unix:{path}", collector, socket_group="nogroup")
@@ -410,9 +420,11 @@ def test_a_unix_socket_answers_its_group_and_caps_each_uid(
         base = open_fds()
         with held_as(NOBODY, NOGROUP, str(path), 100) as held:
             assert held == 100
+            wait_for(lambda: admitted() == held, 30, f"the daemon to take in all {held}")
             status, _, body = http(str(path))  # root, while nobody holds its idle ones
             assert status == 200 and b"nodeagent_ticks_total" in body
             assert open_fds() - base <= MetricsServer.per_uid_connections + 2
+            # no wait on anything: only a connection idle this long may be pushed out
             time.sleep(MetricsServer.idle_grace)
             member = as_user(NOBODY, NOGROUP, [], lambda: str(http(str(path))[0]))
             assert member == "200"  # its newest connection pushes out its oldest idle one
@@ -445,11 +457,8 @@ def test_a_request_the_loop_has_not_read_yet_is_answered_not_cut_for_a_newcomer(
     scrape.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
     idle = socket.create_connection(where, timeout=10)
     with scrape, idle:
-        deadline = time.monotonic() + 10
-        while held() < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        time.sleep(served.idle_grace)
+        wait_for(lambda: held() == 2, 10, "the loop to take in the scrape and the idle one")
+        time.sleep(served.idle_grace)  # no wait on anything: both old enough to be cut
         newcomer = socket.create_connection(where, timeout=10)
         with newcomer:
             assert scrape.recv(100).startswith(b"HTTP/1.1 200 ")

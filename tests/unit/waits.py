@@ -10,6 +10,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 
 def wait_for(check: Callable[[], object], timeout: float, what: str, step: float = 0.02) -> None:
@@ -32,3 +35,19 @@ def asleep_on(task: str, fd: int) -> bool:
     except OSError:  # it has ended
         return False
     return len(fields) > 1 and int(fields[1], 16) == fd
+
+
+def counted(monkeypatch: pytest.MonkeyPatch, owner: type, method: str) -> Callable[[], int]:
+    """Count the calls of `owner.method` that have returned: e.g. a server's admissions, so
+    that a flood test waits until every connection it holds has been taken in."""
+    count = [0]
+    real = getattr(owner, method)
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return real(*args, **kwargs)
+        finally:
+            count[0] += 1
+
+    monkeypatch.setattr(owner, method, counting)
+    return lambda: count[0]
