@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 import structlog.testing
 
 from nodeagent import logs, sdnotify
@@ -19,6 +20,18 @@ from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import open_agent
 from nodeagent.policyfile.load import load_policy
 from nodeagent.sdnotify import healthy
+
+
+@pytest.fixture
+def kept_logging() -> Iterator[None]:
+    """structlog's configuration as it was before the test: logs.configure() sets it for the
+    whole process, and a later test must see the configuration it would have had."""
+    was_configured, config = structlog.is_configured(), structlog.get_config()
+    yield
+    if was_configured:
+        structlog.configure(**config)
+    else:
+        structlog.reset_defaults()
 
 
 @pytest.fixture
@@ -159,7 +172,7 @@ def test_a_tick_slower_than_the_watchdog_does_not_starve_it(
 
     def slow(tick: Callable[[], object]) -> Callable[[], object]:
         def slow_tick() -> object:
-            time.sleep(1.2)
+            time.sleep(1.2)  # no wait on anything: a tick this slow is what is tested
             return tick()
 
         return slow_tick
@@ -218,7 +231,7 @@ def test_healthy_is_a_good_tick_within_three_intervals_or_the_watchdog(
 
 
 def test_the_first_good_tick_logs_agent_ready_once(
-    tmp_path: Path, receiver: socket.socket, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, receiver: socket.socket, monkeypatch: pytest.MonkeyPatch, kept_logging: None
 ) -> None:
     """READY=1 goes to systemd with the first good tick; the same moment is one info line
     in the journal (`agent.ready`: what that tick sensed and wrote, and how long it took),
