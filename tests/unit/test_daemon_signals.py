@@ -99,7 +99,7 @@ class Child:
     def wait_for_ticks(self, n: int, timeout: float = 60.0) -> None:
         wait_for(lambda: self.running() and self.ticks() >= n, timeout, f"tick {n}")
 
-    def blocked_writing_stderr(self, timeout: float = 120.0) -> None:
+    def blocked_writing_stderr(self, timeout: float = 60.0) -> None:
         """Wait until the loop (the child's main thread) sleeps in write() on its stderr, a
         full pipe nobody reads: inside the logger, its lock held."""
         what = "the loop to block writing to its full stderr"
