@@ -227,7 +227,7 @@ def cgroup_sandbox() -> Iterator[Path]:
 # collection the modules are put in the order plain, runtimes (cgroupfs), runtimes with systemd,
 # systemd alone, each group in file order. The first user of each pays its start within its
 # ceiling: SHARED_START_S is added to it.
-SHARED_START_S = {"systemd_host": 240, "cgroupfs_runtimes": 300, "systemd_runtimes": 300}
+SHARED_START_S = {"systemd_host": 240, "cgroupfs_runtimes": 450, "systemd_runtimes": 450}
 """Seconds each shared daemon set may take to start (a slow TCG boot included)."""
 _RUNTIMES = ("cgroupfs_runtimes", "systemd_runtimes")
 _shared: dict[str, contextlib.ExitStack] = {}
