@@ -40,7 +40,7 @@ def slowest(paths: list[Path], n: int) -> list[tuple[float, str, str]]:
         suite = path.stem
         for s in _suites(path):
             for case in s.iter("testcase"):
-                test = f"{case.get('classname')}::{case.get('name')}"
+                test = f"{case.get('classname') or '(pytest)'}::{case.get('name') or '(internal)'}"
                 rows.append((float(case.get("time", 0)), suite, test))
     rows.sort(key=lambda row: -row[0])
     return rows[:n]

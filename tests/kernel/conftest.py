@@ -75,12 +75,17 @@ def _require_real_cgroup2() -> None:
         pytest.fail(problem, pytrace=False)
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, Any, None]:
-    """A kernel test must never skip: report a skip as a failure."""
-    outcome = yield
+    """A kernel test must never skip: report a skip as a failure. The test's ceiling is paused
+    while the report is made (see _pause_ceiling)."""
+    left = _pause_ceiling()
+    try:
+        outcome = yield
+    finally:
+        _resume_ceiling(left)
     report: pytest.TestReport = outcome.get_result()
     if report.skipped and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
@@ -115,6 +120,30 @@ def _ceil_every_test(items: list[pytest.Item]) -> None:
             starts.add(name)
             seconds += SHARED_START_S[name]
         item.add_marker(pytest.mark.timeout(min(seconds, LONGEST_TEST_S)), append=False)
+
+
+# pytest-timeout's alarm (SIGALRM, one shot) is meant to land in the test's own code. Landing
+# in pytest's, while it makes or logs a report (a failure's traceback took minutes to format in
+# a loaded VM), it is an INTERNALERROR that ends the whole run. The ceiling is paused for those
+# hooks and resumes after with what was left (at least a second), so that it fires in the test,
+# a fixture, or the next phase, each of which pytest reports as that test's failure.
+def _pause_ceiling() -> float:
+    left, _ = signal.setitimer(signal.ITIMER_REAL, 0)
+    return left
+
+
+def _resume_ceiling(left: float) -> None:
+    if left > 0:
+        signal.setitimer(signal.ITIMER_REAL, max(left, 1.0))
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_logreport() -> Generator[None, Any, None]:
+    left = _pause_ceiling()
+    try:
+        yield
+    finally:
+        _resume_ceiling(left)
 
 
 # -- progress: where a run got to, for a run killed before it wrote its JUnit report -------------
