@@ -5,9 +5,10 @@ go when its cgroup does; a cgroup whose name is not UTF-8 is shown as the CLI sh
 scrape passes `promtool check metrics` (scripts/test installs promtool beside the venv's
 Python, from Debian's prometheus package).
 
-The waits are keyed to the daemon's progress, not to the clock: a wait goes on while ticks
-keep completing, and fails only when the daemon exits or completes no tick for STALL
-seconds (the host is shared, and Python under TCG is slow).
+Every wait has a ceiling and fails saying what it waited for. The waits on the daemon count
+its ticks: one fails when the daemon completes a number of ticks without doing what was
+waited for (a regression; counted in ticks, the ceiling is as long as the VM is slow), or
+none for STALL seconds (it is stuck).
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ rules:
 """
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-STALL = 300.0
+STALL = 240.0
 """Seconds without a completed tick (before it serves: without serving) after which a wait
-gives up: the daemon is stuck, not slow."""
+gives up: the daemon is stuck, not slow. Under TCG on a host running several VMs its start
+alone has taken over 180 s; kept below the test's 300 s ceiling, so that this says why."""
 NOT_UTF8 = os.fsdecode(b"a-\xff\xfe")
 """A job name that is not UTF-8: an unprivileged user can make one where a rule claims it."""
 
@@ -79,17 +81,28 @@ def ticks(port: int) -> float | None:
     return one(parse(text), "nodeagent_ticks_total", result="ok")
 
 
-def progressing(daemon: Daemon, port: int, check: Callable[[], bool], what: str) -> None:
-    """Wait for `check` while the daemon makes progress: fail when it exits, or when no
-    tick completed for STALL seconds."""
-    seen, moved = ticks(port), time.monotonic()
-    while not check():
-        log = daemon.log.read_text(errors="replace")
-        assert daemon.proc.poll() is None, f"{what}: the daemon exited\n{log}"
-        now, count = time.monotonic(), ticks(port)
+def progressing(daemon: Daemon, port: int, check: Callable[[], bool], what: str, most: int) -> None:
+    """Wait for `check`: fail naming `what` when the daemon exits, completes no tick for STALL
+    seconds (it is stuck), or completes `most` ticks without `check` coming true (it goes on
+    without doing it). Counted in ticks, the ceiling is as long as the VM is slow."""
+    first = seen = ticks(port) or 0
+    moved = time.monotonic()
+    while True:
+        count = ticks(port) or 0  # before the check: a tick between the two counts for it
+        if check():
+            return
         if count != seen:
-            seen, moved = count, now
-        assert now - moved < STALL, f"{what}: no tick for {STALL:.0f} s (at {seen})\n{log}"
+            seen, moved = count, time.monotonic()
+        why = None
+        if daemon.proc.poll() is not None:
+            why = "the daemon exited"
+        elif time.monotonic() - moved >= STALL:
+            why = f"no tick for {STALL:.0f} s"
+        elif count - first >= most:
+            why = f"not within {most} ticks"
+        if why is not None:
+            log = daemon.log.read_text(errors="replace")
+            raise AssertionError(f"{what}: {why} (ticks {first:.0f} to {count:.0f})\n{log}")
         time.sleep(0.25)
 
 
@@ -123,7 +136,7 @@ def test_the_endpoint_shows_what_the_agent_wrote(
     daemon = Daemon(policy, tmp_path / "daemon.log")
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        progressing(daemon, port, lambda: bool(ticks(port)), "the first tick")
+        progressing(daemon, port, lambda: bool(ticks(port)), "the first tick", most=1)
         jobs = {name: managed / name for name in ("a-1", "a-2", "b-1", NOT_UTF8)}
         for path in jobs.values():
             path.mkdir()
@@ -142,7 +155,7 @@ def test_the_endpoint_shows_what_the_agent_wrote(
                 for n in cg
             )
 
-        progressing(daemon, port, settled, "every workload measured")
+        progressing(daemon, port, settled, "every workload measured", most=40)
         text = fetch(port)
         s = parse(text)
         print("\n".join(line for line in text.splitlines() if "b-1" in line or "tenant_" in line))
@@ -199,9 +212,11 @@ def test_the_endpoint_shows_what_the_agent_wrote(
 
         # the workload goes: so do its series, and the node's counters keep what it had
         procs.pop(2).kill()
-        assert wait_for(lambda: not read(jobs["b-1"], "cgroup.procs"), timeout=120)
+        killed = wait_for(lambda: not read(jobs["b-1"], "cgroup.procs"), timeout=60)
+        assert killed, "b-1's process still in its cgroup 60 s after SIGKILL"
         jobs["b-1"].rmdir()
-        progressing(daemon, port, lambda: cg["b-1"] not in fetch(port), "b-1's series gone")
+        gone = "b-1's series gone"
+        progressing(daemon, port, lambda: cg["b-1"] not in fetch(port), gone, most=20)
         after = parse(fetch(port))
         assert one(after, "nodeagent_tenant_workloads", tenant="b") is None
         assert one(after, "nodeagent_tenant_workloads", tenant="a") == 3
@@ -222,7 +237,12 @@ def test_a_port_in_use_stops_the_daemon_in_one_line(
         taken.bind(("127.0.0.1", port))
         taken.listen()
         daemon = Daemon(policy, tmp_path / "daemon.log")
-        code = daemon.proc.wait(timeout=120)
+        try:
+            code = daemon.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            daemon.proc.kill()
+            daemon.proc.wait(timeout=30)
+            raise AssertionError("the daemon went on 120 s with its metrics port taken") from None
     lines = daemon.log.read_text().splitlines()
     assert code == 1
     assert lines[-1] == (
