@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from helpers import ROOT, busy, read, rel, running, spec, usage_us, wait_for
+from helpers import ROOT, busy, read, rel, running, spec, usage_us, wait_for, wait_until
 
 BATCH = {"name": "batch", "match": {"name": "b-*"}, "tenant": "t", "class": "batch"}
 INFER = {"name": "infer", "match": {"name": "i-*"}, "tenant": "t", "class": "inference"}
@@ -35,7 +35,7 @@ def quota(cgroup: Path) -> float | None:
 
 def cpu_over(paths: list[Path], seconds: float) -> list[float]:
     before = [usage_us(p) for p in paths]
-    time.sleep(seconds)
+    time.sleep(seconds)  # no wait on anything: the window the CPU shares are measured over
     return [(usage_us(p) - b) / 1e6 / seconds for p, b in zip(paths, before, strict=True)]
 
 
@@ -64,8 +64,9 @@ def test_lower_classes_are_throttled_while_inference_stalls_and_released_after(
         classes={"batch": {"floor_cpu": 0.2, "freezable": False}},
         protection={"step": 0.5, "calm_ticks": 2, "release_step": 0.5},
     )
-    with running(p):
-        time.sleep(2)
+    with running(p) as a:
+        what = "4 ticks with the batch cgroups busy and nothing stalling"
+        wait_until(lambda: a.last is not None and a.last.snapshot.seq >= 4, 60, what)
         assert all(quota(b) is None for b in batch), "no stall yet: no throttle"
         stalled = [busy(infer), busy(infer)]  # two busy threads against three: it waits
         procs += stalled
@@ -118,7 +119,8 @@ def test_a_reservation_holds_against_busy_neighbours(
     against four busy batch cgroups, where equal weights give it 2/5 of a CPU."""
     infer, *batch = cgroups(managed, "i-1", "b-1", "b-2", "b-3", "b-4")
     procs += [busy(infer), *(busy(b) for b in batch)]
-    time.sleep(1)
+    everyone = [infer, *batch]
+    wait_until(lambda: all(usage_us(c) > 0 for c in everyone), 30, "all five cgroups running")
     without = cpu_over([infer], 5)[0]
     p = policy(
         managed,
@@ -129,7 +131,11 @@ def test_a_reservation_holds_against_busy_neighbours(
         classes={"inference": {"reserved_cpu": 1, "protect": False}},
     )
     with running(p):
-        time.sleep(3)
+
+        def reserved() -> bool:
+            return int(read(infer, "cpu.weight")) > max(int(read(b, "cpu.weight")) for b in batch)
+
+        wait_until(reserved, 60, "the reservation written: inference's weight above the others")
         with_reservation = cpu_over([infer], 10)[0]
     print(f"inference CPU: {without:.2f} without the agent, {with_reservation:.2f} with")
     assert without < 0.6
