@@ -17,6 +17,13 @@ a user's systemd manager (owner USER_SYSTEMD: its units are not the system manag
     user.slice/user-<n>.slice/user@<n>.service/<slices>/libpod-<id>.scope  rootless podman
     user.slice/user-<n>.slice/user@<n>.service/<slices>/<unit>.service     a user service
 
+    User n makes whatever cgroups it likes there (Delegate=yes), names included: a
+    libpod-<id>.scope below user@<n>.service is user n's own podman's container if
+    anything, and the id, which any user reads in /proc/*/cgroup, may be a rootful
+    container's. So such a container is never asked of root's runtimes
+    (nodeagent.runtimes.metadata, `delegated_uid`), and its names match only rules that
+    name owner user-systemd (nodeagent.policyfile.matching).
+
 Slurm's cgroup/v2 plugin (owner SLURM: slurmd made it, below systemd's delegated scope)
     system.slice/slurmstepd.scope/job_<id>                 a Slurm job
     system.slice/<node>_slurmstepd.scope/job_<id>          (a host running several slurmd)
@@ -58,7 +65,7 @@ from nodeagent.cgroupfs.paths import split_path
 from nodeagent.errors import UnsafePath
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
 
-__all__ = ["classify", "delegated_root", "may_hold", "user_manager"]
+__all__ = ["classify", "delegated_root", "delegated_uid", "may_hold", "user_manager"]
 
 # --- component fragments; none of them can match a '/' -----------------------
 
@@ -307,3 +314,11 @@ def delegated_root(path: str) -> str | None:
     None: below it, user N makes cgroups at will (user@.service has Delegate=yes)."""
     m = _DELEGATED.match(path)
     return None if m is None else m.group(0)
+
+
+def delegated_uid(path: str) -> int | None:
+    """The uid N whose manager (user@N.service) `path` is at or below, or None: what is
+    there, its names included, is user N's to make, so only user N's own runtime may say
+    what it is."""
+    m = _DELEGATED.match(path)
+    return None if m is None else int(m["n"])

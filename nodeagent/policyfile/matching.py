@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from nodeagent.identity import Kind, WorkloadIdentity
+from nodeagent.identity import Kind, Owner, WorkloadIdentity
 from nodeagent.meta import ContainerMeta
 from nodeagent.policyfile.glob import glob_matches
 from nodeagent.policyfile.model import CONTAINER_META, POD_META, Match
@@ -24,13 +24,18 @@ def matches(match: Match, w: WorkloadIdentity, assume_meta: bool = False) -> boo
 def match_terms(
     match: Match, w: WorkloadIdentity, assume_meta: bool = False
 ) -> tuple[str, ...] | None:
-    """The metadata terms that matched (empty without metadata keys), or None: no match."""
+    """The metadata terms that matched (empty without metadata keys), or None: no match.
+
+    A workload below a user's manager (owner user-systemd) matches only a rule that names
+    `owner: user-systemd`: user N makes those cgroups, names them, and runs the podman that
+    would describe them, so a rule written for the node's own workloads (by a name, a path,
+    an image, a label) must never give its tenant or class to a look-alike (issue 34)."""
     checks = (
         match.path is None or glob_matches(match.path, w.path),
         match.name is None or glob_matches(match.name, w.name),
         match.runtime is None or match.runtime == w.runtime,
         match.kind is None or match.kind == w.kind,
-        match.owner is None or match.owner == w.owner,
+        match.owner == w.owner if w.owner is Owner.USER_SYSTEMD else match.owner in (None, w.owner),
         match.qos is None or match.qos == w.qos,
         match.pod_uid is None or match.pod_uid == w.pod_uid,
         match.container_id is None

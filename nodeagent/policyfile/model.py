@@ -264,6 +264,11 @@ class RuntimeSettings(_Strict):
     """The socket of `podman system service`; without it, what `podman_storage` keeps."""
     podman_storage: HostPath | None = "/var/lib/containers/storage"
     """podman's store (graphroot), read when its API socket is absent: names and images only."""
+    podman_per_user: StrictBool = False
+    """Ask user N's own podman (`/run/user/N/podman/podman.sock`, its `podman system service
+    --user`) about the containers below user@N.service. Off: they are user N's unnamed
+    workloads, matched by no runtime metadata. `podman` and `podman_storage` (root's) are never
+    asked about them, whatever their id: user N names its cgroups at will."""
     containerd: SocketPath | None = "/run/containerd/containerd.sock"
     """Its CRI plugin (Kubernetes pods)."""
     crio: SocketPath | None = "/var/run/crio/crio.sock"

@@ -22,6 +22,10 @@ An identity whose answer has not changed is the same object as last time, so the
   bookkeeping is done) is asked again on the next tick, up to UNKNOWN_TRIES times.
 - All lookups of one `attach` share a budget of LOOKUP_BUDGET_S seconds: what is left over waits
   for the next tick, so a thousand new containers cannot stall one.
+- A container below a user's manager (user.slice/user-N.slice/user@N.service/...) is user N's
+  to make, its cgroup's name and so its id included (ids are world-readable in /proc/*/cgroup):
+  it is asked of user N's own podman (`USER_PODMAN`) where `podman_per_user` says so, else of
+  nothing, and never of root's runtimes or podman's store (issue 34).
 - A runtime that streams the containers it creates (dockerd's `create` events) is followed by
   the loop (`streams`, `created`): each new container is known at its creation, before its
   start makes its cgroup, so the cgroup's fast path finds the answer there (issue 16: dockerd's
@@ -35,6 +39,7 @@ An identity whose answer has not changed is the same object as last time, so the
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -44,6 +49,7 @@ from typing import Any
 
 import structlog
 
+from nodeagent.discovery.layouts import delegated_uid
 from nodeagent.errors import one_line
 from nodeagent.identity import Kind, Runtime, WorkloadIdentity
 from nodeagent.meta import BadAnswer, ContainerMeta, Unavailable
@@ -59,6 +65,9 @@ LOOKUP_BUDGET_S = 1.0
 UNKNOWN_TRIES = 10
 PREFETCH_KEEP_S = 60.0
 _CRI = ("containerd", "crio")
+USER_PODMAN = "/run/user/{uid}/podman/podman.sock"
+"""Where user N's rootless podman serves its API (`podman system service`, systemd --user's
+podman.socket)."""
 
 
 def adapters(settings: RuntimeSettings) -> dict[str, Adapter]:
@@ -78,6 +87,14 @@ def adapters(settings: RuntimeSettings) -> dict[str, Adapter]:
         if socket is not None:
             out[runtime] = CriAdapter(runtime, socket, t)
     return out
+
+
+def _user_podman(uid: int, timeout: float) -> Adapter:
+    """User `uid`'s podman: its API socket only, never a store on disk (a user's store is the
+    user's own file to write, and the API answers with labels besides)."""
+    from nodeagent.runtimes.podman import PodmanAdapter  # noqa: PLC0415
+
+    return PodmanAdapter(USER_PODMAN.format(uid=uid), timeout, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,10 +162,15 @@ class RuntimeMetadata:
         """Containers known at their creation (for the tests and the benchmark)."""
         self.told = 0
         """Of those, the ones the creation's event described, asked nothing."""
+        self.user_podman: Callable[[int], Adapter] | None = None
+        """User N's own podman, for the containers below user@N.service (None: not asked)."""
 
     @classmethod
     def from_settings(cls, settings: RuntimeSettings, **options: Any) -> RuntimeMetadata:
-        return cls(adapters(settings), **options)
+        made = cls(adapters(settings), **options)
+        if settings.podman_per_user:
+            made.user_podman = functools.partial(_user_podman, timeout=settings.timeout)
+        return made
 
     def close(self) -> None:
         for stream in self._streams.values():
@@ -160,7 +182,11 @@ class RuntimeMetadata:
     # -- who answers for whom ----------------------------------------------------------------
 
     def _adapter(self, identity: WorkloadIdentity) -> tuple[str, str] | None:
-        """(runtime, what to ask it for), or None for what no runtime knows (services, jobs)."""
+        """(runtime, what to ask it for), or None for what no runtime knows (services, jobs)
+        or no runtime may say (a user's containers, without `user_podman`)."""
+        uid = delegated_uid(identity.path)
+        if uid is not None:
+            return self._users(uid, identity)
         if identity.kind is Kind.CONTAINER and identity.container_id is not None:
             runtime = _BY_RUNTIME.get(identity.runtime)
             return None if runtime is None else (runtime, identity.container_id)
@@ -171,6 +197,39 @@ class RuntimeMetadata:
                     return runtime, "pod:" + identity.pod_uid
             return "containerd", "pod:" + identity.pod_uid
         return None
+
+    def _users(self, uid: int, identity: WorkloadIdentity) -> tuple[str, str] | None:
+        """User `uid`'s own podman for its podman container: the one runtime that owns that
+        subtree. Its own adapter, made at the first such container, so that its answers,
+        its being down and its events are its own, never root's podman's."""
+        if (
+            self.user_podman is None
+            or identity.kind is not Kind.CONTAINER
+            or identity.runtime is not Runtime.PODMAN
+            or identity.container_id is None
+        ):
+            return None
+        runtime = f"podman@{uid}"
+        if runtime not in self.adapters:
+            self.adapters[runtime] = self.user_podman(uid)
+        return runtime, identity.container_id
+
+    def _not_asked(self, identity: WorkloadIdentity) -> WorkloadIdentity:
+        """A workload no runtime was asked about: as it came, but a user's container says why
+        it has no name (once the same object each tick, as `_identity` keeps it)."""
+        uid = delegated_uid(identity.path)
+        if uid is None or identity.kind is not Kind.CONTAINER:
+            return identity
+        mine = (
+            "agent.runtimes.podman_per_user is off"
+            if self.user_podman is None
+            else "only its podman containers are asked of its own podman"
+        )
+        why = (
+            f"a container of user {uid} (below user@{uid}.service): root's runtimes are not"
+            f" asked about it, and {mine}; rules that need metadata skip it"
+        )
+        return self._identity(identity, _Entry(None, why))
 
     def status(self) -> dict[str, dict[str, object]]:
         """Each runtime's state, for `workloads --json` and the API."""
@@ -201,7 +260,7 @@ class RuntimeMetadata:
         for identity in identities:
             target = self._adapter(identity)
             if target is None:
-                out.append(identity)
+                out.append(self._not_asked(identity))
                 continue
             live.add(target)
             entry = self._entries.get(target)
