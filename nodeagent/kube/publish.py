@@ -13,6 +13,7 @@ only when its text changes.
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -192,6 +193,8 @@ class Publisher:
         self._published_at = -REFRESH
         self._owner: dict[str, str] | None = None
         self._failing: dict[str, str] = {}
+        self._late: _Call | None = None
+        """A call to the API server that ran past its deadline, until it ends."""
 
     def publish(self, state: GpuState, spec: PolicySpec) -> None:
         path = spec.publish.node_features
@@ -239,47 +242,124 @@ class Publisher:
         self._written = (path, text)
 
     def _topology(self, state: GpuState, spec: PolicySpec) -> None:
-        from kubernetes import client  # noqa: PLC0415
-
+        """Bring the object to what the node is now. The API server is asked on a worker
+        thread, and the loop's thread waits for it `api_server.timeout` at most in all: the
+        client's own `_request_timeout` is per read (a server trickling a byte a second held
+        `read_node` 119 s, issue 34). A call past its deadline is left to end on its own
+        (each of its reads has the deadline); none other is made until it has, and what it
+        brings is dropped (it makes no further request): the object is read again at the next
+        refresh. State changes only
+        here, on the loop's thread."""
         node = self._node
         assert node is not None, "checked when the Kubernetes side was made"
-        # every call within the API server's deadline: this runs on the loop's thread
         deadline = spec.kubernetes.api_server.timeout
-        if self._owner is None:
-            found: Any = client.CoreV1Api(self._api_client).read_node(
-                node, _request_timeout=deadline
+        late = self._late
+        if late is not None and late.is_alive():
+            raise NodeagentError(
+                f"NodeResourceTopology {node}: the API server has not finished answering a"
+                f" call that ran past its {deadline:g} s deadline: none other is made until it"
+                " has"
             )
-            self._owner = {"name": node, "uid": str(found.metadata.uid)}
-        body = node_resource_topology(
-            node, state, self._pod_resources.allocatable(), self._listing(),
-            gpu_resources=spec.kubernetes.gpu_resources, owner=self._owner,
-        )  # fmt: skip
-        if body == self._published:
+        self._late = None
+        allocatable, listing = self._pod_resources.allocatable(), self._listing()
+
+        def body(owner: dict[str, str]) -> dict[str, Any]:
+            return node_resource_topology(
+                node, state, allocatable, listing,
+                gpu_resources=spec.kubernetes.gpu_resources, owner=owner,
+            )  # fmt: skip
+
+        if self._owner is not None and body(self._owner) == self._published:
             return
-        api = client.CustomObjectsApi(self._api_client)
-        group, version, plural = NRT_API
+        owner = self._owner
+        api_client = self._api_client
+        call = _Call(
+            lambda c: _exchange(c, api_client, node, owner=owner, body=body, deadline=deadline)
+        )
+        call.start()
+        call.join(deadline)
+        if call.is_alive():
+            call.abandoned.set()
+            self._late = call
+            raise NodeagentError(
+                f"NodeResourceTopology {node}: the API server did not answer in {deadline:g}"
+                " s in all (timed out): left to end on its own"
+            )
+        self._owner = call.owner or self._owner
+        if call.error is not None:
+            raise call.error
+        assert call.sent is not None, "a call that ended without error sent its body"
+        audit_event("publish.node_resource_topology", node=node, zones=len(call.sent["zones"]))
+        self._published = call.sent
+
+
+class _Call(threading.Thread):
+    """One exchange with the API server, on its own thread: what it learnt (the Node's
+    owner reference, the body it sent) or the error it met, for the loop's thread to take."""
+
+    def __init__(self, exchange: Callable[[_Call], None]) -> None:
+        super().__init__(name="nodeagent-publish", daemon=True)
+        self._exchange = exchange
+        self.owner: dict[str, str] | None = None
+        self.sent: dict[str, Any] | None = None
+        self.error: Exception | None = None
+        self.abandoned = threading.Event()
+        """Set by the loop's thread past the deadline: the call makes no further request."""
+
+    def run(self) -> None:
         try:
-            current: Any = api.get_cluster_custom_object(
-                group, version, plural, node, _request_timeout=deadline
+            self._exchange(self)
+        except Exception as e:  # handed to the loop's thread, which logs it
+            self.error = e
+
+
+def _exchange(
+    call: _Call,
+    api_client: Any,
+    node: str,
+    *,
+    owner: dict[str, str] | None,
+    body: Callable[[dict[str, str]], dict[str, Any]],
+    deadline: float,
+) -> None:
+    """The exchange itself, on `call`'s thread (read the Node once, then the object, then
+    create or replace it), each request with the deadline on each of its reads as well; what
+    it learns goes into `call`."""
+    from kubernetes import client  # noqa: PLC0415
+
+    if owner is None:
+        found: Any = client.CoreV1Api(api_client).read_node(node, _request_timeout=deadline)
+        owner = call.owner = {"name": node, "uid": str(found.metadata.uid)}
+        if call.abandoned.is_set():
+            return
+    wanted = body(owner)
+    api = client.CustomObjectsApi(api_client)
+    group, version, plural = NRT_API
+    try:
+        current: Any = api.get_cluster_custom_object(
+            group, version, plural, node, _request_timeout=deadline
+        )
+    except client.ApiException as e:
+        if e.status != 404:
+            raise
+        if call.abandoned.is_set():
+            return
+        api.create_cluster_custom_object(group, version, plural, wanted, _request_timeout=deadline)
+    else:
+        if call.abandoned.is_set():
+            return
+        producer = (current["metadata"].get("labels") or {}).get(MANAGED_BY)
+        if producer != "nodeagent":
+            raise NodeagentError(
+                f"NodeResourceTopology {node} has another producer ({MANAGED_BY}:"
+                f" {producer or 'not set'}): left as it is; turn"
+                " publish.node_resource_topology off, or that producer"
             )
-        except client.ApiException as e:
-            if e.status != 404:
-                raise
-            api.create_cluster_custom_object(
-                group, version, plural, body, _request_timeout=deadline
-            )
-        else:
-            producer = (current["metadata"].get("labels") or {}).get(MANAGED_BY)
-            if producer != "nodeagent":
-                raise NodeagentError(
-                    f"NodeResourceTopology {node} has another producer ({MANAGED_BY}:"
-                    f" {producer or 'not set'}): left as it is; turn"
-                    " publish.node_resource_topology off, or that producer"
-                )
-            version_now = current["metadata"]["resourceVersion"]
-            replaced = {**body, "metadata": {**body["metadata"], "resourceVersion": version_now}}
-            api.replace_cluster_custom_object(
-                group, version, plural, node, replaced, _request_timeout=deadline
-            )
-        audit_event("publish.node_resource_topology", node=node, zones=len(body["zones"]))
-        self._published = body
+        version_now = current["metadata"]["resourceVersion"]
+        replaced = {
+            **wanted, "metadata": {**wanted["metadata"], "resourceVersion": version_now}
+        }  # fmt: skip
+        api.replace_cluster_custom_object(
+            group, version, plural, node, replaced, _request_timeout=deadline
+        )
+    call.sent = wanted
