@@ -127,16 +127,19 @@ class _Connection:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._parser = Parser()
         self._serials = itertools.count(1)
+        deadline = time.monotonic() + timeout  # on the whole: a peer may trickle its lines
         try:
             self._sock.settimeout(timeout)
             self._sock.connect(path)
             auth = Authenticator()  # EXTERNAL: the peer reads our uid from the socket
             for line in auth:
+                self._sock.settimeout(_left(deadline))
                 self._sock.sendall(line)
                 auth.feed(self._receive())
+            self._sock.settimeout(_left(deadline))
             self._sock.sendall(BEGIN)
             if hello:
-                self.call(new_method_call(_DBUS, "Hello"), "s", timeout)
+                self.call(new_method_call(_DBUS, "Hello"), "s", _left(deadline))
         except BaseException:
             self._sock.close()
             raise
@@ -156,8 +159,8 @@ class _Connection:
         self._sock.sendall(message.serialise(serial=serial))
         while True:
             reply = self._next_message()
-            if reply is None:
-                self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            if reply is None:  # a peer sending other messages without end has the deadline too
+                self._sock.settimeout(_left(deadline))
                 self._parser.add_data(self._receive())
                 continue
             if reply.header.fields.get(HeaderFields.reply_serial) != serial:
@@ -192,6 +195,14 @@ class _Connection:
 
     def close(self) -> None:
         self._sock.close()
+
+
+def _left(deadline: float) -> float:
+    """What is left of `deadline`; TimeoutError once nothing is."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    return left
 
 
 def _reason(exc: BaseException) -> str:
