@@ -13,6 +13,10 @@ import threading
 import time
 from collections.abc import Callable
 
+SEND_TIMEOUT_S = 1.0
+"""The most one message may wait for room in the supervisor's queue (the loop's thread sends
+READY and STOPPING): past it the message is not sent, as when the socket is gone."""
+
 
 def notify(message: str) -> bool:
     """Send `message` to $NOTIFY_SOCKET; True if sent, False when unset, unsupported or failed.
@@ -27,6 +31,7 @@ def notify(message: str) -> bool:
         return False  # unset, or a transport (e.g. vsock:) we do not speak
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.settimeout(SEND_TIMEOUT_S)  # a full queue would block the loop's thread
             sock.sendto(message.encode(), address)
     except OSError:
         return False

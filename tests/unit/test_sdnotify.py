@@ -247,3 +247,32 @@ def test_the_first_good_tick_logs_agent_ready_once(
     assert ready[0]["workloads"] == 0 and ready[0]["writes"] == 0
     assert ready[0]["tick_seconds"] >= 0
     assert any(m.startswith(b"STATUS=tick 2:") for _, m in got), got  # it went on ticking
+
+
+def test_a_full_queue_costs_the_loop_a_bounded_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A supervisor that reads nothing (its datagram queue full) costs a message
+    SEND_TIMEOUT_S at most, not the loop's thread for ever (issue 34: every call on the
+    loop's thread has a deadline). The supervisor is a real datagram socket, never read."""
+    path = str(tmp_path / "notify")
+    full = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    full.bind(path)
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    filler.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        for _ in range(100_000):
+            filler.sendto(b"x" * 1024, path)
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    said: list[bool] = []
+    sender = threading.Thread(target=lambda: said.append(sdnotify.ready()), daemon=True)
+    t0 = time.monotonic()
+    sender.start()
+    sender.join(10.0)
+    took = time.monotonic() - t0
+    try:
+        assert not sender.is_alive(), f"READY=1 still waiting for room after {took:.1f} s"
+        assert said == [False], "not sent: the queue stayed full"
+    finally:
+        filler.close()
+        full.close()
