@@ -633,6 +633,14 @@ class GpuSettings(_Strict):
     """How long GPUs granted to a request wait for its job to start before they go back."""
     max_waiting_per_user: StrictInt = Field(16, ge=1, le=10_000)
     """GPU requests one uid (other than root) may have waiting at once."""
+    max_holds_per_user: StrictInt = Field(4, ge=1, le=10_000)
+    """Reservations (bound or not) and unclaimed grants one uid (other than root) holds at
+    once: a reservation past it is refused, a request past it waits until one goes."""
+    max_held_gpu_hours_per_user: Number = Field(24.0, gt=0, le=1_000_000)
+    """GPU-hours one uid (other than root) may hold ahead of use: each unbound reservation's
+    and unclaimed grant's GPUs times the time it has left to live, summed (a reservation
+    made again counts anew). The default lets one member hold 2 GPUs for 12 h, not every
+    GPU for 7 days."""
     patience: Number = Field(0.0, ge=0, le=10)
     """A GPU request that already waits may wait this share of its job's expected duration
     more for a set that scores clearly better and is expected free by then; 0 (the default):
