@@ -54,6 +54,20 @@ def pytest_runtest_makereport(
         report.longrepr = f"unit tests must never skip, but this one did: {reason}"
 
 
+# ./scripts/test runs the suite in pytest-xdist workers: each sends its counts to the controller,
+# which prints the sum (the summary below runs there).
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["fuzz_counts"] = [[c, o, n] for (c, o), n in COUNTS.items()]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    for check, outcome, n in getattr(node, "workeroutput", {}).get("fuzz_counts", []):
+        COUNTS[check, outcome] += n
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """How many fuzzed policies ran, and with what outcome: the figure to report."""
     for check in sorted({c for c, _ in COUNTS}):
