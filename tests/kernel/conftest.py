@@ -158,16 +158,59 @@ def _progress(line: str) -> None:
             out.write(line + "\n")
 
 
+# Under pytest-xdist (./scripts/test runs the suite in two workers) the controller writes it: the
+# workers' own hooks would write every line twice. xdist names each worker in its environment.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    _progress(f"collected {len(session.items)}")
+    if _WORKER is None:  # a serial run; xdist's controller collects nothing itself
+        _progress(f"collected {len(session.items)}")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    if node.gateway.id == "gw0":  # every worker collects the same tests
+        _progress(f"collected {len(ids)}")
 
 
 def pytest_runtest_logstart(nodeid: str) -> None:
-    _progress(f"start {time.time():.1f} {nodeid}")
+    if _WORKER is None:
+        _progress(f"start {time.time():.1f} {nodeid}")
 
 
 def pytest_runtest_logfinish(nodeid: str) -> None:
-    _progress(f"end {nodeid}")
+    if _WORKER is None:
+        _progress(f"end {nodeid}")
+
+
+# -- two workers: test_service.py beside the rest --------------------------------------------------
+# ./scripts/test runs the suite in two pytest-xdist workers: the VM's two CPUs run two emulated
+# processes at twice the rate of one (MTTCG), and most tests wait on ticks and daemons with one
+# CPU idle. test_service.py, a third of the suite's time (agents started and stopped under a real
+# systemd, each start a minute of Python start-up under TCG), runs in one worker with a systemd of
+# its own; every other module runs in the other, in the order pytest_collection_modifyitems gives
+# them, so that each shared daemon set (the runtimes, the other systemd) has all its users in one
+# worker and starts and stops there as in a serial run. The CPU-split tests confine themselves to
+# two CPUs (two_cpus) and compare the shares of their own cgroups, which the other worker's load
+# leaves in their ratio.
+OWN_WORKER = ("tests/kernel/test_service.py",)
+
+
+def _worker_group(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return path if path in OWN_WORKER else "the rest"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkerGroup(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return _worker_group(nodeid)
+
+    return ByWorkerGroup(config, log)
 
 
 def enable_controllers(cgroup: Path, controllers: tuple[str, ...] = REQUIRED_CONTROLLERS) -> None:
