@@ -30,7 +30,7 @@ from nodeagent.commands import Commands
 from nodeagent.discovery.registry import Registry
 from nodeagent.errors import NodeagentError
 from nodeagent.gpu.choice import open_backend
-from nodeagent.gpualloc.service import GpuService
+from nodeagent.gpualloc.service import GpuService, process_uids
 from nodeagent.jobs import Jobs
 from nodeagent.logs import audit_write
 from nodeagent.originals import Originals
@@ -105,6 +105,8 @@ def open_agent(
         lambda: rec.spec,
         rec.exists,
         lambda: registry.workloads.values(),  # noqa: PLW0108 - a resync replaces the dict
+        # whose a workload is (a reservation binds only to its uid's own): jobs' /proc
+        lambda path: process_uids(tree.root, path, jobs.proc_root),
     )
     jobs = Jobs(tree, audit_write, proc_root, on_end=gpus.release_job, write_limits=rec.new_job)
     rec.wire(gpus, jobs, StateSaver(lambda: rec.spec.agent.state_file, rec.gather))

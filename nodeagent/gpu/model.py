@@ -206,6 +206,9 @@ class Hold:
     """When its job is expected to give the GPUs back, on the monotonic clock (the state
     file: Unix time), from the job's deadline and work or its class's recent holds; None:
     unknown."""
+    named_by: int | None = None
+    """Who named a reservation's container: its uid (it binds only to that uid's own
+    workloads) or root (the operator: it binds to the workload named, whoever owns it)."""
 
     def covers(self, device_uuid: str, parents: Mapping[str, str]) -> bool:
         """Whether a process on `device_uuid` (a GPU or a MIG device) is on these GPUs."""

@@ -17,6 +17,13 @@ name, by the uid that made them or root. A reservation names its container; the 
 binds it to that container's cgroup once discovery shows it and releases it when the
 cgroup goes, or it lapses after its time to live.
 
+Every uid but root is bounded (`UserBounds`, from the policy's gpu section): its
+reservations and unclaimed grants together may number `max_holds_per_user`, and hold
+`max_held_gpu_hours_per_user` GPU-hours ahead of use (each unbound one's GPUs times the
+time it has left to live). A reservation past either is refused, naming the bound; a
+waiting request past either is not granted, and waits with the bound as its reason, until
+one of the uid's holds is claimed, released or lapses.
+
 Durations: a request carries the duration its job declared (deadline, work and CPUs), or
 its class's recent holds give one (gpu_durations, kept here and in the state file); its
 hold records when it is expected back. Placement sees those moments, and a request that
@@ -145,6 +152,26 @@ def _mine(uid: int, owner: int) -> bool:
     return uid in (0, owner)
 
 
+@dataclass(frozen=True, slots=True)
+class UserBounds:
+    """What one uid other than root may hold that no job uses yet (gpu.max_holds_per_user,
+    gpu.max_held_gpu_hours_per_user): a count, and GPU-hours ahead of use."""
+
+    holds: int = 1 << 30
+    gpu_hours: float = float("inf")
+
+
+UNBOUNDED = UserBounds()
+
+
+def gpu_hours_ahead(hold: Hold, now: float) -> float:
+    """GPU-hours an unused hold keeps from others from now on: its GPUs times the time it
+    has left to live; a job's, or a reservation bound to its workload (in use), none."""
+    if hold.until is None or hold.kind is HoldKind.JOB:
+        return 0.0
+    return len(hold.uuids) * max(hold.until - now, 0.0) / 3600.0
+
+
 class HoldRecord(Body):
     """A hold as the state file keeps it: checked field by field when restored."""
 
@@ -169,6 +196,7 @@ class HoldRecord(Body):
     """Unix time."""
     expected_end: Instant | None = None
     """Unix time."""
+    named_by: Uid | None = None
 
 
 _Seconds = Annotated[float, Field(gt=0, le=10 * 365 * 86400)]
@@ -198,6 +226,8 @@ class GpuLedger:
         self._served: NodeGpus | None = None
         self._history: dict[str, list[float]] = {}
         """Per class: how long its last jobs held their GPUs, oldest first."""
+        self._bounds = UNBOUNDED
+        """Each uid's but root's, as the last ask or step was given them."""
         self._lock = threading.Lock()
 
     # --- asking -----------------------------------------------------------------------
@@ -219,11 +249,13 @@ class GpuLedger:
         max_waiting: int,
         declared: float | None = None,
         patience: float = gpu_durations.PATIENCE,
+        bounds: UserBounds = UNBOUNDED,
     ) -> Answer:
         """A request for GPUs: granted now if a set fits, else waiting. `declared`: what its
         job declared of its duration (else its class's recent holds say); `patience`:
-        gpu.patience, for it and the others waiting."""
+        gpu.patience, for it and the others waiting; `bounds`: each uid's (root has none)."""
         with self._lock:
+            self._bounds = bounds
             self._check_name(owner)
             if uid != 0 and self._waiting_uids[uid] >= max_waiting:
                 raise Conflict(
@@ -297,6 +329,7 @@ class GpuLedger:
             del self._granted[rid]
             hold = replace(held, owner=owner, kind=HoldKind.JOB, cgroup=cgroup, until=None, uid=uid)
             self._holds[hold.id] = hold
+            self._stale = True  # a request its uid's bounds held back may be granted now
             return hold
 
     def reserve(
@@ -309,12 +342,18 @@ class GpuLedger:
         workload_class: str,
         container: str | None,
         node: NodeGpus,
+        now: float,
         until: float,
+        bounds: UserBounds = UNBOUNDED,
     ) -> tuple[Hold, Placement] | Refusal:
         """Place and hold GPUs for a container, in one step (two callers never get the same
-        GPUs); a Refusal when none fit now."""
+        GPUs); a Refusal when none fit now, Conflict past the uid's `bounds` (root has
+        none)."""
         with self._lock:
             self._check_name(owner)
+            over = self._over(uid, request.count * max(until - now, 0.0) / 3600.0, now, bounds)
+            if over is not None:
+                raise Conflict(f"reservation {owner!r} refused: {over}")
             result = place(request, node, holdings(self._holds.values()))
             if isinstance(result, Refusal):
                 return result
@@ -331,18 +370,20 @@ class GpuLedger:
                 uid=uid,
                 tenant=tenant,
                 container=container,
+                named_by=None if container is None else uid,
             )
             self._holds[hold.id] = hold
             return hold, result
 
     def attach(self, owner: str, uid: int, container: str) -> Hold:
         """Name the container of a reservation made without one (its id known only once the
-        runtime created it)."""
+        runtime created it). Named by root (the operator), it may bind to a workload of any
+        owner; named by its uid, only to one of that uid's (GpuService)."""
         with self._lock:
             hold = self._reservation(owner, uid)
             if hold.cgroup is not None:
                 raise Conflict(f"reservation {owner!r} is bound to {hold.cgroup} already")
-            hold = replace(hold, container=container)
+            hold = replace(hold, container=container, named_by=uid)
             self._holds[hold.id] = hold
             return hold
 
@@ -378,10 +419,13 @@ class GpuLedger:
         now: float,
         claim_timeout: float,
         patience: float = gpu_durations.PATIENCE,
+        bounds: UserBounds = UNBOUNDED,
     ) -> list[Hold]:
         """Lapse unclaimed holds and stale waiters, then serve the queue if that can change
         anything; the lapsed holds."""
         with self._lock:
+            if bounds != self._bounds:  # a reload changed them: who may be granted changed
+                self._bounds, self._stale = bounds, True
             lapsed = [h for h in self._holds.values() if h.until is not None and h.until <= now]
             for h in lapsed:
                 self._pop(h.id)
@@ -434,6 +478,7 @@ class GpuLedger:
                 "container": h.container,
                 "since": None if h.since is None else h.since - now + wall,
                 "expected_end": None if h.expected_end is None else h.expected_end - now + wall,
+                "named_by": h.named_by,
             }
             out.append(record)
         return out
@@ -492,6 +537,7 @@ class GpuLedger:
                 expected_end=None
                 if record.expected_end is None
                 else record.expected_end - wall + now,
+                named_by=record.named_by,
             )
             kept = keep(hold)
             if kept is None:
@@ -547,6 +593,26 @@ class GpuLedger:
         if hold.kind is not HoldKind.RESERVATION:
             return f"its id is the hold of {other.owner!r}, which its job would release"
         return replace(hold, id=new_id())
+
+    def _over(self, uid: int, hours: float, now: float, bounds: UserBounds) -> str | None:
+        """Why one more hold of `hours` GPU-hours ahead would take `uid` past its bounds;
+        None if it would not (root is not bounded)."""
+        if uid == 0:
+            return None
+        mine = [h for h in self._holds.values() if h.uid == uid and h.kind is not HoldKind.JOB]
+        if len(mine) >= bounds.holds:
+            return (
+                f"uid {uid} holds {len(mine)} reservations and unclaimed grants, the most"
+                " gpu.max_holds_per_user allows; release one"
+            )
+        ahead = sum(gpu_hours_ahead(h, now) for h in mine) + hours
+        if ahead > bounds.gpu_hours:
+            return (
+                f"uid {uid} would hold {ahead:.1f} GPU-hours ahead of use, more than"
+                f" gpu.max_held_gpu_hours_per_user ({bounds.gpu_hours:g}) allows; ask for fewer"
+                " GPUs or a shorter time to live, or release a reservation"
+            )
+        return None
 
     def _name_taken(self, owner: str) -> bool:
         return owner in self._waiting_names or any(h.owner == owner for h in self._holds.values())
@@ -606,6 +672,11 @@ class GpuLedger:
         held = holdings(self._holds.values(), now)
         refused: dict[GpuRequest, Refusal] = {}
         for w in waiting:
+            over = self._over(w.uid, w.request.count * timeout / 3600.0, now, self._bounds)
+            if over is not None:  # its uid's own bound: others' requests of its shape may fit
+                if w.reason != over:
+                    self._waiting[w.id] = replace(w, reason=over)
+                continue
             request = self._told(w, now, patience)
             result = refused.get(request) or place(request, node, held)
             if isinstance(result, Placement):

@@ -9,6 +9,7 @@ its grant when its job starts.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -19,12 +20,11 @@ import structlog
 from nodeagent.actgpu import GpuExecutor
 from nodeagent.gpu.backend import GpuBackend
 from nodeagent.gpu.model import GpuState, Hold, HoldKind
-from nodeagent.gpualloc.ledger import GpuLedger
+from nodeagent.gpualloc.ledger import GpuLedger, UserBounds
 from nodeagent.identity import Kind, WorkloadIdentity
 from nodeagent.logs import audit_event
-from nodeagent.policy.gpu_checks import within
 from nodeagent.policy.placement import NodeGpus, node_gpus
-from nodeagent.policyfile.model import PolicySpec
+from nodeagent.policyfile.model import GpuSettings, PolicySpec
 from nodeagent.sense.gpus import GpuSensor
 
 if TYPE_CHECKING:
@@ -35,6 +35,8 @@ log = structlog.get_logger("nodeagent.gpu")
 _HEX_ID = re.compile(r"[0-9a-f]{12,64}")
 _USER_MANAGER = re.compile(r"user\.slice/user-([0-9]+)\.slice/user@\1\.service/.+")
 _BINDABLE = frozenset({Kind.CONTAINER, Kind.POD, Kind.SERVICE})
+MAX_PIDS = 4096
+"""Processes read to tell whose a workload is; one with more is nobody's but the operator's."""
 
 
 def node_of(state: GpuState | None) -> NodeGpus | None:
@@ -69,6 +71,61 @@ def may_bind(path: str, uid: int) -> bool:
     return m is not None and int(m.group(1)) == uid
 
 
+def bounds(gpu: GpuSettings) -> UserBounds:
+    """Each uid's bounds (root has none) as the policy's gpu section sets them."""
+    return UserBounds(gpu.max_holds_per_user, gpu.max_held_gpu_hours_per_user)
+
+
+def process_uids(root: str, path: str, proc_root: str = "/proc") -> frozenset[int] | None:
+    """The real uids of the processes in the cgroup at `path` (under cgroup root `root`)
+    and its descendants, from /proc/<pid>/status; None past MAX_PIDS processes. A process
+    gone since its cgroup.procs was read is not counted."""
+    pids: list[int] = []
+    for here, _, files in os.walk(os.path.join(root, path)):
+        if "cgroup.procs" in files:
+            try:
+                with open(os.path.join(here, "cgroup.procs"), encoding="ascii") as f:
+                    pids += [int(p) for p in f.read().split()]
+            except (OSError, ValueError):
+                continue
+        if len(pids) > MAX_PIDS:
+            return None
+    uids: set[int] = set()
+    for pid in pids:
+        try:
+            with open(os.path.join(proc_root, str(pid), "status"), encoding="ascii") as f:
+                uids.update(int(ln.split()[1]) for ln in f if ln.startswith("Uid:"))
+        except (OSError, ValueError, IndexError):
+            continue
+    return frozenset(uids)
+
+
+def owner_of(path: str, uids: Callable[[str], frozenset[int] | None]) -> int | None:
+    """Whose the workload at `path` is: user N's inside N's own user manager
+    (user.slice/user-N.slice/user@N.service/), elsewhere the one uid every process in it
+    runs as (`uids`); nobody's but the operator's where its processes run as several uids,
+    as none yet, or in a login session."""
+    m = _USER_MANAGER.fullmatch(path)
+    if m is not None:
+        return int(m.group(1))
+    if path == "user.slice" or path.startswith("user.slice/"):
+        return None
+    running = uids(path)
+    return next(iter(running)) if running is not None and len(running) == 1 else None
+
+
+def may_own(hold: Hold, path: str, uids: Callable[[str], frozenset[int] | None]) -> bool:
+    """Whether reservation `hold` may bind to the workload at `path`: one its uid owns, or,
+    named by root (the operator), any (what may_bind allows). Another user's workload
+    never: a hold bound there would stand for its GPUs, and keep the reservation as long
+    as that workload lives."""
+    if not may_bind(path, hold.uid):
+        return False
+    if 0 in (hold.uid, hold.named_by):
+        return True
+    return owner_of(path, uids) == hold.uid
+
+
 class GpuService:
     def __init__(
         self,
@@ -76,7 +133,10 @@ class GpuService:
         spec: Callable[[], PolicySpec],
         exists: Callable[[str], bool],
         workloads: Callable[[], Iterable[WorkloadIdentity]] = lambda: (),
+        uids: Callable[[str], frozenset[int] | None] = lambda path: None,
     ) -> None:
+        """`uids`: the uids a workload's processes run as (process_uids), which say
+        whose it is."""
         self.backend = backend
         self.sensor = GpuSensor(backend)
         self.executor = GpuExecutor(backend)
@@ -85,6 +145,8 @@ class GpuService:
         self._spec = spec
         self._exists = exists
         self._workloads = workloads
+        self._uids = uids
+        self._not_owned: dict[str, tuple[str, ...]] = {}
         self.state: GpuState | None = None
         self._ambiguous: dict[str, tuple[str, ...]] = {}
         self.pod_holds: tuple[Hold, ...] = ()
@@ -115,7 +177,8 @@ class GpuService:
                     reason=f"its workload {h.cgroup} is gone",
                 )
         gpu = self._spec().gpu
-        for h in self.ledger.step(node_of(state), now, gpu.claim_timeout, gpu.patience):
+        lapsed = self.ledger.step(node_of(state), now, gpu.claim_timeout, gpu.patience, bounds(gpu))
+        for h in lapsed:
             audit_event(
                 "gpu.released", owner=h.owner, uuids=list(h.uuids), reason="not claimed in time"
             )
@@ -134,7 +197,8 @@ class GpuService:
 
     def _bind(self) -> None:
         """Each reservation that names a container follows that container's cgroup once
-        discovery shows exactly one workload of that name that its uid may hold GPUs for."""
+        discovery shows exactly one workload of that name that its uid owns (or, named by
+        root, any); one of that name that is another user's is never bound, and said once."""
         waiting = [
             h
             for h in self.ledger.holds()
@@ -145,9 +209,20 @@ class GpuService:
         workloads = [w for w in self._workloads() if w.kind in _BINDABLE]
         for h in waiting:
             assert h.container is not None
-            found = tuple(
-                w.path for w in workloads if names(h.container, w) and may_bind(w.path, h.uid)
-            )
+            named = [w.path for w in workloads if names(h.container, w)]
+            found = tuple(p for p in named if may_own(h, p, self._uids))
+            theirs = tuple(p for p in named if p not in found)
+            if not found and theirs and self._not_owned.get(h.id) != theirs:
+                self._not_owned[h.id] = theirs
+                log.warning(
+                    "gpu.reservation_not_owned",
+                    reservation=h.owner,
+                    uid=h.uid,
+                    container=h.container,
+                    workloads=list(theirs[:10]),
+                    action="not bound: a reservation binds only to its uid's own workload,"
+                    " or to one root names (gpus attach as root)",
+                )
             if len(found) == 1:
                 self.ledger.bind(h.id, found[0])
                 log.info("gpu.reservation_bound", reservation=h.owner, cgroup=found[0])
@@ -188,9 +263,3 @@ class GpuService:
     def cgroup_gpus(self) -> dict[str, tuple[int, ...]]:
         """GPU indices per workload cgroup, for allocations."""
         return {h.cgroup: h.indices for h in self.holds() if h.cgroup is not None}
-
-    def holder_of(self, cgroup: str) -> Hold | None:
-        return next(
-            (h for h in self.holds() if h.cgroup is not None and within(cgroup, h.cgroup)),
-            None,
-        )

@@ -11,7 +11,10 @@ and forgotten; one the sensor could not read this tick is left frozen and rememb
 it is read again (nothing is known of it: thawing it would let it run on GPUs it does not
 hold until the next tick froze it again). A reservation not yet bound to its container
 (the one it names, which the daemon binds once discovery shows it) covers nobody: any
-process on its GPUs is a violation.
+process on its GPUs is a violation. A process is judged against every hold bound to its
+cgroup or one above it, never the first alone: a hold bound there too (which only the
+workload's owner or the operator can bind, nodeagent.gpualloc.service) never makes a
+process on that workload's own GPUs a violator.
 """
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ def within(cgroup: str, parent: str) -> bool:
     return cgroup == parent or cgroup.startswith(parent + "/")
 
 
-def holder(process: GpuProcess, holds: Sequence[Hold]) -> Hold | None:
+def holders(process: GpuProcess, holds: Sequence[Hold]) -> list[Hold]:
+    """Every hold bound to the process's cgroup or one above it, closest first: any of them
+    covers it (one alone would let a hold bound there, whoever's, judge the others' GPUs)."""
     if process.cgroup is None:
-        return None
-    return next(
-        (h for h in holds if h.cgroup is not None and within(process.cgroup, h.cgroup)), None
-    )
+        return []
+    cgroup = process.cgroup
+    bound = [h for h in holds if h.cgroup is not None and within(cgroup, h.cgroup)]
+    return sorted(bound, key=lambda h: -len(h.cgroup or ""))
 
 
 def violations(gpus: GpuState) -> list[tuple[GpuProcess, str, Hold | None]]:
@@ -47,10 +52,10 @@ def violations(gpus: GpuState) -> list[tuple[GpuProcess, str, Hold | None]]:
     for p in gpus.processes:
         if p.cgroup is None:
             continue  # gone since NVML listed it
-        h = holder(p, gpus.holds)
-        if h is not None and not h.covers(p.device_uuid, parents):
-            out.append((p, "wrong-gpu", h))
-        elif h is None and not any(u.covers(p.device_uuid, parents) for u in untied):
+        bound = holders(p, gpus.holds)
+        if bound and not any(h.covers(p.device_uuid, parents) for h in bound):
+            out.append((p, "wrong-gpu", bound[0]))
+        elif not bound and not any(u.covers(p.device_uuid, parents) for u in untied):
             out.append((p, "unassigned", None))
     return out
 

@@ -36,7 +36,7 @@ from nodeagent.errors import BadRequest, Conflict, NotFound
 from nodeagent.gpu.report import read_report
 from nodeagent.gpualloc.ledger import holdings
 from nodeagent.gpualloc.placing import BadQuestion, answer, from_query
-from nodeagent.gpualloc.service import GpuService, node_of
+from nodeagent.gpualloc.service import GpuService, bounds, node_of
 from nodeagent.logs import audit_event
 from nodeagent.policy.gpu_checks import violations
 from nodeagent.policy.gpu_durations import declared_duration
@@ -176,6 +176,7 @@ class GpuRoutes:
             max_waiting=spec.gpu.max_waiting_per_user,
             declared=declared_duration(due, body.work, body.cpus),
             patience=spec.gpu.patience,
+            bounds=bounds(spec.gpu),
         )
         if answer.status == "granted" and answer.hold is not None:
             audit_event(
@@ -202,7 +203,9 @@ class GpuRoutes:
         body = parse(ReserveBody, request.body)
         want = body.request()
         refuse_impossible(want, self._node())
-        tenant, cls = tenant_and_class(self._spec(), request.peer, body.tenant, body.workload_class)
+        spec = self._spec()
+        tenant, cls = tenant_and_class(spec, request.peer, body.tenant, body.workload_class)
+        now = time.monotonic()
         got = self._gpus.ledger.reserve(
             body.name,
             want,
@@ -211,7 +214,9 @@ class GpuRoutes:
             workload_class=str(cls),
             container=body.container,
             node=self._node(),
-            until=time.monotonic() + body.ttl,
+            now=now,
+            until=now + body.ttl,
+            bounds=bounds(spec.gpu),
         )
         if isinstance(got, Refusal):
             raise Conflict(f"no GPUs fit now: {got.reason}")

@@ -142,6 +142,15 @@ class Daemon:
         )
         return pid
 
+    def run_in(self, peer: Peer, *cgroups: str) -> None:
+        """A process of `peer`'s uid in each cgroup (made if need be): what says whose a
+        container is, which a reservation binds to only if it is its uid's."""
+        for cgroup in cgroups:
+            os.makedirs(self.root / cgroup, exist_ok=True)
+            procs = self.root / cgroup / "cgroup.procs"
+            had = procs.read_text() if procs.exists() else ""
+            procs.write_text(had + f"{self.child(peer)}\n")
+
     def ask(self, peer: Peer, name: str, count: int = 1, /, **body: Any) -> Any:
         return self.call(peer, "POST", "/v1/gpus/requests", {"name": name, "count": count, **body})
 

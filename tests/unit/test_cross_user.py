@@ -204,7 +204,7 @@ def test_a_reservation_without_a_container_is_named_later_by_its_uid(d: Daemon) 
     e = d.refused(BOB, "POST", attach, {"name": "web", "container": CID})
     assert isinstance(e, Forbidden)
     d.call(ALICE, "POST", attach, {"name": "web", "container": CID})
-    mkdirs(d.root, f"system.slice/docker-{CID}.scope")
+    d.run_in(ALICE, f"system.slice/docker-{CID}.scope")  # alice's own container
     d.agent.registry.resync()
     d.agent.tick()
     assert d.agent.gpus.ledger.holds()[0].cgroup == f"system.slice/docker-{CID}.scope"

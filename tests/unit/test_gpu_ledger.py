@@ -110,7 +110,7 @@ def test_holds_round_trip_through_the_state_file(node: NodeGpus) -> None:
     ledger = GpuLedger()
     got = ledger.reserve(
         "web-1", GpuRequest(1), uid=1000, tenant="research", workload_class="training",
-        container="4f1c2a9be7d3", node=node, until=100.0,
+        container="4f1c2a9be7d3", node=node, now=0.0, until=100.0,
     )  # fmt: skip
     assert not isinstance(got, Refusal)
     hold = got[0]

@@ -9,14 +9,14 @@ daemon_api); callers are Peer records as SO_PEERCRED gives them.
 
 from __future__ import annotations
 
-import os
+import shutil
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_api import ALICE, CID, ROOT, Daemon, daemon, mkdirs, restart
+from daemon_api import ALICE, CID, ROOT, Daemon, daemon, restart
 from structlog.testing import capture_logs
 
 from nodeagent.errors import BadRequest, Conflict
@@ -89,7 +89,7 @@ def test_a_reservation_holds_its_gpus_from_requests_until_released(d: Daemon) ->
 def test_an_unbound_reservation_lapses_after_its_ttl_and_a_bound_one_does_not(d: Daemon) -> None:
     reserve(d, ALICE, "soon", ttl=30)
     reserve(d, ALICE, "web", container=CID, ttl=30)
-    mkdirs(d.root, f"system.slice/docker-{CID}.scope")
+    d.run_in(ALICE, f"system.slice/docker-{CID}.scope")  # alice's container
     d.agent.registry.resync()
     d.agent.tick()  # binds "web" to its container: it follows the cgroup from now on
     assert {h.owner: h.cgroup for h in d.agent.gpus.ledger.holds()} == {
@@ -147,7 +147,7 @@ def test_a_reservation_that_could_bind_to_two_containers_binds_to_neither_until_
     twin = CID[:12] + "f" * (len(CID) - 12)
     reserve(d, ALICE, "web", container=CID[:12], ttl=600)
     reserve(d, ALICE, "exact", container=twin, ttl=600)
-    mkdirs(d.root, f"system.slice/docker-{CID}.scope", f"system.slice/docker-{twin}.scope")
+    d.run_in(ALICE, f"system.slice/docker-{CID}.scope", f"system.slice/docker-{twin}.scope")
     d.agent.registry.resync()
     with capture_logs() as logs:
         d.agent.tick()
@@ -159,7 +159,7 @@ def test_a_reservation_that_could_bind_to_two_containers_binds_to_neither_until_
         "web",
         sorted([f"system.slice/docker-{CID}.scope", f"system.slice/docker-{twin}.scope"]),
     )
-    os.rmdir(d.root / f"system.slice/docker-{twin}.scope")
+    shutil.rmtree(d.root / f"system.slice/docker-{twin}.scope")
     d.agent.registry.resync()
     d.agent.tick()
     bound = {h.owner: h.cgroup for h in d.agent.gpus.ledger.holds()}
