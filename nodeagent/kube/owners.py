@@ -7,12 +7,18 @@ with the `nodeagent.io/tenant` annotation (or label) only where its namespace `a
 it; any other claim is refused, reported, and the pod stays its namespace's. A namespace
 no entry names leaves the pod to the rule's own tenant.
 
-Class: the first `kubernetes.class_from` source that gives one, else the rule's own. (A
-deadline comes from the nodeagent.io/deadline and nodeagent.io/work annotations with the
-rule's `deadline_from_annotations`, as for any workload.)
+Class: the namespace's default (its entry's `class`, else the rule's own), or what the
+first `kubernetes.class_from` source that gives one says. Every source is the pod
+creator's to set (labels, annotations, priority class, QoS), so a class above the default
+is taken only where the namespace's entry lists it in `classes`; any other claim above it
+is refused, reported, and the pod keeps the default. A class at or below it is taken.
+(A deadline comes from the nodeagent.io/deadline and nodeagent.io/work annotations with
+the rule's `deadline_from_annotations`, as for any workload.)
 
 What a pod says is read through `with_api_view`: the API server's view of it when its
 watch knows the pod (edits since the pod was made), else what CRI said at its creation.
+A view outside the bounds of `nodeagent.meta` costs that pod alone: its labels and
+annotations are left unread, and it gets its namespace's tenant and default class.
 """
 
 from __future__ import annotations
@@ -22,9 +28,16 @@ from dataclasses import dataclass, replace
 
 from nodeagent.identity import QosTier, WorkloadIdentity
 from nodeagent.kube.pods import PodDirectory
-from nodeagent.meta import ContainerMeta, PodMeta, labels
+from nodeagent.meta import BadAnswer, ContainerMeta, PodMeta, labels
 from nodeagent.policyfile.glob import glob_matches
-from nodeagent.policyfile.model import ClassSource, KubernetesSettings, WorkloadClass
+from nodeagent.policyfile.matching import show
+from nodeagent.policyfile.model import (
+    ClassSettings,
+    ClassSource,
+    KubernetesSettings,
+    NamespaceTenant,
+    WorkloadClass,
+)
 
 TENANT = "nodeagent.io/tenant"
 
@@ -53,8 +66,19 @@ def with_api_view(w: WorkloadIdentity, pods: PodDirectory | None) -> WorkloadIde
     api = pods.pods[w.pod_uid]
     name = api.containers.get(w.container_id or "")
     meta = w.meta or ContainerMeta(runtime=str(w.runtime), name=name)
-    pod = PodMeta(api.namespace, api.name, api.uid, labels(api.labels), labels(api.annotations))
+    try:
+        own = labels(api.labels), labels(api.annotations, "annotations")
+    except BadAnswer as e:
+        # the pod's creator made this: it costs this pod its labels, never the others
+        bare = PodMeta(api.namespace, api.name, api.uid)
+        why = f"{UNREAD} pod {api.ref}: {e}"
+        return replace(w, meta=replace(meta, pod=bare, name=meta.name or name, incomplete=why))
+    pod = PodMeta(api.namespace, api.name, api.uid, *own)
     return replace(w, meta=replace(meta, pod=pod, name=meta.name or name))
+
+
+UNREAD = "the API server's labels and annotations are not read for"
+"""How `ContainerMeta.incomplete` starts when `with_api_view` refused a pod's view."""
 
 
 def view(w: WorkloadIdentity, pods: PodDirectory | None) -> PodView | None:
@@ -67,6 +91,11 @@ def view(w: WorkloadIdentity, pods: PodDirectory | None) -> PodView | None:
                    api.priority if api is not None else None, w.qos)  # fmt: skip
 
 
+def namespace_entry(namespace: str, settings: KubernetesSettings) -> NamespaceTenant | None:
+    """The first `kubernetes.namespaces` entry whose glob matches `namespace`."""
+    return next((e for g, e in settings.namespaces.items() if glob_matches(g, namespace)), None)
+
+
 def namespace_tenant(
     namespace: str, ns_labels: Mapping[str, str] | None, settings: KubernetesSettings,
     tenants: Mapping[str, object],
@@ -76,10 +105,8 @@ def namespace_tenant(
         named = ns_labels.get(settings.tenant_label)
         if named in tenants:
             return named, ()
-    for glob, entry in settings.namespaces.items():
-        if glob_matches(glob, namespace):
-            return entry.tenant, entry.allow
-    return None, ()
+    entry = namespace_entry(namespace, settings)
+    return (entry.tenant, entry.allow) if entry is not None else (None, ())
 
 
 def pod_tenant(
@@ -102,29 +129,69 @@ def pod_tenant(
     )
 
 
-def _class(pod: PodView, source: ClassSource) -> WorkloadClass | None:
+def _class(pod: PodView, source: ClassSource) -> tuple[WorkloadClass, str] | None:
+    """The class `source` gives the pod, and how to name where it came from."""
     if source.annotation is not None or source.label is not None:
-        value = (
-            pod.annotations.get(source.annotation)
-            if source.annotation is not None
-            else pod.labels.get(source.label or "")
-        )
+        key, which = (
+            (source.annotation, "annotation") if source.annotation is not None
+            else (source.label or "", "label")
+        )  # fmt: skip
+        value = (pod.annotations if source.annotation is not None else pod.labels).get(key)
         if value is None:
             return None
+        where = f"{which} {key}={show(value)}"
         if source.values is None:
             try:
-                return WorkloadClass(value)
+                return WorkloadClass(value), where
             except ValueError:
                 return None
-        return next((c for g, c in source.values.items() if glob_matches(g, value)), None)
+        found = next((c for g, c in source.values.items() if glob_matches(g, value)), None)
+        return None if found is None else (found, where)
     if source.priority is not None and pod.priority is not None:
         under = [t for t in source.priority if t <= pod.priority]
-        return source.priority[max(under)] if under else None
+        return (source.priority[max(under)], f"priority {pod.priority}") if under else None
     if source.qos is not None and pod.qos is not None:
-        return source.qos.get(pod.qos)
+        found = source.qos.get(pod.qos)
+        return None if found is None else (found, f"QoS {pod.qos}")
     return None
 
 
-def pod_class(pod: PodView, settings: KubernetesSettings) -> WorkloadClass | None:
-    """The class of the first `kubernetes.class_from` source that gives one."""
-    return next((c for s in settings.class_from if (c := _class(pod, s)) is not None), None)
+def above(cls: WorkloadClass, base: WorkloadClass, classes: Mapping[WorkloadClass, ClassSettings]
+          ) -> bool:  # fmt: skip
+    """Whether `cls` is treated better than `base`: a higher priority, or protected where
+    `base` is not."""
+    c, b = classes[cls], classes[base]
+    return c.priority > b.priority or (c.protect and not b.protect)
+
+
+@dataclass(frozen=True, slots=True)
+class PodClass:
+    """A pod's class, and the sentences that say why."""
+
+    cls: WorkloadClass
+    matched: str | None = None
+    refused: str | None = None
+
+
+def pod_class(
+    pod: PodView, settings: KubernetesSettings, default: WorkloadClass,
+    classes: Mapping[WorkloadClass, ClassSettings],
+) -> PodClass:  # fmt: skip
+    """The class of the first `kubernetes.class_from` source that gives one, where the
+    pod's namespace may take it; else the namespace's default (its entry's `class`, else
+    `default`, the rule's own)."""
+    entry = namespace_entry(pod.namespace, settings)
+    base = default if entry is None or entry.workload_class is None else entry.workload_class
+    own = None if base == default else f"class {base} of namespace {pod.namespace}"
+    found = next((c for s in settings.class_from if (c := _class(pod, s)) is not None), None)
+    if found is None:
+        return PodClass(base, own)
+    cls, where = found
+    allowed = () if entry is None else entry.classes
+    if cls in allowed or not above(cls, base, classes):
+        return PodClass(cls, f"class {cls} from the pod's {where} (kubernetes.class_from)")
+    may = ", ".join(dict.fromkeys([*allowed, base]))
+    return PodClass(base, own, (
+        f"pod {pod.ref} claims class {cls!s} by its {where}, above what namespace"
+        f" {pod.namespace} may take (it may: {may} and lower); refused: class {base}"
+    ))  # fmt: skip

@@ -2,8 +2,10 @@
 
 Rules match on the path's identity and on what the runtime said (`WorkloadIdentity.meta`,
 sensed and frozen before this pure code runs). A rule may take the tenant or the class from a
-label or annotation, but only among the values it allows; anything else falls back to the
-rule's own and is reported (`Assignment.refused`), so a pod cannot promote itself.
+label or annotation, but only among the values it allows (in Kubernetes mode: the values
+the pod's namespace allows, see nodeagent.kube.owners); anything else falls back to the
+rule's own (or the namespace's) and is reported (`Assignment.refused`), so a pod cannot
+promote itself.
 """
 
 from __future__ import annotations
@@ -85,11 +87,14 @@ def _assignment(
                 f"{where}={show(value)!r} is not a tenant rule {rule.name} may give"
                 f" ({', '.join(allowed)}): tenant {rule.tenant}, the rule's own"
             )
+    if pod is not None and w.meta is not None and w.meta.incomplete is not None:
+        refused.append(f"{w.meta.incomplete}: its labels and annotations choose nothing")
     if rule.class_from is not None and rule.class_from.kubernetes:
-        found = None if pod is None else pod_class(pod, spec.kubernetes)
-        if found is not None:
-            cls = found
-            matched.append(f"class {found} from the pod (kubernetes.class_from)")
+        if pod is not None:
+            said = pod_class(pod, spec.kubernetes, rule.workload_class, spec.classes)
+            cls = said.cls
+            matched.extend([said.matched] if said.matched else [])
+            refused.extend([said.refused] if said.refused else [])
     elif rule.class_from is not None:
         where, value = _read(rule.class_from, w.meta)
         choices = [str(c) for c in rule.class_from.allowed]

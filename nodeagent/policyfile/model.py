@@ -667,17 +667,33 @@ def _namespace_tenant(value: object) -> object:
 
 
 class NamespaceTenant(_Strict):
+    """A namespace glob's pods: their tenant and class, and what they may claim.
+
+    Pods' labels and annotations, priority class and QoS are the pod creator's to set,
+    so they choose nothing the operator has not named here: by default a pod may lower
+    its class (`kubernetes.class_from`), never raise it above its namespace's default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
     tenant: StrictStr
     """The tenant of this namespace's pods."""
     allow: tuple[StrictStr, ...] = ()
     """Other tenants a pod here may claim with the nodeagent.io/tenant annotation (or
     label); a claim of any other is refused and reported."""
+    workload_class: Annotated[WorkloadClass, BeforeValidator(_not_bytes)] | None = Field(
+        None, alias="class"
+    )
+    """This namespace's default class; none: the rule's own `class`."""
+    classes: tuple[Annotated[WorkloadClass, BeforeValidator(_not_bytes)], ...] = ()
+    """Classes above that default a pod here may take through `kubernetes.class_from`; a
+    claim of any other class above it is refused and reported."""
 
 
 class ClassSource(_Strict):
     """One place a pod's class may come from; `kubernetes.class_from` tries them in order
     and the first that gives a class wins. Exactly one of annotation, label, priority
-    and qos."""
+    and qos. Every one is the pod creator's to set: a class above the namespace's default
+    is taken only where its `kubernetes.namespaces` entry lists it in `classes`."""
 
     annotation: Name | None = None
     label: Name | None = None

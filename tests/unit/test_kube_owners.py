@@ -16,14 +16,16 @@ from nodeagent.kube.owners import PodView, pod_class, pod_tenant
 from nodeagent.kube.pods import Pod, PodDirectory
 from nodeagent.meta import ContainerMeta, PodMeta, labels
 from nodeagent.policy.classify import assign
+from nodeagent.policyfile.load import parse_policy
 from nodeagent.policyfile.model import PolicySpec, WorkloadClass
+from nodeagent.policyfile.yamlfile import PolicyError
 
 SPEC = PolicySpec.model_validate(
     {
         "version": 1,
         "kubernetes": {
             "namespaces": {
-                "research-*": "research",
+                "research-*": {"tenant": "research", "classes": ["inference", "training"]},
                 "prod-*": {"tenant": "prod", "allow": ["research"]},
             },
             "tenant_label": "nodeagent.io/tenant",
@@ -58,13 +60,15 @@ def pod(
 
 def owner(p: PodView, ns_labels: dict[str, str] | None = None) -> tuple[object, ...]:
     tenant, refused = pod_tenant(p, ns_labels, K, SPEC.tenants)
-    return (tenant, pod_class(p, K), () if refused is None else (refused,))
+    said = pod_class(p, K, WorkloadClass.BATCH, SPEC.classes)
+    refusals = tuple(r for r in (refused, said.refused) if r is not None)
+    return (tenant, said.cls, refusals)
 
 
 def test_the_tenant_comes_from_the_namespace() -> None:
-    assert owner(pod("research-nlp")) == ("research", None, ())
-    assert owner(pod("prod-serving")) == ("prod", None, ())
-    assert owner(pod("default")) == (None, None, ())  # no entry: the rule's own tenant
+    assert owner(pod("research-nlp")) == ("research", WorkloadClass.BATCH, ())
+    assert owner(pod("prod-serving")) == ("prod", WorkloadClass.BATCH, ())
+    assert owner(pod("default")) == (None, WorkloadClass.BATCH, ())  # no entry: the rule's own
 
 
 def test_a_namespace_label_names_the_tenant_when_the_api_server_says_it() -> None:
@@ -76,7 +80,7 @@ def test_a_namespace_label_names_the_tenant_when_the_api_server_says_it() -> Non
 
 def test_a_claim_the_namespace_allows_is_taken() -> None:
     claim = pod("prod-serving", annotations={"nodeagent.io/tenant": "research"})
-    assert owner(claim) == ("research", None, ())
+    assert owner(claim) == ("research", WorkloadClass.BATCH, ())
 
 
 @pytest.mark.parametrize(
@@ -91,7 +95,7 @@ def test_a_claim_the_namespace_may_not_use_is_refused_and_reported(
     namespace: str, claimed: str, stays: str | None, may: str
 ) -> None:
     claim = pod(namespace, annotations={"nodeagent.io/tenant": claimed})
-    assert owner(claim) == (stays, None, (
+    assert owner(claim) == (stays, WorkloadClass.BATCH, (
         f"pod {namespace}/p claims tenant {claimed!r}, which namespace {namespace} may not"
         f" use (it may: {may}); refused",
     ))  # fmt: skip
@@ -111,11 +115,11 @@ def test_a_claim_the_namespace_may_not_use_is_refused_and_reported(
         ({"priority": 2000000000}, WorkloadClass.INFERENCE),
         ({"priority": 5000}, WorkloadClass.TRAINING),
         ({"priority": 10, "qos": QosTier.BESTEFFORT}, WorkloadClass.BESTEFFORT),
-        ({"priority": 10, "qos": QosTier.BURSTABLE}, None),
+        ({"priority": 10, "qos": QosTier.BURSTABLE}, WorkloadClass.BATCH),
     ],
 )  # fmt: skip
 def test_the_class_comes_from_the_first_source_that_gives_one(
-    meta: dict[str, Any], expected: WorkloadClass | None
+    meta: dict[str, Any], expected: WorkloadClass
 ) -> None:
     assert owner(pod(**meta))[1] == expected
 
@@ -124,7 +128,8 @@ UID = "6f1d2c3b-4a5e-4f60-8b7a-9c0d1e2f3a4b"
 CID = "a1" * 32
 RULES = {
     "agent": {"mode": "kubernetes"},
-    "kubernetes": {"namespaces": {"research-*": "research",
+    "kubernetes": {"namespaces": {"research-*": {"tenant": "research",
+                                                 "classes": ["inference", "training"]},
                                   "prod-*": {"tenant": "prod", "allow": ["research"]}}},
     "tenants": {"research": {"shares": 1}, "prod": {"shares": 1}, "ops": {"shares": 1}},
     "rules": [{"name": "pods", "match": {"kind": "container"}, "tenant": "ops",
@@ -188,3 +193,23 @@ def test_a_namespace_no_entry_names_leaves_the_rules_own_tenant() -> None:
     spec = PolicySpec.model_validate({"version": 1, **RULES})
     (a,) = assign([cri_container("default", {})], spec).values()
     assert (a.tenant, a.workload_class, a.refused) == ("ops", WorkloadClass.BATCH, ())
+
+
+def test_a_namespaces_classes_are_checked_each_naming_its_line() -> None:
+    text = (
+        "version: 1\n"
+        "agent: {mode: kubernetes}\n"
+        "kubernetes:\n"
+        "  namespaces:\n"
+        '    "prod-*": {tenant: prod, classes: [inferense]}\n'
+        '    "research-*": {tenant: research, class: gold}\n'
+        "tenants: {prod: {shares: 1}, research: {shares: 1}}\n"
+    )
+    with pytest.raises(PolicyError) as e:
+        parse_policy(text, "p.yaml")
+    assert [str(p) for p in e.value.problems] == [
+        "p.yaml:5:40: kubernetes.namespaces['prod-*'].classes[0]: must be 'inference',"
+        " 'training', 'batch' or 'besteffort', got 'inferense'; did you mean 'inference'?",
+        "p.yaml:6:45: kubernetes.namespaces['research-*'].class: must be 'inference',"
+        " 'training', 'batch' or 'besteffort', got 'gold'",
+    ]

@@ -13,7 +13,8 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +130,8 @@ def policy(tmp_path: Path, socket: str) -> PolicySpec:
                     "power": [{"class": "inference", "watts": 250}]},
             "kubernetes": {
                 "pod_resources_socket": socket,
-                "namespaces": {"research-*": "research", "prod-*": "prod"},
+                "namespaces": {"research-*": {"tenant": "research", "classes": ["training"]},
+                               "prod-*": {"tenant": "prod", "classes": ["inference"]}},
             },
             "tenants": {"research": {"shares": 1}, "prod": {"shares": 1}},
             "rules": [{"name": "pods", "match": {"kind": "container", "runtime": "containerd"},
@@ -171,6 +173,16 @@ def watching(spec: PolicySpec, server: ApiServerStandIn) -> KubernetesNode:
 
 @pytest.fixture
 def agent(tmp_path: Path, api: ApiServerStandIn) -> Iterator[tuple[Agent, KubeletStandIn]]:
+    with kube_agent(tmp_path, api, policy) as both:
+        yield both
+
+
+@contextmanager
+def kube_agent(
+    tmp_path: Path, api: ApiServerStandIn, make: Callable[[Path, str], PolicySpec]
+) -> Iterator[tuple[Agent, KubeletStandIn]]:
+    """A dry-run daemon in Kubernetes mode on the pods' cgroups (files under tmp_path),
+    with the policy `make(tmp_path, kubelet socket)`, its pods known through `api`."""
     root = tmp_path / "cgroup"
     for path in ["kubepods", "kubepods/burstable", f"kubepods/burstable/pod{TRAIN_UID}",
                  f"kubepods/pod{INFER_UID}", *CGROUP.values()]:  # fmt: skip
@@ -178,7 +190,7 @@ def agent(tmp_path: Path, api: ApiServerStandIn) -> Iterator[tuple[Agent, Kubele
         for name, text in FILES.items():
             (root / path / name).write_text(text)
     with KubeletStandIn(str(tmp_path / "kubelet.sock"), load("podresources.json")) as k:
-        spec = policy(tmp_path, k.socket)
+        spec = make(tmp_path, k.socket)
         a = open_agent(spec, CgroupTree(str(root)), dry_run=True)
         assert a.kube is not None
         a.kube.close()
