@@ -115,10 +115,15 @@ def _ceil_every_test(items: list[pytest.Item]) -> None:
                 f"{item.nodeid}: timeout {seconds!r}: a kernel test's ceiling must be"
                 f" 1..{LONGEST_TEST_S} s"
             )
-        # the first user of a shared daemon set starts it within its own ceiling
+        # the first user of a shared daemon set starts it within its own ceiling, and each
+        # worker's first test after the ALONE ones may wait for them (see ALONE)
         for name in SHARED_START_S.keys() & set(getattr(item, "fixturenames", ())) - starts:
             starts.add(name)
             seconds += SHARED_START_S[name]
+        waits = f"after the ALONE tests: {_worker_group(item.nodeid)}"
+        if _alone_last and _module(item.nodeid) not in ALONE and waits not in starts:
+            starts.add(waits)
+            seconds += ALONE_WAIT_S
         item.add_marker(pytest.mark.timeout(min(seconds, LONGEST_TEST_S)), append=False)
 
 
@@ -191,14 +196,58 @@ def pytest_runtest_logfinish(nodeid: str) -> None:
 # systemd, each start a minute of Python start-up under TCG), runs in one worker with a systemd of
 # its own; every other module runs in the other, in the order pytest_collection_modifyitems gives
 # them, so that each shared daemon set (the runtimes, the other systemd) has all its users in one
-# worker and starts and stops there as in a serial run. The CPU-split tests confine themselves to
-# two CPUs (two_cpus) and compare the shares of their own cgroups, which the other worker's load
-# leaves in their ratio.
+# worker and starts and stops there as in a serial run.
+#
+# Some figures need the VM's CPUs to themselves: a 2:1 split measured within 10%, stalls that must
+# end for a throttle to be lifted. Run beside the other worker (Python starting under TCG, an agent
+# ticking), they failed. Those modules (ALONE) run first, in the second worker, and the first
+# worker starts its first test only once they are done (a run with two workers and ALONE tests
+# among those collected; one worker runs them first too, and waits for nothing).
 OWN_WORKER = ("tests/kernel/test_service.py",)
+ALONE = ("tests/kernel/test_hierarchy.py", "tests/kernel/test_protection.py")
+ALONE_WAIT_S = 600
+"""How long a test waits for the ALONE tests to end before it fails saying so."""
+_alone_last: list[str] = []
+"""The last ALONE test of the run, once collected: its teardown lets the other worker go."""
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def _alone_done_path(config: pytest.Config) -> Path | None:
+    """The file that says the ALONE tests are done, one per run (both workers share the VM's
+    /tmp); None without workers."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return None
+    return Path(f"/tmp/nodeagent-alone-{workerinput['testrunuid']}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures: nothing of it starts meanwhile
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    done = _alone_done_path(item.config)
+    if done is None or not _alone_last or _module(item.nodeid) in ALONE:
+        return
+    deadline = time.monotonic() + ALONE_WAIT_S
+    while not done.exists():
+        if time.monotonic() > deadline:
+            pytest.fail(
+                f"waited {ALONE_WAIT_S} s for the tests that need the CPUs alone"
+                f" ({', '.join(ALONE)}) to end, in the other worker",
+                pytrace=False,
+            )
+        time.sleep(1)
+
+
+def _alone_ended(item: pytest.Item) -> None:
+    done = _alone_done_path(item.config)
+    if done is not None and _alone_last == [item.nodeid]:
+        done.touch()
 
 
 def _worker_group(nodeid: str) -> str:
-    path = nodeid.split("::", 1)[0]
+    path = _module(nodeid)
     return path if path in OWN_WORKER else "the rest"
 
 
@@ -320,7 +369,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     modules: dict[Any, set[str]] = {}
     for item in items:
         modules.setdefault(item.path, set()).update(getattr(item, "fixturenames", ()))
-    items.sort(key=lambda item: _group(modules[item.path]))  # stable: file order within
+    # stable: file order within; the ALONE modules first (see above)
+    items.sort(key=lambda i: (_module(i.nodeid) not in ALONE, _group(modules[i.path])))
+    _alone_last[:] = [i.nodeid for i in items if _module(i.nodeid) in ALONE][-1:]
     _last_user.clear()
     for item in items:
         for name in SHARED_START_S:
@@ -340,6 +391,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     for name in reversed(list(_shared)):  # the runtimes under systemd before systemd
         if _last_user.get(name) == item.nodeid:
             _stop_shared(name)
+    _alone_ended(item)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
