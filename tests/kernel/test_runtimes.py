@@ -196,16 +196,25 @@ def test_a_real_container_is_known_by_its_metadata_and_capped_by_a_label_rule(
 
 
 @pytest.mark.parametrize(
-    "runtimes", ["cgroupfs", pytest.param("systemd", marks=pytest.mark.nightly)], indirect=True
+    ("runtimes", "measure"),
+    [
+        ("cgroupfs", False),
+        pytest.param("cgroupfs", True, marks=pytest.mark.nightly),
+        pytest.param("systemd", True, marks=pytest.mark.nightly),
+    ],
+    indirect=["runtimes"],
+    ids=["cgroupfs-weights", "cgroupfs", "systemd"],
 )
 def test_a_tenant_split_holds_between_real_containers(
-    runtimes: rt.Runtimes, tmp_path: Path, managed: str
+    runtimes: rt.Runtimes, tmp_path: Path, managed: str, measure: bool
 ) -> None:
-    """Tenant a (shares 2) and b (1) each run one container in docker, podman and a CRI pod,
-    every container as busy as the node has CPUs; the tenant comes from a label, among a and
-    b only. Without the agent the kernel splits by its default weights (1:1 here)."""
+    """Tenant a (shares 2) and b (1) each run one container in docker, podman and a CRI pod;
+    the tenant comes from a label, among a and b only. Measured (the nightly tier: two 30 s
+    windows), every container is as busy as the node has CPUs and a:b is 2:1 with the agent
+    where the kernel's default weights split it 1:1 without. Unmeasured (the default run),
+    the containers sleep and each a container's cpu.weight is twice each b container's."""
     r = runtimes
-    spin = " & ".join([SPIN] * (os.cpu_count() or 1)) + " & wait"
+    spin = " & ".join([SPIN] * (os.cpu_count() or 1)) + " & wait" if measure else "sleep 3600"
     made: dict[str, list[rt.Container]] = {"a": [], "b": []}
     for tenant in ("a", "b"):
         for runtime in RUNTIMES:
@@ -213,8 +222,7 @@ def test_a_tenant_split_holds_between_real_containers(
             made[tenant].append(c)
     groups = [c.cgroup for t in ("a", "b") for c in made[t]]
     assert wait_for(lambda: all(g.exists() for g in groups), timeout=60)
-    without = rate(groups, MEASURE_S)
-    base = sum(without[:3]) / sum(without[3:])
+    without = rate(groups, MEASURE_S) if measure else []
 
     rules = [
         label_rule(runtime, {"tenant": "*"}, name=f"by-tenant-{runtime}", tenant="b",
@@ -222,10 +230,21 @@ def test_a_tenant_split_holds_between_real_containers(
                                 "allowed": ["a", "b"]})
         for runtime in RUNTIMES
     ]  # fmt: skip
-    agent = make_agent(r, tmp_path, managed, rules, fair_share={"half_life": "1d"})
+    # every populated container counts as active: sleeping ones too (the default run's)
+    fair_share = {"half_life": "1d", "active_threshold": 0}
+    agent = make_agent(r, tmp_path, managed, rules, fair_share=fair_share)
     paths = {rel(r, g) for g in groups}
     record = ticks_until(agent, lambda rec: paths <= rec.assignments.keys(), what="every claim")
     assert {record.assignments[rel(r, c.cgroup)].tenant for c in made["a"]} == {"a"}
+    assert {record.assignments[rel(r, c.cgroup)].tenant for c in made["b"]} == {"b"}
+    if not measure:
+        agent.tick()
+        weights = {t: {int(read(c.cgroup, "cpu.weight")) for c in made[t]} for t in made}
+        assert len(weights["a"]) == len(weights["b"]) == 1, weights  # one weight per tenant
+        (a,), (b,) = weights["a"], weights["b"]
+        assert abs(a - 2 * b) <= 1, f"a container's weight {a}, b's {b}: want 2:1"
+        return
+    base = sum(without[:3]) / sum(without[3:])
     rate(groups, 5.0, tick=agent.tick)  # the weights settle
     with_agent = rate(groups, MEASURE_S, tick=agent.tick)
     split = sum(with_agent[:3]) / sum(with_agent[3:])
