@@ -4,12 +4,17 @@ uid 65534 (nobody, in the socket's group), calling through setpriv and curl, can
 release that job's GPU by name, nor read, cancel or claim root's request. The GPUs are a
 simulated node (a labelled fake from config/gpus/; no GPU here); the cgroups, processes,
 peer credentials and uids are real.
+
+Issue 34, item 6: bob (uid 65533) cannot bind his reservation to a container of alice's
+(uid 65534): its cgroup is named as docker's cgroupfs driver names a container (a
+stand-in: no dockerd), and its process, alice's, is real.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -18,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import rel, running, spec, wait_for
+from helpers import rel, running, spawn, spec, wait_for, wait_until
 
 from nodeagent.api import client
 from nodeagent.daemon import Agent
@@ -27,6 +32,8 @@ REPO = Path(__file__).resolve().parents[2]
 NODE = str(REPO / "config" / "gpus" / "4x-a100-two-nvlink-pairs.yaml")
 GROUP = 4242  # the socket's group: a gid no user on the node has
 NOBODY = 65534
+BOB = 65533
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 @pytest.fixture
@@ -49,15 +56,18 @@ def daemon(cgroup_sandbox: Path, tmp_path: Path) -> Iterator[tuple[Agent, Path]]
         shutil.rmtree(run, ignore_errors=True)
 
 
-def as_nobody(sock: Path, method: str, path: str, body: str | None = None) -> tuple[int, str]:
-    """One API call as uid 65534 in the socket's group, through curl: (status, body). In
-    `body`, $CHILD is the pid of a child of the calling process (a sleep it started)."""
+def as_nobody(
+    sock: Path, method: str, path: str, body: str | None = None, uid: int = NOBODY
+) -> tuple[int, str]:
+    """One API call as `uid` (65534 unless told) in the socket's group, through curl:
+    (status, body). In `body`, $CHILD is the pid of a child of the calling process (a sleep
+    it started)."""
     curl = f"curl -sS --max-time 30 --unix-socket {sock} -X {method} -w '\\n%{{http_code}}'"
     if body is not None:
         curl += " -H 'Content-Type: application/json' -d \"$BODY\""
     fill = 'BODY=$(printf %s "$0" | sed "s/[$]CHILD/$CHILD/")'
     script = f"sleep 60 </dev/null >/dev/null 2>&1 & CHILD=$!; {fill}; exec {curl} http://localhost{path}"
-    argv = ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY)]
+    argv = ["setpriv", "--reuid", str(uid), "--regid", str(uid)]
     argv += ["--groups", str(GROUP), "sh", "-c", script, body or ""]
     done = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=60)
     out, _, code = done.stdout.rpartition("\n")
@@ -106,3 +116,44 @@ def test_another_uid_can_neither_release_nor_claim_roots_gpus(daemon: tuple[Agen
         job.send_signal(signal.SIGTERM)
         job.communicate(timeout=60)
     assert wait_for(lambda: ("train", "job") not in holds(), timeout=30), "its end frees it"
+
+
+def test_a_member_cannot_bind_a_reservation_to_another_users_container(
+    daemon: tuple[Agent, Path],
+) -> None:
+    a, sock = daemon
+    cid = secrets.token_hex(32)
+    container = CGROUP_ROOT / "docker" / cid
+    container.mkdir(parents=True)
+    alices = spawn(container, ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY),
+                               "--clear-groups", "sleep", "300"])  # fmt: skip
+    try:
+        reservations = "/v1/gpus/reservations"
+        status, out = as_nobody(sock, "POST", reservations, '{"name": "bob-early"}', uid=BOB)
+        assert status == 200, out
+        mine = json.dumps({"name": "alice-web", "container": cid})
+        status, out = as_nobody(sock, "POST", reservations, mine)
+        assert status == 200, out
+        theirs = json.dumps({"name": "bob-early", "container": cid})
+        status, out = as_nobody(sock, "POST", reservations + "/container", theirs, uid=BOB)
+        assert status == 200, out  # naming it is his to do; binding to it is not
+
+        def bound() -> dict[str, str | None]:
+            return {h.owner: h.cgroup for h in a.gpus.ledger.holds()}
+
+        # both were tried in the same pass that bound alice's
+        wait_until(lambda: bound().get("alice-web") == f"docker/{cid}", 120,
+                   f"alice's reservation bound to docker/{cid}: {bound()}")  # fmt: skip
+        assert bound()["bob-early"] is None, bound()
+        status, out = as_nobody(sock, "GET", "/v1/gpus", uid=BOB)
+        assert status == 200, out
+        # the simulated node's own stray processes are violators; nothing is bob's to judge
+        found = [v for g in json.loads(out)["gpus"] for v in g["violations"]]
+        assert not [v for v in found if v["holder"] == "bob-early" or cid in v["cgroup"]], out
+    finally:
+        alices.kill()
+        alices.wait(timeout=30)
+        assert wait_for(lambda: not (container / "cgroup.procs").read_text().split(), timeout=30)
+        container.rmdir()
+        if not any(p.is_dir() for p in (CGROUP_ROOT / "docker").iterdir()):
+            (CGROUP_ROOT / "docker").rmdir()
