@@ -131,17 +131,18 @@ def test_a_member_cannot_bind_a_reservation_to_another_users_container(
         reservations = "/v1/gpus/reservations"
         status, out = as_nobody(sock, "POST", reservations, '{"name": "bob-early"}', uid=BOB)
         assert status == 200, out
-        mine = json.dumps({"name": "alice-web", "container": cid})
-        status, out = as_nobody(sock, "POST", reservations, mine)
-        assert status == 200, out
         theirs = json.dumps({"name": "bob-early", "container": cid})
         status, out = as_nobody(sock, "POST", reservations + "/container", theirs, uid=BOB)
         assert status == 200, out  # naming it is his to do; binding to it is not
+        # alice's is made after bob's names her container: the pass that binds hers has
+        # tried his (an earlier hold) against the same discovery
+        mine = json.dumps({"name": "alice-web", "container": cid})
+        status, out = as_nobody(sock, "POST", reservations, mine)
+        assert status == 200, out
 
         def bound() -> dict[str, str | None]:
             return {h.owner: h.cgroup for h in a.gpus.ledger.holds()}
 
-        # both were tried in the same pass that bound alice's
         wait_until(lambda: bound().get("alice-web") == f"docker/{cid}", 120,
                    f"alice's reservation bound to docker/{cid}: {bound()}")  # fmt: skip
         assert bound()["bob-early"] is None, bound()
