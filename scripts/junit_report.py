@@ -47,23 +47,30 @@ def slowest(paths: list[Path], n: int) -> list[tuple[float, str, str]]:
 
 
 def progress(path: Path) -> str:
-    """One line: how many tests ended of how many collected, and the one running at the end."""
-    collected, running, ended = "?", None, 0
+    """One line: how many tests ended of how many collected, which failed, and the ones running
+    at the end (two at once with two workers)."""
+    collected, running, ended, failed = "?", {}, 0, []
     for line in path.read_text(errors="replace").splitlines():
         word, _, rest = line.partition(" ")
         if word == "collected":
             collected = rest
         elif word == "start":
             stamp, _, nodeid = rest.partition(" ")
-            running = (float(stamp), nodeid)
+            running[nodeid] = float(stamp)
         elif word == "end":
             ended += 1
-            running = None
+            running.pop(rest, None)
+        elif word == "failed":
+            failed.append(rest)
     where = f"{ended} of {collected} tests had ended"
-    if running is None:
+    if failed:
+        where += f"; {len(failed)} failed: " + "; ".join(failed)
+    if not running:
         return f"{where}; none was running"
-    since = time.time() - running[0]
-    return f"{where}; running then, for {since:.0f} s: {running[1]}"
+    now = time.time()
+    return f"{where}; running then, " + ", ".join(
+        f"for {now - since:.0f} s: {nodeid}" for nodeid, since in running.items()
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -143,12 +143,16 @@ def _resume_ceiling(left: float) -> None:
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
-def pytest_runtest_logreport() -> Generator[None, Any, None]:
+def pytest_runtest_logreport(report: pytest.TestReport) -> Generator[None, Any, None]:
     left = _pause_ceiling()
     try:
         yield
     finally:
         _resume_ceiling(left)
+    if report.failed and _WORKER is None:  # the progress file says which failed, as they fail
+        crash = getattr(report.longrepr, "reprcrash", None)
+        why = (crash.message if crash is not None else str(report.longrepr)).strip() or "?"
+        _progress(f"failed {report.nodeid} ({report.when}): {why.splitlines()[0][:300]}")
 
 
 # -- progress: where a run got to, for a run killed before it wrote its JUnit report -------------

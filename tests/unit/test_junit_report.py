@@ -52,3 +52,22 @@ def test_a_run_between_tests_says_none_was_running(tmp_path: Path) -> None:
     progress = tmp_path / "progress"
     progress.write_text("collected 2\nstart 1.0 t::a\nend t::a\n")
     assert junit_report.progress(progress) == "1 of 2 tests had ended; none was running"
+
+
+def test_two_workers_tests_running_at_once_and_the_failures_so_far_are_all_said(
+    tmp_path: Path,
+) -> None:
+    progress = tmp_path / "progress"
+    now = time.time()
+    progress.write_text(
+        "collected 4\n"
+        f"start {now - 90:.1f} t::service\n"
+        f"start {now - 60:.1f} t::a\n"
+        "end t::a\n"
+        "failed t::a (call): assert 1 == 2\n"
+        f"start {now - 30:.1f} t::b\n"
+    )
+    line = junit_report.progress(progress)
+    assert line.startswith("1 of 4 tests had ended; 1 failed: t::a (call): assert 1 == 2;")
+    assert "running then, for 9" in line and " s: t::service, for 3" in line
+    assert line.endswith(" s: t::b")
