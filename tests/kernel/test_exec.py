@@ -65,7 +65,7 @@ def test_the_command_runs_in_its_cgroup_under_its_limits_from_the_start(
     assert cgroup == "/" + a.spec.agent.managed_root + "/probe"
     assert cpu_max == "50000 100000"
     assert memory_max == str(64 << 20)
-    assert wait_for(lambda: not Path(ROOT + cgroup).exists(), timeout=30), "cgroup left behind"
+    assert wait_for(lambda: not Path(ROOT + cgroup).exists(), timeout=90), "cgroup left behind"
     assert client.get(sock, "/v1/jobs") == {"jobs": []}
 
 
@@ -75,7 +75,7 @@ def test_exit_status_and_signals_pass_through(daemon: tuple[Agent, str]) -> None
     assert finish(nodeagent_exec(sock, "--", "sh", "-c", "kill -9 $$"))[0] == 128 + 9
     p = nodeagent_exec(sock, "--name", "sleeper", "--", "sleep", "300")
     cgroup = Path(ROOT, daemon[0].spec.agent.managed_root, "sleeper")
-    assert wait_for(lambda: cgroup.exists() and read(cgroup, "cgroup.procs") != "", timeout=60)
+    assert wait_for(lambda: cgroup.exists() and read(cgroup, "cgroup.procs") != "", timeout=180)
     p.send_signal(signal.SIGTERM)  # to exec: it passes it on
     code, _, err = finish(p)
     assert code == 128 + signal.SIGTERM, err
@@ -137,7 +137,7 @@ def test_a_deadline_job_is_planned_and_shown(daemon: tuple[Agent, str]) -> None:
             row = next((r for r in data["allocations"] if r["cgroup"] == path), None)
             return row is not None and (row.get("deadline") or {}).get("status") == "on-track"
 
-        assert wait_for(shown, timeout=60)
+        assert wait_for(shown, timeout=180)
         data = client.get(sock, "/v1/explain", {"cgroup": "due"})
         assert isinstance(data, dict)
         assert data["tenant"] == "research"  # the policy's default tenant
@@ -156,7 +156,7 @@ def test_a_deadline_job_is_planned_and_shown(daemon: tuple[Agent, str]) -> None:
     finally:
         p.send_signal(signal.SIGINT)
         finish(p)
-    assert wait_for(lambda: not Path(ROOT, path).exists(), timeout=30)
+    assert wait_for(lambda: not Path(ROOT, path).exists(), timeout=90)
     status = client.get(sock, "/v1/status")
     assert isinstance(status, dict) and status["deadline_misses"] == 0
 
@@ -175,7 +175,7 @@ def test_a_restarted_daemon_keeps_managing_a_running_job(
     )
     with running(policy):
         p = nodeagent_exec(sock, "--name", "long", "--", "sleep", "300")
-        assert wait_for(lambda: Path(ROOT, managed, "long", "cgroup.procs").exists(), timeout=60)
+        assert wait_for(lambda: Path(ROOT, managed, "long", "cgroup.procs").exists(), timeout=180)
         time.sleep(1)
     saved = json.loads((tmp_path / "state.json").read_text())
     assert [j["name"] for j in saved["jobs"]] == ["long"]
@@ -189,10 +189,10 @@ def test_a_restarted_daemon_keeps_managing_a_running_job(
                     for cg in last.plan.cgroups
                 )
 
-            assert wait_for(managed_as_the_job, timeout=60)
+            assert wait_for(managed_as_the_job, timeout=180)
             p.send_signal(signal.SIGTERM)
             finish(p)
-            assert wait_for(lambda: not Path(ROOT, managed, "long").exists(), timeout=30)
+            assert wait_for(lambda: not Path(ROOT, managed, "long").exists(), timeout=90)
     finally:
         if p.poll() is None:
             p.kill()
