@@ -170,6 +170,11 @@ def _progress(line: str) -> None:
 # Under pytest-xdist (./scripts/test runs the suite in two workers) the controller writes it: the
 # workers' own hooks would write every line twice. xdist names each worker in its environment.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+# xdist gives its workers COLUMNS=80 (and LINES): the CLI would fit its tables to 80 columns and
+# cut the long sandbox paths the tests look for. A test reads the CLI's output as a pipe's, whole
+# lines, as in a serial run.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -18,6 +18,12 @@ from policy_fuzz import COUNTS
 settings.register_profile("nodeagent", deadline=None)
 settings.load_profile("nodeagent")
 
+# xdist gives its workers COLUMNS=80 (and LINES): the CLI would fit its tables to 80 columns.
+# A test reads the CLI's output as a pipe's, whole lines, as in a serial run (a test of the
+# fitted tables sets COLUMNS itself).
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
+
 
 @pytest.fixture
 def sockdir() -> Iterator[Path]:
