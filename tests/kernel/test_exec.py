@@ -201,7 +201,7 @@ def test_a_restarted_daemon_keeps_managing_a_running_job(
 def test_the_command_gets_default_signal_dispositions(daemon: tuple[Agent, str]) -> None:
     """Python ignores SIGPIPE and SIGXFSZ; a command exec'd from it must not inherit that
     (exec keeps ignored signals: `producer | head` would never see its SIGPIPE)."""
-    code, out, err = finish(nodeagent_exec(daemon[1], "--", "cat", "/proc/self/status"), 60)
+    code, out, err = finish(nodeagent_exec(daemon[1], "--", "cat", "/proc/self/status"), 180)
     assert code == 0, err
     ignored = int(
         next(line for line in out.splitlines() if line.startswith("SigIgn:")).split()[1], 16
