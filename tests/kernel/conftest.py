@@ -208,12 +208,17 @@ def pytest_runtest_logfinish(nodeid: str) -> None:
 # worker and starts and stops there as in a serial run.
 #
 # Some figures need the VM's CPUs to themselves: a 2:1 split measured within 10%, stalls that must
-# end for a throttle to be lifted. Run beside the other worker (Python starting under TCG, an agent
-# ticking), they failed. Those modules (ALONE) run first, in the second worker, and the first
-# worker starts its first test only once they are done (a run with two workers and ALONE tests
-# among those collected; one worker runs them first too, and waits for nothing).
+# end for a throttle to be lifted, a cgroup busy enough to be throttled. Run beside the other
+# worker (Python starting under TCG, an agent ticking), they failed. Those modules (ALONE) run
+# first, in the second worker, and the first worker starts its first test only once they are
+# done (a run with two workers and ALONE tests among those collected; one worker runs them first
+# too, and waits for nothing).
 OWN_WORKER = ("tests/kernel/test_service.py",)
-ALONE = ("tests/kernel/test_hierarchy.py", "tests/kernel/test_protection.py")
+ALONE = (
+    "tests/kernel/test_hierarchy.py",
+    "tests/kernel/test_protection.py",
+    "tests/kernel/test_metrics.py",  # a busy cgroup capped at 0.5 CPU must be throttled
+)
 ALONE_WAIT_S = 600
 """How long a test waits for the ALONE tests to end before it fails saying so."""
 _alone_last: list[str] = []
