@@ -202,8 +202,9 @@ def test_names_in_a_users_delegated_tree_never_reach_the_system_managers_units(
             fair_share={"active_threshold": 0},
             tenants={"a": {"shares": 1}, "b": {"shares": 3}},
             rules=[
-                {"name": "users", "match": {"path": "user.slice/*"}, "tenant": "a",
-                 "limits": {"cpu_max": 0.333}},
+                # a user's own cgroups match only a rule naming their owner (issue 34)
+                {"name": "users", "match": {"path": "user.slice/*", "owner": "user-systemd"},
+                 "tenant": "a", "limits": {"cpu_max": 0.333}},
                 {"name": "hand-made", "match": {"path": f"system.slice/{elsewhere}"},
                  "tenant": "a", "limits": {"cpu_max": 0.333}},
                 {"name": "docker", "match": {"path": f"system.slice/{real_docker}"},
