@@ -128,11 +128,11 @@ class ApiServerStandIn:
     def _get(self, handler: BaseHTTPRequestHandler, path: str) -> None:
         name = path.rsplit("/", 1)[-1]
         if path.startswith("/api/v1/nodes/") and name in self.nodes:
-            _reply(handler, 200, self.nodes[name])
+            reply(handler, 200, self.nodes[name])
         elif path.startswith(NRT_PATH + "/") and name in self.topologies:
-            _reply(handler, 200, self.topologies[name])
+            reply(handler, 200, self.topologies[name])
         else:
-            _reply(handler, 404, _status(404, "NotFound", f"{path} not found"))
+            reply(handler, 404, _status(404, "NotFound", f"{path} not found"))
 
     def _write(self, handler: BaseHTTPRequestHandler, method: str) -> None:
         """Create (POST) or replace (PUT, with the current resourceVersion) an NRT object,
@@ -144,20 +144,20 @@ class ApiServerStandIn:
         name = body.get("metadata", {}).get("name", "")
         found = problems(body)
         if not path.startswith(NRT_PATH) or found:
-            _reply(handler, 422, _status(422, "Invalid", "; ".join(found) or path))
+            reply(handler, 422, _status(422, "Invalid", "; ".join(found) or path))
             return
         if method == "POST" and name in self.topologies:
-            _reply(handler, 409, _status(409, "AlreadyExists", f"{name} exists"))
+            reply(handler, 409, _status(409, "AlreadyExists", f"{name} exists"))
             return
         if method == "PUT":
             current = self.topologies.get(name, {}).get("metadata", {}).get("resourceVersion")
             if body["metadata"].get("resourceVersion") != current:
-                _reply(handler, 409, _status(409, "Conflict", "the object has been modified"))
+                reply(handler, 409, _status(409, "Conflict", "the object has been modified"))
                 return
         self.rv += 1
         body["metadata"]["resourceVersion"] = str(self.rv)
         self.topologies[name] = body
-        _reply(handler, 201 if method == "POST" else 200, body)
+        reply(handler, 201 if method == "POST" else 200, body)
 
     def _list(self, handler: BaseHTTPRequestHandler, kind: str) -> None:
         body = {
@@ -211,7 +211,7 @@ def _status(code: int, reason: str, message: str) -> dict[str, Any]:
             "reason": reason, "code": code}  # fmt: skip
 
 
-def _reply(handler: BaseHTTPRequestHandler, code: int, body: dict[str, Any]) -> None:
+def reply(handler: BaseHTTPRequestHandler, code: int, body: dict[str, Any]) -> None:
     data = json.dumps(body).encode()
     handler.send_response(code)
     handler.send_header("Content-Type", "application/json")

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import structlog
-from kube_standins import kubelet, load, node
+from kube_standins import kubelet, load, node, reply
 from kubernetes import client as kube_client
 from test_kube_publish import NODE_UID, PAIRS, PUBLISH_NRT, state
 
@@ -56,13 +56,13 @@ class TricklingApiServer:
                     stand_in._node(self)
                 else:
                     found = stand_in.topologies.get(self.path.rsplit("/", 1)[-1])
-                    _send(self, 200 if found else 404, found or {"kind": "Status", "code": 404})
+                    reply(self, 200 if found else 404, found or {"kind": "Status", "code": 404})
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 body["metadata"]["resourceVersion"] = "1"
                 stand_in.topologies[body["metadata"]["name"]] = body
-                _send(self, 201, body)
+                reply(self, 201, body)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -90,15 +90,6 @@ class TricklingApiServer:
         self.stopping.set()
         self.server.shutdown()
         self.server.server_close()
-
-
-def _send(handler: BaseHTTPRequestHandler, code: int, body: dict[str, Any]) -> None:
-    data = json.dumps(body).encode()
-    handler.send_response(code)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("Content-Length", str(len(data)))
-    handler.end_headers()
-    handler.wfile.write(data)
 
 
 @pytest.fixture
