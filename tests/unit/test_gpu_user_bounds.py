@@ -25,13 +25,13 @@ from typing import Any
 import pytest
 from daemon_api import ALICE, BOB, CID, GPUS, ROOT, Daemon, daemon
 from structlog.testing import capture_logs
+from test_gpu_reservations import RESERVATIONS, reserve
 
 from nodeagent.errors import Conflict
 from nodeagent.gpu.model import GpuProcess, Hold, HoldKind
 from nodeagent.gpu.simulated import parse_node
 from nodeagent.policy.gpu_checks import violations
 
-RESERVATIONS = "/v1/gpus/reservations"
 ATTACH = "/v1/gpus/reservations/container"
 ALICES = f"system.slice/docker-{CID}.scope"
 
@@ -39,11 +39,6 @@ ALICES = f"system.slice/docker-{CID}.scope"
 @pytest.fixture
 def d(tmp_path: Path) -> Daemon:
     return daemon(tmp_path)
-
-
-def reserve(d: Daemon, peer: Any, name: str, count: int = 1, **body: Any) -> dict[str, Any]:
-    got: dict[str, Any] = d.call(peer, "POST", RESERVATIONS, {"name": name, "count": count, **body})
-    return got
 
 
 def bound(d: Daemon) -> dict[str, str | None]:
