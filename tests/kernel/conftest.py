@@ -177,6 +177,35 @@ os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
 
 
+# -- the operator's directories, as mount points ---------------------------------------------------
+# test_service and test_package mount tmpfs (and the package's venv) over these paths inside their
+# systemd's mount namespace. Each worker has a systemd of its own, but the directory under the
+# mount is one, in the VM's /etc: when one module removed the directory it had made, the kernel
+# detached the other worker's mount on it (rmdir of a mount point in another mount namespace,
+# Linux >= 3.18) and that test's policy file vanished ("/etc/nodeagent/policy.yaml:1:1: cannot
+# read: No such file or directory", CI at 14ef422). So the run makes them before any test and
+# removes them after the last, once (the controller, or a serial run); the modules only mount.
+MOUNT_POINTS = ("/etc/nodeagent", "/var/lib/nodeagent", "/opt/venvs/nodeagent")
+_made_mount_points: list[Path] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _WORKER is not None or environment_problem() is not None:
+        return
+    for name in MOUNT_POINTS:
+        path = Path(name)
+        missing = [p for p in (path, *path.parents) if not p.exists()]
+        path.mkdir(parents=True, exist_ok=True)
+        _made_mount_points.extend(sorted(missing, key=lambda p: len(p.parts), reverse=True))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for path in _made_mount_points:  # deepest first
+        with contextlib.suppress(OSError):
+            path.rmdir()
+    _made_mount_points.clear()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     if _WORKER is None:  # a serial run; xdist's controller collects nothing itself
         _progress(f"collected {len(session.items)}")

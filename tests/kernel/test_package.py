@@ -50,19 +50,17 @@ rules:
     limits: {cpu_max: 0.25, memory_max: 256Mi}
 """
 # The package's files into systemd's mount namespace ($1: where the .deb was unpacked, in its
-# /tmp); a directory the machine lacks is made as a mount point and printed, for teardown.
+# /tmp), on the mount points the run made (conftest.MOUNT_POINTS: never removed here, where the
+# other worker may have mounts on them).
 MOUNT = r"""
 set -eu
-for d in /opt/venvs/nodeagent /etc/nodeagent; do
-  [ -d "$d" ] || { mkdir -p "$d"; echo "$d"; }
-done
 mount --bind "$1/opt/venvs/nodeagent" /opt/venvs/nodeagent
 mount -t tmpfs -o mode=0755 tmpfs /etc/nodeagent
 cp -a "$1/etc/nodeagent/." /etc/nodeagent/
 cp "$1/lib/systemd/system/nodeagent.service" "$1/lib/systemd/system/nodeagent-workloads.service" \
   /etc/systemd/system/
 """
-UNMOUNT = 'umount /opt/venvs/nodeagent /etc/nodeagent; [ $# -eq 0 ] || rmdir "$@"'
+UNMOUNT = "umount /opt/venvs/nodeagent /etc/nodeagent"
 
 
 @pytest.fixture
@@ -72,7 +70,7 @@ def installed(systemd_host: SystemdHost) -> Iterator[SystemdHost]:
         pytest.fail(f"{DEB} is missing: ./scripts/package deb builds it", pytrace=False)
     unpacked = "/tmp/nodeagent-deb"
     subprocess.run(["dpkg-deb", "-x", str(DEB), str(host.path(unpacked))], check=True)
-    made = host.run("sh", "-c", MOUNT, "mount", unpacked).stdout.split()
+    host.run("sh", "-c", MOUNT, "mount", unpacked)
     dropin = host.path(f"/etc/systemd/system/{UNIT}.d/vm.conf")
     dropin.parent.mkdir()
     dropin.write_text(f"[Service]\nTimeoutStartSec={WAIT_S:.0f}s\n")
@@ -87,7 +85,7 @@ def installed(systemd_host: SystemdHost) -> Iterator[SystemdHost]:
         for unit in (UNIT, WORKLOADS):
             host.path(f"/etc/systemd/system/{unit}").unlink(missing_ok=True)
         host.systemctl("daemon-reload", check=False)
-        host.run("sh", "-c", UNMOUNT, "unmount", *made, check=False)
+        host.run("sh", "-c", UNMOUNT, check=False)
         host.run("rm", "-rf", unpacked, check=False)
 
 
