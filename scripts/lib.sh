@@ -164,9 +164,23 @@ ensure_venv() {
     note "installing nodeagent and its dev dependencies into .venv..."
     run_logged "pip install -e '.[dev]'" "$NODEAGENT_VENV/bin/pip" install -q \
       --disable-pip-version-check -e "${NODEAGENT_ROOT}[dev]" || die "could not install the project into .venv"
+    _install_import_linter || die "could not install import-linter into $NODEAGENT_VENV/lint-imports"
     touch "$stamp"
   fi
   _setup_unlock
+}
+
+# _install_import_linter: pyproject's `imports` extra into .venv/lint-imports (pip --target), off
+# the venv's sys.path: scripts/test runs lint-imports with it on PYTHONPATH (see pyproject.toml).
+_install_import_linter() {
+  local target=$NODEAGENT_VENV/lint-imports specs
+  mapfile -t specs < <("$NODEAGENT_VENV/bin/python" -c 'import sys, tomllib
+with open(sys.argv[1], "rb") as f:
+    print(*tomllib.load(f)["project"]["optional-dependencies"]["imports"], sep="\n")' \
+    "$NODEAGENT_ROOT/pyproject.toml") && ((${#specs[@]})) || return 1
+  rm -rf "$target"
+  run_logged "pip install --target $target" "$NODEAGENT_VENV/bin/pip" install -q \
+    --disable-pip-version-check --target "$target" "${specs[@]}"
 }
 
 # ensure_promtool: Prometheus's promtool in .venv/bin, for `promtool check metrics` on the

@@ -41,7 +41,7 @@ Number = int | float
 class Answer(BaseModel):
     """An answer, or a part of one: frozen, with the keys it does not name kept."""
 
-    model_config = ConfigDict(frozen=True, extra="allow", populate_by_name=True)
+    model_config = ConfigDict(frozen=True, extra="allow", populate_by_name=True, defer_build=True)
 
 
 class _Sparse(Answer):
