@@ -318,6 +318,8 @@ uname -r > $(printf %q "$ctl/kernel")
 # iproute2 is missing, as on a minimal Debian; busybox-static is one of the VM tools
 ip link set lo up 2>/dev/null || busybox ip link set lo up
 $env_setup
+# the code every Python process maps, onto the guest's tmpfs (see the script)
+bash $(printf %q "$NODEAGENT_ROOT/scripts/guest-code-in-ram") $(printf %q "$NODEAGENT_VENV/bin/python")
 # /root and the checkout are read-only in the guest; keep HOME, hypothesis & co. on the tmpfs
 export HOME=/tmp/nodeagent-home HYPOTHESIS_STORAGE_DIRECTORY=/tmp/nodeagent-hypothesis
 mkdir -p "\$HOME"
