@@ -143,9 +143,9 @@ class Flood:
 
     def close(self) -> None:
         """Tell the flooder to stop and reap it; one that has not exited within CLOSE_WAIT_S
-        (blocked in a connect, say) is killed: this runs after a test's ceiling too, where a
-        wait without one would hold the whole run (the nightly floods test stood 24 minutes
-        past its 900 s ceiling)."""
+        is killed: this runs after a test's ceiling too, where a wait without one would hold
+        the whole run (the nightly floods test stood 31 minutes past its start, with a 900 s
+        ceiling; whether this wait held it is not known)."""
         with contextlib.suppress(OSError):
             os.close(self._stop)
         deadline = time.monotonic() + CLOSE_WAIT_S
