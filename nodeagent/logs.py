@@ -21,6 +21,7 @@ from typing import Any
 import structlog
 
 from nodeagent.errors import NodeagentError
+from nodeagent.journal import stderr_is_the_journal
 
 # Audit events bypass the level filter: an operator who turns logging down to "error" still
 # needs the record of every cgroup write.
@@ -75,20 +76,6 @@ def console_colours() -> bool:
 
 # syslog(3) priorities by structlog level name; an unknown name is logged as info
 PRIORITY = {"debug": 7, "info": 6, "warning": 4, "warn": 4, "error": 3, "critical": 2}
-
-
-def stderr_is_the_journal() -> bool:
-    """Whether fd 2 is the stream systemd connected to journald: $JOURNAL_STREAM holds its
-    device and inode (systemd.exec(5)); a child whose stderr was redirected inherits the
-    variable but not the stream, and must not prefix."""
-    dev, _, ino = os.environ.get("JOURNAL_STREAM", "").partition(":")
-    if not (dev.isdigit() and ino.isdigit()):
-        return False
-    try:
-        st = os.fstat(sys.stderr.fileno())
-    except (OSError, ValueError, AttributeError):  # no real descriptor (captured, closed)
-        return False
-    return (st.st_dev, st.st_ino) == (int(dev), int(ino))
 
 
 def _with_priority(render: Any) -> Any:

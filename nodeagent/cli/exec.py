@@ -17,8 +17,6 @@ from typing import Any
 
 import click
 
-from nodeagent.api import client
-from nodeagent.api.answers import GpuGrant, StartedJob
 from nodeagent.cli.common import socket_option
 from nodeagent.errors import NodeagentError
 
@@ -113,9 +111,33 @@ def _child(go: int, command: Sequence[str]) -> None:
         os._exit(126 if isinstance(e, PermissionError) else 127)
 
 
+def _deadline_and_work(deadline: str | None, work: str | None) -> tuple[float | None, float | None]:
+    """--deadline (an instant, in the future) and --work (a positive CPU duration), which go
+    together; both None without them."""
+    from nodeagent.policyfile.units import parse_duration
+    from nodeagent.policyfile.when import parse_instant
+
+    now = time.time()
+    when = _value("--deadline", parse_instant, deadline, now=now, naive_is_local=True)
+    cpu_seconds = _value("--work", parse_duration, work)
+    if when is not None and when <= now:
+        passed = dt.datetime.fromtimestamp(when, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        raise click.BadParameter(f"{deadline} ({passed}) has passed", param_hint="--deadline")
+    if cpu_seconds is not None and cpu_seconds <= 0:
+        raise click.BadParameter("the work must be positive", param_hint="--work")
+    if (when is None) != (cpu_seconds is None):
+        raise click.UsageError(
+            "--deadline and --work go together: the rate needed is work / time left"
+        )
+    return when, cpu_seconds
+
+
 def _wait_for_gpus(socket: str, want: dict[str, Any], timeout: float | None) -> str:
     """Ask the daemon for GPUs and wait, saying so, until they are granted; the request's id.
     Waiting requests are served by class priority, then deadline, then fair share."""
+    from nodeagent.api import client
+    from nodeagent.api.answers import GpuGrant
+
     answer = client.post_as(GpuGrant, socket, "/v1/gpus/requests", want)
     rid, said = answer.id, None
     give_up = None if timeout is None else time.monotonic() + timeout
@@ -253,22 +275,12 @@ def exec_cmd(
     the cgroup empties. Nothing is started when the daemon refuses the job (unknown tenant
     or class, a name that is taken, a deadline in the past, ...).
     """
+    from nodeagent.api import client
+    from nodeagent.api.answers import StartedJob
     from nodeagent.policyfile.units import parse_duration, parse_size
-    from nodeagent.policyfile.when import parse_instant
 
-    now = time.time()
-    when = _value("--deadline", parse_instant, deadline, now=now, naive_is_local=True)
-    cpu_seconds = _value("--work", parse_duration, work)
+    when, cpu_seconds = _deadline_and_work(deadline, work)
     size = _value("--memory", parse_size, memory)
-    if when is not None and when <= now:
-        passed = dt.datetime.fromtimestamp(when, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        raise click.BadParameter(f"{deadline} ({passed}) has passed", param_hint="--deadline")
-    if cpu_seconds is not None and cpu_seconds <= 0:
-        raise click.BadParameter("the work must be positive", param_hint="--work")
-    if (when is None) != (cpu_seconds is None):
-        raise click.UsageError(
-            "--deadline and --work go together: the rate needed is work / time left"
-        )
     if cpus is not None and not cpus > 0:
         raise click.BadParameter("must be a positive number of CPUs", param_hint="--cpus")
     job_name = name or _default_name(command)

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from nodeagent.api.answers import GpuList, NotPlaced, Placed, Placement, Reservation
 from nodeagent.cli.common import json_option, socket_option
 from nodeagent.cli.output import document, echo_json, item_list, renamed
 from nodeagent.errors import NodeagentError
 from nodeagent.tables import size, table
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the commands import the API's answers when they run
+    from nodeagent.api.answers import GpuList, Placed, Placement, Reservation
     from nodeagent.gpu.backend import GpuBackend
     from nodeagent.gpualloc.placing import Question
 
@@ -131,6 +131,7 @@ def gpus(ctx: click.Context, simulate: str | None, socket: str, as_json: bool) -
     if ctx.invoked_subcommand is not None:
         return
     from nodeagent.api import client
+    from nodeagent.api.answers import GpuList
     from nodeagent.errors import DaemonUnreachable
     from nodeagent.gpu.report import read_report
 
@@ -319,6 +320,7 @@ def reserve_cmd(
       nodeagent gpus release web-1
     """
     from nodeagent.api import client
+    from nodeagent.api.answers import Reservation
 
     body: dict[str, Any] = {"name": name, "count": count, "shared": shared, "ttl": ttl}
     optional = {"container": container, "tenant": tenant, "class": workload_class}
@@ -446,6 +448,7 @@ def place_cmd(
       nodeagent gpus place --memory 10Gi --shared
       nodeagent gpus place --mig 1g.10gb --simulate config/gpus/h100-mig.yaml
     """
+    from nodeagent.api.answers import NotPlaced
     from nodeagent.gpualloc.placing import BadQuestion, Question, numa_nodes, split
     from nodeagent.policy.placement import GpuRequest
 
@@ -485,6 +488,7 @@ def _ask_daemon(socket: str, question: Question) -> tuple[Placement | None, str]
     daemon; a daemon without GPUs, or without this route, while this command may read
     some itself, such as a NODEAGENT_GPU_SIM node)."""
     from nodeagent.api import client
+    from nodeagent.api.answers import Placement
     from nodeagent.api.client import ApiRefused
     from nodeagent.errors import DaemonUnreachable
     from nodeagent.gpualloc.placing import BadQuestion
@@ -509,6 +513,7 @@ _QUESTION_PARTS = frozenset({"count", "memory", "shared", "mig", "numa", "busy"}
 def _place_here(question: Question, simulate: str | None, note: str) -> Placement:
     """The answer from this command's own reading of the GPUs: no holds but --busy; `note`
     says why holds were not considered."""
+    from nodeagent.api.answers import Placement
     from nodeagent.gpu.model import GpuState
     from nodeagent.gpualloc.placing import answer
     from nodeagent.policy.placement import Holdings, node_gpus

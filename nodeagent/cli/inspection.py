@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from nodeagent.api import client
-from nodeagent.api.answers import Allocation, Allocations, DeadlineFigures, Explanation, Workload
 from nodeagent.cli.common import json_option, load, socket_option, wide_option
 from nodeagent.cli.output import (
     counted,
@@ -34,6 +32,15 @@ from nodeagent.tables import (
     workload_name,
     yes_no,
 )
+
+if TYPE_CHECKING:  # the commands import the API's client and answers when they run
+    from nodeagent.api.answers import (
+        Allocation,
+        Allocations,
+        DeadlineFigures,
+        Explanation,
+        Workload,
+    )
 
 # The --json documents (see cli/output.py): the daemon's answers with units in their keys.
 _ROW_UNITS = {"cpu_rate": "cpu_rate_cores", "memory_current": "memory_current_bytes"}
@@ -118,6 +125,8 @@ def allocations_table(
     """The allocations as a table; not `wide`: short ids, and the GPUS column only where a
     workload holds GPUs; `width`: reasons, then paths, cut to fit. A mapping (what
     report.allocations builds, as `run --once` has it) is read as the answer would be."""
+    from nodeagent.api.answers import Allocations
+
     if not isinstance(data, Allocations):
         data = Allocations.model_validate(data)
     allocated = data.allocations
@@ -225,6 +234,9 @@ def allocations_cmd(socket: str, as_json: bool, wide: bool) -> None:
     plan: in a dry run, for cgroups that are read-only (see `workloads`), or
     when a write failed.
     """
+    from nodeagent.api import client
+    from nodeagent.api.answers import Allocations
+
     data = client.get_as(Allocations, socket, "/v1/allocations")
     if as_json:
         echo_json(allocations_document(data))
@@ -245,6 +257,9 @@ def explain(cgroup: str, socket: str, as_json: bool) -> None:
     namespace/pod/container) or a container-id prefix. The answer says what the
     runtime said about it and which of that its rule matched.
     """
+    from nodeagent.api import client
+    from nodeagent.api.answers import Explanation
+
     data = client.get_as(Explanation, socket, "/v1/explain", params={"cgroup": cgroup})
     if as_json:
         echo_json(explanation_document(data))
@@ -305,6 +320,8 @@ def _sensed(key: str, value: object) -> str:
 def explain_text(data: Explanation | Mapping[str, Any]) -> str:
     """One workload's explanation; a mapping (what report.explain builds) is read as the
     answer would be."""
+    from nodeagent.api.answers import Explanation
+
     if not isinstance(data, Explanation):
         data = Explanation.model_validate(data)
     written = data.write != "read-only"

@@ -32,7 +32,7 @@ def validate(file: str, strict: bool, as_json: bool) -> None:
     With --json, the same as one JSON object (kind PolicyCheck) on stdout.
     """
     from nodeagent.cli.run import metrics_refused
-    from nodeagent.logs import stderr_is_the_journal
+    from nodeagent.journal import stderr_is_the_journal
     from nodeagent.policyfile.load import check_policy
     from nodeagent.policyfile.yamlfile import PolicyError
 

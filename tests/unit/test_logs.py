@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from nodeagent import logs
+from nodeagent import journal, logs
 from nodeagent.errors import NodeagentError
 
 
@@ -168,7 +168,7 @@ def test_no_priority_prefix_when_stderr_is_not_that_stream(
     [line] = capfd.readouterr().err.splitlines()
     assert line.startswith("{")
     monkeypatch.setenv("JOURNAL_STREAM", "garbage")
-    assert logs.stderr_is_the_journal() is False
+    assert journal.stderr_is_the_journal() is False
 
 
 @pytest.mark.parametrize(("no_color", "tty", "coloured"), [
