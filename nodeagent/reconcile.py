@@ -19,6 +19,7 @@ import structlog
 from nodeagent.act import Executor, Outcome, WriteResult, not_in_place
 from nodeagent.cgroupfs.subtree import ensure_managed_root, leave_managed_path
 from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
+from nodeagent.cgroupfs.values import Attribute
 from nodeagent.changes import NoteLog, ProblemLog
 from nodeagent.discovery.registry import Registry
 from nodeagent.errors import NodeagentError
@@ -39,6 +40,7 @@ from nodeagent.policy.plan import DEFAULT_POLICIES, Plan
 from nodeagent.policy.plancache import PlanCache, PlanInputs
 from nodeagent.policy.weights import ancestors
 from nodeagent.policyfile.model import PolicySpec
+from nodeagent.release import Releaser, in_release_order
 from nodeagent.report import TickRecord
 from nodeagent.runtimes.metadata import RuntimeMetadata
 from nodeagent.sense.sensor import Sensor
@@ -106,6 +108,8 @@ class Reconciler:
         self.feedback = Feedback()
         self.originals = Originals()
         """What the agent changed and the values before, for `nodeagent release`."""
+        self._hand_back_failed: set[tuple[str, Attribute]] = set()
+        """What could not be handed back, logged once (hand_back)."""
         self.last: TickRecord | None = None
         """The last tick's record (replaced whole: readers on other threads take it as is)."""
         self.problems = ProblemLog()
@@ -258,6 +262,9 @@ class Reconciler:
         only = self.sensor.fresh | fed.retry if same else None
         applied = self.executor.apply(plan, snapshot, only)
         self.record_originals(applied, plan, snapshot.vanished, tick=True)
+        if not self.dry_run:
+            claimed = {*assignments, *(i.path for i in levels)}
+            self.hand_back({i.path for i in identities} - claimed)
         results = (*self._fast_results, *applied)  # the fast path's since the last tick too
         self._fast_results = []
         # what this plan wrote is known from now on (a newcomer the fast path wrote is read
@@ -403,6 +410,35 @@ class Reconciler:
             self.saver.save()  # what is saved is as of the last tick, these originals included
         else:
             self.saver.journal(self._fresh_originals)
+
+    def hand_back(self, unclaimed_paths: set[str]) -> None:
+        """What the agent set on a workload it finds but no longer claims (a reload's rules
+        no longer match it, its label changed) is handed back at once, as `nodeagent
+        release` hands it back at a stop: the original, where the attribute still holds what
+        the agent set, the way it was written (through systemd for its units), an audit
+        event each; a value someone changed since is theirs and is left. One the agent does
+        not see this tick keeps its values and its record: a scan that missed it (a budget,
+        an unreadable directory) would otherwise undo and redo its caps tick after tick; a
+        level no longer weighted is handed back by release. One that fails is kept and tried
+        again each tick (and by release at the stop); its failure is logged once."""
+        unclaimed = [e for e in self.originals.items() if e[0] in unclaimed_paths]
+        if not unclaimed:
+            return
+        releaser = Releaser(self.tree, self.executor.units, self.executor.audit)
+        for path, attribute, original in in_release_order(unclaimed):
+            handed = releaser.one(path, attribute, original)
+            if handed.outcome != "failed":
+                self.originals.drop(path, attribute)
+                self._hand_back_failed.discard((path, attribute))
+            elif (path, attribute) not in self._hand_back_failed:
+                self._hand_back_failed.add((path, attribute))
+                log.warning(
+                    "release.failed",
+                    cgroup=path,
+                    attribute=str(attribute),
+                    problem=handed.detail,
+                    why="no rule claims it any more; tried again each tick and at the stop",
+                )
 
     def _fresh_originals(self) -> list[tuple[str, str, Mapping[str, str]]]:
         return [(p, str(a), o.to_json()) for p, a, o in self.originals.take_fresh()]

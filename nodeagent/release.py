@@ -86,6 +86,14 @@ def _to_release(
             via = write_mode(parent_identity(path, managed_root), settings)
             if via is not WriteMode.READ_ONLY:
                 entries.append((path, Attribute.FREEZE, Original("0", "1", via)))
+    return in_release_order(entries)
+
+
+def in_release_order(
+    entries: Sequence[tuple[str, Attribute, Original]],
+) -> list[tuple[str, Attribute, Original]]:
+    """Parents first and thaws last: a cgroup's caps are back before its processes run
+    again, and no parent is tighter than its child on the way."""
     return sorted(entries, key=lambda e: (e[0].count("/"), e[1] is Attribute.FREEZE, e[0]))
 
 

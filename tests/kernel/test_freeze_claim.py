@@ -40,6 +40,7 @@ WAIT_S = 90.0
 """Ceiling of each wait for the daemon (a tick is 0.5 s; Python under TCG on a shared host is
 slow, and a freeze by protection takes several ticks of pressure)."""
 THAWED = "thawed: no longer a workload the agent plans (unclaimed, or gone)"
+RELEASED = "released: the value before nodeagent changed it"
 INFER = {"name": "infer", "match": {"name": "i-*"}, "tenant": "t", "class": "inference"}
 BATCH = {"name": "batch", "match": {"name": "b-*"}, "tenant": "t", "class": "batch"}
 NOBODY = {"name": "nobody", "match": {"name": "nothing-*"}, "tenant": "t"}
@@ -134,7 +135,8 @@ def test_a_workload_protection_froze_is_thawed_when_a_reload_no_longer_claims_it
 ) -> None:
     """Inference stalls and a batch floor too high for throttling to help: the batch cgroup
     is frozen (test_protection's recipe). A reload whose rules claim inference only: the batch
-    cgroup is thawed while the pressure goes on, and says so in the audit log."""
+    cgroup is thawed while the pressure goes on, and says so in the audit log; its weight
+    (and any cap) are handed back too, each an audit record (before, only the stop did)."""
     infer, low = Path(ROOT, managed, "i-1"), Path(ROOT, managed, "b-1")
     base = {
         "node": {"reserved_cpu": two_cpus},
@@ -157,6 +159,14 @@ def test_a_workload_protection_froze_is_thawed_when_a_reload_no_longer_claims_it
     assert wait_for(lambda: "frozen 0" in read(low, "cgroup.events"), timeout=30)
     a.wait("the thaw's audit record", lambda: ("1", "0", THAWED) in a.freezes(low))
     assert stays.poll() is None, "frozen and thawed, never killed"
+    # and what else the agent set there (its weight, protection's cap) is handed back too
+    a.wait(
+        "b-1's weight and cap handed back",
+        lambda: (read(low, "cpu.weight"), read(low, "cpu.max")) == ("100", "max 100000"),
+    )
+    handed = [p.rsplit("/", 1)[1] for p, _, _, why in a.writes
+              if p.startswith(f"{low}/") and why.startswith(RELEASED)]  # fmt: skip
+    assert handed, a.writes  # not only found that way: handed back by the agent
     for p in procs[1:]:  # the pressure's work is done: the VM's CPUs back for release's start
         p.kill()
         p.wait()

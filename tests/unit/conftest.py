@@ -13,6 +13,8 @@ import pytest
 from hypothesis import settings
 from policy_fuzz import COUNTS
 
+from nodeagent.cgroupfs.tree import CgroupDir
+
 # Speed goals live in the benchmarks: on a loaded host one example can take longer than
 # hypothesis's default 200 ms deadline (a "flaky" failure that says nothing of the code).
 settings.register_profile("nodeagent", deadline=None)
@@ -33,6 +35,18 @@ def sockdir() -> Iterator[Path]:
     path.chmod(0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def files_replace_their_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel interface file takes the whole value written; a plain file standing in for
+    one must be truncated for that (the tree opens it O_WRONLY)."""
+    opened = CgroupDir._open_file
+
+    def open_file(self: CgroupDir, name: str, mode: int) -> int:
+        return opened(self, name, mode | os.O_TRUNC if mode & os.O_WRONLY else mode)
+
+    monkeypatch.setattr(CgroupDir, "_open_file", open_file)
 
 
 @pytest.fixture

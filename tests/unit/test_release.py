@@ -30,18 +30,7 @@ from nodeagent.sdbus import NoBus
 
 SCOPE = "system.slice/docker-0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef.scope"
 JOB = "nodeagent.slice/train"
-
-
-@pytest.fixture(autouse=True)
-def _files_replace_their_value(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A kernel interface file takes the whole value written; a plain file standing in for
-    one must be truncated for that (the tree opens it O_WRONLY)."""
-    opened = CgroupDir._open_file
-
-    def open_file(self: CgroupDir, name: str, mode: int) -> int:
-        return opened(self, name, mode | os.O_TRUNC if mode & os.O_WRONLY else mode)
-
-    monkeypatch.setattr(CgroupDir, "_open_file", open_file)
+pytestmark = pytest.mark.usefixtures("files_replace_their_value")
 
 
 class Units:
