@@ -36,7 +36,13 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from conftest import CGROUP_ROOT, enable_controllers, new_sandbox_path, remove_cgroup_tree
+from conftest import (
+    CGROUP_ROOT,
+    REQUIRED_CONTROLLERS,
+    enable_controllers,
+    new_sandbox_path,
+    remove_cgroup_tree,
+)
 
 HOST_UNIT_DIR = Path("/usr/lib/systemd/system")
 # The host's units this systemd may load (Debian 12 paths; `systemd` and `dbus` packages).
@@ -306,7 +312,11 @@ def boot(boot_units: Mapping[str, str] | None = None) -> SystemdHost:
     them): for tests of the harness itself.
     """
     t0 = time.monotonic()
-    enable_controllers(CGROUP_ROOT)
+    # pids too, as a host's systemd has it: podman under this systemd asks crun for its pids
+    # limit, and without pids enabled at the root (a cgroupfs runtime's start enables it there
+    # as a side effect) `podman run` fails, "the requested cgroup controller `pids` is not
+    # available" (the nightly tier, where no cgroupfs podman ran first)
+    enable_controllers(CGROUP_ROOT, (*REQUIRED_CONTROLLERS, "pids"))
     cgroup = new_sandbox_path()
     ctl = Path(tempfile.mkdtemp(prefix="nodeagent-systemd-"))
     units = ctl / "units"
