@@ -117,6 +117,11 @@ class Job:
             cpus=self.cpus,
             exec_job=True,
             cpuset=self.pinned_cpus,
+            declared=(
+                f"uid {self.uid} through nodeagent exec"
+                if self.uid != 0 and self.deadline is not None
+                else None
+            ),
         )
 
     def to_json(self) -> dict[str, Any]:
