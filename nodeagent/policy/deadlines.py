@@ -419,8 +419,8 @@ def _grant_note(path: str, a: Assignment, grant: DeadlineGrant) -> Note:
         " defended: while it stalls short of its floor the protection controller throttles"
         " and freezes nobody for it, and its caps do not spare that floor"
         if grant is DeadlineGrant.SCHEDULED
-        else f"its deadline, declared by {a.declared}, is not planned: {setting} (since it was"
-        " declared); fair share plans it as any workload"
+        else f"its deadline, declared by {a.declared}, is not planned: {setting} (a reload set"
+        " it so after the deadline was taken); fair share plans it as any workload"
     )
     fields = {"declared_by": a.declared, "grant": str(grant)}
     return Note(path, Deadlines.name, "deadline-grant", str(grant), message, fields)
