@@ -7,6 +7,12 @@ either. Root may use every tenant and class. Everyone else may use `jobs.default
 with `jobs.default_class`, and any pair that one `jobs.access` entry naming them (by user
 or group) lists both. `refusal` is the one rule, for /v1/jobs and the GPU routes alike;
 `caller` resolves the names it compares (NSS), once per request.
+
+A deadline is granted through the class: its floor takes CPU ahead of every tenant's
+share, and a defended one has the protection controller throttle and freeze lower classes,
+so a caller other than root may declare one (`exec --deadline`, a GPU request's) only in a
+class whose `declared_deadlines` is `scheduled` or `defended` (`check_deadline`); who may
+use that class is `jobs.access`'s to say, as above.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from dataclasses import dataclass
 
 from nodeagent.api.peer import Peer
 from nodeagent.errors import BadRequest, Forbidden
-from nodeagent.policyfile.model import ANY, AccessEntry, PolicySpec, WorkloadClass
+from nodeagent.policyfile.model import ANY, AccessEntry, DeadlineGrant, PolicySpec, WorkloadClass
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,3 +100,18 @@ def tenant_and_class(
     if why is not None:
         raise Forbidden(why)
     return tenant, cls
+
+
+def check_deadline(spec: PolicySpec, peer: Peer, cls: WorkloadClass) -> None:
+    """Refuse (403) a deadline `peer` declares in class `cls` where the policy grants none:
+    root's is the operator's word; anyone else's gets what `classes.<cls>.declared_deadlines`
+    says, and `refused` (the default) refuses it."""
+    if peer.uid == 0 or spec.classes[cls].declared_deadlines is not DeadlineGrant.REFUSED:
+        return
+    who = caller(peer)
+    name = f"uid {who.uid}" + (f" ({who.user})" if who.user else "")
+    raise Forbidden(
+        f"{name} may not declare a deadline in class {cls}: classes.{cls}.declared_deadlines"
+        " is refused (a deadline's floor takes CPU ahead of every tenant's share); only root,"
+        " and classes whose declared_deadlines is scheduled or defended"
+    )

@@ -14,10 +14,12 @@ it is pinned to) and written by the executor, audited and recorded as every writ
 the `write_limits` the daemon gives; every tick's plan then holds them too.
 
 A job is managed whether or not a rule matches its path: its tenant, class, deadline,
-work and limits come from the request. Its record and cgroup go away when the cgroup
-empties (the CLI says so when the command exits; the loop also sees cgroup.events
-'populated 0'). Records are kept in the state file, so a restarted daemon keeps managing
-the jobs that still run.
+work and limits come from the request. A deadline from a caller other than root is that
+caller's word: taken only in a class whose `declared_deadlines` grants it, and marked as
+declared (`Assignment.declared`), so that the policies defend it only where that says so.
+Its record and cgroup go away when the cgroup empties (the CLI says so when the command
+exits; the loop also sees cgroup.events 'populated 0'). Records are kept in the state
+file, so a restarted daemon keeps managing the jobs that still run.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Annotated, Any, Protocol
 import structlog
 from pydantic import Field, ValidationError
 
-from nodeagent.access import tenant_and_class
+from nodeagent.access import check_deadline, tenant_and_class
 from nodeagent.api.bodies import (
     MIN_MEMORY,
     Body,
@@ -117,6 +119,11 @@ class Job:
             cpus=self.cpus,
             exec_job=True,
             cpuset=self.pinned_cpus,
+            declared=(
+                f"uid {self.uid} through nodeagent exec"
+                if self.uid != 0 and self.deadline is not None
+                else None
+            ),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -322,6 +329,8 @@ class Jobs:
         if (deadline is None) != (work is None):
             raise BadRequest("a deadline needs the work it is for, and work needs a deadline")
         check_future(deadline, now)
+        if deadline is not None:
+            check_deadline(spec, peer, cls)
         pid = body.pid
         refused = Forbidden(
             f"process {pid} is not a child of the calling process {peer.pid} (uid {peer.uid})"

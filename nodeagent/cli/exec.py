@@ -222,7 +222,8 @@ The job shows in `nodeagent allocations` and `nodeagent explain NAME`.""",
     "--deadline",
     metavar="WHEN",
     help="When the work must be done: ISO 8601 (2026-12-01T18:00:00Z; no offset means local"
-    " time) or relative (+90s, +2h). Needs --work.",
+    " time) or relative (+90s, +2h). Needs --work. From a user other than root, taken"
+    " only in a class whose declared_deadlines is scheduled or defended.",
 )
 @click.option(
     "--work",
@@ -269,11 +270,14 @@ def exec_cmd(
 
     CMD is in that cgroup, under its limits, before its first instruction; the job is
     managed whether or not a rule matches it. A job with --deadline and --work gets the CPU
-    rate it needs to finish in time (EDF), or is reported as predicted to miss. Signals
+    rate it needs to finish in time (EDF), or is reported as predicted to miss; for a
+    caller other than root, only in a class whose classes.<c>.declared_deadlines in the
+    policy is scheduled or defended (only a defended one has lower classes throttled for
+    it): refused by default. Signals
     (INT, TERM, HUP, QUIT, USR1, USR2) are passed to CMD, and this command exits with CMD's
     exit status (128+N when CMD is killed by signal N). The job and its cgroup go away when
     the cgroup empties. Nothing is started when the daemon refuses the job (unknown tenant
-    or class, a name that is taken, a deadline in the past, ...).
+    or class, a name that is taken, a deadline in the past or not granted, ...).
     """
     from nodeagent.api import client
     from nodeagent.api.answers import StartedJob

@@ -31,7 +31,7 @@ from typing import Protocol
 from nodeagent.cgroupfs.values import Attribute, Value, is_looser
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.ownership import WriteMode
-from nodeagent.policyfile.model import Limits, PolicySpec, WorkloadClass
+from nodeagent.policyfile.model import DeadlineGrant, Limits, PolicySpec, WorkloadClass
 from nodeagent.snapshot import NO_NEEDS, Needs, NodeSnapshot, WorkloadState
 
 
@@ -61,6 +61,20 @@ class Assignment:
     cpuset: tuple[int, ...] = ()
     """The CPUs it is pinned to (cpuset.cpus), sorted; none: its parent's. A job's GPUs'
     CPUs, with gpu.pin_cpus where its cgroup has the cpuset controller."""
+    declared: str | None = None
+    """Who declared its deadline, where that is the workload's side and not the operator:
+    "uid 1000 through nodeagent exec", "its annotations". None: the policy file's own
+    deadline, or root's, or no deadline."""
+
+    def deadline_grant(self, spec: PolicySpec) -> DeadlineGrant | None:
+        """What its deadline gets: None without one; defended where it is the operator's
+        word; else what its class's `declared_deadlines` says, now (a reload applies to
+        the jobs that run)."""
+        if self.deadline is None or self.work is None:
+            return None
+        if self.declared is None:
+            return DeadlineGrant.DEFENDED
+        return spec.classes[self.workload_class].declared_deadlines
 
 
 def describe(
@@ -147,6 +161,10 @@ class Floor:
     reason: str
     trace: tuple[str, ...] = ()
     exclusive: bool = False
+    defended: bool = True
+    """The protection controller defends it (throttles and freezes lower classes while the
+    workload stalls short of it, and caps it no lower). False: a deadline the workload
+    declared itself, which the policy schedules but does not defend."""
 
 
 @dataclass(frozen=True, slots=True)

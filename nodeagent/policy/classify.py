@@ -5,7 +5,9 @@ sensed and frozen before this pure code runs). A rule may take the tenant or the
 label or annotation, but only among the values it allows (in Kubernetes mode: the values
 the pod's namespace allows, see nodeagent.kube.owners); anything else falls back to the
 rule's own (or the namespace's) and is reported (`Assignment.refused`), so a pod cannot
-promote itself.
+promote itself. A deadline from annotations (`deadline_from_annotations`) is the pod's
+word too: taken only where its class's `declared_deadlines` is not `refused`, and marked
+as declared (`Assignment.declared`), so that it is defended only where that says so.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ from nodeagent.kube.pods import PodDirectory
 from nodeagent.meta import ContainerMeta
 from nodeagent.policy.base import Assignment
 from nodeagent.policyfile.matching import match_terms, matches, show
-from nodeagent.policyfile.model import MetaSource, PolicySpec, Rule, WorkloadClass
+from nodeagent.policyfile.model import (
+    DeadlineGrant,
+    MetaSource,
+    PolicySpec,
+    Rule,
+    WorkloadClass,
+)
 from nodeagent.policyfile.units import parse_duration
 from nodeagent.policyfile.when import parse_instant
 
@@ -106,9 +114,21 @@ def _assignment(
                 f"{where}={show(value)!r} is not a class rule {rule.name} may give"
                 f" ({', '.join(choices)}): class {rule.workload_class}, the rule's own"
             )
-    deadline, work = rule.deadline, rule.work
+    deadline, work, declared = rule.deadline, rule.work, None
     if rule.deadline_from_annotations and deadline is None:
-        deadline, work = _annotated_deadline(w.meta, matched, refused)
+        deadline, work = _annotated_deadline(w.meta, refused)
+        grant = spec.classes[cls].declared_deadlines
+        if deadline is not None and grant is DeadlineGrant.REFUSED:  # the pod's word only
+            refused.append(
+                f"annotations {DEADLINE_ANNOTATION}/{WORK_ANNOTATION}: class {cls} takes no"
+                f" deadline a workload declares (classes.{cls}.declared_deadlines: refused):"
+                " no deadline"
+            )
+            deadline = work = None
+        elif deadline is not None:
+            when = _annotation(w.meta, DEADLINE_ANNOTATION)
+            matched.append(f"deadline from annotations {DEADLINE_ANNOTATION}={show(when or '')}")
+            declared = "its annotations"
     return Assignment(
         rule.name,
         tenant,
@@ -118,11 +138,12 @@ def _assignment(
         work=work,
         matched=tuple(matched),
         refused=tuple(refused),
+        declared=declared,
     )
 
 
 def _annotated_deadline(
-    meta: ContainerMeta | None, matched: list[str], refused: list[str]
+    meta: ContainerMeta | None, refused: list[str]
 ) -> tuple[float | None, float | None]:
     when, work = _annotation(meta, DEADLINE_ANNOTATION), _annotation(meta, WORK_ANNOTATION)
     if when is None and work is None:
@@ -139,7 +160,6 @@ def _annotated_deadline(
     except (ValueError, TypeError) as e:
         refused.append(f"annotations {DEADLINE_ANNOTATION}/{WORK_ANNOTATION}: {e}: no deadline")
         return None, None
-    matched.append(f"deadline from annotations {DEADLINE_ANNOTATION}={show(when)}")
     return deadline, cpu
 
 

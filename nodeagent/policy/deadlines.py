@@ -34,6 +34,15 @@ due now, the most late first. A job past its declared work is planned as if one 
 at full speed were left, until its deadline; then it falls back to fair share. Re-planned
 every tick from what was measured, so a job that runs faster or slower than declared is
 followed.
+
+Whose deadline: a rule's own, or root's through `nodeagent exec`, is the operator's word, and
+its floor is defended (the protection controller throttles and freezes lower classes while
+the job stalls short of it). One the workload's side declared (another caller's `exec
+--deadline`, a pod's annotations: `Assignment.declared`) gets what its class's
+`declared_deadlines` says: `defended` as above; `scheduled`, planned here the same but its
+floor not defended (`Floor.defended`); `refused`, not planned (refused where it was
+declared; one left from before a reload is noted and left to fair share). A note of kind
+`deadline-grant` says why, on every job whose deadline is not defended.
 """
 
 from __future__ import annotations
@@ -55,7 +64,7 @@ from nodeagent.policy.base import (
 from nodeagent.policy.cpu import Capacity, capacity, idle_cores
 from nodeagent.policy.edf import Demand, admit, allot_late, rank
 from nodeagent.policy.fairshare import is_active
-from nodeagent.policyfile.model import PolicySpec
+from nodeagent.policyfile.model import DeadlineGrant, PolicySpec
 from nodeagent.snapshot import NO_NEEDS, Needs, WorkloadState
 
 SHORT = 0.95
@@ -107,6 +116,8 @@ class _Job:
     """Cores it can use: its threads (`width`) at `thread_speed`."""
     width: float
     """Its threads, declared CPUs or the node's CPUs, the fewest."""
+    defended: bool = True
+    """Its floor is defended by protection (`DeadlineGrant.DEFENDED`)."""
 
 
 class Deadlines(Policy):
@@ -115,7 +126,7 @@ class Deadlines(Policy):
     def needs(self, assignment: Assignment, spec: PolicySpec) -> Needs:
         """A deadline job's processes and threads, every tick: one that starts or ends is
         seen at once (not at its next full read), and it gets no more CPUs than threads."""
-        if assignment.deadline is None:
+        if assignment.deadline_grant(spec) in (None, DeadlineGrant.REFUSED):
             return NO_NEEDS
         return Needs(events=True, threads=True)
 
@@ -187,7 +198,11 @@ class Deadlines(Policy):
         for d in missed:
             due = d in overdue
             if parts[d.name] > 0:
-                out.append(self._late_floor(d, parts[d.name], due, late, order=order, cap=cap))
+                out.append(
+                    self._late_floor(
+                        d, jobs[d.name], parts[d.name], due, late, order=order, cap=cap
+                    )
+                )
             if not due and d.name not in noted:
                 out.append(
                     self._note(
@@ -239,14 +254,21 @@ class Deadlines(Policy):
         jobs: dict[str, _Job] = {}
         for w in given.snapshot.workloads:
             a = given.assignments.get(w.path)
-            if a is None or a.deadline is None or a.work is None:
+            grant = None if a is None else a.deadline_grant(given.spec)
+            if a is None or grant is None or a.deadline is None or a.work is None:
                 continue
+            if grant is not DeadlineGrant.DEFENDED:
+                out.append(_grant_note(w.path, a, grant))
+            if grant is DeadlineGrant.REFUSED:
+                continue  # declared before a reload refused it: fair share plans it
             if w.sample.cpu_usage_us is None:
                 continue  # no cpu.stat: nothing to measure progress with
             remaining = a.work - w.sample.cpu_usage_us / 1e6
             window = a.deadline - now
             width = parallelism(w, a, cpus)
-            job = jobs[w.path] = _Job(w, a, remaining, window, width * speed, width)
+            job = jobs[w.path] = _Job(
+                w, a, remaining, window, width * speed, width, grant is DeadlineGrant.DEFENDED
+            )
             priority = given.spec.classes[a.workload_class].priority
             if remaining <= 0:
                 out.append(self._note(job, "overrun" if w.sample.populated else "done", None, now))
@@ -308,11 +330,13 @@ class Deadlines(Policy):
             f" floor {cores:.2f} cores",
             tuple(trace),
             exclusive=True,
+            defended=job.defended,
         )
 
     def _late_floor(
         self,
         d: Demand,
+        job: _Job,
         part: float,
         due: bool,
         late: float | None,
@@ -337,6 +361,7 @@ class Deadlines(Policy):
                 else "given what the admitted jobs leave: even late, the set does not fit",
             ),
             exclusive=True,
+            defended=job.defended,
         )
 
     def _note(
@@ -384,6 +409,21 @@ class Deadlines(Policy):
                 "capacity_source": cap.source,
             }
         return Note(w.path, self.name, "deadline", status, message, fields)
+
+
+def _grant_note(path: str, a: Assignment, grant: DeadlineGrant) -> Note:
+    """Why a deadline the workload's side declared is not defended (or not planned)."""
+    setting = f"classes.{a.workload_class}.declared_deadlines is {grant}"
+    message = (
+        f"its deadline was declared by {a.declared} and {setting}: planned by EDF, but not"
+        " defended: while it stalls short of its floor the protection controller throttles"
+        " and freezes nobody for it, and its caps do not spare that floor"
+        if grant is DeadlineGrant.SCHEDULED
+        else f"its deadline, declared by {a.declared}, is not planned: {setting} (a reload set"
+        " it so after the deadline was taken); fair share plans it as any workload"
+    )
+    fields = {"declared_by": a.declared, "grant": str(grant)}
+    return Note(path, Deadlines.name, "deadline-grant", str(grant), message, fields)
 
 
 def _reserves(

@@ -2,7 +2,10 @@
 in steps, then frozen; they are released gradually when the pressure is gone.
 
 Protected cgroups are those of a class with `protect: true` (inference), and those with
-a floor (a deadline's rate, a reservation) that get less CPU than the floor. A protected
+a defended floor (a reservation, a deadline's rate where the policy grants it: a rule's own
+deadline, root's, or one declared in a class whose `declared_deadlines` is `defended`) that
+get less CPU than the floor; a floor on a caller's word alone (`Floor.defended` false)
+neither makes the controller act nor spares its cgroup a cap. A protected
 cgroup stalls when the share of time some of its tasks waited for a CPU (PSI 'some': the
 last tick's delta of its total, or avg10 before there is one) exceeds
 `protection.cpu_pressure`. The classes of lower priority than the highest stalling one
@@ -51,7 +54,7 @@ from nodeagent.policy.base import (
 from nodeagent.policy.classify import outer_claims
 from nodeagent.policy.cpu import usable
 from nodeagent.policy.fairshare import is_active
-from nodeagent.policyfile.model import MAX, PolicySpec, WorkloadClass
+from nodeagent.policyfile.model import MAX, DeadlineGrant, PolicySpec, WorkloadClass
 from nodeagent.snapshot import NO_NEEDS, Needs, WorkloadState
 
 
@@ -119,7 +122,8 @@ class _Node:
         self.given = given
         self.spec = given.spec
         self.settings = given.spec.protection
-        self.floors: dict[str, Floor] = given.floors()
+        self.floors: dict[str, Floor] = _defended(given)
+        """The largest defended floor of each cgroup that has one."""
         self.classes = {p: a.workload_class for p, a in given.assignments.items()}
         self.outer = outer_claims(given.assignments)
         """Claimed cgroups with claims below them: capped and frozen through those."""
@@ -185,6 +189,19 @@ class _Node:
         ]
 
 
+def _defended(given: PolicyInput) -> dict[str, Floor]:
+    """The largest floor each workload got that the policy grants defence to."""
+    out: dict[str, Floor] = {}
+    for o in given.earlier:
+        if (
+            isinstance(o, Floor)
+            and o.defended
+            and (o.path not in out or o.cores > out[o.path].cores)
+        ):
+            out[o.path] = o
+    return out
+
+
 def _who(stalling: Mapping[str, float]) -> str:
     return ", ".join(f"{p} ({s:.0%})" for p, s in sorted(stalling.items()))
 
@@ -194,9 +211,10 @@ class Protection(Policy):
 
     def needs(self, assignment: Assignment, spec: PolicySpec) -> Needs:
         """cpu.pressure, every tick, of the cgroups it watches: a protected class's, and
-        those with a floor (a deadline's rate, a class reservation)."""
+        those with a defended floor (a class reservation, a deadline the policy defends)."""
         cls = spec.classes[assignment.workload_class]
-        watched = cls.protect or cls.reserved_cpu is not None or assignment.deadline is not None
+        defended = assignment.deadline_grant(spec) is DeadlineGrant.DEFENDED
+        watched = cls.protect or cls.reserved_cpu is not None or defended
         return Needs(pressure=True) if watched else NO_NEEDS
 
     def stale(self, carried: Mapping[str, object], assignments: Mapping[str, Assignment]) -> bool:

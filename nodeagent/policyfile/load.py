@@ -25,7 +25,17 @@ from nodeagent.cgroupfs.values import QUOTA_MAX_US, QUOTA_MIN_US
 from nodeagent.errors import UnsafePath
 from nodeagent.identity import Owner, Runtime
 from nodeagent.policyfile.glob import glob_matches
-from nodeagent.policyfile.model import ANY, MAX, AgentMode, Limits, Match, PolicySpec, Rule
+from nodeagent.policyfile.model import (
+    ANY,
+    MAX,
+    AgentMode,
+    DeadlineGrant,
+    Limits,
+    Match,
+    PolicySpec,
+    Rule,
+    WorkloadClass,
+)
 from nodeagent.policyfile.nesting import nesting_warnings
 from nodeagent.policyfile.yamlfile import (
     MAX_SHOWN,
@@ -539,6 +549,19 @@ def _warnings(spec: PolicySpec, where: Locator, filename: str) -> tuple[Problem,
                     " accounts in lower case (sbatch --account=A runs under 'a');"
                     f" write {account.lower()!r}",
                 )
+    for j, rule in enumerate(rules):
+        with _SKIP_BROKEN:
+            may = _classes_given(rule)
+            refused = all(spec.classes[c].declared_deadlines is DeadlineGrant.REFUSED for c in may)
+            if rule.deadline_from_annotations and rule.deadline is None and refused:
+                names = ", ".join(str(c) for c in may)
+                warn(
+                    ("rules", j, "deadline_from_annotations"),
+                    f"rules[{j}]: annotations never give a deadline: every class the rule"
+                    f" may give ({names}) refuses a deadline a workload declares"
+                    " (classes.<class>.declared_deadlines, refused by default); set it to"
+                    " scheduled or defended for the class these deadlines are for",
+                )
     for j, later in enumerate(rules):
         for i, earlier in enumerate(rules[:j]):
             with _SKIP_BROKEN:
@@ -555,6 +578,15 @@ def _warnings(spec: PolicySpec, where: Locator, filename: str) -> tuple[Problem,
 
 
 _GLOB_SPECIAL = re.compile(r"[*?\[\]]")
+
+
+def _classes_given(rule: Rule) -> list[WorkloadClass]:
+    """The classes a rule may give: its own and its class_from's `allowed` (in Kubernetes
+    mode, any: a namespace's entry names its default and what its pods may claim)."""
+    if rule.class_from is not None and rule.class_from.kubernetes:
+        return list(WorkloadClass)
+    allowed = rule.class_from.allowed if rule.class_from is not None else ()
+    return [c for c in WorkloadClass if c == rule.workload_class or c in allowed]
 
 
 def _unset(match: Match) -> bool:

@@ -445,6 +445,18 @@ class MemoryProtection(enum.StrEnum):
     NONE = "none"
 
 
+class DeadlineGrant(enum.StrEnum):
+    """What a deadline a workload declares itself gets (`classes.<c>.declared_deadlines`)."""
+
+    DEFENDED = "defended"
+    """Planned by EDF, and defended: short of its floor and stalling, it has the protection
+    controller throttle, then freeze, lower classes (as a deadline the policy file gives)."""
+    SCHEDULED = "scheduled"
+    """Planned by EDF (a floor that raises its weight), never defended by protection."""
+    REFUSED = "refused"
+    """Not taken: `exec --deadline` is refused (403), annotations give no deadline."""
+
+
 class ClassSettings(_Strict):
     """How the policies treat one class of work."""
 
@@ -465,6 +477,15 @@ class ClassSettings(_Strict):
     """How memory_request is protected from reclaim: memory.min, memory.low or not at all."""
     memory_throttle_factor: Number = Field(0.9, ge=0, le=1)
     """memory.high = request + factor x (limit - request), as the kubelet's MemoryQoS."""
+    declared_deadlines: Annotated[DeadlineGrant, BeforeValidator(_not_bytes)] = (
+        DeadlineGrant.REFUSED
+    )
+    """What a deadline declared by the workload's side gets in this class: by a caller
+    other than root (`nodeagent exec --deadline`), or by its annotations
+    (`deadline_from_annotations`). A deadline is a claim on CPU ahead of every tenant's
+    share, and a defended one throttles and freezes lower classes, so the caller's word
+    alone gets nothing: refused unless the operator says `scheduled` or `defended`. A
+    rule's own `deadline` and root's are the operator's word: always defended."""
 
 
 _CLASS_DEFAULTS: dict[WorkloadClass, dict[str, object]] = {

@@ -12,7 +12,7 @@ from typing import Annotated
 
 from pydantic import BeforeValidator, Field
 
-from nodeagent.access import tenant_and_class
+from nodeagent.access import check_deadline, tenant_and_class
 from nodeagent.api import answers
 from nodeagent.api.bodies import (
     MAX_TTL,
@@ -160,6 +160,8 @@ class GpuRoutes:
         tenant, cls = tenant_and_class(spec, request.peer, body.tenant, body.workload_class)
         wall = time.time()
         check_future(body.deadline, wall)
+        if body.deadline is not None:  # it orders the queue: granted as a job's is
+            check_deadline(spec, request.peer, cls)
         due = None if body.deadline is None else body.deadline - wall
         answer = self._gpus.ledger.ask(
             body.name,

@@ -295,7 +295,9 @@ def test_a_cri_pod_takes_its_class_from_an_allowed_annotation_and_not_a_disallow
         "deadline_from_annotations": True,
     }  # fmt: skip
     tenants = {**TENANTS, "big": {"shares": 100}}
-    agent = make_agent(r, tmp_path, managed, [rule], tenants=tenants)
+    # a pod's declared deadline is taken only where its class takes one (issue 34 item 9)
+    classes = {"inference": {"declared_deadlines": "scheduled"}}
+    agent = make_agent(r, tmp_path, managed, [rule], tenants=tenants, classes=classes)
     with structlog.testing.capture_logs() as logs:
         record = ticks_until(
             agent, lambda rec: rel(r, c.cgroup) in rec.assignments, what="its claim"
@@ -310,6 +312,7 @@ def test_a_cri_pod_takes_its_class_from_an_allowed_annotation_and_not_a_disallow
     )
     assert "class from pod annotation nodeagent.io/class=inference" in a.matched
     assert a.deadline == pytest.approx(soon.replace(microsecond=0).timestamp()) and a.work == 60
+    assert a.declared == "its annotations"
     said = [e for e in logs if e["event"] == "rule.value_refused"]
     assert len(said) == 1 and said[0]["cgroup"] == rel(r, c.cgroup), said
     row = next(x for x in allocations(record)["allocations"] if x["cgroup"] == rel(r, c.cgroup))

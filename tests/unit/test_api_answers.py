@@ -60,7 +60,7 @@ def served(d: Daemon, model: type[BaseModel], method: str, path: str, peer: Peer
 
 
 def test_every_route_answers_its_model(tmp_path: Path) -> None:
-    d = daemon(tmp_path)
+    d = daemon(tmp_path, {"classes": {"batch": {"declared_deadlines": "scheduled"}}})
     status = served(d, answers.Status, "GET", "/v1/status", ROOT)
     assert status.tick == 1 and status.workloads == 0
     granted = served(d, answers.GpuGrant, "POST", "/v1/gpus/requests",

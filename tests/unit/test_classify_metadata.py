@@ -43,12 +43,13 @@ def pod_container(
     )  # fmt: skip
 
 
-def spec(*rules: dict[str, Any]) -> PolicySpec:
+def spec(*rules: dict[str, Any], classes: dict[str, Any] | None = None) -> PolicySpec:
     return PolicySpec.model_validate(
         {
             "version": 1,
             "tenants": {"team-a": {"shares": 2}, "team-b": {"shares": 1}, "big": {"shares": 9}},
             "rules": list(rules),
+            "classes": classes or {},
         }
     )
 
@@ -159,19 +160,25 @@ def test_tenant_and_class_from_labels_only_among_the_allowed() -> None:
 
 
 def test_a_deadline_from_annotations() -> None:
-    policy = spec(rule({"namespace": "*"}, deadline_from_annotations=True))
+    scheduled = {"batch": {"declared_deadlines": "scheduled"}}
+    policy = spec(rule({"namespace": "*"}, deadline_from_annotations=True), classes=scheduled)
     notes = {"nodeagent.io/deadline": "2030-01-01T00:00:00Z", "nodeagent.io/work": "2h"}
     w = pod_container(annotations=notes)
     a = assign([w], policy)[w.path]
-    assert (a.deadline, a.work) == (1893456000.0, 7200.0)
+    assert (a.deadline, a.work, a.declared) == (1893456000.0, 7200.0, "its annotations")
+    assert "deadline from annotations nodeagent.io/deadline=2030-01-01T00:00:00Z" in a.matched
     half = pod_container(annotations={"nodeagent.io/work": "2h"})
     a = assign([half], policy)[half.path]
     assert a.deadline is None and "nodeagent.io/deadline is missing" in a.refused[0]
     wrong = pod_container(annotations={**notes, "nodeagent.io/deadline": "tomorrow"})
     a = assign([wrong], policy)[wrong.path]
     assert a.deadline is None and "no deadline" in a.refused[0]
-    off = spec(rule({"namespace": "*"}))
+    off = spec(rule({"namespace": "*"}), classes=scheduled)
     assert assign([w], off)[w.path].deadline is None, "only where the rule says so"
+    refused = assign([w], spec(rule({"namespace": "*"}, deadline_from_annotations=True)))
+    assert refused[w.path].deadline is None, "nor where the class refuses it (the default)"
+    assert "classes.batch.declared_deadlines: refused" in refused[w.path].refused[0]
+    assert not any("deadline" in m for m in refused[w.path].matched)
 
 
 def test_a_namespace_rule_without_kind_warns_of_nesting() -> None:

@@ -334,3 +334,32 @@ def test_an_ask_does_not_place_the_whole_queue_again(d: Daemon, monkeypatch: Any
     d.agent.tick()
     assert [h for h in d.holds() if h[1] == "request"] == [("w0", "request"), ("w1", "request")]
     assert len(calls) <= 3, "one pass, each shape placed once per grant"
+
+
+# --- issue 34 item 9: whose deadline --------------------------------------------------------
+
+
+def test_a_members_deadline_is_refused_where_its_class_takes_none(d: Daemon) -> None:
+    """`exec --deadline +1m --work <large>` by any member gave its job a floor that the
+    protection controller defended by throttling and freezing lower classes. A deadline is
+    granted by class (`classes.<c>.declared_deadlines`, refused by default), for the job and
+    for the GPU request that orders the queue by it alike; root's is the operator's word."""
+    due = {"deadline": time.time() + 60, "work": 1000}
+    e = d.refused(ALICE, "POST", "/v1/jobs", {"name": "x", "pid": d.child(ALICE), **due})
+    assert isinstance(e, Forbidden), e
+    assert str(e).startswith("uid 1000") and "may not declare a deadline in class batch" in str(e)
+    e = d.refused(ALICE, "POST", "/v1/gpus/requests", {"name": "x", "count": 1, **due})
+    assert isinstance(e, Forbidden) and "classes.batch.declared_deadlines is refused" in str(e)
+    assert d.jobs() == [] and d.holds() == []
+    d.start(ALICE, "plain")  # without a deadline, as before
+    d.start(ROOT, "root", **due)
+    assert d.jobs() == ["plain", "root"]
+
+
+def test_a_class_that_schedules_declared_deadlines_takes_a_members(tmp_path: Path) -> None:
+    d = daemon(tmp_path, {"classes": {"batch": {"declared_deadlines": "scheduled"}}})
+    due = {"deadline": time.time() + 60, "work": 1000}
+    grant = d.ask(ALICE, "x", **due)
+    d.start(ALICE, "x", gpu_request=grant["id"], **due)
+    (job,) = d.agent.jobs.running()
+    assert job.assignment().declared == "uid 1000 through nodeagent exec"

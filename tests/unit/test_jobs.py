@@ -22,7 +22,11 @@ SPEC = PolicySpec.model_validate(
     {
         "version": 1,
         "tenants": {"research": {"shares": 1}, "prod": {"shares": 1}},
-        "jobs": {"default_tenant": "research"},
+        "jobs": {
+            "default_tenant": "research",
+            "access": [{"users": [1000], "tenants": ["research"], "classes": ["training"]}],
+        },
+        "classes": {"training": {"declared_deadlines": "scheduled"}},
     }
 )
 NOW = 1_800_000_000.0
@@ -128,8 +132,36 @@ def test_unsafe_names(name: str) -> None:
 
 
 def test_records_round_trip_through_json(jobs: Jobs) -> None:
-    job = check(jobs, deadline=NOW + 60, work=30, cpus=2, memory=1 << 30)
+    job = check(jobs, deadline=NOW + 60, work=30, cpus=2, memory=1 << 30, **{"class": "training"})
     assert Job.from_json(job.to_json()) == job
+
+
+def test_a_members_deadline_is_taken_only_where_its_class_takes_declared_ones(jobs: Jobs) -> None:
+    """Issue 34 item 9: a deadline is a claim on CPU ahead of every tenant's share, and a
+    defended one throttles and freezes lower classes: a caller's word alone gets nothing.
+    Refused in batch (`declared_deadlines` defaults to refused); taken in training, which
+    jobs.access lets uid 1000 use and whose deadlines the policy schedules, and marked as the
+    caller's."""
+    with pytest.raises(Forbidden) as info:
+        check(jobs, deadline=NOW + 60, work=1000)
+    assert str(info.value).startswith("uid 1000")
+    assert (
+        "may not declare a deadline in class batch: classes.batch.declared_deadlines is refused"
+        in str(info.value)
+    )
+    assert "\n" not in str(info.value) and len(str(info.value)) < 400
+    job = check(jobs, deadline=NOW + 60, work=1000, **{"class": "training"})
+    assert job.assignment().declared == "uid 1000 through nodeagent exec"
+    assert check(jobs, **{"class": "training"}).assignment().declared is None, "no deadline"
+
+
+def test_roots_deadline_is_the_operators_word(jobs: Jobs) -> None:
+    root = Peer(pid=4000, uid=0, gid=0, groups=frozenset())
+    request = parse(StartBody, {"name": "j", "pid": 4003, "deadline": NOW + 60, "work": 1000})
+    job, process = jobs._check(request, root, SPEC, NOW)
+    process.close()
+    assert job.workload_class is WorkloadClass.BATCH and job.deadline == NOW + 60
+    assert job.assignment().declared is None, "defended, as a rule's own deadline"
 
 
 class EndsDuringTheMove:

@@ -151,10 +151,10 @@ def cri_container(namespace: str, annotations: dict[str, str]) -> WorkloadIdenti
 
 def test_cri_pods_get_their_tenant_from_the_namespace_and_class_and_deadline_from_annotations(
 ) -> None:  # fmt: skip
-    spec = PolicySpec.model_validate({"version": 1, **RULES})
-    w = cri_container("research-nlp", {"nodeagent.io/class": "training",
-                                       "nodeagent.io/deadline": "2026-12-01T18:00:00Z",
-                                       "nodeagent.io/work": "2h"})  # fmt: skip
+    classes = {"training": {"declared_deadlines": "scheduled"}}
+    spec = PolicySpec.model_validate({"version": 1, **RULES, "classes": classes})
+    due = {"nodeagent.io/deadline": "2026-12-01T18:00:00Z", "nodeagent.io/work": "2h"}
+    w = cri_container("research-nlp", {"nodeagent.io/class": "training", **due})
     (a,) = assign([w], spec).values()
     assert (a.tenant, a.workload_class, a.deadline, a.work, a.refused) == (
         "research",
@@ -162,6 +162,16 @@ def test_cri_pods_get_their_tenant_from_the_namespace_and_class_and_deadline_fro
         1796148000.0,
         7200.0,
         (),
+    )
+    assert a.declared == "its annotations", "the pod's word, not the operator's"
+    # issue 34 item 9: batch takes no deadline a pod declares (the default)
+    (b,) = assign([cri_container("research-nlp", due)], spec).values()
+    assert (b.workload_class, b.deadline, b.work, b.declared) == (
+        WorkloadClass.BATCH, None, None, None
+    )  # fmt: skip
+    assert b.refused == (
+        "annotations nodeagent.io/deadline/nodeagent.io/work: class batch takes no deadline a"
+        " workload declares (classes.batch.declared_deadlines: refused): no deadline",
     )
 
 

@@ -13,7 +13,7 @@ from nodeagent.cgroupfs.values import Attribute, CpuMax, Frozen
 from nodeagent.policy.base import Assignment
 from nodeagent.policy.plan import Plan, make_plan
 from nodeagent.policy.protection import Protection
-from nodeagent.policyfile.model import PolicySpec, WorkloadClass
+from nodeagent.policyfile.model import DeadlineGrant, PolicySpec, WorkloadClass
 from nodeagent.snapshot import CgroupSample, WorkloadState
 
 INFER, BATCH, TRAIN = "nodeagent.slice/infer", "nodeagent.slice/batch", "nodeagent.slice/train"
@@ -223,3 +223,121 @@ def test_a_pod_claimed_with_its_containers_is_capped_through_them() -> None:
     plan = make_plan(snap, POLICY, {}, [Protection()], assignments=assigned, carried={})
     assert cap(plan, pod.path) is None
     assert [cap(plan, c.path) for c in ctrs] == pytest.approx([0.5, 0.5]), "2 cores, a step down"
+
+
+DUE, BESTEFFORT, NOW = "nodeagent.slice/due", "nodeagent.slice/be", 1_700_000_000.0
+
+
+def declared(uid: int, spec: PolicySpec = POLICY, ticks: int = 12) -> list[Plan]:
+    """`nodeagent exec --class batch --deadline +60s --work 1000` by `uid`, beside a busy
+    besteffort workload, on 4 CPUs, for `ticks` ticks of the default policies: the job runs
+    one thread at 0.3 cores and stalls 40% of the time, far short of any floor."""
+    from nodeagent.jobs import Job
+
+    exec_job = Job("due", DUE, "a", WorkloadClass.BATCH, uid, 4001, NOW - 10, NOW + 60, 1000.0)
+    assigned = {
+        DUE: exec_job.assignment(),
+        BESTEFFORT: Assignment("be", "a", WorkloadClass.BESTEFFORT),
+    }
+    plans: list[Plan] = []
+    carried: Mapping[str, Mapping[str, object]] = {}
+    for n in range(ticks):
+        states = []
+        for path, rate, s, used in ((DUE, 0.3, 0.4, 3.0 + 0.3 * n), (BESTEFFORT, 3.0, 0.0, 1.0)):
+            sample = CgroupSample(populated=True, cpu_usage_us=int(used * 1e6), threads=1)
+            states.append(WorkloadState(job(path), sample, rate, 0.0, s))
+        snap = snapshot(states, wall_time=NOW + n)
+        snap = replace(snap, node=replace(snap.node, cpu_count=4))
+        plan = make_plan(snap, spec, {}, assignments=assigned, carried=carried)
+        carried = plan.carry
+        plans.append(plan)
+    return plans
+
+
+def test_a_deadline_a_member_declares_throttles_and_freezes_nobody() -> None:
+    """Issue 34 item 9: any member of the socket's group could `exec --deadline +1m --work
+    <large>`; the job, short of the floor its own declaration gave it, had the protection
+    controller throttle every lower class to its floor and then freeze it. A deadline is
+    defended only where the policy grants it; by default a caller's is not planned at all."""
+    for plan in declared(1000):
+        assert cap(plan, BESTEFFORT) is None, "throttled on a caller's word"
+        assert frozen(plan, BESTEFFORT) is None, "frozen on a caller's word"
+
+
+def granting(grant: str) -> PolicySpec:
+    batch = POLICY.classes[WorkloadClass.BATCH]
+    batch = batch.model_copy(update={"declared_deadlines": DeadlineGrant(grant)})
+    return POLICY.model_copy(update={"classes": {**POLICY.classes, WorkloadClass.BATCH: batch}})
+
+
+@pytest.mark.parametrize(
+    ("uid", "grant", "floor", "defended"),
+    [
+        (1000, "refused", False, False),
+        (1000, "scheduled", True, False),
+        (1000, "defended", True, True),
+        (0, "refused", True, True),  # root's word is the operator's
+    ],
+)
+def test_the_class_says_what_a_declared_deadline_gets(
+    uid: int, grant: str, floor: bool, defended: bool
+) -> None:
+    """`classes.<c>.declared_deadlines`: refused (the default), not planned at all;
+    scheduled, an EDF floor that protection does not defend; defended, as a rule's own
+    deadline. The note says why a declared deadline is not defended."""
+    plans = declared(uid, granting(grant))
+    first = plans[0]
+    cg = next(c for c in first.cgroups if c.path == DUE)
+    target = first.cpu_targets.get(DUE)
+    assert (target is not None and target.reason == "floor from deadlines") is floor
+    grants = [n for n in cg.notes if n.kind == "deadline-grant"]
+    if defended:
+        assert grants == []
+        assert any(cap(p, BESTEFFORT) is not None for p in plans)
+        assert frozen(plans[-1], BESTEFFORT) is True
+        return
+    (note,) = grants
+    assert note.status == grant
+    assert note.fields["declared_by"] == "uid 1000 through nodeagent exec"
+    assert f"classes.batch.declared_deadlines is {grant}" in note.message
+    assert f"deadlines: {note.message}" in cg.trace, "explain says why"
+    for plan in plans:
+        assert cap(plan, BESTEFFORT) is None and frozen(plan, BESTEFFORT) is None
+
+
+def test_a_floor_protection_does_not_defend_does_not_spare_its_job_a_cap() -> None:
+    """While inference stalls, a batch deadline job is capped with its class, but never below
+    its floor where the floor is defended; a floor on a caller's word alone spares nothing
+    (else declaring a deadline would shield a job from inference-first)."""
+    from nodeagent.jobs import Job
+
+    caps = {}
+    for grant in ("scheduled", "defended"):
+        exec_job = Job("due", DUE, "a", WorkloadClass.BATCH, 1000, 4001, NOW - 10, NOW + 60, 50.0)
+        assigned = {INFER: ASSIGNED[INFER], DUE: exec_job.assignment()}
+        states = []
+        for path, rate, s in ((INFER, 0.5, 0.4), (DUE, 1.0, 0.0)):
+            sample = CgroupSample(populated=True, cpu_usage_us=3_000_000, threads=1)
+            states.append(WorkloadState(job(path), sample, rate, 0.0, s))
+        snap = snapshot(states, wall_time=NOW)
+        snap = replace(snap, node=replace(snap.node, cpu_count=4))
+        plan = make_plan(snap, granting(grant), {}, assignments=assigned, carried={})
+        caps[grant] = cap(plan, DUE)
+        floor = plan.cpu_targets[DUE].cores
+    assert caps["defended"] == pytest.approx(floor), "raised to its defended floor"
+    assert caps["scheduled"] is not None and caps["scheduled"] < floor - 0.1
+
+
+def test_only_a_defended_deadline_has_its_pressure_read() -> None:
+    """The controller watches (reads cpu.pressure every tick of) a deadline job only where it
+    defends the deadline: a member's in a class that defends declared ones, or root's."""
+    from nodeagent.jobs import Job
+
+    def assignment(uid: int) -> Assignment:
+        return Job(
+            "due", DUE, "a", WorkloadClass.BATCH, uid, 4001, NOW, NOW + 60, 1000.0
+        ).assignment()
+
+    for grant, watched in (("refused", False), ("scheduled", False), ("defended", True)):
+        assert Protection().needs(assignment(1000), granting(grant)).pressure is watched, grant
+    assert Protection().needs(assignment(0), POLICY).pressure

@@ -913,6 +913,54 @@ def test_a_rule_an_earlier_one_shadows_is_warned_about(
     )
 
 
+def test_a_bad_declared_deadlines_is_named_with_its_line() -> None:
+    """Issue 34 item 9: classes.<c>.declared_deadlines, checked as every key is."""
+    with pytest.raises(PolicyError) as info:
+        parse_policy(HEAD + "classes:\n  training: {declared_deadlines: yes}\n", "p.yaml")
+    assert [str(p) for p in info.value.problems] == [
+        "p.yaml:6:34: classes.training.declared_deadlines: must be 'defended', 'scheduled' or"
+        " 'refused', got true"
+    ]
+    spec = parse_policy(HEAD + "classes:\n  training: {declared_deadlines: defended}\n", "p")
+    assert str(spec.classes[WorkloadClass.TRAINING].declared_deadlines) == "defended"
+    assert str(spec.classes[WorkloadClass.BATCH].declared_deadlines) == "refused", "default"
+
+
+@pytest.mark.parametrize(
+    ("rule", "classes", "warned"),
+    [
+        ("class: training", "", "training"),
+        ("class: training", "classes: {training: {declared_deadlines: scheduled}}\n", None),
+        ("class_from: {label: c, allowed: [training]}", "", "training, batch"),
+        (
+            "class_from: {label: c, allowed: [training]}",
+            "classes: {training: {declared_deadlines: defended}}\n",
+            None,
+        ),
+    ],
+)
+def test_annotations_no_class_takes_a_deadline_from_are_warned_about(
+    rule: str, classes: str, warned: str | None
+) -> None:
+    """A rule that reads deadlines from annotations where every class it may give refuses
+    them: valid, but its annotations never give a deadline."""
+    text = (
+        HEAD
+        + classes
+        + (
+            f"rules:\n  - {{name: r, match: {{}}, tenant: prod, {rule},"
+            " deadline_from_annotations: true}\n"
+        )
+    )
+    found = warnings_of(text)
+    if warned is None:
+        assert found == []
+        return
+    (line,) = found
+    assert line.startswith("p.yaml:6:") and f"every class the rule may give ({warned})" in line
+    assert "classes.<class>.declared_deadlines, refused by default" in line
+
+
 def test_a_rejected_policy_carries_its_warnings_too() -> None:
     text = HEAD.replace("shares: 1", "shares: x") + (
         "rules:\n  - {name: all, match: {}, tenant: prod}\n"

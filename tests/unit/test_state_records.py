@@ -180,8 +180,11 @@ def test_a_step_of_the_wall_clock_lapses_no_grant_and_drops_no_waiter(
     assert d.holds() == [("first", "request")]
 
 
-def test_a_hold_s_expected_end_and_the_classes_hold_durations_survive_restarts(d: Daemon) -> None:
+def test_a_hold_s_expected_end_and_the_classes_hold_durations_survive_restarts(
+    tmp_path: Path,
+) -> None:
     """Issue 18.7: what placement is told of durations is not lost on a restart."""
+    d = daemon(tmp_path, {"classes": {"batch": {"declared_deadlines": "scheduled"}}})
     grant = d.ask(ALICE, "train", deadline=time.time() + 3600, work=1800, cpus=2)
     d.start(ALICE, "train", gpu_request=grant["id"])
     again = restart(d)
