@@ -605,7 +605,9 @@ class GpuLedger:
                 f"uid {uid} holds {len(mine)} reservations and unclaimed grants, the most"
                 " gpu.max_holds_per_user allows; release one"
             )
-        ahead = sum(gpu_hours_ahead(h, now) for h in mine) + hours
+        # to a millionth of a GPU-hour: `until - now` of two epoch times carries float error
+        # (a 1-day reservation at the 24 GPU-hour bound came to 24.00000000007 and was refused)
+        ahead = round(sum(gpu_hours_ahead(h, now) for h in mine) + hours, 6)
         if ahead > bounds.gpu_hours:
             return (
                 f"uid {uid} would hold {ahead:.1f} GPU-hours ahead of use, more than"
