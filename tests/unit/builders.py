@@ -14,6 +14,18 @@ from nodeagent.snapshot import CgroupSample, NodeSnapshot, NodeState, WorkloadSt
 CID = "4f1c2a9be7d3" + "0123456789abcdef" * 3 + "0123"  # 64 lowercase hex
 CID2 = "9a8b7c6d5e4f" + "fedcba9876543210" * 3 + "3210"
 POD_UID = "3b1e5f2a-9c4d-4e7f-8a6b-0d2c1e9f7a35"
+POD = f"kubepods/burstable/pod{POD_UID}"
+CGROUP_FILES = {
+    "cgroup.procs": "",
+    "cgroup.events": "populated 1\nfrozen 0\n",
+    "cpu.stat": "usage_usec 100\nuser_usec 60\nsystem_usec 40\n",
+    "cpu.weight": "100\n",
+    "cpu.max": "max 100000\n",
+    "memory.current": "4096\n",
+    "memory.max": "max\n",
+}
+"""A busy cgroup's interface files, for an agent's real tick over a fixture tree (the files
+a sensor reads and the executor writes)."""
 
 
 def job(path: str, name: str | None = None) -> WorkloadIdentity:

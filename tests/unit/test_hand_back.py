@@ -18,23 +18,13 @@ from typing import Any
 
 import pytest
 import structlog
-from builders import CID, CID2, POD_UID
+from builders import CGROUP_FILES, CID, CID2, POD
 
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute
 from nodeagent.daemon import Agent, open_agent
 from nodeagent.policyfile.model import PolicySpec
 
-FILES = {
-    "cgroup.procs": "",
-    "cgroup.events": "populated 1\nfrozen 0\n",
-    "cpu.stat": "usage_usec 100\nuser_usec 60\nsystem_usec 40\n",
-    "cpu.weight": "100\n",
-    "cpu.max": "max 100000\n",
-    "memory.current": "4096\n",
-    "memory.max": "max\n",
-}
-POD = f"kubepods/burstable/pod{POD_UID}"
 KEPT, DROPPED = f"{POD}/{CID}", f"{POD}/{CID2}"
 UNCAPPED = "max 100000"
 pytestmark = pytest.mark.usefixtures("files_replace_their_value")
@@ -61,7 +51,7 @@ def agent(tmp_path: Path) -> Agent:
     for path in ["kubepods", "kubepods/burstable", POD, KEPT, DROPPED]:
         d = tmp_path / "cgroup" / path
         d.mkdir(parents=True, exist_ok=True)
-        for name, text in FILES.items():
+        for name, text in CGROUP_FILES.items():
             (d / name).write_text(text)
     a = open_agent(spec(tmp_path, KEPT, DROPPED), CgroupTree(str(tmp_path / "cgroup")))
     a.registry.resync()

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from builders import CID, CID2, POD_UID
+from builders import CGROUP_FILES, CID, CID2, POD
 
 from nodeagent import state
 from nodeagent.cgroupfs.tree import CgroupTree
@@ -26,16 +26,6 @@ from nodeagent.originals import Originals
 from nodeagent.ownership import WriteMode
 from nodeagent.policyfile.model import PolicySpec
 
-FILES = {
-    "cgroup.procs": "",
-    "cgroup.events": "populated 1\nfrozen 0\n",
-    "cpu.stat": "usage_usec 100\nuser_usec 60\nsystem_usec 40\n",
-    "cpu.weight": "100\n",
-    "cpu.max": "max 100000\n",
-    "memory.current": "4096\n",
-    "memory.max": "max\n",
-}
-POD = f"kubepods/burstable/pod{POD_UID}"
 POD2 = "kubepods/burstable/pod0c5d8e2a-7b3f-4a1e-9d6c-5f4e3d2c1b0a"
 CONTAINERS = [f"{POD}/{CID}", f"{POD}/{CID2}"]
 OTHER = f"{POD2}/{'ab' * 32}"
@@ -46,7 +36,7 @@ def agent(tmp_path: Path) -> Agent:
     for path in ["kubepods", "kubepods/burstable", POD, POD2, *CONTAINERS, OTHER]:
         d = tmp_path / "cgroup" / path
         d.mkdir(parents=True, exist_ok=True)
-        for name, text in FILES.items():
+        for name, text in CGROUP_FILES.items():
             (d / name).write_text(text)
     spec = PolicySpec.model_validate(
         {
