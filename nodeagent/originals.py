@@ -16,7 +16,7 @@ loop wrote over them later (a throttle, a freeze) is, with the job's own limit a
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,11 +99,12 @@ class Originals:
                 else:
                     del self._by_path[path]
 
-    def items(self) -> list[tuple[str, Attribute, Original]]:
+    def items(self, among: Set[str] | None = None) -> list[tuple[str, Attribute, Original]]:
+        """Every record, by path; `among`: those of these paths only (a lookup per path the
+        agent holds records of, not a sort of all of them: the loop asks every tick)."""
         with self._lock:
-            return [
-                (p, a, o) for p, attrs in sorted(self._by_path.items()) for a, o in attrs.items()
-            ]
+            paths = sorted(self._by_path if among is None else self._by_path.keys() & among)
+            return [(p, a, o) for p in paths for a, o in self._by_path[p].items()]
 
     def drop(self, path: str, attribute: Attribute) -> None:
         with self._lock:

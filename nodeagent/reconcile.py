@@ -421,7 +421,7 @@ class Reconciler:
         an unreadable directory) would otherwise undo and redo its caps tick after tick; a
         level no longer weighted is handed back by release. One that fails is kept and tried
         again each tick (and by release at the stop); its failure is logged once."""
-        unclaimed = [e for e in self.originals.items() if e[0] in unclaimed_paths]
+        unclaimed = self.originals.items(among=unclaimed_paths)
         if not unclaimed:
             return
         releaser = Releaser(self.tree, self.executor.units, self.executor.audit)

@@ -8,7 +8,17 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from builders import CID, CID2, POD_UID, docker_cgroupfs, job, k8s_container, snapshot, workload
+from builders import (
+    CGROUP_FILES,
+    CID,
+    CID2,
+    POD_UID,
+    docker_cgroupfs,
+    job,
+    k8s_container,
+    snapshot,
+    workload,
+)
 
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
@@ -114,14 +124,6 @@ def test_without_the_hierarchy_only_workloads_are_weighted() -> None:
 
 
 # -- a rule that claims a pod and its containers (issue 13.12) --------------------------------
-CGROUP_FILES = {
-    "cgroup.procs": "",
-    "cgroup.events": "populated 1\nfrozen 0\n",
-    "cpu.stat": "usage_usec 100\nuser_usec 60\nsystem_usec 40\n",
-    "cpu.weight": "100\n",
-    "cpu.max": "max 100000\n",
-    "memory.current": "4096\n",
-}
 
 
 POD = f"kubepods/besteffort/pod{POD_UID}"
