@@ -87,14 +87,13 @@ def test_a_missing_command_is_127(daemon: tuple[Agent, str]) -> None:
     assert "no-such-command-anywhere" in err
 
 
+# the daemon's refusals; the options the CLI refuses before it asks one (a deadline passed,
+# no work, a deadline without work) are tests/unit/test_cli_exec.py's
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--tenant", "nobody"], "unknown tenant 'nobody'"),
         (["--class", "urgent"], "unknown class 'urgent'"),
-        (["--deadline", "2001-01-01T00:00:00Z", "--work", "10"], "has passed"),
-        (["--deadline", "+60s", "--work", "0"], "the work must be positive"),
-        (["--deadline", "+60s"], "--deadline and --work go together"),
         (["--name", "../escape"], "not a safe cgroup name"),
         (["--name", "x.slice"], "not a safe cgroup name"),
         (["--name", "taken"], "is taken"),

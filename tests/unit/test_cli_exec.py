@@ -5,7 +5,8 @@ stopped when the command did, the shell never saw the job stop, and the terminal
 with the stopped command's group. Here the real console script runs on a pseudo-terminal
 under a minimal job-control shell (JOB_SHELL, as bash does it: own group per job,
 tcsetpgrp, waitpid with WUNTRACED, `fg` = tcsetpgrp + SIGCONT), against a stand-in for
-the daemon's API (POST and DELETE /v1/jobs); it does not put CMD in a cgroup.
+the daemon's API (POST and DELETE /v1/jobs); it does not put CMD in a cgroup. Also: the
+options exec refuses itself, before it asks a daemon.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pty
 import select
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -200,3 +202,31 @@ def test_without_a_terminal_a_stopped_command_is_waited_for_as_a_running_one() -
     assert seen is not None and seen.si_code == os.CLD_STOPPED
     os.kill(child, signal.SIGCONT)
     assert wait(child) == 7
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--deadline", "2001-01-01T00:00:00Z", "--work", "10"], "has passed"),
+        (["--deadline", "+60s", "--work", "0"], "the work must be positive"),
+        (["--deadline", "+60s"], "--deadline and --work go together"),
+    ],
+)
+def test_options_the_cli_refuses_run_nothing_and_ask_no_daemon(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    """Refused before any daemon is asked (the socket named does not exist: a request would
+    say so instead), in one line, and the command never runs. The refusals the daemon
+    makes are tests/kernel/test_exec.py's."""
+    marker = tmp_path / "ran"
+    cli = subprocess.run(
+        [sys.executable, "-m", "nodeagent", "exec", "--socket", str(tmp_path / "none.sock"),
+         *args, "--", "touch", str(marker)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert cli.returncode == 2, cli.stderr
+    assert message in cli.stderr
+    assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+    assert "no nodeagent daemon" not in cli.stderr
+    assert "Traceback" not in cli.stderr
+    assert not marker.exists()
