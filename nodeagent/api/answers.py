@@ -167,7 +167,7 @@ class Planned(Workload):
     problem: str | None
     reason: str
     values: dict[str, Value]
-    """By attribute (cpu.weight, cpu.max, memory.max, memory.high)."""
+    """By attribute (cpu.weight, cpu.max, memory.max, memory.high, pids.max)."""
     cpu_rate: Number | None
     writes: list[Write]
     deadline: DeadlineFigures | None

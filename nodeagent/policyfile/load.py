@@ -21,7 +21,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import ErrorDetails
 
 from nodeagent.cgroupfs.paths import split_path
-from nodeagent.cgroupfs.values import QUOTA_MAX_US, QUOTA_MIN_US
+from nodeagent.cgroupfs.values import PIDS_MAX_LIMIT, QUOTA_MAX_US, QUOTA_MIN_US
 from nodeagent.errors import UnsafePath
 from nodeagent.identity import Owner, Runtime
 from nodeagent.policyfile.glob import glob_matches
@@ -473,7 +473,7 @@ def _check_limits(
     limits: Limits, at: Loc, add: typing.Callable[[Loc, str], None], match: Match
 ) -> None:
     """A rule's limits: none for Slurm's jobs, memory.high not above memory.max, sizes of at
-    least 1Mi, and a CPU quota the kernel takes."""
+    least 1Mi, a CPU quota the kernel takes, and pids from 1 to PID_MAX_LIMIT."""
     with _SKIP_BROKEN:
         if _claims_slurm_jobs(match) and limits != Limits():
             add(
@@ -514,6 +514,14 @@ def _check_limits(
                     f"{limits.cpu_max} cores is more than the kernel's maximum quota of "
                     f"{QUOTA_MAX_US}us per period",
                 )
+    with _SKIP_BROKEN:
+        pids = limits.pids_max
+        if pids is not None and not 1 <= pids <= PIDS_MAX_LIMIT:
+            add(
+                (*at, "pids_max"),
+                f"{pids} is outside 1..{PIDS_MAX_LIMIT}: at least the one process a workload"
+                " starts with, at most the kernel's PID_MAX_LIMIT",
+            )
 
 
 def _items(values: typing.Any) -> list[typing.Any]:

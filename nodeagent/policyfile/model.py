@@ -415,6 +415,9 @@ class Limits(_Strict):
     memory_request: Size | None = None
     """What the workload needs: protected as memory.min or memory.low by its class, and the
     base of memory.high (kubelet's MemoryQoS: request + factor x (limit - request))."""
+    pids_max: StrictInt | None = None
+    """How many tasks (processes and threads) it may hold (pids.max): a fork past it fails,
+    nothing is killed. 1 to the kernel's 4194304 (checked by the loader)."""
 
 
 class Rule(_Strict):
