@@ -260,9 +260,7 @@ class PolicyInput:
         return out
 
 
-CAPS = frozenset(
-    {Attribute.CPU_MAX, Attribute.MEMORY_MAX, Attribute.MEMORY_HIGH, Attribute.PIDS_MAX}
-)
+CAPS = frozenset({Attribute.CPU_MAX, Attribute.MEMORY_MAX, Attribute.MEMORY_HIGH})
 """Attributes that are limits: of two policies' values the lower one binds."""
 
 
