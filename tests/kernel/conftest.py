@@ -232,10 +232,10 @@ def pytest_runtest_logfinish(nodeid: str) -> None:
 # processes at twice the rate of one (MTTCG), and most tests wait on ticks and daemons with one
 # CPU idle. test_service.py, a third of the suite's time (agents started and stopped under a real
 # systemd, each start a minute of Python start-up under TCG), runs in one worker with a systemd of
-# its own, with the modules OWN_WORKER names after it (they share no daemon set with any other
-# module); every other module runs in the other, in the order pytest_collection_modifyitems gives
-# them, so that each shared daemon set (the runtimes, the other systemd) has all its users in one
-# worker and starts and stops there as in a serial run.
+# its own, with the other modules OWN_WORKER names (they share no daemon set with any other
+# module; they run first, as plain modules do); every other module runs in the other, in the
+# order pytest_collection_modifyitems gives them, so that each shared daemon set (the runtimes,
+# the other systemd) has all its users in one worker and starts and stops there as in a serial run.
 #
 # Some figures need the VM's CPUs to themselves: a 2:1 split measured within 10%, stalls that must
 # end for a throttle to be lifted, a cgroup busy enough to be throttled. Run beside the other
@@ -245,9 +245,9 @@ def pytest_runtest_logfinish(nodeid: str) -> None:
 # too, and waits for nothing).
 OWN_WORKER = (
     "tests/kernel/test_service.py",
-    # and, after it, modules that start no shared daemon set, so that the two workers end
-    # together: without them the other worker ran about 1,720 s of tests, this one 1,370 s
-    # (the wait for the ALONE tests included)
+    # and modules that start no shared daemon set (run before it, as plain modules are), so
+    # that the two workers end together: without them the other worker ran about 1,720 s of
+    # tests, this one 1,370 s (the wait for the ALONE tests included)
     "tests/kernel/test_exec_gpus.py",
     "tests/kernel/test_api_abuse.py",
 )
