@@ -1,11 +1,15 @@
 """Who a pod belongs to in Kubernetes mode, for rules with `tenant_from: {kubernetes: true}`
 and `class_from: {kubernetes: true}`. Pure: the pod's metadata comes in.
 
-Tenant: the namespace's `kubernetes.tenant_label` (when the API server is watched), else
-the first `kubernetes.namespaces` glob that matches it. A pod may claim another tenant
-with the `nodeagent.io/tenant` annotation (or label) only where its namespace `allow`s
-it; any other claim is refused, reported, and the pod stays its namespace's. A namespace
-no entry names leaves the pod to the rule's own tenant.
+Tenant: the first `kubernetes.namespaces` glob that matches the namespace names it. The
+namespace's `kubernetes.tenant_label` (when the API server is watched) chooses another
+only among the tenants that entry `allow`s: whoever may label a namespace is not trusted
+beyond what the operator listed for it, so a label naming any other tenant is refused and
+reported, and the namespace keeps its entry's tenant. A pod may claim another tenant with
+the `nodeagent.io/tenant` annotation (or label) only where its namespace `allow`s it (and
+its namespace's label has not already chosen); any other claim is refused, reported, and
+the pod stays its namespace's. A namespace no entry names leaves the pod to the rule's
+own tenant, whatever its label says.
 
 Class: the namespace's default (its entry's `class`, else the rule's own), or what the
 first `kubernetes.class_from` source that gives one says. Every source is the pod
@@ -99,14 +103,27 @@ def namespace_entry(namespace: str, settings: KubernetesSettings) -> NamespaceTe
 def namespace_tenant(
     namespace: str, ns_labels: Mapping[str, str] | None, settings: KubernetesSettings,
     tenants: Mapping[str, object],
-) -> tuple[str | None, tuple[str, ...]]:  # fmt: skip
-    """The namespace's tenant and the others its pods may claim."""
-    if settings.tenant_label is not None and ns_labels is not None:
-        named = ns_labels.get(settings.tenant_label)
-        if named in tenants:
-            return named, ()
+) -> tuple[str | None, tuple[str, ...], str | None]:  # fmt: skip
+    """The namespace's tenant, the others its pods may claim, and its label's refused
+    choice as a sentence (None: none refused)."""
     entry = namespace_entry(namespace, settings)
-    return (entry.tenant, entry.allow) if entry is not None else (None, ())
+    tenant, allowed = (entry.tenant, entry.allow) if entry is not None else (None, ())
+    if settings.tenant_label is None or ns_labels is None:
+        return tenant, allowed, None
+    named = ns_labels.get(settings.tenant_label)
+    if named is None or named == tenant:
+        return tenant, allowed, None
+    if tenant is not None and named in allowed and named in tenants:
+        return named, (), None  # the label chose: its pods claim no other
+    may = ", ".join([t for t in (tenant, *allowed) if t]) or "none named"
+    return (
+        tenant,
+        allowed,
+        (
+            f"namespace {namespace}'s label {settings.tenant_label}={show(named)!r} names a tenant"
+            f" the namespace may not use (it may: {may}); refused"
+        ),
+    )
 
 
 def pod_tenant(
@@ -114,18 +131,21 @@ def pod_tenant(
     ns_labels: Mapping[str, str] | None,
     settings: KubernetesSettings,
     tenants: Mapping[str, object],
-) -> tuple[str | None, str | None]:
-    """(the pod's tenant, None for the rule's own; a refused claim, as a sentence)."""
-    tenant, allowed = namespace_tenant(pod.namespace, ns_labels, settings, tenants)
+) -> tuple[str | None, tuple[str, ...]]:
+    """The pod's tenant (None: the rule's own) and what was refused, a sentence each: its
+    namespace's label, its own claim."""
+    tenant, allowed, label = namespace_tenant(pod.namespace, ns_labels, settings, tenants)
+    refused = (label,) if label is not None else ()
     claim = pod.annotations.get(TENANT, pod.labels.get(TENANT))
     if claim is None or claim == tenant:
-        return tenant, None
+        return tenant, refused
     if tenant is not None and claim in allowed and claim in tenants:
-        return claim, None
+        return claim, refused
     may = ", ".join([t for t in (tenant, *allowed) if t]) or "none named"
     return tenant, (
+        *refused,
         f"pod {pod.ref} claims tenant {claim!r}, which namespace {pod.namespace} may not use"
-        f" (it may: {may}); refused"
+        f" (it may: {may}); refused",
     )
 
 

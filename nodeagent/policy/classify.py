@@ -72,18 +72,17 @@ def _assignment(
     rule: Rule, w: WorkloadIdentity, terms: tuple[str, ...], spec: PolicySpec,
     pods: PodDirectory | None,
 ) -> Assignment:  # fmt: skip
-    matched, refused = list(terms), []
+    matched, refused = list(terms), list[str]()
     tenant, cls = rule.tenant, rule.workload_class
     pod = view(w, pods) if _kubernetes(rule) else None
     if rule.tenant_from is not None and rule.tenant_from.kubernetes:
         if pod is not None:
             ns_labels = pods.namespaces.get(pod.namespace) if pods is not None else None
-            given, claim = pod_tenant(pod, ns_labels, spec.kubernetes, spec.tenants)
+            given, claims = pod_tenant(pod, ns_labels, spec.kubernetes, spec.tenants)
             if given is not None:
                 tenant = given
                 matched.append(f"tenant {given} from namespace {pod.namespace}")
-            if claim is not None:
-                refused.append(claim)
+            refused.extend(claims)
     elif rule.tenant_from is not None:
         where, value = _read(rule.tenant_from, w.meta)
         allowed = rule.tenant_from.allowed

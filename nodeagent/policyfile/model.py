@@ -754,8 +754,9 @@ class KubernetesSettings(_Strict):
     namespaces: dict[Glob, Annotated[NamespaceTenant, BeforeValidator(_namespace_tenant)]] = {}
     """Namespace globs to tenants, first match wins."""
     tenant_label: Name | None = None
-    """A namespace label that names its tenant (read through the API server watch); it wins
-    over `namespaces`."""
+    """A namespace label that names its tenant (read through the API server watch), taken
+    only among the tenants the namespace's `namespaces` entry `allow`s (refused and
+    reported otherwise): whoever may label a namespace chooses no more than that."""
     class_from: tuple[ClassSource, ...] = tuple(
         ClassSource.model_validate(c) for c in _DEFAULT_CLASS_FROM
     )

@@ -129,21 +129,32 @@ def test_an_edit_on_the_api_server_reassigns_the_pod(
             "version": 1,
             "agent": {"mode": "kubernetes"},
             "kubernetes": {"api_server": {"watch": True}, "tenant_label": "nodeagent.io/tenant",
-                           "namespaces": {"research-*": {"tenant": "research",
+                           "namespaces": {"research-*": {"tenant": "research", "allow": ["nlp"],
                                                          "classes": ["training"]}}},
-            "tenants": {"research": {"shares": 1}, "nlp": {"shares": 1}},
+            "tenants": {"research": {"shares": 1}, "nlp": {"shares": 1}, "prod": {"shares": 1}},
             "rules": [{"name": "pods", "match": {"kind": "container"}, "tenant": "research",
                        "tenant_from": {"kubernetes": True}, "class_from": {"kubernetes": True}}],
         }
     )  # fmt: skip
     (first,) = assign([CONTAINER], spec, watch.directory()).values()
     assert (first.tenant, str(first.workload_class)) == ("research", "batch")
+    # whoever labels the namespace chooses only among the tenants its entry allows
+    server.put("namespaces", namespace("research-nlp", {"nodeagent.io/tenant": "prod"}),
+               "MODIFIED")  # fmt: skip
+    wait_for(lambda: watch.directory().namespaces["research-nlp"].get("nodeagent.io/tenant"),
+             20, "the namespace's tenant label")  # fmt: skip
+    (labelled,) = assign([CONTAINER], spec, watch.directory()).values()
+    assert labelled.tenant == "research"
+    assert labelled.refused == (
+        "namespace research-nlp's label nodeagent.io/tenant='prod' names a tenant the namespace"
+        " may not use (it may: research, nlp); refused",
+    )
     server.put("pods", pod("train-0", "research-nlp", UID, {"trainer": CID},
                            annotations={"nodeagent.io/class": "training"}), "MODIFIED")  # fmt: skip
     server.put("namespaces", namespace("research-nlp", {"nodeagent.io/tenant": "nlp"}),
                "MODIFIED")  # fmt: skip
-    wait_for(lambda: watch.directory().namespaces["research-nlp"].get("nodeagent.io/tenant"),
-             20, "the namespace's tenant label")  # fmt: skip
+    wait_for(lambda: watch.directory().namespaces["research-nlp"].get("nodeagent.io/tenant")
+             == "nlp", 20, "the namespace's tenant label")  # fmt: skip
     wait_for(lambda: watch.directory().pods[UID].annotations, 20, "the pod's class annotation")
     (now,) = assign([CONTAINER], spec, watch.directory()).values()
     assert (now.tenant, str(now.workload_class)) == ("nlp", "training")

@@ -61,8 +61,7 @@ def pod(
 def owner(p: PodView, ns_labels: dict[str, str] | None = None) -> tuple[object, ...]:
     tenant, refused = pod_tenant(p, ns_labels, K, SPEC.tenants)
     said = pod_class(p, K, WorkloadClass.BATCH, SPEC.classes)
-    refusals = tuple(r for r in (refused, said.refused) if r is not None)
-    return (tenant, said.cls, refusals)
+    return (tenant, said.cls, refused + ((said.refused,) if said.refused is not None else ()))
 
 
 def test_the_tenant_comes_from_the_namespace() -> None:
@@ -71,11 +70,34 @@ def test_the_tenant_comes_from_the_namespace() -> None:
     assert owner(pod("default")) == (None, WorkloadClass.BATCH, ())  # no entry: the rule's own
 
 
-def test_a_namespace_label_names_the_tenant_when_the_api_server_says_it() -> None:
-    assert owner(pod("default"), {"nodeagent.io/tenant": "ops"})[0] == "ops"
-    assert owner(pod("research-x"), {"nodeagent.io/tenant": "ops"})[0] == "ops"
-    # a label naming no tenant of the policy is not taken: the globs decide
-    assert owner(pod("research-x"), {"nodeagent.io/tenant": "nobody"})[0] == "research"
+def test_a_namespace_label_chooses_among_the_tenants_its_entry_allows() -> None:
+    label = {"nodeagent.io/tenant": "research"}
+    assert owner(pod("prod-serving"), label) == ("research", WorkloadClass.BATCH, ())
+    # the label chose: a pod there claims no other tenant, not even the entry's own
+    claim = pod("prod-serving", annotations={"nodeagent.io/tenant": "prod"})
+    assert owner(claim, label)[0::2] == ("research", (
+        "pod prod-serving/p claims tenant 'prod', which namespace prod-serving may not use"
+        " (it may: research); refused",
+    ))  # fmt: skip
+    assert owner(pod("research-x"), {"nodeagent.io/tenant": "research"})[0::2] == ("research", ())
+
+
+@pytest.mark.parametrize(
+    ("namespace", "named", "stays", "may"),
+    [
+        ("research-x", "ops", "research", "research"),  # a tenant its entry does not allow
+        ("prod-serving", "ops", "prod", "prod, research"),
+        ("default", "ops", None, "none named"),  # no entry: no label is taken
+        ("research-x", "nobody", "research", "research"),  # no tenant of the policy
+    ],
+)
+def test_a_namespace_label_naming_a_tenant_its_entry_does_not_allow_is_refused_and_reported(
+    namespace: str, named: str, stays: str | None, may: str
+) -> None:
+    assert owner(pod(namespace), {"nodeagent.io/tenant": named}) == (stays, WorkloadClass.BATCH, (
+        f"namespace {namespace}'s label nodeagent.io/tenant={named!r} names a tenant the"
+        f" namespace may not use (it may: {may}); refused",
+    ))  # fmt: skip
 
 
 def test_a_claim_the_namespace_allows_is_taken() -> None:
