@@ -275,17 +275,20 @@ class Service:
 
     @contextlib.contextmanager
     def job(self, name: str, *options: str) -> Iterator[subprocess.Popen[str]]:
-        """`nodeagent exec --name NAME OPTIONS -- sleep 600` inside systemd's namespaces, from
-        a cgroup of its own inside systemd's tree, as a shell of that host would run it (not
-        from this process's cgroup, outside systemd's cgroup namespace, which earlier tests
-        may have moved: the agent may not move a process in from there)."""
+        """`nodeagent exec --name NAME OPTIONS -- sleep infinity` inside systemd's namespaces,
+        from a cgroup of its own inside systemd's tree, as a shell of that host would run it
+        (not from this process's cgroup, outside systemd's cgroup namespace, which earlier
+        tests may have moved: the agent may not move a process in from there). The job ends
+        when the test ends it, or at the test's end (cgroup.kill): a `sleep 600` ended on its
+        own under the 900 s ceiling, and a slow restart, crash and watchdog kill (608 s on a
+        busy host) then read as a job that died with the agent."""
         clients = self.host.outer("/nodeagent-test-clients")
         clients.mkdir(exist_ok=True)
         enter = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(clients)]
         nsenter = ["nsenter", "-t", str(self.host.pid), "-p", "-m", "-C", "--"]
         command = [sys.executable, "-m", "nodeagent", "exec", "--name", name, *options]
         cli = subprocess.Popen(
-            [*enter, *nsenter, *command, "--", "sleep", "600"],
+            [*enter, *nsenter, *command, "--", "sleep", "infinity"],
             text=True,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
