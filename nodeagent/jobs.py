@@ -13,8 +13,14 @@ new workload (policy.newcomer: StaticLimits on the job's assignment, its caps an
 it is pinned to) and written by the executor, audited and recorded as every write is, by
 the `write_limits` the daemon gives; every tick's plan then holds them too.
 
-A job is managed whether or not a rule matches its path: its tenant, class, deadline,
-work and limits come from the request. A deadline from a caller other than root is that
+A job is managed whether or not a rule matches its path: its tenant, class, deadline and
+work come from the request. Its limits do too, but for a caller other than root each of
+cpu.max, memory.max and pids.max is the tightest of the request's, the caller's own
+cgroups' (the cgroup /proc says it runs in and every ancestor: its process leaves them
+behind when it moves into the managed root, which has none) and the policy's
+`jobs.per_user_limits` (pids 4096 by default): a user's job is never less bounded than
+the user's session. Root's jobs take the request alone: root is the operator. The job
+records where each limit came from. A deadline from a caller other than root is that
 caller's word: taken only in a class whose `declared_deadlines` grants it, and marked as
 declared (`Assignment.declared`), so that the policies defend it only where that says so.
 Its record and cgroup go away when the cgroup empties (the CLI says so when the command
@@ -29,13 +35,14 @@ import signal
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import structlog
 from pydantic import Field, ValidationError
 
 from nodeagent.access import check_deadline, tenant_and_class
 from nodeagent.api.bodies import (
+    MAX_CPUS,
     MIN_MEMORY,
     Body,
     CgroupPath,
@@ -45,6 +52,7 @@ from nodeagent.api.bodies import (
     Memory,
     Name,
     Pid,
+    Pids,
     Text,
     Token,
     Uid,
@@ -55,7 +63,10 @@ from nodeagent.api.bodies import (
     problem,
 )
 from nodeagent.api.peer import Peer
+from nodeagent.cgroupfs import parse as parse_file
+from nodeagent.cgroupfs.paths import split_path
 from nodeagent.cgroupfs.tree import AuditFn, CgroupTree, CgroupVanished
+from nodeagent.cgroupfs.values import Attribute
 from nodeagent.discovery.layouts import classify
 from nodeagent.errors import (
     BadRequest,
@@ -64,9 +75,11 @@ from nodeagent.errors import (
     NodeagentError,
     NotFound,
     Refused,
+    UnsafePath,
     one_line,
 )
 from nodeagent.gpu.model import Hold
+from nodeagent.gpu.procs import cgroup_of
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.policy.base import Assignment
 from nodeagent.policyfile.model import Limits, PolicySpec, WorkloadClass
@@ -79,6 +92,61 @@ __all__ = ["MIN_MEMORY", "Job", "Jobs", "WriteLimits", "check_name"]
 WriteLimits = Callable[[WorkloadIdentity, Assignment], Sequence[str]]
 """Plan a new job's cgroup with its assignment as the fast path plans a newcomer, and have
 the executor write it; what of it is not in place, one line each (empty: all of it is)."""
+
+CapName = Literal["cpus", "memory", "pids"]
+"""A job's caps by its record's names: cpu.max in cores, memory.max in bytes, pids.max."""
+Bounds = dict[CapName, tuple[float, str]]
+"""The tightest value found of each cap, and where it comes from."""
+FROM_REQUEST = "the request"
+FROM_POLICY = "jobs.per_user_limits"
+
+
+def _tighter(into: Bounds, offered: Mapping[CapName, tuple[float, str]]) -> None:
+    """Take each cap `offered` that is tighter than what `into` holds; a tie keeps the
+    source found first."""
+    for name, (value, source) in offered.items():
+        if name not in into or value < into[name][0]:
+            into[name] = (value, source)
+
+
+def _given(source: str, caps: Mapping[CapName, float | str | None]) -> Bounds:
+    """`caps` that bound something, from `source`: None and 'max' bound nothing, nor do more
+    CPUs than a job may ask for (MAX_CPUS: no node has them, and no record keeps them)."""
+    return {
+        name: (value, source)
+        for name, value in caps.items()
+        if isinstance(value, float | int) and not (name == "cpus" and value > MAX_CPUS)
+    }
+
+
+def cgroup_bounds(tree: CgroupTree, path: str) -> Bounds:
+    """The tightest cpu.max (in cores), memory.max and pids.max of the cgroup `path` and of
+    each of its ancestors up to the root, each with the cgroup that sets it: what bounds a
+    process there, which a job started from there leaves behind. A file that is missing
+    (its controller is off there) or 'max' bounds nothing (see `_given`). Raises
+    UnsafePath for a path outside the tree, NodeagentError, CgroupVanished or ValueError
+    where a file cannot be read or parsed."""
+    parts = split_path(path)
+    found: Bounds = {}
+    for depth in range(len(parts), -1, -1):  # the caller's own cgroup first: it wins ties
+        at = "/".join(parts[:depth])
+        with tree.open(at) as d:
+            cpu, memory, pids = (
+                d.read_optional(a)
+                for a in (Attribute.CPU_MAX, Attribute.MEMORY_MAX, Attribute.PIDS_MAX)
+            )
+        _tighter(
+            found,
+            _given(
+                f"cgroup {at or '/'}",
+                {
+                    "cpus": None if cpu is None else parse_file.cpu_max(cpu).cores,
+                    "memory": None if memory is None else parse_file.limit(memory),
+                    "pids": None if pids is None else parse_file.pids_max(pids).limit,
+                },
+            ),
+        )
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,15 +168,14 @@ class Job:
     pinned_cpus: tuple[int, ...] = ()
     """The CPUs its cpuset.cpus holds, sorted: its GPUs' (gpu.pin_cpus), where its cgroup
     has the cpuset controller; none: not pinned."""
+    pids: int | None = None
+    limits_from: tuple[tuple[CapName, str], ...] = ()
+    """Where each of cpus, memory and pids came from, sorted by name: the request, a cgroup
+    of the caller's (`cgroup user.slice/user-1000.slice`) or jobs.per_user_limits."""
 
     def assignment(self) -> Assignment:
-        limits = Limits.model_validate(
-            {
-                k: v
-                for k, v in {"cpu_max": self.cpus, "memory_max": self.memory}.items()
-                if v is not None
-            }
-        )
+        caps = {"cpu_max": self.cpus, "memory_max": self.memory, "pids_max": self.pids}
+        limits = Limits.model_validate({k: v for k, v in caps.items() if v is not None})
         return Assignment(
             f"exec:{self.name}",
             self.tenant,
@@ -131,6 +198,7 @@ class Job:
         data["workload_class"] = str(self.workload_class)
         data["gpus"] = list(self.gpus)
         data["pinned_cpus"] = list(self.pinned_cpus)
+        data["limits_from"] = dict(self.limits_from)
         return data
 
     @classmethod
@@ -141,7 +209,8 @@ class Job:
             name=r.name, cgroup=r.cgroup, tenant=r.tenant, workload_class=r.workload_class,
             uid=r.uid, pid=r.pid, submitted_at=r.submitted_at, deadline=r.deadline,
             work=r.work, cpus=r.cpus, memory=r.memory, gpus=tuple(r.gpus),
-            gpu_hold=r.gpu_hold, pinned_cpus=tuple(r.pinned_cpus),
+            gpu_hold=r.gpu_hold, pinned_cpus=tuple(r.pinned_cpus), pids=r.pids,
+            limits_from=tuple(sorted(r.limits_from.items())),
         )  # fmt: skip
 
 
@@ -164,6 +233,8 @@ class JobRecord(Body):
     pinned_cpus: Annotated[
         list[Annotated[int, Field(ge=0, lt=1 << 16)]], Field(max_length=1 << 16)
     ] = Field(default_factory=list)
+    pids: Pids | None = None
+    limits_from: dict[CapName, Text] = Field(default_factory=dict)
 
 
 class StartBody(Classed):
@@ -175,6 +246,7 @@ class StartBody(Classed):
     work: Work | None = None
     cpus: Cpus | None = None
     memory: Memory | None = None
+    pids: Pids | None = None
     gpu_request: Token | None = None
 
 
@@ -248,6 +320,8 @@ class Jobs:
         """Writes a new job's limits, through the executor (see WriteLimits)."""
         self.open_process: Callable[[int], Process] = Pidfd
         self._jobs: dict[str, Job] = {}
+        self._said: set[tuple[int, str]] = set()
+        """(uid, problem kind) already logged: a caller's cgroups that could not be read."""
         # reentrant: write_limits runs under it, and what it calls back may read the jobs
         # (the originals' journal, when it cannot be appended to, saves the whole state)
         self._lock = threading.RLock()
@@ -294,6 +368,10 @@ class Jobs:
             work=job.work,
             pid=job.pid,
             uid=job.uid,
+            cpus=job.cpus,
+            memory=job.memory,
+            pids=job.pids,
+            limits_from=dict(job.limits_from),
         )
         return job
 
@@ -344,6 +422,13 @@ class Jobs:
         if ppid != peer.pid or uid != peer.uid or not process.alive():
             process.close()
             raise refused
+        try:
+            bounds = self._bounds(body, peer, spec)
+        except BaseException:
+            process.close()
+            raise
+        got = {name: value for name, (value, _) in bounds.items()}
+        cpus, memory, pids = got.get("cpus"), got.get("memory"), got.get("pids")
         job = Job(
             name=body.name,
             cgroup=f"{spec.agent.managed_root}/{body.name}",
@@ -354,10 +439,70 @@ class Jobs:
             submitted_at=now,
             deadline=deadline,
             work=work,
-            cpus=body.cpus,
-            memory=body.memory,
+            cpus=None if cpus is None else float(cpus),
+            memory=None if memory is None else int(memory),
+            pids=None if pids is None else int(pids),
+            limits_from=tuple(sorted((name, source) for name, (_, source) in bounds.items())),
         )
         return job, process
+
+    def _bounds(self, body: StartBody, peer: Peer, spec: PolicySpec) -> Bounds:
+        """The job's caps, each the tightest of the request's and, for a caller other than
+        root, its own cgroups' and jobs.per_user_limits'; refused where the caller's cgroups
+        leave too little for any job."""
+        found: Bounds = {}
+        _tighter(
+            found,
+            _given(FROM_REQUEST, {"cpus": body.cpus, "memory": body.memory, "pids": body.pids}),
+        )
+        if peer.uid == 0:
+            return found  # root is the operator: what it asks for is the whole of it
+        _tighter(found, self._caller_bounds(peer))
+        per_user = spec.jobs.per_user_limits
+        _tighter(
+            found,
+            _given(
+                FROM_POLICY,
+                {
+                    "cpus": per_user.cpu_max,
+                    "memory": per_user.memory_max,
+                    "pids": per_user.pids_max,
+                },
+            ),
+        )
+        memory, pids = found.get("memory"), found.get("pids")
+        for cap, least, what in ((memory, MIN_MEMORY, "bytes of memory"), (pids, 1, "tasks")):
+            if cap is not None and cap[0] < least:
+                raise Forbidden(
+                    f"uid {peer.uid}: {cap[1]} allows {int(cap[0])} {what}, too few for a job"
+                    f" (at least {least})"
+                )
+        return found
+
+    def _caller_bounds(self, peer: Peer) -> Bounds:
+        """`cgroup_bounds` of the cgroup the caller runs in; none where /proc does not say
+        which, that cgroup is outside the agent's cgroup root (another cgroup namespace's)
+        or cannot be read: the job is then bounded by its request and the policy alone,
+        logged once per uid and kind of problem."""
+        cgroup = cgroup_of(peer.pid, self.proc_root)
+        try:
+            if cgroup is None:
+                raise NodeagentError(f"no cgroup v2 line in {self.proc_root}/{peer.pid}/cgroup")
+            return cgroup_bounds(self.tree, cgroup)
+        except UnsafePath as e:
+            kind, problem = "outside", one_line(e)
+        except (NodeagentError, CgroupVanished, ValueError) as e:
+            kind, problem = "unreadable", one_line(e)
+        if (peer.uid, kind) not in self._said:
+            self._said.add((peer.uid, kind))
+            log.warning(
+                "job.caller_limits_unknown",
+                uid=peer.uid,
+                cgroup=cgroup,
+                problem=problem,
+                action="its jobs are bounded by their request and jobs.per_user_limits only",
+            )
+        return {}
 
     def _make_cgroup(self, job: Job, spec: PolicySpec, hold: Hold | None, process: Process) -> Job:
         """Make the job's cgroup, have its limits written, then move its process in; the job

@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger("nodeagent")
 
 CONTROLLERS = ("cpu", "memory")
+OPTIONAL_CONTROLLERS = ("pids",)
+"""Enabled down to the managed root where the host offers them (jobs' pids.max)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +200,7 @@ class Reconciler:
         if not self.dry_run:
             root = self.spec.agent.managed_root
             leave_managed_path(self.tree, root, self.proc_root, audit_write)
-            ensure_managed_root(self.tree, root, CONTROLLERS, audit_write)
+            ensure_managed_root(self.tree, root, CONTROLLERS, audit_write, OPTIONAL_CONTROLLERS)
         self.registry.resync()
         if self.kube is not None:
             self.kube.start()

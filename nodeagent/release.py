@@ -67,6 +67,8 @@ def _value(attribute: Attribute, text: str) -> Value:
         return Frozen(text.strip() == "1")
     if attribute is Attribute.CPUSET_CPUS:
         return parse.cpuset(text)
+    if attribute is Attribute.PIDS_MAX:
+        return parse.pids_max(text)
     return MemoryLimit(parse.limit(text))
 
 

@@ -13,7 +13,13 @@ from typing import Any, Literal
 
 from nodeagent.cgroupfs.values import Attribute
 
-SHOWN = (Attribute.CPU_WEIGHT, Attribute.CPU_MAX, Attribute.MEMORY_MAX, Attribute.MEMORY_HIGH)
+SHOWN = (
+    Attribute.CPU_WEIGHT,
+    Attribute.CPU_MAX,
+    Attribute.MEMORY_MAX,
+    Attribute.MEMORY_HIGH,
+    Attribute.PIDS_MAX,
+)
 """The attributes that allocations and explain show, in their column order."""
 
 

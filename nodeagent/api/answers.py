@@ -167,7 +167,7 @@ class Planned(Workload):
     problem: str | None
     reason: str
     values: dict[str, Value]
-    """By attribute (cpu.weight, cpu.max, memory.max, memory.high)."""
+    """By attribute (cpu.weight, cpu.max, memory.max, memory.high, pids.max)."""
     cpu_rate: Number | None
     writes: list[Write]
     deadline: DeadlineFigures | None
@@ -236,6 +236,12 @@ class Job(Answer):
     gpu_hold: str | None
     pinned_cpus: list[int]
     """The CPUs its cgroup is pinned to, beside its GPUs (gpu.pin_cpus); none: not pinned."""
+    pids: int | None
+    """Its pids.max (None: none): as cpus and memory, the tightest of its request and, for a
+    caller other than root, the caller's own cgroups' and jobs.per_user_limits'."""
+    limits_from: dict[str, str]
+    """Where each of cpus, memory and pids came from: 'the request', 'cgroup PATH' (the
+    caller's) or 'jobs.per_user_limits'."""
 
 
 class StartedJob(Job):

@@ -114,6 +114,8 @@ Memory = Annotated[int, Field(ge=MIN_MEMORY, le=MAX_MEMORY)]
 Instant = Annotated[float, Field(gt=0, lt=MAX_INSTANT)]
 Work = Annotated[float, Field(gt=0, le=MAX_WORK)]
 Pid = Annotated[int, Field(ge=2, le=PID_MAX)]
+Pids = Annotated[int, Field(ge=1, le=PID_MAX)]
+"""A pids.max: at least the job's own process, at most the kernel's PID_MAX_LIMIT."""
 Uid = Annotated[int, Field(ge=0, le=UID_MAX)]
 GpuCount = Annotated[int, Field(ge=1, le=MAX_GPUS)]
 GpuMemory = Annotated[int, Field(ge=1, le=MAX_GPU_MEMORY)]

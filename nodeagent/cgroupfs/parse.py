@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from nodeagent.cgroupfs.values import CpuMax, CpuSet
+from nodeagent.cgroupfs.values import CpuMax, CpuSet, PidsMax
 
 
 def flat_keyed(text: str) -> dict[str, int]:
@@ -49,6 +49,11 @@ def limit(text: str) -> int | None:
     """memory.max/high/low/min: a byte count, or 'max' (returned as None)."""
     value = text.strip()
     return None if value == "max" else int(value)
+
+
+def pids_max(text: str) -> PidsMax:
+    """pids.max: a number of tasks, or 'max'."""
+    return PidsMax(limit(text))
 
 
 def cpu_max(text: str) -> CpuMax:

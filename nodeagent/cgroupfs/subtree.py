@@ -1,9 +1,15 @@
-"""Prepare the subtree nodeagent owns: create it and enable cpu and memory down to it.
+"""Prepare the subtree nodeagent owns: create it and enable cpu and memory down to it, and
+pids where the host offers it.
 
 cgroup v2 only lets a cgroup hand controllers to its children through
 cgroup.subtree_control, and (below the root) only while it holds no processes
 itself: the no-internal-processes rule. So each ancestor, top-down, enables the
 controllers, and a busy ancestor is reported by name instead of failing later.
+
+pids is what a job's pids.max needs, in the managed root whose children the jobs are:
+without it a job's process left its user slice's TasksMax behind for a managed root with
+none. A host whose kernel or container does not offer it still runs the agent; a job that
+needs a pids.max is then refused (its limits are not in place), said there.
 """
 
 from __future__ import annotations
@@ -22,7 +28,11 @@ def ensure_managed_root(
     managed_root: str,
     controllers: Sequence[str],
     audit: AuditFn,
+    optional: Sequence[str] = (),
 ) -> None:
+    """Make the managed root and enable `controllers` on the way down to it, and each of
+    `optional` where the level offers it (its cgroup.controllers: what its parent enabled),
+    so as deep as the host allows; a required one that cannot be enabled is an error."""
     parts = split_path(managed_root)
     for depth in range(len(parts) + 1):
         path = "/".join(parts[:depth])
@@ -30,7 +40,9 @@ def ensure_managed_root(
             audit(tree.path_of(path), "mkdir", None, "cgroup", "create the managed subtree")
         with tree.open(path) as d:
             enabled = parse.controllers(d.read("cgroup.subtree_control"))
-            missing = [c for c in controllers if c not in enabled]
+            offered = parse.controllers(d.read_optional("cgroup.controllers") or "")
+            wanted = [*controllers, *(c for c in optional if c in offered)]
+            missing = [c for c in wanted if c not in enabled]
             if not missing:
                 continue
             value = " ".join(f"+{c}" for c in missing)

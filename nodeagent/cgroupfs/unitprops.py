@@ -7,7 +7,7 @@ nothing to rewrite. nodeagent.sdbus sets the properties.
 
 from __future__ import annotations
 
-from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, MemoryLimit, Value
+from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, MemoryLimit, PidsMax, Value
 from nodeagent.errors import NodeagentError
 
 
@@ -27,6 +27,7 @@ RESOURCE_PROPERTIES = frozenset(
         "MemoryHigh",
         "MemoryLow",
         "MemoryMin",
+        "TasksMax",
     }
 )
 _MEMORY_PROPERTY = {
@@ -88,6 +89,10 @@ def unit_properties(attribute: Attribute, value: Value) -> dict[str, int]:
         return cpu_quota_properties(value)
     if attribute in _MEMORY_PROPERTY and isinstance(value, MemoryLimit):
         return {_MEMORY_PROPERTY[attribute]: UINT64_MAX if value.bytes is None else value.bytes}
+    if attribute is Attribute.PIDS_MAX and isinstance(value, PidsMax):
+        # systemd's src/core/cgroup.c, cgroup_context_apply: pids.max is TasksMax as it
+        # is (a D-Bus TasksMax has no scale), or "max" while it is infinity
+        return {"TasksMax": UINT64_MAX if value.limit is None else value.limit}
     raise UnitPropertyError(f"no systemd property for {attribute} = {value!r}")
 
 

@@ -19,6 +19,8 @@ WEIGHT_MIN, WEIGHT_MAX = 1, 10_000
 QUOTA_MIN_US = 1000
 QUOTA_MAX_US = 2**44 - 1  # the kernel's max_cfs_runtime; above it cpu.max writes fail
 PERIOD_MIN_US, PERIOD_MAX_US = 1000, 1_000_000
+PIDS_MAX_LIMIT = 1 << 22
+"""The largest number pids.max takes: the kernel's PID_MAX_LIMIT (above it, EINVAL)."""
 
 
 class Attribute(enum.StrEnum):
@@ -28,6 +30,7 @@ class Attribute(enum.StrEnum):
     MEMORY_HIGH = "memory.high"
     MEMORY_LOW = "memory.low"
     MEMORY_MIN = "memory.min"
+    PIDS_MAX = "pids.max"
     FREEZE = "cgroup.freeze"
     CPUSET_CPUS = "cpuset.cpus"
 
@@ -122,6 +125,28 @@ class MemoryLimit:
 
 
 @dataclass(frozen=True, slots=True)
+class PidsMax:
+    """pids.max: how many tasks (processes and threads) the cgroup and its descendants may
+    hold; None means 'max'. A fork past it fails with EAGAIN; nothing running is killed.
+
+    0 is the kernel's as much as any other number (an operator stops a fork bomb with it),
+    so a cgroup that holds it still reads; the policies never plan it (a job or a rule asks
+    for at least 1)."""
+
+    limit: int | None
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and not 0 <= self.limit <= PIDS_MAX_LIMIT:
+            raise InvalidValue(f"pids.max {self.limit} is outside 0..{PIDS_MAX_LIMIT}")
+
+    def render(self) -> str:
+        return "max" if self.limit is None else str(self.limit)
+
+    def looser_than(self, other: PidsMax) -> bool:
+        return other.limit is not None and (self.limit is None or self.limit > other.limit)
+
+
+@dataclass(frozen=True, slots=True)
 class Frozen:
     """cgroup.freeze: 1 stops every process in the cgroup where it stands, 0 resumes them.
     Nothing is killed; the kernel keeps their memory."""
@@ -166,7 +191,7 @@ class CpuSet:
         return False
 
 
-Value = CpuWeight | CpuMax | MemoryLimit | Frozen | CpuSet
+Value = CpuWeight | CpuMax | MemoryLimit | PidsMax | Frozen | CpuSet
 
 
 def is_looser(new: Value, old: Value) -> bool:
@@ -176,6 +201,8 @@ def is_looser(new: Value, old: Value) -> bool:
     if isinstance(new, CpuMax) and isinstance(old, CpuMax):
         return new.looser_than(old)
     if isinstance(new, MemoryLimit) and isinstance(old, MemoryLimit):
+        return new.looser_than(old)
+    if isinstance(new, PidsMax) and isinstance(old, PidsMax):
         return new.looser_than(old)
     if isinstance(new, Frozen) and isinstance(old, Frozen):
         return new.looser_than(old)

@@ -203,7 +203,7 @@ def _suspend(pgid: int, terminal: int) -> None:
 Examples:
   nodeagent exec -- python train.py
   nodeagent exec --name nightly --tenant research --class training \\
-      --deadline +2h --work 3h --cpus 2 --memory 8Gi -- ./train.sh
+      --deadline +2h --work 3h --cpus 2 --memory 8Gi --pids 512 -- ./train.sh
   nodeagent exec --deadline 2026-12-01T18:00:00Z --work 5400 -- make -j4
 
 The job shows in `nodeagent allocations` and `nodeagent explain NAME`.""",
@@ -233,6 +233,13 @@ The job shows in `nodeagent allocations` and `nodeagent explain NAME`.""",
 @click.option("--cpus", metavar="X", type=float, help="At most X CPUs (cpu.max), e.g. 2 or 0.5.")
 @click.option("--memory", metavar="SIZE", help="At most SIZE of memory (memory.max), e.g. 8Gi.")
 @click.option(
+    "--pids",
+    type=click.IntRange(min=1, max=1 << 22),
+    metavar="N",
+    help="At most N processes and threads (pids.max), e.g. 256: a fork past it fails"
+    " (EAGAIN); nothing is killed.",
+)
+@click.option(
     "--gpus",
     type=click.IntRange(min=1),
     metavar="N",
@@ -258,6 +265,7 @@ def exec_cmd(
     work: str | None,
     cpus: float | None,
     memory: str | None,
+    pids: int | None,
     gpus: int | None,
     gpu_memory: str | None,
     gpu_shared: bool,
@@ -278,6 +286,14 @@ def exec_cmd(
     exit status (128+N when CMD is killed by signal N). The job and its cgroup go away when
     the cgroup empties. Nothing is started when the daemon refuses the job (unknown tenant
     or class, a name that is taken, a deadline in the past or not granted, ...).
+
+    CMD leaves the cgroup this command runs in, but not its limits: for a caller other than
+    root, each of --cpus, --memory and --pids is held to the tightest of what is asked, the
+    limits of this command's own cgroup and its parents (a login's user-UID.slice: its
+    cpu.max, memory.max and pids.max, systemd's CPUQuota, MemoryMax and TasksMax) and the
+    policy's jobs.per_user_limits (4096 processes unless it says otherwise); left out, a
+    limit is the tightest of the other two. GET /v1/jobs shows what the job got and where
+    each limit came from (limits_from). Root's jobs take only what is asked.
     """
     from nodeagent.api import client
     from nodeagent.api.answers import StartedJob
@@ -321,6 +337,7 @@ def exec_cmd(
         "work": cpu_seconds,
         "cpus": cpus,
         "memory": size,
+        "pids": pids,
         "pid": pid,
         "gpu_request": grant,
     }

@@ -114,8 +114,12 @@ def _mode(write: str | None) -> str:
     return {"read-only": " (read-only)", "systemd": " (via systemd)"}.get(write or "", "")
 
 
-def _setting(row: Allocation, attribute: str) -> str:
-    v = row.values[attribute]
+def _setting(row: Allocation, attribute: str) -> str | None:
+    """One cell; none where the answer has no such attribute (a daemon from before it was
+    shown: pids.max)."""
+    v = row.values.get(attribute)
+    if v is None:
+        return None
     return setting(attribute, v.current, v.target, row.write != "read-only")
 
 
@@ -149,7 +153,7 @@ def allocations_table(
                 ]
             ),
         ]
-        at = 7 + named  # the GPUS column
+        at = 3 + named + len(SHOWN)  # the GPUS column
         rows.append(row if gpus else row[:at] + row[at + 1 :])
     mode = " (dry run: nothing written)" if data.dry_run else ""
     levels = sum(1 for a in allocated if a.level)
@@ -166,7 +170,7 @@ def allocations_table(
         tail += deadlines_table(jobs, data.time, width=width, wide=wide)
     headers = [
         "CGROUP", "NAME", "TENANT", "CLASS", "CPU.WEIGHT", "CPU.MAX", "MEM.MAX", "MEM.HIGH",
-        "GPUS", "CPU", "REASON",
+        "PIDS.MAX", "GPUS", "CPU", "REASON",
     ]  # fmt: skip
     if not gpus:
         headers.remove("GPUS")
@@ -337,8 +341,8 @@ def explain_text(data: Explanation | Mapping[str, Any]) -> str:
         "values:",
     ]
     for attr in SHOWN:
-        v = data.values[attr]
-        if v.target is not None or v.current is not None:
+        v = data.values.get(attr)  # none from a daemon from before pids.max was shown
+        if v is not None and (v.target is not None or v.current is not None):
             why = f"  [{v.policy}] {v.reason}" if v.policy else ""
             shown = setting(attr, v.current, v.target, written)
             lines.append(f"  {attr:<12} {shown}{why}")

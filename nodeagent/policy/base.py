@@ -260,7 +260,9 @@ class PolicyInput:
         return out
 
 
-CAPS = frozenset({Attribute.CPU_MAX, Attribute.MEMORY_MAX, Attribute.MEMORY_HIGH})
+CAPS = frozenset(
+    {Attribute.CPU_MAX, Attribute.MEMORY_MAX, Attribute.MEMORY_HIGH, Attribute.PIDS_MAX}
+)
 """Attributes that are limits: of two policies' values the lower one binds."""
 
 

@@ -1,6 +1,6 @@
 """Static caps and memory protection from the policy file (or `nodeagent exec`):
-cpu.max, memory.max, memory.high, and memory.min or memory.low; and the CPUs a job is
-pinned to (cpuset.cpus: its GPUs' CPUs, with gpu.pin_cpus).
+cpu.max, memory.max, memory.high, pids.max, and memory.min or memory.low; and the CPUs a
+job is pinned to (cpuset.cpus: its GPUs' CPUs, with gpu.pin_cpus).
 
 memory.max is never to be set below what a cgroup uses (the kernel would OOM-kill to
 get there). memory.high sits below memory.max as a throttle, by the kubelet's MemoryQoS
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuSet, MemoryLimit, Value
+from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuSet, MemoryLimit, PidsMax, Value
 from nodeagent.policy.base import Decision, Output, Policy, PolicyInput
 from nodeagent.policyfile.model import MAX, ClassSettings, Limits, MemoryProtection
 from nodeagent.snapshot import WorkloadState
@@ -42,6 +42,10 @@ class StaticLimits(Policy):
             why = f"rule {a.rule}"  # a cgroup it cannot plan is skipped by the pipeline
             out.extend(self._cpu(w, a.limits, why))
             out.extend(self._memory(w, a.limits, given.spec.classes[a.workload_class], page, why))
+            if a.limits.pids_max is not None:
+                pids = PidsMax(a.limits.pids_max)
+                reason = f"{why}: pids_max {a.limits.pids_max}"
+                out.append(self._decision(w, Attribute.PIDS_MAX, pids, reason))
             if a.cpuset:
                 value = CpuSet(a.cpuset)
                 reason = f"{why}: pinned to CPUs {value.render()}, its GPUs' (gpu.pin_cpus)"

@@ -21,7 +21,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import ErrorDetails
 
 from nodeagent.cgroupfs.paths import split_path
-from nodeagent.cgroupfs.values import QUOTA_MAX_US, QUOTA_MIN_US
+from nodeagent.cgroupfs.values import PIDS_MAX_LIMIT, QUOTA_MAX_US, QUOTA_MIN_US
 from nodeagent.errors import UnsafePath
 from nodeagent.identity import Owner, Runtime
 from nodeagent.policyfile.glob import glob_matches
@@ -32,6 +32,7 @@ from nodeagent.policyfile.model import (
     DeadlineGrant,
     Limits,
     Match,
+    PerUserLimits,
     PolicySpec,
     Rule,
     WorkloadClass,
@@ -49,6 +50,8 @@ from nodeagent.policyfile.yamlfile import (
     read_text,
 )
 
+JOB_PERIOD_US = Limits().cpu_period_us
+"""The cpu.max period of a job's cap (its Limits give none other)."""
 MIN_MEMORY = 1 << 20  # a smaller memory limit is a unit mistake (512 meant as 512Mi), not a policy
 # Trees that systemd or a container runtime owns: nodeagent's subtree must not be inside one,
 # unless it is below a service of its own (Delegate=yes).
@@ -409,6 +412,8 @@ def _check_semantics(spec: PolicySpec, where: Locator, report: Report) -> None:
                 if tenant != ANY and tenant not in spec.tenants:
                     hint = suggest(tenant) or f"; tenants are {_listed(tenants)} (or '*')"
                     add(("jobs", "access", i, "tenants", j), f"unknown tenant {tenant!r}{hint}")
+    with _SKIP_BROKEN:
+        _check_caps(spec.jobs.per_user_limits, JOB_PERIOD_US, ("jobs", "per_user_limits"), add)
     _check_power(spec, add)
     with _SKIP_BROKEN:
         _check_kubernetes(spec, add, suggest, tenants)
@@ -472,8 +477,8 @@ def _claims_slurm_jobs(match: Match) -> bool:
 def _check_limits(
     limits: Limits, at: Loc, add: typing.Callable[[Loc, str], None], match: Match
 ) -> None:
-    """A rule's limits: none for Slurm's jobs, memory.high not above memory.max, sizes of at
-    least 1Mi, and a CPU quota the kernel takes."""
+    """A rule's limits: none for Slurm's jobs, memory.high not above memory.max, and caps
+    the kernel takes (`_check_caps`)."""
     with _SKIP_BROKEN:
         if _claims_slurm_jobs(match) and limits != Limits():
             add(
@@ -490,9 +495,18 @@ def _check_limits(
                 f"memory_high ({high if high == MAX else f'{high} bytes'}) is above"
                 f" memory_max ({cap} bytes)",
             )
+    with _SKIP_BROKEN:
+        _check_caps(limits, limits.cpu_period_us, at, add)
+
+
+def _check_caps(
+    caps: Limits | PerUserLimits, period_us: int, at: Loc, add: typing.Callable[[Loc, str], None]
+) -> None:
+    """Caps the kernel takes, a rule's or `jobs.per_user_limits`: sizes of at least 1Mi, a
+    CPU quota within the kernel's bounds at `period_us`, pids from 1 to PID_MAX_LIMIT."""
     for key in ("memory_max", "memory_high"):
         with _SKIP_BROKEN:
-            size = getattr(limits, key)
+            size = getattr(caps, key, None)
             if isinstance(size, int) and size < MIN_MEMORY:
                 add(
                     (*at, key),
@@ -500,20 +514,28 @@ def _check_limits(
                     " such as 512Mi",
                 )
     with _SKIP_BROKEN:
-        if isinstance(limits.cpu_max, float):
-            quota = limits.cpu_max * limits.cpu_period_us
+        if isinstance(caps.cpu_max, float):
+            quota = caps.cpu_max * period_us
             if quota < QUOTA_MIN_US:
                 add(
                     (*at, "cpu_max"),
-                    f"{limits.cpu_max} cores is less than the kernel's minimum quota of "
-                    f"{QUOTA_MIN_US}us per {limits.cpu_period_us}us period",
+                    f"{caps.cpu_max} cores is less than the kernel's minimum quota of "
+                    f"{QUOTA_MIN_US}us per {period_us}us period",
                 )
             elif quota > QUOTA_MAX_US:
                 add(
                     (*at, "cpu_max"),
-                    f"{limits.cpu_max} cores is more than the kernel's maximum quota of "
+                    f"{caps.cpu_max} cores is more than the kernel's maximum quota of "
                     f"{QUOTA_MAX_US}us per period",
                 )
+    with _SKIP_BROKEN:
+        pids = caps.pids_max
+        if pids is not None and not 1 <= pids <= PIDS_MAX_LIMIT:
+            add(
+                (*at, "pids_max"),
+                f"{pids} is outside 1..{PIDS_MAX_LIMIT}: at least the one process a workload"
+                " starts with, at most the kernel's PID_MAX_LIMIT",
+            )
 
 
 def _items(values: typing.Any) -> list[typing.Any]:

@@ -415,6 +415,9 @@ class Limits(_Strict):
     memory_request: Size | None = None
     """What the workload needs: protected as memory.min or memory.low by its class, and the
     base of memory.high (kubelet's MemoryQoS: request + factor x (limit - request))."""
+    pids_max: StrictInt | None = None
+    """How many tasks (processes and threads) it may hold (pids.max): a fork past it fails,
+    nothing is killed. 1 to the kernel's 4194304 (checked by the loader)."""
 
 
 class Rule(_Strict):
@@ -595,6 +598,19 @@ class AccessEntry(_Strict):
     """Classes, or '*' for every class."""
 
 
+class PerUserLimits(_Strict):
+    """The most a job of a caller other than root gets, whatever it asks for: `nodeagent
+    exec` moves the caller's process out of its session into the managed root, away from
+    its own slice's limits (pids.max, memory.max, cpu.max), so a job takes the tightest of
+    its request, those limits and these. None (or 'max'): no bound from here."""
+
+    pids_max: StrictInt | None = 4096
+    """Tasks (processes and threads): a fork bomb stops at it. 1 to 4194304."""
+    memory_max: Size | None = None
+    cpu_max: Cores | None = None
+    """Cores, at the cpu.max period of 100 ms that jobs get."""
+
+
 class JobSettings(_Strict):
     """Defaults and limits for `nodeagent exec` and the GPU requests, and who may use what."""
 
@@ -604,6 +620,9 @@ class JobSettings(_Strict):
     """Who may use which tenants and classes besides the defaults; root may use all."""
     max_per_user: StrictInt = Field(64, ge=1, le=100_000)
     """Jobs one uid (other than root) may run at once."""
+    per_user_limits: PerUserLimits = PerUserLimits()
+    """Every job of a caller other than root is bounded by these, and by the limits of the
+    caller's own cgroups (see PerUserLimits)."""
 
 
 _CLOCK = re.compile(r"([01]\d|2[0-3]):([0-5]\d)")

@@ -51,6 +51,7 @@ TICK_FILES = (
     "memory.pressure",
     "cgroup.freeze",
     "cpuset.cpus",
+    "pids.max",
 )
 
 _MEMORY_LIMITS = (
@@ -156,6 +157,9 @@ def read_sample(
     cpuset = get(Attribute.CPUSET_CPUS, parse.cpuset)  # only where the controller is enabled
     if cpuset is not None:
         settings[Attribute.CPUSET_CPUS] = cpuset
+    pids = get(Attribute.PIDS_MAX, parse.pids_max)  # only where the pids controller is
+    if pids is not None:
+        settings[Attribute.PIDS_MAX] = pids
     return CgroupSample(
         populated=bool(events["populated"]) if "populated" in events else None,
         cpu_usage_us=cpu.get("usage_usec"),

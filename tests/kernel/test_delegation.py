@@ -47,8 +47,11 @@ def test_a_busy_ancestor_of_the_managed_root_is_named_with_its_processes(
     managed = rel(parent) + "/workloads"
     with pytest.raises(NodeagentError) as info:
         agent(spec(managed, tmp_path, tenants={"a": {"shares": 1}}))
+    # pids too where the parent offers it (nodeagent enables it for jobs' pids.max)
+    offered = read(parent, "cgroup.controllers").split()
+    wanted = " ".join(f"+{c}" for c in ("cpu", "memory", "pids") if c in offered)
     assert str(info.value) == (
-        f"cgroup {rel(parent)}: writing '+cpu +memory' to cgroup.subtree_control failed:"
+        f"cgroup {rel(parent)}: writing '{wanted}' to cgroup.subtree_control failed:"
         f" Device or resource busy; it holds processes {procs[0].pid}: move them into a leaf"
         " cgroup (no-internal-processes rule)"
     )

@@ -40,6 +40,7 @@ FILES = {
     "memory.current": "0",
     "memory.high": "max",
     "memory.max": "max",
+    "pids.max": "max",  # the agent enables pids down to the managed root where offered
 }
 
 GPUS = """\

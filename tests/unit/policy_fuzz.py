@@ -59,6 +59,7 @@ KEYS = [
     "socket_group", "half_life", "weight_per_workload", "active_threshold", "deadband",
     "cpu_max", "cpu_period_us", "memory_max", "memory_high", "path", "runtime", "kind", "owner",
     "qos", "pod_uid", "container_id", "research", "prod", "<<", "Version", "tenants ",
+    "pids_max", "per_user_limits",
 ]  # fmt: skip
 SCALARS = [
     "", "~", "null", "true", "no", "On", "y", "0", "-0", "1.0", "-1", "1_000", "0x7f", "0o17",

@@ -1,5 +1,6 @@
 """Which cgroup the agent itself is in, read from /proc/self/cgroup: one line when it cannot be
-read (a proc root without it: before, `nodeagent run` died with a traceback)."""
+read (a proc root without it: before, `nodeagent run` died with a traceback); and the
+controllers it enables down to its managed root."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from pathlib import Path
 import pytest
 
 from nodeagent.cgroupfs.subtree import own_cgroup
+from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.daemon import open_agent
 from nodeagent.errors import NodeagentError
+from nodeagent.policyfile.model import PolicySpec
 
 
 def test_the_v2_entry_is_the_agents_cgroup(tmp_path: Path) -> None:
@@ -28,3 +32,53 @@ def test_a_v1_only_file_says_so(tmp_path: Path) -> None:
     (tmp_path / "self" / "cgroup").write_text("12:cpu,cpuacct:/user.slice\n")
     with pytest.raises(NodeagentError, match="has no cgroup v2 entry"):
         own_cgroup(str(tmp_path))
+
+
+class KernelLikeTree(CgroupTree):
+    """A plain directory as the cgroup root whose mkdir makes the files the kernel makes:
+    a child is offered (cgroup.controllers) what its parent's cgroup.subtree_control
+    enabled. A write replaces a file (files_replace_their_value): what the agent wrote
+    last there is what it enabled."""
+
+    def mkdir(self, path: str) -> bool:
+        made = super().mkdir(path)
+        if made:
+            parent = Path(self.path_of(path)).parent
+            offered = (parent / "cgroup.subtree_control").read_text().replace("+", "")
+            for name, text in {"cgroup.controllers": offered, "cgroup.subtree_control": "",
+                               "cgroup.procs": ""}.items():  # fmt: skip
+                Path(self.path_of(path), name).write_text(text)
+        return made
+
+
+def prepared(tmp_path: Path, offered: str) -> Path:
+    """The cgroup tree after the agent prepared its managed root, the host's root offering
+    `offered`."""
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    for name, text in {"cgroup.controllers": offered, "cgroup.subtree_control": "",
+                       "cgroup.procs": ""}.items():  # fmt: skip
+        (root / name).write_text(text)
+    policy = {"version": 1, "tenants": {"a": {"shares": 1}},
+              "agent": {"managed_root": "jobs.slice/nodeagent.slice",
+                        "state_file": str(tmp_path / "state.json")}}  # fmt: skip
+    open_agent(PolicySpec.model_validate(policy), KernelLikeTree(str(root))).prepare()
+    return root
+
+
+@pytest.mark.usefixtures("files_replace_their_value")
+def test_pids_is_enabled_down_to_the_managed_root_where_the_host_offers_it(
+    tmp_path: Path,
+) -> None:
+    """Issue 34 item 4: a job's pids.max needs the pids controller in the managed root,
+    whose children the jobs are; before, only cpu and memory were enabled there."""
+    root = prepared(tmp_path, "cpuset cpu io memory pids\n")
+    for level in (root, root / "jobs.slice", root / "jobs.slice" / "nodeagent.slice"):
+        assert (level / "cgroup.subtree_control").read_text() == "+cpu +memory +pids", level
+
+
+@pytest.mark.usefixtures("files_replace_their_value")
+def test_a_host_without_pids_still_gets_its_managed_root(tmp_path: Path) -> None:
+    root = prepared(tmp_path, "cpu memory\n")
+    managed = root / "jobs.slice" / "nodeagent.slice"
+    assert (managed / "cgroup.subtree_control").read_text() == "+cpu +memory"

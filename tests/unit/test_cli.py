@@ -596,7 +596,9 @@ def allocation(cgroup: str) -> dict[str, Any]:
         "level": False,
         "status": "ok",
         "problem": None,
-        "values": {a: value for a in ("cpu.weight", "cpu.max", "memory.max", "memory.high")},
+        "values": {
+            a: value for a in ("cpu.weight", "cpu.max", "memory.max", "memory.high", "pids.max")
+        },
         "cpu_rate": 0.5,
         "memory_current": 4096,
         "reason": "fair share",
@@ -784,18 +786,32 @@ def test_workloads_reads_a_plain_directory_as_it_is(cgroup_root: Path, tmp_path:
     assert DOCKER[:30] in proc.stdout
 
 
+def test_allocations_from_a_daemon_from_before_pids_max_was_shown(fake_daemon: Any) -> None:
+    """A CLI upgraded before its daemon restarts: an answer without pids.max is shown, the
+    cell empty, not a KeyError's traceback."""
+    row = allocation(JOB)
+    row["values"] = {a: v for a, v in row["values"].items() if a != "pids.max"}
+    sock = fake_daemon({"/v1/allocations": {"GET": lambda _: allocations_answer([row])}})
+    proc = nodeagent("allocations", "--socket", sock, COLUMNS="200")
+    assert proc.returncode == 0, proc.stderr
+    header, job = proc.stdout.splitlines()[1:3]
+    assert header.split()[7] == "PIDS.MAX" and job.split()[7] == "-", proc.stdout
+
+
 def test_allocations_fits_the_terminal(fake_daemon: Any) -> None:
-    """Issue 13, item 24, for allocations: full ids, and reasons of a hundred characters."""
+    """Issue 13, item 24, for allocations: full ids, and reasons of a hundred characters, at
+    110 columns (100 before the PIDS.MAX column: the reasons, then the paths, are cut to fit,
+    and at 100 the paths now are)."""
     rows = [
         {**allocation(p), "reason": "cpu weight for a target of 1.33 cores; " * 3}
         for p in (DOCKER, POD_CONTAINER, JOB)
     ]
     answer = allocations_answer(rows)
     sock = fake_daemon({"/v1/allocations": {"GET": lambda _: answer}})
-    proc = nodeagent("allocations", "--socket", sock, COLUMNS="100")
+    proc = nodeagent("allocations", "--socket", sock, COLUMNS="110")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert max(map(len, lines)) <= 100, proc.stdout
+    assert max(map(len, lines)) <= 110, proc.stdout
     assert lines[1].split() == [
         "CGROUP",
         "TENANT",
@@ -804,13 +820,14 @@ def test_allocations_fits_the_terminal(fake_daemon: Any) -> None:
         "CPU.MAX",
         "MEM.MAX",
         "MEM.HIGH",
+        "PIDS.MAX",
         "CPU",
         "REASON",
     ]  # fmt: skip  (no GPUS column: no workload holds one)
     assert CID[12:] not in proc.stdout
     assert lines[-1].startswith(JOB + " ")
     assert lines[-1].endswith("\u2026")  # the reason, cut
-    proc = nodeagent("allocations", "--socket", sock, "--wide", COLUMNS="100")
+    proc = nodeagent("allocations", "--socket", sock, "--wide", COLUMNS="110")
     assert "GPUS" in proc.stdout.splitlines()[1].split()
     assert any(line.startswith(DOCKER + " ") for line in proc.stdout.splitlines())
     assert proc.stdout.count("cpu weight for a target of 1.33 cores;") == 9

@@ -84,7 +84,7 @@ def daemon() -> Iterator[str]:
             name=name, cgroup=f"nodeagent.slice/{name}", tenant="t", workload_class="batch",
             uid=os.getuid(), pid=int(request.body["pid"]), submitted_at=1.0, deadline=None,
             work=None, cpus=None, memory=None, gpus=[], gpu_hold=None, pinned_cpus=[],
-            env={"NODEAGENT_TEST": "1"},
+            pids=None, limits_from={}, env={"NODEAGENT_TEST": "1"},
         )  # fmt: skip
 
     server = ApiServer(
