@@ -16,6 +16,9 @@ cgroup as its own, asked once per cgroup (`_VerifiedUnits`), never read off the 
 cgroup merely named like a unit, or below one, is left read-only, logged once. Without
 D-Bus, `agent.systemd.without_bus` says whether such cgroups are left alone (said once) or
 their files written directly.
+
+The agent's own cgroup and those above it are never tightened, whatever the plan says
+(nodeagent.selfguard): such a write is read-only, logged once per cgroup.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from nodeagent.ownership import WriteMode, read_only_reason
 from nodeagent.policy.plan import CgroupPlan, Plan, Target
 from nodeagent.policyfile.model import WithoutBus
 from nodeagent.sdbus import NoBus, NotTheUnit
+from nodeagent.selfguard import SelfGuard
 from nodeagent.snapshot import NodeSnapshot
 
 log = structlog.get_logger("nodeagent")
@@ -106,8 +110,14 @@ class Executor:
         dry_run: bool = False,
         units: Units | None = None,
         without_bus: Callable[[], WithoutBus] = lambda: WithoutBus.READ_ONLY,
+        *,
+        guard: SelfGuard | None = None,
     ) -> None:
         self.tree = tree
+        self.guard = SelfGuard(tree) if guard is None else guard
+        """Where the agent runs: never tightened (see the module's docstring)."""
+        self._guarded: set[str] = set()
+        """Cgroups a tightening write was refused for, the agent's: logged once each."""
         self.audit = audit
         self.dry_run = dry_run
         self.units = units
@@ -146,6 +156,8 @@ class Executor:
         for p in pending:
             looser = p.current is not None and is_looser(p.target.value, p.current)
             (loosen if looser else tighten).append(p)
+        tighten, refused = self._unguarded(tighten)
+        results.extend(refused)
         # memory.max last within a cgroup: memory.high, lowered first, makes the kernel reclaim
         ordered = sorted(loosen, key=lambda p: p.depth) + sorted(
             tighten, key=lambda p: (-p.depth, p.attribute is Attribute.MEMORY_MAX)
@@ -160,6 +172,34 @@ class Executor:
             cg for cg in thaws if cg.path in again and _writable(cg.write, Attribute.FREEZE)
         ]
         return results
+
+    def _unguarded(self, tighten: list[_Pending]) -> tuple[list[_Pending], list[WriteResult]]:
+        """The tightening writes that may go ahead, and those refused because the agent runs
+        in that cgroup or below it. A thaw is never refused (its value is unknown when it is
+        outside the workloads: it only ever loosens)."""
+        if not tighten:
+            return tighten, []
+        self.guard.begin()
+        kept: list[_Pending] = []
+        refused: list[WriteResult] = []
+        for p in tighten:
+            why = None if p.target.value == Frozen(False) else self.guard.refuses(p.path)
+            if why is None:
+                kept.append(p)
+                continue
+            refused.append(_result(p, Outcome.READ_ONLY, why))
+            if p.path not in self._guarded:
+                self._guarded.add(p.path)
+                log.warning(
+                    "agent.own_cgroup_guarded",
+                    cgroup=p.path,
+                    attribute=str(p.attribute),
+                    value=p.target.render(),
+                    reason=p.target.reason,
+                    problem=why,
+                    action="left as it is; said once per cgroup",
+                )
+        return kept, refused
 
     def _thaws(
         self, plan: Plan, current: Mapping[str, Mapping[Attribute, Value]]

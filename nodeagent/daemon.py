@@ -46,6 +46,7 @@ from nodeagent.routes.agent import agent_routes
 from nodeagent.routes.gpus import GpuRoutes
 from nodeagent.runtimes.metadata import RuntimeMetadata
 from nodeagent.sdbus import Systemd
+from nodeagent.selfguard import SelfGuard
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
 from nodeagent.slurm import SlurmJobs
@@ -86,6 +87,7 @@ def open_agent(
         dry_run,
         Systemd(),  # systemd's D-Bus API, for the cgroups it owns; connected at the first write
         lambda: rec.spec.agent.systemd.without_bus,
+        guard=SelfGuard(tree, proc_root),  # the agent's cgroup and those above: never tightened
     )
     rec = Reconciler(
         spec,
