@@ -280,8 +280,8 @@ class Service:
         (not from this process's cgroup, outside systemd's cgroup namespace, which earlier
         tests may have moved: the agent may not move a process in from there). The job ends
         when the test ends it, or at the test's end (cgroup.kill): a `sleep 600` ended on its
-        own under the 900 s ceiling, and a slow restart, crash and watchdog kill (608 s on a
-        busy host) then read as a job that died with the agent."""
+        own under the 900 s ceiling when a busy host made the restart, crash and watchdog
+        kill slow, and then read as a job that died with the agent."""
         clients = self.host.outer("/nodeagent-test-clients")
         clients.mkdir(exist_ok=True)
         enter = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(clients)]
