@@ -1,10 +1,12 @@
-"""Hand-built snapshots, workloads and policies for the pure policy tests."""
+"""Hand-built snapshots, workloads, policies and fixture cgroup trees for the unit tests."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
+from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
 from nodeagent.policy.base import PolicyInput
 from nodeagent.policy.classify import assign
@@ -26,6 +28,29 @@ CGROUP_FILES = {
 }
 """A busy cgroup's interface files, for an agent's real tick over a fixture tree (the files
 a sensor reads and the executor writes)."""
+
+
+def pod_tree(root: Path, *paths: str, files: Mapping[str, str] = CGROUP_FILES) -> CgroupTree:
+    """A fixture tree at `root` as the kubelet's cgroupfs driver lays out pods: kubepods,
+    its burstable tier and `paths` (pods and their containers), each holding `files`."""
+    for path in ["kubepods", "kubepods/burstable", *paths]:
+        d = root / path
+        d.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (d / name).write_text(text)
+    return CgroupTree(str(root))
+
+
+def one_tenant(tmp_path: Path, rules: Iterable[Mapping[str, Any]]) -> PolicySpec:
+    """A policy of `rules`, all for tenant `a`, its state file in `tmp_path`."""
+    return PolicySpec.model_validate(
+        {
+            "version": 1,
+            "agent": {"state_file": str(tmp_path / "state.json")},
+            "tenants": {"a": {"shares": 1}},
+            "rules": list(rules),
+        }
+    )
 
 
 def job(path: str, name: str | None = None) -> WorkloadIdentity:

@@ -18,9 +18,8 @@ from typing import Any
 
 import pytest
 import structlog
-from builders import CGROUP_FILES, CID, CID2, POD
+from builders import CID, CID2, POD, one_tenant, pod_tree
 
-from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute
 from nodeagent.daemon import Agent, open_agent
 from nodeagent.policyfile.model import PolicySpec
@@ -36,24 +35,13 @@ def spec(tmp_path: Path, *containers: str) -> PolicySpec:
         {"name": f"cap-{n}", "match": {"path": c}, "tenant": "a", "limits": {"cpu_max": 1}}
         for n, c in enumerate(containers)
     ]
-    return PolicySpec.model_validate(
-        {
-            "version": 1,
-            "agent": {"state_file": str(tmp_path / "state.json")},
-            "tenants": {"a": {"shares": 1}},
-            "rules": rules,
-        }
-    )
+    return one_tenant(tmp_path, rules)
 
 
 @pytest.fixture
 def agent(tmp_path: Path) -> Agent:
-    for path in ["kubepods", "kubepods/burstable", POD, KEPT, DROPPED]:
-        d = tmp_path / "cgroup" / path
-        d.mkdir(parents=True, exist_ok=True)
-        for name, text in CGROUP_FILES.items():
-            (d / name).write_text(text)
-    a = open_agent(spec(tmp_path, KEPT, DROPPED), CgroupTree(str(tmp_path / "cgroup")))
+    tree = pod_tree(tmp_path / "cgroup", POD, KEPT, DROPPED)
+    a = open_agent(spec(tmp_path, KEPT, DROPPED), tree)
     a.registry.resync()
     a.tick()
     assert cpu_max(a, KEPT) == cpu_max(a, DROPPED) == "100000 100000"

@@ -16,15 +16,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from builders import CGROUP_FILES, CID, CID2, POD
+from builders import CID, CID2, POD, one_tenant, pod_tree
 
 from nodeagent import state
-from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute
 from nodeagent.daemon import Agent, open_agent
 from nodeagent.originals import Originals
 from nodeagent.ownership import WriteMode
-from nodeagent.policyfile.model import PolicySpec
 
 POD2 = "kubepods/burstable/pod0c5d8e2a-7b3f-4a1e-9d6c-5f4e3d2c1b0a"
 CONTAINERS = [f"{POD}/{CID}", f"{POD}/{CID2}"]
@@ -33,23 +31,9 @@ OTHER = f"{POD2}/{'ab' * 32}"
 
 @pytest.fixture
 def agent(tmp_path: Path) -> Agent:
-    for path in ["kubepods", "kubepods/burstable", POD, POD2, *CONTAINERS, OTHER]:
-        d = tmp_path / "cgroup" / path
-        d.mkdir(parents=True, exist_ok=True)
-        for name, text in CGROUP_FILES.items():
-            (d / name).write_text(text)
-    spec = PolicySpec.model_validate(
-        {
-            "version": 1,
-            "agent": {"state_file": str(tmp_path / "state.json")},
-            "tenants": {"a": {"shares": 1}},
-            "rules": [
-                {"name": "cap", "match": {"kind": "container"}, "tenant": "a",
-                 "limits": {"cpu_max": 1}},
-            ],
-        }
-    )  # fmt: skip
-    a = open_agent(spec, CgroupTree(str(tmp_path / "cgroup")))
+    tree = pod_tree(tmp_path / "cgroup", POD, POD2, *CONTAINERS, OTHER)
+    rule = {"name": "cap", "match": {"kind": "container"}, "tenant": "a", "limits": {"cpu_max": 1}}
+    a = open_agent(one_tenant(tmp_path, [rule]), tree)
     a.registry.resync()
     return a
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from builders import CID, CID2, POD_UID
+from builders import CID, CID2, POD_UID, pod_tree
 
 from nodeagent import state
 from nodeagent.cgroupfs.tree import CgroupTree
@@ -46,14 +46,10 @@ KUBELET_WEIGHT = "39\n"
 
 @pytest.fixture
 def tree(tmp_path: Path) -> CgroupTree:
-    for path in ["kubepods", "kubepods/burstable", POD, *CONTAINERS]:
-        d = tmp_path / "cgroup" / path
-        d.mkdir(parents=True, exist_ok=True)
-        for name, text in FILES.items():
-            (d / name).write_text(text)
+    tree = pod_tree(tmp_path / "cgroup", POD, *CONTAINERS, files=FILES)
     # the kubelet's weight for the pod, from its CPU requests (kubelet's MilliCPUToShares)
     (tmp_path / "cgroup" / POD / "cpu.weight").write_text(KUBELET_WEIGHT)
-    return CgroupTree(str(tmp_path / "cgroup"))
+    return tree
 
 
 def agent(tree: CgroupTree, tmp_path: Path) -> Agent:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from builders import CGROUP_FILES, CID, CID2, POD
+from builders import CGROUP_FILES, CID, CID2, POD, one_tenant, pod_tree
 
 from nodeagent.cgroupfs import unitprops, values
 from nodeagent.cgroupfs.tree import CgroupTree
@@ -43,24 +43,14 @@ def spec(tmp_path: Path, pids: int | None) -> PolicySpec:
         else [{"name": "cap", "match": {"path": CAPPED}, "tenant": "a",
                "limits": {"pids_max": pids}}]
     )  # fmt: skip
-    return PolicySpec.model_validate(
-        {
-            "version": 1,
-            "agent": {"state_file": str(tmp_path / "state.json")},
-            "tenants": {"a": {"shares": 1}},
-            "rules": rules,
-        }
-    )
+    return one_tenant(tmp_path, rules)
 
 
 @pytest.fixture
 def agent(tmp_path: Path) -> Agent:
-    for path in ["kubepods", "kubepods/burstable", POD, CAPPED, OTHER]:
-        d = tmp_path / "cgroup" / path
-        d.mkdir(parents=True, exist_ok=True)
-        for name, text in {**CGROUP_FILES, "pids.max": "max\n"}.items():
-            (d / name).write_text(text)
-    a = open_agent(spec(tmp_path, 64), CgroupTree(str(tmp_path / "cgroup")))
+    files = {**CGROUP_FILES, "pids.max": "max\n"}
+    tree = pod_tree(tmp_path / "cgroup", POD, CAPPED, OTHER, files=files)
+    a = open_agent(spec(tmp_path, 64), tree)
     a.registry.resync()
     return a
 
