@@ -100,6 +100,19 @@ def namespace_entry(namespace: str, settings: KubernetesSettings) -> NamespaceTe
     return next((e for g, e in settings.namespaces.items() if glob_matches(g, namespace)), None)
 
 
+def _may_choose(
+    named: str, tenant: str | None, allowed: tuple[str, ...], tenants: Mapping[str, object]
+) -> bool:
+    """Whether a namespace's label or a pod's claim may name `named` over the entry's tenant:
+    only a tenant the entry allows, and one the policy has."""
+    return tenant is not None and named in allowed and named in tenants
+
+
+def _may(tenant: str | None, allowed: tuple[str, ...]) -> str:
+    """The tenants a namespace may use, as a refusal's sentence lists them."""
+    return ", ".join([t for t in (tenant, *allowed) if t]) or "none named"
+
+
 def namespace_tenant(
     namespace: str, ns_labels: Mapping[str, str] | None, settings: KubernetesSettings,
     tenants: Mapping[str, object],
@@ -113,15 +126,14 @@ def namespace_tenant(
     named = ns_labels.get(settings.tenant_label)
     if named is None or named == tenant:
         return tenant, allowed, None
-    if tenant is not None and named in allowed and named in tenants:
+    if _may_choose(named, tenant, allowed, tenants):
         return named, (), None  # the label chose: its pods claim no other
-    may = ", ".join([t for t in (tenant, *allowed) if t]) or "none named"
     return (
         tenant,
         allowed,
         (
             f"namespace {namespace}'s label {settings.tenant_label}={show(named)!r} names a tenant"
-            f" the namespace may not use (it may: {may}); refused"
+            f" the namespace may not use (it may: {_may(tenant, allowed)}); refused"
         ),
     )
 
@@ -139,13 +151,12 @@ def pod_tenant(
     claim = pod.annotations.get(TENANT, pod.labels.get(TENANT))
     if claim is None or claim == tenant:
         return tenant, refused
-    if tenant is not None and claim in allowed and claim in tenants:
+    if _may_choose(claim, tenant, allowed, tenants):
         return claim, refused
-    may = ", ".join([t for t in (tenant, *allowed) if t]) or "none named"
     return tenant, (
         *refused,
         f"pod {pod.ref} claims tenant {claim!r}, which namespace {pod.namespace} may not use"
-        f" (it may: {may}); refused",
+        f" (it may: {_may(tenant, allowed)}); refused",
     )
 
 
