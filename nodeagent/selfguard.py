@@ -36,6 +36,10 @@ class SelfGuard:
         self.pid = os.getpid() if pid is None else pid
         self._own: str | None = None
         """The agent's cgroup in the tree; None while only a search can tell."""
+        self._namespaced = False
+        self._found: str | None = None
+        """Where a search last found the agent's process (namespaced): checked with one read
+        at the next `begin` instead of searched again every tick."""
 
     def begin(self) -> None:
         """Read where the agent is now (it moves into a leaf of its own at start)."""
@@ -43,30 +47,31 @@ class SelfGuard:
             own = own_cgroup(self.proc_root)
         except NodeagentError:
             own = ""
-        if own == "" and not self._in(""):
-            self._own = None  # namespaced: "/" is the namespace's root, not the tree's
-        else:
+        self._namespaced = own == "" and not self._in("")
+        if not self._namespaced:
             self._own = own
+        elif self._found is not None and self._in(self._found):
+            self._own = self._found
+        else:  # "/" is the namespace's root, not the tree's: only a search can tell
+            self._own = self._found = None
 
     def refuses(self, path: str) -> str | None:
         """Why `path` may not be tightened (the agent is in it or below it); None: it may."""
-        if self._own is not None:
-            if path in (self._own, "") or self._own.startswith(path + "/"):
+        if self._own is None:
+            found, complete = self._search(path)
+            if not complete:
                 return (
-                    f"the agent runs in {self._own or '/'}: its own cgroup and those above it"
-                    " are never tightened"
+                    f"more than {MOST_SEARCHED} cgroups below {path or '/'}: the agent's own"
+                    " process may be among them, and its cgroups are never tightened"
                 )
-            return None
-        searched = self._search(path)
-        if searched is None:
+            if found is None:
+                return None
+            self._own = self._found = found
+        if path in (self._own, "") or self._own.startswith(path + "/"):
+            who = f"the agent's process {self.pid}" if self._namespaced else "the agent"
             return (
-                f"more than {MOST_SEARCHED} cgroups below {path or '/'}: the agent's own"
-                " process may be among them, and its cgroups are never tightened"
-            )
-        if searched:
-            return (
-                f"the agent's process {self.pid} runs in {path or '/'} or below it: its own"
-                " cgroup and those above it are never tightened"
+                f"{who} runs in {self._own or '/'}: its own cgroup and those above it are"
+                " never tightened"
             )
         return None
 
@@ -78,19 +83,20 @@ class SelfGuard:
         except (CgroupVanished, NodeagentError, OSError):
             return False
 
-    def _search(self, path: str) -> bool | None:
-        """Whether the agent's process is in `path` or below it; None past MOST_SEARCHED."""
+    def _search(self, path: str) -> tuple[str | None, bool]:
+        """The cgroup at or below `path` that holds the agent's process (None: none), and
+        whether the search was complete (False past MOST_SEARCHED cgroups)."""
         todo, seen = [path], 0
         while todo:
             at = todo.pop()
             seen += 1
             if seen > MOST_SEARCHED:
-                return None
+                return None, False
             if self._in(at):
-                return True
+                return at, True
             try:
                 with self.tree.open(at) as d:
                     todo.extend(f"{at}/{name}" if at else name for name in d.subdirs())
             except (CgroupVanished, NodeagentError, OSError):
                 continue
-        return False
+        return None, True

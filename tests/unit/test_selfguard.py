@@ -174,3 +174,36 @@ def test_an_agent_at_the_root_or_elsewhere_guards_only_its_own_line(
     assert guard.refuses("") is not None
     assert guard.refuses("system.slice/x.service") is None
     assert (guard.refuses("user.slice") is None) == (where == "")
+
+
+def test_in_a_pod_the_agents_place_once_found_costs_one_read_a_tick_until_it_moves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The search of the tree (up to MOST_SEARCHED cgroup.procs files) is not repeated every
+    tick: the next apply checks the cgroup it found, and searches again only once the
+    agent's process is no longer there."""
+    moved = f"{POD}/{'c3' * 32}"
+    cg = tree(tmp_path / "cg", [MINE, OTHER, moved], procs={MINE: str(PID)})
+    guard = SelfGuard(cg, proc(tmp_path / "proc", "/"), pid=PID)
+    read: list[str] = []
+    real = SelfGuard._in
+
+    def counted(self: SelfGuard, path: str) -> bool:
+        read.append(path)
+        return real(self, path)
+
+    monkeypatch.setattr(SelfGuard, "_in", counted)
+    guard.begin()
+    assert guard.refuses(OTHER) is None
+    assert guard.refuses("kubepods") is not None
+    assert len(read) > 4, "the first apply searches"
+    read.clear()
+    guard.begin()
+    assert guard.refuses(OTHER) is None
+    assert guard.refuses(POD) is not None
+    assert read == ["", MINE], "the next reads the root's cgroup.procs and the place it found"
+    (tmp_path / "cg" / MINE / "cgroup.procs").write_text("\n")
+    (tmp_path / "cg" / moved / "cgroup.procs").write_text(f"{PID}\n")
+    guard.begin()
+    assert guard.refuses(MINE) is None, "moved away: searched again"
+    assert f"the agent's process {PID} runs in {moved}" in (guard.refuses(moved) or "")
