@@ -18,7 +18,9 @@ D-Bus, `agent.systemd.without_bus` says whether such cgroups are left alone (sai
 their files written directly.
 
 The agent's own cgroup and those above it are never tightened, whatever the plan says
-(nodeagent.selfguard): such a write is read-only, logged once per cgroup.
+(nodeagent.selfguard), nor are the node-critical pods' (`kubernetes.node_critical`, which
+the plan spares already: this holds for a plan made again after their values moved): such
+a write is read-only, logged once per cgroup.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from nodeagent.cgroupfs.values import (
 from nodeagent.errors import NodeagentError, one_line
 from nodeagent.logs import audit_event
 from nodeagent.ownership import WriteMode, read_only_reason
-from nodeagent.policy.plan import CgroupPlan, Plan, Target
+from nodeagent.policy.plan import CgroupPlan, Plan, Target, node_critical
 from nodeagent.policyfile.model import WithoutBus
 from nodeagent.sdbus import NoBus, NotTheUnit
 from nodeagent.selfguard import SelfGuard
@@ -156,7 +158,8 @@ class Executor:
         for p in pending:
             looser = p.current is not None and is_looser(p.target.value, p.current)
             (loosen if looser else tighten).append(p)
-        tighten, refused = self._unguarded(tighten)
+        critical = node_critical([cg.identity for cg in plan.cgroups], plan.assignments())
+        tighten, refused = self._unguarded(tighten, critical)
         results.extend(refused)
         # memory.max last within a cgroup: memory.high, lowered first, makes the kernel reclaim
         ordered = sorted(loosen, key=lambda p: p.depth) + sorted(
@@ -173,17 +176,28 @@ class Executor:
         ]
         return results
 
-    def _unguarded(self, tighten: list[_Pending]) -> tuple[list[_Pending], list[WriteResult]]:
-        """The tightening writes that may go ahead, and those refused because the agent runs
-        in that cgroup or below it. A thaw is never refused (its value is unknown when it is
-        outside the workloads: it only ever loosens)."""
+    def _unguarded(
+        self, tighten: list[_Pending], critical: Mapping[str, str]
+    ) -> tuple[list[_Pending], list[WriteResult]]:
+        """The tightening writes that may go ahead, and those refused: the agent runs in
+        that cgroup or below it, or it keeps the node running (`critical`, why by path:
+        the plan drops such targets already, this holds whatever a plan made again
+        says). A thaw is never refused (its value is unknown when it is outside the
+        workloads: it only ever loosens)."""
         if not tighten:
             return tighten, []
         self.guard.begin()
         kept: list[_Pending] = []
         refused: list[WriteResult] = []
         for p in tighten:
-            why = None if p.target.value == Frozen(False) else self.guard.refuses(p.path)
+            if p.target.value == Frozen(False):
+                kept.append(p)
+                continue
+            event, why = "agent.node_critical_guarded", critical.get(p.path)
+            if why is None:
+                event, why = "agent.own_cgroup_guarded", self.guard.refuses(p.path)
+            else:
+                why += ": what keeps the node running is never lowered, capped or frozen"
             if why is None:
                 kept.append(p)
                 continue
@@ -191,7 +205,7 @@ class Executor:
             if p.path not in self._guarded:
                 self._guarded.add(p.path)
                 log.warning(
-                    "agent.own_cgroup_guarded",
+                    event,
                     cgroup=p.path,
                     attribute=str(p.attribute),
                     value=p.target.render(),

@@ -155,6 +155,9 @@ class Workload(Answer):
     metadata_problem: str | None
     matched: list[str]
     refused: list[str]
+    node_critical: str | None = None
+    """Why it keeps the node running (kubernetes.node_critical): never lowered, capped or
+    frozen. None: it may be."""
 
 
 class Planned(Workload):

@@ -298,6 +298,8 @@ def _explain_metadata(data: Explanation) -> list[str]:
     if data.matched:
         lines.append(f"  rule {data.rule} matched: {', '.join(data.matched)}")
     lines.extend(f"  refused: {x}" for x in data.refused)
+    if data.node_critical:
+        lines.append(f"  {data.node_critical}: never lowered, capped or frozen")
     return lines
 
 

@@ -40,6 +40,7 @@ from nodeagent.policyfile.model import (
     ClassSource,
     KubernetesSettings,
     NamespaceTenant,
+    NodeCriticalSettings,
     WorkloadClass,
 )
 
@@ -158,6 +159,18 @@ def pod_tenant(
         f"pod {pod.ref} claims tenant {claim!r}, which namespace {pod.namespace} may not use"
         f" (it may: {_may(tenant, allowed)}); refused",
     )
+
+
+def node_critical(pod: PodView, settings: NodeCriticalSettings) -> str | None:
+    """Why the pod keeps the node running (`kubernetes.node_critical`), as a sentence; None:
+    it does not."""
+    glob = next((g for g in settings.namespaces if glob_matches(g, pod.namespace)), None)
+    if glob is not None:
+        return f"node-critical: pod {pod.ref} is in namespace {pod.namespace} ({glob!r})"
+    floor = settings.min_priority
+    if floor is not None and pod.priority is not None and pod.priority >= floor:
+        return f"node-critical: pod {pod.ref} has priority {pod.priority} (at least {floor})"
+    return None
 
 
 def _class(pod: PodView, source: ClassSource) -> tuple[WorkloadClass, str] | None:

@@ -61,6 +61,9 @@ class Assignment:
     cpuset: tuple[int, ...] = ()
     """The CPUs it is pinned to (cpuset.cpus), sorted; none: its parent's. A job's GPUs'
     CPUs, with gpu.pin_cpus where its cgroup has the cpuset controller."""
+    node_critical: str | None = None
+    """Why it keeps the node running (`kubernetes.node_critical`: a kube-system pod, one of
+    a system priority): the plan never lowers, caps or freezes it. None: it may be."""
     declared: str | None = None
     """Who declared its deadline, where that is the workload's side and not the operator:
     "uid 1000 through nodeagent exec", "its annotations". None: the policy file's own
@@ -102,6 +105,7 @@ def describe(
         **_metadata(i),
         "matched": [] if a is None else list(a.matched),
         "refused": [] if a is None else list(a.refused),
+        "node_critical": None if a is None else a.node_critical,
     }
 
 

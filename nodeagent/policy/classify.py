@@ -16,7 +16,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import replace
 
 from nodeagent.identity import WorkloadIdentity
-from nodeagent.kube.owners import pod_class, pod_tenant, view, with_api_view
+from nodeagent.kube.owners import node_critical, pod_class, pod_tenant, view, with_api_view
 from nodeagent.kube.pods import PodDirectory
 from nodeagent.meta import ContainerMeta
 from nodeagent.policy.base import Assignment
@@ -74,7 +74,8 @@ def _assignment(
 ) -> Assignment:  # fmt: skip
     matched, refused = list(terms), list[str]()
     tenant, cls = rule.tenant, rule.workload_class
-    pod = view(w, pods) if _kubernetes(rule) else None
+    seen = view(w, pods)
+    pod = seen if _kubernetes(rule) else None
     if rule.tenant_from is not None and rule.tenant_from.kubernetes:
         if pod is not None:
             ns_labels = pods.namespaces.get(pod.namespace) if pods is not None else None
@@ -137,6 +138,7 @@ def _assignment(
         work=work,
         matched=tuple(matched),
         refused=tuple(refused),
+        node_critical=None if seen is None else node_critical(seen, spec.kubernetes.node_critical),
         declared=declared,
     )
 

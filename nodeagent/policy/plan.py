@@ -29,7 +29,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from nodeagent.cgroupfs.unitprops import systemd_value
-from nodeagent.cgroupfs.values import Attribute, Frozen, Value
+from nodeagent.cgroupfs.values import Attribute, Frozen, Value, is_looser
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.ownership import WriteMode, parent_identity, write_mode
 from nodeagent.policy import history
@@ -168,6 +168,9 @@ def make_plan(
             f" class {assignment.workload_class}",
         )
     modes = {i.path: write_mode(i, spec.agent) for i in identities}
+    now = {w.path: w.sample.settings for w in (*snapshot.workloads, *snapshot.levels)}
+    for path, why in node_critical(identities, assignments).items():
+        merged.spare(path, why, now[path])
     cgroups = tuple(
         CgroupPlan(
             i,
@@ -258,6 +261,35 @@ class _Merge:
             self.cpu_targets[o.path] = o
         elif isinstance(o, Share | Floor):
             self.traces[o.path].extend(f"{o.policy}: {line}" for line in (*o.trace, o.reason))
+
+    def spare(self, path: str, why: str, now: Mapping[Attribute, Value]) -> None:
+        """Drop what would tighten a node-critical cgroup: a value is kept only where it
+        is the one the cgroup has or looser (a cap lifted, a freeze thawed); one whose
+        current value was not read is dropped too (it could only set what nobody set)."""
+        targets = self.targets[path]
+        for attr, t in list(targets.items()):
+            current = now.get(attr)
+            if current is not None and (t.value == current or is_looser(t.value, current)):
+                continue
+            del targets[attr]
+            self.traces[path].append(
+                f"{why}: {t.policy}'s {attr} {t.render()} is not planned: what keeps the node"
+                " running is never lowered, capped or frozen (kubernetes.node_critical)"
+            )
+
+
+def node_critical(
+    identities: Sequence[WorkloadIdentity], assignments: Mapping[str, Assignment]
+) -> dict[str, str]:
+    """The cgroups that keep the node running, each with why: the claimed ones
+    classification found node-critical (`Assignment.node_critical`), and every other
+    cgroup of their pods (the pod's own, its other containers)."""
+    out = {p: a.node_critical for p, a in assignments.items() if a.node_critical is not None}
+    pods = {i.pod_uid: out[i.path] for i in identities if i.path in out and i.pod_uid}
+    for i in identities:
+        if i.path not in out and i.pod_uid in pods:
+            out[i.path] = pods[i.pod_uid]
+    return out
 
 
 def _thaw(path: str, target: Target, spec: PolicySpec) -> CgroupPlan:

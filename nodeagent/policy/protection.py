@@ -29,7 +29,10 @@ how far pressure is over the threshold, and a slow additive release):
   max);
 - a frozen cgroup that is no longer a workload (a reload unclaimed it, it was renamed or
   removed) is thawed at once where it still exists (`Plan.thaws`), and forgotten; one
-  the sensor skipped this tick stays as it is and remembered until it is read again.
+  the sensor skipped this tick stays as it is and remembered until it is read again;
+- a node-critical cgroup (`kubernetes.node_critical`: what keeps the node running) is never
+  a victim; one frozen or capped before it became so (a reload, a pod's new priority) is
+  thawed and uncapped at once.
 
 The controller's state (caps, counters, frozen cgroups) is carried from tick to tick and
 kept in the state file, so a restart does not release a node under pressure.
@@ -125,6 +128,8 @@ class _Node:
         self.floors: dict[str, Floor] = _defended(given)
         """The largest defended floor of each cgroup that has one."""
         self.classes = {p: a.workload_class for p, a in given.assignments.items()}
+        self.spared = {p for p, a in given.assignments.items() if a.node_critical is not None}
+        """Node-critical: never a victim (the plan would not write its cap or freeze)."""
         self.outer = outer_claims(given.assignments)
         """Claimed cgroups with claims below them: capped and frozen through those."""
         self.states = {w.path: w for w in given.snapshot.workloads}
@@ -185,6 +190,7 @@ class _Node:
             if self.classes.get(w.path) is cls
             and w.path not in exclude
             and w.path not in self.outer
+            and w.path not in self.spared
             and is_active(w, self.spec.fair_share)
         ]
 
@@ -248,8 +254,9 @@ class Protection(Policy):
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         node = _Node(given)
         state = _State.load(given.carried.get(self.name))
-        left = [p for p in state.frozen if not node.seen(p)]  # unclaimed, renamed, removed
-        state.frozen = [p for p in state.frozen if node.seen(p)]
+        # unclaimed, renamed, removed; or node-critical now (a reload, a pod's new priority)
+        left = [p for p in state.frozen if not node.seen(p) or p in node.spared]
+        state.frozen = [p for p in state.frozen if p not in left]
         state.thaw += left
         stalling = node.stalling() if node.settings.enabled else {}
         if not node.settings.enabled:  # give everything back at once

@@ -584,6 +584,8 @@ def _warnings(spec: PolicySpec, where: Locator, filename: str) -> tuple[Problem,
                     " (classes.<class>.declared_deadlines, refused by default); set it to"
                     " scheduled or defended for the class these deadlines are for",
                 )
+    with _SKIP_BROKEN:
+        _kubernetes_warnings(spec, rules, warn)
     for j, later in enumerate(rules):
         for i, earlier in enumerate(rules[:j]):
             with _SKIP_BROKEN:
@@ -597,6 +599,35 @@ def _warnings(spec: PolicySpec, where: Locator, filename: str) -> tuple[Problem,
                     )
                     break
     return tuple(found)
+
+
+def _kubernetes_warnings(
+    spec: PolicySpec, rules: list[typing.Any], warn: typing.Callable[[Loc, str], None]
+) -> None:
+    """In Kubernetes mode: nothing spared as node-critical, and pods that say nothing of
+    their class falling to one the protection controller may freeze."""
+    if spec.agent.mode is not AgentMode.KUBERNETES:
+        return
+    critical = spec.kubernetes.node_critical
+    if not critical.namespaces and critical.min_priority is None:
+        warn(
+            ("kubernetes", "node_critical"),
+            "kubernetes.node_critical spares no pod: kube-system's (kube-proxy, the CNI, DNS,"
+            " the GPU device plugin) may be capped and frozen like any other",
+        )
+    if not spec.protection.enabled:
+        return
+    for j, rule in enumerate(rules):
+        with _SKIP_BROKEN:
+            cls, source = rule.workload_class, rule.class_from
+            if source is not None and source.kubernetes and spec.classes[cls].freezable:
+                warn(
+                    ("rules", j, "class"),
+                    f"rules[{j}]: a pod that names no class of its own gets class {cls},"
+                    f" which the protection controller may freeze (classes.{cls}.freezable:"
+                    " true): give the rule a class that is not freezable, so that only a"
+                    " pod that says so (nodeagent.io/class) may be frozen",
+                )
 
 
 _GLOB_SPECIAL = re.compile(r"[*?\[\]]")

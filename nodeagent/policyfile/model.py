@@ -746,6 +746,23 @@ class ClassSource(_Strict):
     """The pod's QoS class to a class."""
 
 
+class NodeCriticalSettings(_Strict):
+    """The pods that keep the node running (kube-proxy, the CNI, DNS, the GPU device
+    plugin, the agent's own pod): never lowered, capped or frozen, whatever a rule, the
+    protection controller or a GPU check plans; their cgroups' values only ever loosen
+    (a cap lifted, a freeze thawed). A pod is node-critical when its namespace matches
+    one of `namespaces` or its priority (from the API server's watch) is at least
+    `min_priority`."""
+
+    namespaces: tuple[Glob, ...] = ("kube-system",)
+    """Namespace globs whose every pod is node-critical."""
+    min_priority: StrictInt | None = 2_000_000_000
+    """Pods of this priority or above are node-critical: by default those of the built-in
+    system-cluster-critical (2000000000) and system-node-critical (2000001000) classes;
+    null: none by priority. Read through `api_server.watch`; without it, only
+    `namespaces` tells."""
+
+
 _DEFAULT_CLASS_FROM = (
     {"annotation": "nodeagent.io/class"},
     {"label": "nodeagent.io/class"},
@@ -779,6 +796,7 @@ class KubernetesSettings(_Strict):
     class_from: tuple[ClassSource, ...] = tuple(
         ClassSource.model_validate(c) for c in _DEFAULT_CLASS_FROM
     )
+    node_critical: NodeCriticalSettings = NodeCriticalSettings()
 
 
 class PublishSettings(_Strict):

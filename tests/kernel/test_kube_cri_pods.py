@@ -3,7 +3,8 @@ made through the CRI as the kubelet makes them (tests/kernel/runtimes.py; no kub
 here), under the cgroupfs driver in the VM. Each pod's tenant comes from its namespace, its
 class from its annotations; a pod that claims a tenant its namespace may not use is refused
 and reported (rule.value_refused), and stays its namespace's. No kubelet socket exists: no
-GPU is simulated here, so PodResources is never asked.
+GPU is simulated here, so PodResources is never asked. The rule caps every container,
+but kube-system's pod is node-critical (kubernetes.node_critical): never capped.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def test_cri_pods_tenant_from_namespace_class_from_annotations_and_a_claim_refus
                           {"nodeagent.io/class": "inference"}, {"server": SLEEP})  # fmt: skip
         claim = r.run_pod("research-nlp", "sneaky-0", {},
                           {"nodeagent.io/tenant": "prod"}, {"app": SLEEP})  # fmt: skip
+        proxy = r.run_pod("kube-system", "kube-proxy-0", {"k8s-app": "kube-proxy"}, {},
+                          {"kube-proxy": SLEEP})  # fmt: skip
         policy = spec(
             managed, tmp_path,
             agent={"mode": "kubernetes", "resync_interval": 1,
@@ -58,8 +61,12 @@ def test_cri_pods_tenant_from_namespace_class_from_annotations_and_a_claim_refus
             tenants={"research": {"shares": 2}, "prod": {"shares": 1}, "other": {"shares": 1}},
             rules=[{"name": "pods", "match": {"kind": "container", "path": "kubepods*"},
                     "tenant": "other", "tenant_from": {"kubernetes": True},
-                    "class_from": {"kubernetes": True}}],
+                    "class_from": {"kubernetes": True}, "limits": {"cpu_max": 0.5}}],
         )  # fmt: skip
+
+        def cgroup(pod: rt.Pod, name: str) -> str:
+            return str(pod.containers[name].cgroup.relative_to(r.sandbox_root))
+
         agent = open_agent(policy, CgroupTree(str(r.sandbox_root)))
         agent.prepare()
         with structlog.testing.capture_logs() as logs:
@@ -69,12 +76,13 @@ def test_cri_pods_tenant_from_namespace_class_from_annotations_and_a_claim_refus
                     str(p.containers[n].cgroup.relative_to(r.sandbox_root))
                     for p, n in ((train, "trainer"), (serve, "server"), (claim, "app"))
                 }
-                if paths <= {p for p, a in record.assignments.items() if a.tenant != "other"}:
+                known = {p for p, a in record.assignments.items() if a.tenant != "other"}
+                if paths <= known and cgroup(proxy, "kube-proxy") in record.assignments:
                     break
                 record = agent.tick()
 
         def owner(pod: rt.Pod, name: str) -> tuple[str, str, tuple[str, ...]]:
-            a = record.assignments[str(pod.containers[name].cgroup.relative_to(r.sandbox_root))]
+            a = record.assignments[cgroup(pod, name)]
             return a.tenant, str(a.workload_class), a.refused
 
         assert owner(train, "trainer") == ("research", "training", ())
@@ -90,6 +98,13 @@ def test_cri_pods_tenant_from_namespace_class_from_annotations_and_a_claim_refus
         app = str(claim.containers["app"].cgroup.relative_to(r.sandbox_root))
         assert (app, refusal) in said, said
         assert len(said) == len(set(said)) and {x for _, x in said} == {refusal}, said
+        # what keeps the node running is never capped, whatever the rule says (issue 35)
+        kept = record.assignments[cgroup(proxy, "kube-proxy")]
+        assert (kept.node_critical or "").startswith(
+            "node-critical: pod kube-system/kube-proxy-0 is in namespace kube-system"
+        ), kept
+        assert (proxy.containers["kube-proxy"].cgroup / "cpu.max").read_text() == "max 100000\n"
+        assert (train.containers["trainer"].cgroup / "cpu.max").read_text() == "50000 100000\n"
         assert agent.kube is not None
         agent.kube.close()
     finally:

@@ -148,3 +148,24 @@ def policy_input(
 ) -> PolicyInput:
     assignments = assign((w.identity for w in snap.workloads), policy)
     return PolicyInput(snap, policy, assignments, dict(usage or {}))
+
+
+def thawed_tree(root: Path, paths: list[str], procs: dict[str, str] | None = None) -> CgroupTree:
+    """`paths` and their ancestors as cgroups, thawed, uncapped, of weight 100, with
+    cgroup.procs empty unless `procs` says otherwise."""
+    every = {""} | {"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 2)}
+    for path in sorted(every):
+        d = root / path
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cgroup.procs").write_text((procs or {}).get(path, "") + "\n")
+        (d / "cgroup.freeze").write_text("0\n")
+        (d / "cpu.max").write_text("max 100000\n")
+        (d / "cpu.weight").write_text("100\n")
+    return CgroupTree(str(root))
+
+
+def proc_self(root: Path, cgroup: str) -> str:
+    """A /proc whose self/cgroup says the agent runs in `cgroup` ('/': a namespace's root)."""
+    (root / "self").mkdir(parents=True)
+    (root / "self" / "cgroup").write_text(f"0::/{cgroup.strip('/')}\n")
+    return str(root)

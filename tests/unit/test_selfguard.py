@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import structlog
-from builders import docker_cgroupfs, job, snapshot
+from builders import docker_cgroupfs, job, proc_self, snapshot, thawed_tree
 
 from nodeagent.act import Executor, Outcome
-from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, Value
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.policy.plan import CgroupPlan, Plan, Target
@@ -21,27 +20,6 @@ from nodeagent.snapshot import CgroupSample, WorkloadState
 
 PID = 4242
 AGENT = "system.slice/nodeagent.service/agent"
-
-
-def tree(root: Path, paths: list[str], procs: dict[str, str] | None = None) -> CgroupTree:
-    """`paths` and their ancestors as cgroups, thawed, uncapped, of weight 100, with
-    cgroup.procs empty unless `procs` says otherwise."""
-    every = {""} | {"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 2)}
-    for path in sorted(every):
-        d = root / path
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "cgroup.procs").write_text((procs or {}).get(path, "") + "\n")
-        (d / "cgroup.freeze").write_text("0\n")
-        (d / "cpu.max").write_text("max 100000\n")
-        (d / "cpu.weight").write_text("100\n")
-    return CgroupTree(str(root))
-
-
-def proc(root: Path, cgroup: str) -> str:
-    """A /proc whose self/cgroup says the agent runs in `cgroup` ('/': a namespace's root)."""
-    (root / "self").mkdir(parents=True)
-    (root / "self" / "cgroup").write_text(f"0::/{cgroup.strip('/')}\n")
-    return str(root)
 
 
 def plan(
@@ -78,8 +56,8 @@ CAP = (Attribute.CPU_MAX, CpuMax(5000, 100000))
 def test_a_service_agent_never_freezes_or_caps_its_own_cgroup_or_those_above_it(
     tmp_path: Path,
 ) -> None:
-    cg = tree(tmp_path / "cg", [AGENT, "system.slice/other.service"])
-    guard = SelfGuard(cg, proc(tmp_path / "proc", AGENT), pid=PID)
+    cg = thawed_tree(tmp_path / "cg", [AGENT, "system.slice/other.service"])
+    guard = SelfGuard(cg, proc_self(tmp_path / "proc", AGENT), pid=PID)
     executor = Executor(cg, lambda *a: None, guard=guard)
     own, parent, other = (
         job(AGENT),
@@ -103,10 +81,10 @@ def test_a_service_agent_never_freezes_or_caps_its_own_cgroup_or_those_above_it(
 
 
 def test_what_loosens_the_agents_own_cgroup_still_goes_ahead(tmp_path: Path) -> None:
-    cg = tree(tmp_path / "cg", [AGENT])
+    cg = thawed_tree(tmp_path / "cg", [AGENT])
     (tmp_path / "cg" / AGENT / "cgroup.freeze").write_text("1\n")
     (tmp_path / "cg" / AGENT / "cpu.max").write_text("5000 100000\n")
-    guard = SelfGuard(cg, proc(tmp_path / "proc", AGENT), pid=PID)
+    guard = SelfGuard(cg, proc_self(tmp_path / "proc", AGENT), pid=PID)
     executor = Executor(cg, lambda *a: None, guard=guard)
     p, states = plan((job(AGENT), Attribute.FREEZE, Frozen(False)))
     states = [
@@ -141,8 +119,8 @@ def test_in_a_pod_the_agent_finds_its_own_container_by_its_process_and_never_fre
     """A private cgroup namespace: /proc/self/cgroup says '/', and the tree (the host's,
     mounted in) lists the agent's process, by the number its PID namespace gives it, in its
     container's cgroup.procs."""
-    cg = tree(tmp_path / "cg", [MINE, OTHER], procs={MINE: f"1\n{PID}", OTHER: "1"})
-    guard = SelfGuard(cg, proc(tmp_path / "proc", "/"), pid=PID)
+    cg = thawed_tree(tmp_path / "cg", [MINE, OTHER], procs={MINE: f"1\n{PID}", OTHER: "1"})
+    guard = SelfGuard(cg, proc_self(tmp_path / "proc", "/"), pid=PID)
     executor = Executor(cg, lambda *a: None, guard=guard)
     mine, other = docker_cgroupfs("a1" * 32), docker_cgroupfs("b2" * 32)
     mine = WorkloadIdentity(MINE, mine.kind, mine.runtime, mine.owner, mine.name)
@@ -157,8 +135,8 @@ def test_in_a_pod_the_agent_finds_its_own_container_by_its_process_and_never_fre
 
 def test_a_tree_too_large_to_search_is_not_tightened(tmp_path: Path) -> None:
     many = [f"kubepods/besteffort/pod{i}" for i in range(MOST_SEARCHED + 1)]
-    cg = tree(tmp_path / "cg", many)
-    guard = SelfGuard(cg, proc(tmp_path / "proc", "/"), pid=PID)
+    cg = thawed_tree(tmp_path / "cg", many)
+    guard = SelfGuard(cg, proc_self(tmp_path / "proc", "/"), pid=PID)
     guard.begin()
     assert guard.refuses("kubepods/besteffort") is not None
     assert guard.refuses("kubepods/besteffort/pod0") is None
@@ -168,8 +146,10 @@ def test_a_tree_too_large_to_search_is_not_tightened(tmp_path: Path) -> None:
 def test_an_agent_at_the_root_or_elsewhere_guards_only_its_own_line(
     tmp_path: Path, where: str
 ) -> None:
-    cg = tree(tmp_path / "cg", ["user.slice", "system.slice/x.service"], procs={where: str(PID)})
-    guard = SelfGuard(cg, proc(tmp_path / "proc", where or "/"), pid=PID)
+    cg = thawed_tree(
+        tmp_path / "cg", ["user.slice", "system.slice/x.service"], procs={where: str(PID)}
+    )
+    guard = SelfGuard(cg, proc_self(tmp_path / "proc", where or "/"), pid=PID)
     guard.begin()
     assert guard.refuses("") is not None
     assert guard.refuses("system.slice/x.service") is None
@@ -183,8 +163,8 @@ def test_in_a_pod_the_agents_place_once_found_costs_one_read_a_tick_until_it_mov
     tick: the next apply checks the cgroup it found, and searches again only once the
     agent's process is no longer there."""
     moved = f"{POD}/{'c3' * 32}"
-    cg = tree(tmp_path / "cg", [MINE, OTHER, moved], procs={MINE: str(PID)})
-    guard = SelfGuard(cg, proc(tmp_path / "proc", "/"), pid=PID)
+    cg = thawed_tree(tmp_path / "cg", [MINE, OTHER, moved], procs={MINE: str(PID)})
+    guard = SelfGuard(cg, proc_self(tmp_path / "proc", "/"), pid=PID)
     read: list[str] = []
     real = SelfGuard._in
 
