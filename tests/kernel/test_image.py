@@ -189,9 +189,13 @@ def pod_run_args(spec: dict[str, Any], hosts: dict[str, Path], policy_dir: Path)
         args += ["--pid", "host"]
     if container.get("securityContext", {}).get("privileged"):
         args.append("--privileged")
-    limit = container.get("resources", {}).get("limits", {}).get("memory")
-    if limit:
-        args += ["--memory", size_for_podman(limit)]
+    limits = container.get("resources", {}).get("limits", {})
+    if "memory" in limits:
+        args += ["--memory", size_for_podman(limits["memory"])]
+    if "cpu" in limits:  # "1" or "500m": the kubelet's CFS quota, as podman's --cpus
+        cpu = str(limits["cpu"])
+        cores = float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
+        args += ["--cpus", f"{cores:g}"]
     for env in container.get("env", []):
         if "value" in env:
             value = env["value"]
@@ -239,8 +243,10 @@ rules:
 """)  # fmt: skip
     with containerd(tmp_path / "containerd") as cri, message_bus(tmp_path / "dbus") as bus:
         hosts = {
-            "/run/containerd/containerd.sock": cri,
-            "/run/dbus/system_bus_socket": bus,
+            # the sockets' directories, as the DaemonSet mounts them (a restarted runtime's
+            # new socket is seen)
+            "/run/containerd": cri.parent,
+            "/run/dbus": bus.parent,
             "/var/lib/kubelet/pod-resources": tmp_path / "pod-resources",  # stand-in
             "/var/lib/nodeagent": tmp_path / "state",
             "/run/nodeagent": tmp_path / "run",

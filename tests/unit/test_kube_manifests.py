@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import posixpath
+import re
 from pathlib import Path
 from typing import Any
 
@@ -62,20 +63,73 @@ def test_the_schemas_catch_a_wrong_field(rendered: list[dict[str, Any]]) -> None
     assert problems(monitor)
 
 
-def test_the_cluster_role_grants_only_what_the_agent_uses(rendered: list[dict[str, Any]]) -> None:
-    rules = {
-        (group, resource): sorted(rule["verbs"])
-        for rule in one(rendered, "ClusterRole")["rules"]
+CALLS = {
+    # the API watch's informers list, then watch from the list's resourceVersion
+    "list_pod_for_all_namespaces": ("", "pods", ("list", "watch")),
+    "list_namespace": ("", "namespaces", ("list", "watch")),
+    # publishing a NodeResourceTopology (nodeagent/kube/publish.py)
+    "read_node": ("", "nodes", ("get",)),
+    "get_cluster_custom_object": ("topology.node.k8s.io", "noderesourcetopologies", ("get",)),
+    "create_cluster_custom_object": (
+        "topology.node.k8s.io", "noderesourcetopologies", ("create",)
+    ),
+    "replace_cluster_custom_object": (
+        "topology.node.k8s.io", "noderesourcetopologies", ("update",)
+    ),
+}  # fmt: skip
+"""Each Kubernetes API method the agent calls: the group, resource and verbs it needs."""
+
+
+def api_calls() -> dict[str, set[str]]:
+    """The Kubernetes client's API methods named anywhere in nodeagent/, by source file."""
+    from kubernetes import client
+
+    methods = {
+        name
+        for api in (client.CoreV1Api, client.CustomObjectsApi, client.EventsV1Api)
+        for name in dir(api)
+        if re.match(r"(list|read|get|create|replace|patch|delete|connect)_", name)
+        and not name.endswith("_with_http_info")
+    }
+    out: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "nodeagent").rglob("*.py")):
+        named = set(re.findall(r"\.([a-z_]+)\b", path.read_text())) & methods
+        if named:
+            out[path.name] = named
+    return out
+
+
+def grants(role: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for rule in role["rules"]
         for group in rule["apiGroups"]
         for resource in rule["resources"]
+        for verb in rule["verbs"]
     }
-    assert rules == {
-        ("", "pods"): ["get", "list", "watch"],
-        ("", "namespaces"): ["get", "list", "watch"],
-        ("", "nodes"): ["get"],
-        ("", "events"): ["create", "patch"],
-        ("events.k8s.io", "events"): ["create", "patch"],
-    }
+
+
+def needs(methods: set[str]) -> set[tuple[str, str, str]]:
+    unknown = methods - CALLS.keys()
+    assert not unknown, f"{unknown}: add each to CALLS, and to the ClusterRole what it needs"
+    return {(g, r, verb) for m in methods for g, r, verbs in [CALLS[m]] for verb in verbs}
+
+
+def test_the_cluster_roles_grant_exactly_the_verbs_the_code_uses(
+    rendered: list[dict[str, Any]],
+) -> None:
+    """Both ways: a verb granted that no call needs is a privilege for nothing (the Events
+    create and patch once granted here), a call not granted fails on a real cluster."""
+    calls = api_calls()
+    assert set(calls) == {"apiwatch.py", "publish.py"}, calls
+    watch = needs(set().union(*(m for f, m in calls.items() if f != "publish.py")))
+    assert grants(one(rendered, "ClusterRole")) == watch == {
+        ("", "pods", "list"), ("", "pods", "watch"),
+        ("", "namespaces", "list"), ("", "namespaces", "watch"),
+    }  # fmt: skip
+    topology = kustomize("deploy/node-resource-topology")
+    published = one(topology, "ClusterRole", "nodeagent-node-resource-topology")
+    assert grants(published) == needs(calls["publish.py"])
     binding = one(rendered, "ClusterRoleBinding")
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "nodeagent", "namespace": "nodeagent"}
@@ -87,14 +141,11 @@ def test_the_cluster_role_grants_only_what_the_agent_uses(rendered: list[dict[st
 def test_publishing_topology_adds_only_its_own_objects() -> None:
     docs = kustomize("deploy/node-resource-topology")
     extra = [d for d in docs if d["metadata"]["name"] == "nodeagent-node-resource-topology"]
-    role = one(extra, "ClusterRole")
-    assert role["rules"] == [
-        {
-            "apiGroups": ["topology.node.k8s.io"],
-            "resources": ["noderesourcetopologies"],
-            "verbs": ["get", "create", "update"],
-        }
-    ]
+    assert {d["kind"] for d in extra} == {"ClusterRole", "ClusterRoleBinding"}
+    base = {(d["kind"], d["metadata"]["name"]) for d in kustomize("deploy/kubernetes")}
+    assert {(d["kind"], d["metadata"]["name"]) for d in docs} - base == {
+        (d["kind"], d["metadata"]["name"]) for d in extra
+    }
 
 
 def test_the_prometheus_rule_is_the_alert_rules_file(rendered: list[dict[str, Any]]) -> None:
@@ -211,6 +262,25 @@ def test_the_pod_runs_as_a_node_agent(pod: Pod, policy: PolicySpec) -> None:
     (port,) = (p for p in container["ports"] if p["name"] == "metrics")
     assert policy.agent.metrics.listen is not None
     assert parse_listen(policy.agent.metrics.listen)[1] == port["containerPort"]
+    # restarted when its loop is stuck, as the unit's watchdog does; ready once it ticks
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}, probe
+    startup, liveness = container["startupProbe"], container["livenessProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 60
+    # Guaranteed: every resource requested at its limit
+    resources = container["resources"]
+    assert resources["requests"] == resources["limits"]
+    assert set(resources["limits"]) == {"cpu", "memory"}
+    assert spec["nodeSelector"] == {"kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"}
+
+
+def test_sockets_are_mounted_by_their_directories(pod: Pod) -> None:
+    """A socket file mounted alone is the inode it was at the pod's start: after
+    `systemctl restart containerd` it is refused for good. Its directory shows the new."""
+    for name in ("cri-socket", "system-bus"):
+        assert pod.volumes[name]["hostPath"]["type"] == "Directory", name
+    assert not [v for v in pod.volumes.values() if v.get("hostPath", {}).get("type") == "Socket"]
 
 
 def test_the_example_files_stay_in_step() -> None:
