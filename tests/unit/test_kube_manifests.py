@@ -15,6 +15,7 @@ import pytest
 import yaml
 from kube_schemas import ROOT, kustomize, problems
 
+from nodeagent.metrics.families import WORKLOAD
 from nodeagent.policyfile.listen import parse_listen
 from nodeagent.policyfile.load import parse_policy
 from nodeagent.policyfile.model import AgentMode, PolicySpec
@@ -163,6 +164,19 @@ def test_the_prometheus_rule_is_the_alert_rules_file(rendered: list[dict[str, An
     assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "nodeagent"
     selector = monitor["spec"]["selector"]["matchLabels"]
     assert selector.items() <= service["metadata"]["labels"].items()
+
+
+def test_the_service_monitor_keeps_the_workloads_namespace_and_pod(
+    rendered: list[dict[str, Any]],
+) -> None:
+    """The agent's series name the pods it manages in `namespace` and `pod`, as
+    kube-state-metrics does; without honorLabels Prometheus renames them exported_namespace
+    and exported_pod (the target's own labels win), and every join on them is wrong."""
+    (endpoint,) = one(rendered, "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["honorLabels"] is True
+    text = (ROOT / "docs/metrics.md").read_text()
+    said = text[text.index("Each workload's series carry") :].split("*W*", 1)[0]
+    assert [label for label in WORKLOAD if f"`{label}`" not in said] == []
 
 
 class Pod:
