@@ -65,7 +65,8 @@ class PlanCache:
         holders, each tenant's part of the usage history (to the percent), and anything
         that moves every tick: a memory.max waiting for usage to fit, or what a policy says
         makes its plan stale (`Policy.stale`, `Policy.stale_sensed`: deadline jobs, a
-        protected cgroup under pressure, the protection controller at work)."""
+        protected cgroup under pressure, the protection controller at work); and which rule
+        claims each workload, as what (a container renamed or relabelled)."""
         snapshot, spec, last = given.snapshot, given.spec, given.last
         version, stalled = self._sensed(snapshot.workloads, spec, policies, given.assignments)
         key = self.key(given, version)
@@ -123,7 +124,12 @@ class PlanCache:
         seen = self._seen
         if seen.spec is not spec or seen.policies != policies:
             seen = self._seen = _Seen(spec, policies, seen.version + 1)
-        changed = False
+        # which rule claims each workload, with what tenant, class and limits: a container
+        # renamed or relabelled (or a pod's edit through the API watch) is claimed anew at
+        # once, not at the next replan_interval; the same mapping (a steady tick) costs one
+        # identity check
+        changed = assignments is not seen.claims and assignments != seen.claims
+        seen.claims = assignments
         for w in workloads:
             path = w.identity.path
             last = seen.states.get(path)
@@ -159,6 +165,7 @@ class _Seen:
     states: dict[str, WorkloadState] = field(default_factory=dict)
     active: set[str] = field(default_factory=set)
     stale: set[str] = field(default_factory=set)
+    claims: Mapping[str, Assignment] = field(default_factory=dict)
 
 
 def stale(

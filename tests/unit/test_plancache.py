@@ -14,7 +14,7 @@ from nodeagent.policy.base import Assignment, Output, Policy, PolicyInput
 from nodeagent.policy.classify import assign
 from nodeagent.policy.plan import DEFAULT_POLICIES, Plan
 from nodeagent.policy.plancache import PlanCache, PlanInputs, usage_shares
-from nodeagent.policyfile.model import PolicySpec
+from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
 
 SPEC = spec({"a": 2, "b": 1}).model_copy()
@@ -93,6 +93,7 @@ def test_an_unchanged_key_makes_the_last_plan_again_with_usage_advanced(
         "a memory.max is held back",
         "an expiry (a reload)",
         "no last plan",
+        "a workload is claimed as another class (renamed, relabelled)",
     ],
 )
 def test_what_makes_a_new_plan(counting: Counting, change: str) -> None:
@@ -124,6 +125,10 @@ def test_what_makes_a_new_plan(counting: Counting, change: str) -> None:
     elif change == "no last plan":
         last = None
     given = inputs(snap, last, usage, carry, held_back)
+    if change.startswith("a workload is claimed as another class"):
+        path = WORKLOADS[0].identity.path
+        other = replace(given.assignments[path], workload_class=WorkloadClass.INFERENCE)
+        given = replace(given, assignments={**given.assignments, path: other})
     _, same = cache.plan(given, policies, now=now)
     assert (same, counting.calls) == (False, 2)
 
