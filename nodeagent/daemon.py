@@ -37,7 +37,7 @@ from nodeagent.originals import Originals
 from nodeagent.persistence import StateSaver
 from nodeagent.policy.base import Policy
 from nodeagent.policyfile.filewatch import FileWatch
-from nodeagent.policyfile.load import load_policy
+from nodeagent.policyfile.load import digest, load_policy
 from nodeagent.policyfile.model import AgentMode, AgentSettings, PolicySpec
 from nodeagent.policyfile.yamlfile import PolicyError
 from nodeagent.reconcile import Reconciler
@@ -166,6 +166,7 @@ class Agent:
         self.last_reload = (True, time.time())
         """Whether the last reload applied the file, and when the policy in force was loaded
         (for the metrics; the start-up load counts as a reload that applied)."""
+        self._digest: tuple[PolicySpec | None, str] = (None, "")
 
     # --- the reconciler's parts, as callers and tests reach them ------------------------
 
@@ -267,6 +268,15 @@ class Agent:
     def fast_path(self, paths: list[str]) -> None:
         self.rec.fast_path(paths)
 
+    @property
+    def policy_sha256(self) -> str:
+        """The policy in force's digest (policyfile.load.digest), made once per policy."""
+        spec, made = self._digest
+        if spec is not self.rec.spec:
+            spec = self.rec.spec
+            self._digest = (spec, made := digest(spec))
+        return made
+
     def save_state(self) -> None:
         """Save the usage history, the jobs, the holds and the carried state now."""
         self.rec.saver.save()
@@ -305,7 +315,10 @@ class Agent:
         """The API's routes; reads answer from the API's threads, from the last tick's record;
         whatever changes state is posted to the loop and runs on its thread."""
         gpus = GpuRoutes(self.gpus, lambda: self.rec.spec, self.rec.fairness)
-        routes: Routes = {**gpus.routes(), **agent_routes(self.rec, self.config_path)}
+        routes: Routes = {
+            **gpus.routes(),
+            **agent_routes(self.rec, self.config_path, lambda: self.policy_sha256),
+        }
         return {
             path: {m: h if m == "GET" else self.commands.posted(h) for m, h in methods.items()}
             for path, methods in routes.items()
@@ -536,6 +549,7 @@ def serve_metrics(agent: Agent) -> MetricsServer | None:
     collector = TickCollector(
         lambda: agent.notes.deadline_misses,
         reload=lambda: agent.last_reload,
+        policy=lambda: agent.policy_sha256,
         interval=lambda: agent.spec.agent.interval,
     )
     if agent.gpus.backend.inventory():

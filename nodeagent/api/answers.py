@@ -72,6 +72,9 @@ class Status(Answer):
     pid: int
     dry_run: bool
     policy_file: str | None
+    policy_sha256: str | None = None
+    """The policy in force's sha256 (what it says, not its layout), as `nodeagent validate
+    --json` prints it for a file; None from a daemon older than it."""
     cgroup_root: str
     managed_root: str
     tick: int | None

@@ -78,6 +78,8 @@ def _where(p: Problem) -> tuple[int, int]:
 def _check_document(
     file: str, valid: bool, spec: Any, problems: Sequence[Problem], omitted: int
 ) -> dict[str, Any]:
+    from nodeagent.policyfile.load import digest
+
     return document(
         "PolicyCheck",
         {
@@ -85,6 +87,7 @@ def _check_document(
             "valid": valid,
             "tenants": None if spec is None else len(spec.tenants),
             "rules": None if spec is None else len(spec.rules),
+            "sha256": None if spec is None else digest(spec),
             "problems": [
                 {"line": p.line, "column": p.col, "severity": p.severity, "message": p.message}
                 for p in problems

@@ -129,10 +129,12 @@ class TickCollector(Collector):
         deadline_misses: Callable[[], int] = lambda: 0,
         *,
         reload: Callable[[], Reload] | None = None,
+        policy: Callable[[], str] | None = None,
         interval: Callable[[], float] | None = None,
     ) -> None:
         self._deadline_misses = deadline_misses
         self._reload = reload
+        self._policy = policy
         self._interval = interval
         self._lock = threading.Lock()
         """Held by `observe` to swap `_seen`, by `collect` to read it: nothing more."""
@@ -265,6 +267,8 @@ class TickCollector(Collector):
             applied, loaded_at = self._reload()
             out.add("nodeagent_config_last_reload_successful", (), int(applied))
             out.add("nodeagent_config_last_reload_success_timestamp_seconds", (), loaded_at)
+        if self._policy is not None:
+            out.add("nodeagent_policy_info", (self._policy(),), 1)
         if self._interval is not None:
             out.add("nodeagent_tick_interval_seconds", (), self._interval())
 

@@ -86,6 +86,13 @@ FAMILIES: tuple[Family, ...] = (
         "gauge",
         "Unix time the policy in force was loaded (at start or by a reload).",
     ),
+    _f(
+        "nodeagent_policy_info",
+        "gauge",
+        "1, with the sha256 of the policy in force (what it says, not its layout; as"
+        " `nodeagent validate --json` prints it for a file): which nodes run which policy.",
+        "sha256",
+    ),
     _f("nodeagent_tick_interval_seconds", "gauge", "agent.interval: the time between ticks."),
     # the loop
     _f("nodeagent_tick_duration_seconds", "histogram", "Time one tick took: sense, plan, act."),

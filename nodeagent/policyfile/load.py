@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import hashlib
 import os
 import re
 import typing
@@ -80,6 +81,14 @@ class Checked:
 
     spec: PolicySpec
     warnings: tuple[Problem, ...]
+
+
+def digest(spec: PolicySpec) -> str:
+    """The policy's sha256, over what it says (its fields, defaults included), not how the
+    file says it: comments and layout do not count. `nodeagent validate --json` prints it
+    for a file, the agent's status and metrics for the policy in force, so that a fleet can
+    see which nodes run which policy (a canary pool's, the old one)."""
+    return hashlib.sha256(spec.model_dump_json(by_alias=True).encode()).hexdigest()
 
 
 def load_policy(path: str | os.PathLike[str]) -> PolicySpec:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 from nodeagent.api import answers
 from nodeagent.api.server import Request, Routes
@@ -17,7 +18,9 @@ from nodeagent.reconcile import Reconciler
 from nodeagent.report import TickRecord, allocations, explain, find, identities
 
 
-def agent_routes(rec: Reconciler, config_path: str | None) -> Routes:
+def agent_routes(
+    rec: Reconciler, config_path: str | None, policy_sha256: Callable[[], str]
+) -> Routes:
     """/v1/status, /v1/allocations, /v1/explain and /v1/jobs over `rec`."""
 
     def record() -> TickRecord:
@@ -32,6 +35,7 @@ def agent_routes(rec: Reconciler, config_path: str | None) -> Routes:
             pid=os.getpid(),
             dry_run=rec.dry_run,
             policy_file=config_path,
+            policy_sha256=policy_sha256(),
             cgroup_root=rec.tree.root,
             managed_root=rec.spec.agent.managed_root,
             tick=None if last is None else last.snapshot.seq,

@@ -23,6 +23,7 @@ from nodeagent.api.peer import Peer
 from nodeagent.api.server import ApiServer, Request
 from nodeagent.api.wire import encode
 from nodeagent.errors import NodeagentError
+from nodeagent.policyfile.load import digest
 
 OPEN = (answers.Note, answers.DeadlineFigures)
 """Models whose extra keys are their open part (a note's figures differ by kind)."""
@@ -63,6 +64,7 @@ def test_every_route_answers_its_model(tmp_path: Path) -> None:
     d = daemon(tmp_path, {"classes": {"batch": {"declared_deadlines": "scheduled"}}})
     status = served(d, answers.Status, "GET", "/v1/status", ROOT)
     assert status.tick == 1 and status.workloads == 0
+    assert status.policy_sha256 == digest(d.agent.spec)
     granted = served(d, answers.GpuGrant, "POST", "/v1/gpus/requests",
                      body={"name": "train", "count": 1})  # fmt: skip
     assert granted.status == "granted" and granted.uuids and granted.position is None

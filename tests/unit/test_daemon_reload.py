@@ -5,17 +5,20 @@ The agent is built over an empty fixture directory; reload touches no cgroup.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import structlog
+from click.testing import CliRunner
 
 from nodeagent import state
 from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute
+from nodeagent.cli import main
 from nodeagent.daemon import Agent, open_agent
 from nodeagent.errors import NodeagentError
 from nodeagent.metrics.collector import TickCollector
@@ -377,3 +380,40 @@ def test_a_reload_that_moves_a_runtime_s_socket_reopens_the_runtimes(
     assert (docker.socket, docker.timeout) == (f"{tmp_path}/docker.sock", 1)
     crio = new.adapters["crio"]
     assert isinstance(crio, CriAdapter) and crio.timeout == 1
+
+
+def policy_metric(agent: Agent) -> str:
+    """nodeagent_policy_info's sha256 as a scrape would show it now."""
+    collector = TickCollector(policy=lambda: agent.policy_sha256)
+    [sha256] = [
+        s.labels["sha256"]
+        for family in collector.collect()
+        for s in family.samples
+        if s.name == "nodeagent_policy_info"
+    ]
+    return sha256
+
+
+def test_the_policy_in_force_is_named_by_its_sha256_as_validate_names_the_file(
+    policy_file: Path, tmp_path: Path
+) -> None:
+    """A fleet sees which nodes run which policy (a canary pool's, the last one): the
+    metric and the status name the policy in force by the digest `validate --json` prints
+    for the file; a reload that applies changes it, one refused leaves it, and a change of
+    comments or layout alone does not."""
+    agent = make_agent(policy_file, tmp_path)
+
+    def validated() -> str:
+        out = CliRunner().invoke(main, ["validate", "--json", str(policy_file)]).output
+        return str(json.loads(out)["sha256"])
+
+    first = validated()
+    assert len(first) == 64 and policy_metric(agent) == first == agent.policy_sha256
+    policy_file.write_text("# a comment\n" + policy_file.read_text().replace(": ", ":  "))
+    assert validated() == first, "comments and layout are not the policy"
+    policy_file.write_text(with_setting(tmp_path, "agent", "socket: {tmp}/other.sock"))
+    agent.reload()
+    assert policy_metric(agent) == first, "a refused reload leaves the policy in force"
+    policy_file.write_text(GOOD.format(state=tmp_path / "state.json") + "  prod: {shares: 1}\n")
+    agent.reload()
+    assert policy_metric(agent) == validated() != first

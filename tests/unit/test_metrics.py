@@ -342,6 +342,7 @@ def test_every_family_is_described_and_named_koordlet_style() -> None:
     units = ("_cores", "_bytes", "_seconds", "_ratio", "_total", "_watts", "_celsius")
     unitless = {
         "nodeagent_build_info",
+        "nodeagent_policy_info",
         "nodeagent_config_last_reload_successful",
         "nodeagent_dry_run",
         "nodeagent_managed_workloads",
