@@ -116,7 +116,7 @@ cp "$ctl/journald.conf" /run/systemd/journald.conf.d/nodeagent-harness.conf
 # its own /tmp hides $ctl, which is in the VM's /tmp, and would hide a checkout there ($2) with
 # its venv: that one is moved into the new /tmp at the same path
 case $2 in /tmp/?*) keep=/run/nodeagent-harness-checkout ;; *) keep= ;; esac
-[ -z "$keep" ] || { mkdir "$keep" && mount --bind "$2" "$keep"; }
+[ -z "$keep" ] || { mkdir "$keep" && mount --rbind "$2" "$keep"; }
 mount -t tmpfs -o mode=1777 tmpfs /tmp
 [ -z "$keep" ] || { mkdir -p "$2" && mount --move "$keep" "$2" && rmdir "$keep"; }
 exec env -i container=other PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 \
