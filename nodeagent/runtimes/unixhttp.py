@@ -145,8 +145,9 @@ class Stream:
         read = 0
         more = False
         while not self.ended:
-            if read >= SLICE_BYTES or self.clock() - start >= SLICE_S:
-                more = True
+            # a slice reads one chunk at least, whatever the clock says
+            if read >= SLICE_BYTES or (read and self.clock() - start >= SLICE_S):
+                more = self._waiting()
                 break
             try:
                 chunk = self.sock.recv(min(65536, SLICE_BYTES - read))
@@ -163,6 +164,16 @@ class Stream:
         lines = self._complete()
         self._busy(more, start)
         return lines
+
+    def _waiting(self) -> bool:
+        """Whether bytes wait beyond the slice just read: a slice that ends on its time
+        with nothing left (a slow or loaded host, one late chunk) keeps nobody busy."""
+        try:
+            return bool(self.sock.recv(1, socket.MSG_PEEK))
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True  # the next call reads it and says what is wrong
 
     def _busy(self, more: bool, start: float) -> None:
         """Said once when a call leaves bytes waiting; BadAnswer once every call has for

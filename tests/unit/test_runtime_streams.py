@@ -40,13 +40,14 @@ class Waiting:
         self.taken = 0
         self.closes = closes
 
-    def recv(self, n: int) -> bytes:
+    def recv(self, n: int, flags: int = 0) -> bytes:
         if self.taken >= len(self.data):
             if self.closes:
                 return b""
             raise BlockingIOError
         out = bytes(self.data[self.taken : self.taken + n])
-        self.taken += len(out)
+        if not flags & socket.MSG_PEEK:
+            self.taken += len(out)
         return out
 
     def fileno(self) -> int:
@@ -59,9 +60,10 @@ class Waiting:
 class Endless(Waiting):
     """STAND-IN for a runtime that always has more valid chunks waiting (a flood)."""
 
-    def recv(self, n: int) -> bytes:
+    def recv(self, n: int, flags: int = 0) -> bytes:
         at = self.taken % 6  # where the last call cut the pattern
-        self.taken += n
+        if not flags & socket.MSG_PEEK:
+            self.taken += n
         return (b"1\r\nx\r\n" * (n // 6 + 2))[at : at + n]
 
 
@@ -217,6 +219,26 @@ def test_a_stream_that_keeps_every_call_busy_is_said_once_then_refused(opened: S
             opened.lines()
     busy = [e for e in logs if e["event"] == "runtime.events_busy"]
     assert len(busy) == 1 and busy[0]["log_level"] == "warning", logs
+
+
+def test_a_slice_that_ends_on_its_time_with_nothing_left_is_not_busy(opened: Stream) -> None:
+    """A slow or loaded host (the VM under TCG, where a docker events test once failed on
+    it): a call whose slice runs past SLICE_S while reading the last bytes waiting has read
+    them all; nothing keeps the loop busy, and nothing is said."""
+    from nodeagent.runtimes.unixhttp import SLICE_S
+
+    now = [0.0]
+
+    def slow() -> float:
+        now[0] += SLICE_S  # every look at the clock finds the slice over
+        return now[0]
+
+    opened.clock = slow
+    serve(opened, Waiting(one_byte_chunks(LINE * 3)))
+    with structlog.testing.capture_logs() as logs:
+        got = opened.lines()
+    assert got == [LINE.rstrip(b"\n")] * 3, "one chunk read, whatever the clock says"
+    assert [e for e in logs if e["event"] == "runtime.events_busy"] == []
 
 
 def test_a_stream_that_drains_between_floods_is_not_refused(opened: Stream) -> None:
