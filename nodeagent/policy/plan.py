@@ -265,10 +265,16 @@ class _Merge:
     def spare(self, path: str, why: str, now: Mapping[Attribute, Value]) -> None:
         """Drop what would tighten a node-critical cgroup: a value is kept only where it
         is the one the cgroup has or looser (a cap lifted, a freeze thawed); one whose
-        current value was not read is dropped too (it could only set what nobody set)."""
+        current value was not read is dropped too (it could only set what nobody set). A
+        freeze planned for one frozen now (made before it was node-critical) becomes its
+        thaw: kept, it would hold it frozen."""
         targets = self.targets[path]
         for attr, t in list(targets.items()):
             current = now.get(attr)
+            if t.value == Frozen(True) and current == Frozen(True):
+                thaw = f"{why}: thawed, {t.policy}'s freeze is not kept"
+                targets[attr] = Target(Frozen(False), t.policy, thaw)
+                continue
             if current is not None and (t.value == current or is_looser(t.value, current)):
                 continue
             del targets[attr]

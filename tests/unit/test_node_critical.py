@@ -166,6 +166,15 @@ class Tighten:
         raise AssertionError("not asked in make_plan")
 
 
+class KeepFrozen:
+    """A stand-in policy that plans kube-proxy frozen (a GPU check, say)."""
+
+    name = "keep"
+
+    def decide(self, given: PolicyInput) -> Sequence[Output]:
+        return [Decision(PROXY.path, Attribute.FREEZE, Frozen(True), self.name, "frozen")]
+
+
 def test_the_plan_drops_what_would_tighten_a_node_critical_pod_from_any_policy() -> None:
     """Its containers' and its own cgroup's: caps, lower weights and freezes are dropped
     with a trace line each; a thaw of one frozen now goes ahead, and another pod is
@@ -199,6 +208,9 @@ def test_the_plan_drops_what_would_tighten_a_node_critical_pod_from_any_policy()
     dropped = [line for line in trace if "is not planned" in line]
     assert len(dropped) == 2, trace
     assert dropped[0].startswith("node-critical: pod kube-system/pod-aaaa is in namespace")
+    # a freeze planned for it while it is frozen (made before it was node-critical) is a thaw
+    plan = make_plan(snap, POLICY, {}, [KeepFrozen()], assignments=assigned)  # type: ignore[list-item]
+    assert targets(plan, PROXY) == {Attribute.FREEZE: Frozen(False)}
     assert "tighten's cpu.max 10000 100000 is not planned" in dropped[0]
     assert "never lowered, capped or frozen (kubernetes.node_critical)" in dropped[0]
 
