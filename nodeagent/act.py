@@ -158,8 +158,7 @@ class Executor:
         for p in pending:
             looser = p.current is not None and is_looser(p.target.value, p.current)
             (loosen if looser else tighten).append(p)
-        critical = node_critical([cg.identity for cg in plan.cgroups], plan.assignments())
-        tighten, refused = self._unguarded(tighten, critical)
+        tighten, refused = self._unguarded(tighten, plan)
         results.extend(refused)
         # memory.max last within a cgroup: memory.high, lowered first, makes the kernel reclaim
         ordered = sorted(loosen, key=lambda p: p.depth) + sorted(
@@ -177,15 +176,18 @@ class Executor:
         return results
 
     def _unguarded(
-        self, tighten: list[_Pending], critical: Mapping[str, str]
+        self, tighten: list[_Pending], plan: Plan
     ) -> tuple[list[_Pending], list[WriteResult]]:
         """The tightening writes that may go ahead, and those refused: the agent runs in
-        that cgroup or below it, or it keeps the node running (`critical`, why by path:
-        the plan drops such targets already, this holds whatever a plan made again
-        says). A thaw is never refused (its value is unknown when it is outside the
-        workloads: it only ever loosens)."""
+        that cgroup or below it, or it keeps the node running (`node_critical`, found
+        from the plan's own cgroups and claims: make_plan drops such targets already,
+        this holds whatever a plan made again, or any other, says). A thaw is never
+        refused (its value is unknown when it is outside the workloads: it only ever
+        loosens). Both are looked for only when something tightens, which most ticks
+        do not."""
         if not tighten:
             return tighten, []
+        critical = node_critical([cg.identity for cg in plan.cgroups], plan.assignments())
         self.guard.begin()
         kept: list[_Pending] = []
         refused: list[WriteResult] = []

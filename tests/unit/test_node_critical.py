@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import structlog
 from builders import k8s_container, proc_self, snapshot, thawed_tree
 
@@ -19,9 +20,10 @@ from nodeagent.identity import Kind, WorkloadIdentity
 from nodeagent.kube.owners import PodView, node_critical
 from nodeagent.kube.pods import Pod, PodDirectory
 from nodeagent.meta import ContainerMeta, PodMeta, labels
-from nodeagent.policy.base import Decision, Output, PolicyInput, describe
+from nodeagent.policy.base import Assignment, Decision, Output, PolicyInput, describe
 from nodeagent.policy.classify import assign
 from nodeagent.policy.plan import CgroupPlan, Plan, Target, make_plan
+from nodeagent.policy.plan import node_critical as plan_node_critical
 from nodeagent.policy.protection import Protection
 from nodeagent.policyfile.load import check_text
 from nodeagent.policyfile.model import NodeCriticalSettings, PolicySpec
@@ -283,3 +285,35 @@ def test_the_executor_refuses_to_tighten_a_node_critical_pod_whatever_the_plan(
     assert (tmp_path / "cg" / PROXY.path / "cpu.max").read_text() == "max 100000\n"
     said = [e for e in logs if e["event"] == "agent.node_critical_guarded"]
     assert [e["cgroup"] for e in said] == [PROXY.path], "said once"
+
+
+def test_the_executor_looks_for_node_critical_pods_only_when_something_tightens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard costs a tick nothing when it writes nothing tighter (most ticks): the
+    search over every cgroup of the plan is made only for a tightening write."""
+    searched: list[int] = []
+
+    def counted(
+        identities: Sequence[WorkloadIdentity], assignments: Mapping[str, Assignment]
+    ) -> dict[str, str]:
+        searched.append(1)
+        return plan_node_critical(identities, assignments)
+
+    monkeypatch.setattr("nodeagent.act.node_critical", counted)
+    cg = thawed_tree(tmp_path / "cg", [PROXY.path, BATCH.path])
+    guard = SelfGuard(cg, proc_self(tmp_path / "proc", "system.slice/nodeagent.service"), pid=1)
+    executor = Executor(cg, lambda *a: None, guard=guard)
+    assigned = assign([PROXY, BATCH], POLICY)
+    lifted = {Attribute.CPU_MAX: Target(CpuMax(None, 100000), "test", "lifted")}
+    plan = Plan(
+        7, 1.0, tuple(CgroupPlan(w, assigned[w.path], lifted, ()) for w in (PROXY, BATCH)), {}
+    )
+    now: dict[Attribute, Value] = {Attribute.CPU_MAX: CpuMax(20000, 100000)}
+    snap = snapshot([WorkloadState(w, CgroupSample(True, settings=now)) for w in (PROXY, BATCH)])
+    assert Outcome.READ_ONLY not in {r.outcome for r in executor.apply(plan, snap)}
+    assert searched == [], "searched although nothing tightened"
+    cap = {Attribute.CPU_MAX: Target(CpuMax(10000, 100000), "test", "cap")}
+    plan = replace(plan, cgroups=tuple(replace(c, targets=cap) for c in plan.cgroups))
+    executor.apply(plan, snap)
+    assert searched == [1]
