@@ -690,23 +690,30 @@ def test_a_restart_a_crash_and_a_watchdog_kill_leave_jobs_running_for_the_next_a
         s.dropin("70-test-watchdog", None)
 
 
+SHORT_WATCHDOG_S, INTERVAL_S = 5, 12
+"""13.2's WatchdogSec and interval. Without the fix the pings (every half WatchdogSec) stop one
+WatchdogSec after a tick and systemd kills the agent one WatchdogSec after the last: 7.5 to
+10 s after a tick, before the next at 12 s. (WATCHDOG_S and 25 s made the same proof with
+twice the wait.)"""
+
+
 def test_an_interval_longer_than_the_watchdog_does_not_get_the_agent_killed(
     service: Service,
 ) -> None:
-    """13.2: agent.interval 25 s under WatchdogSec=10s: the loop pings between ticks, so the same
+    """13.2: agent.interval 12 s under WatchdogSec=5s: the loop pings between ticks, so the same
     agent ticks on for two whole intervals (the loop used to ping only within WatchdogSec of
-    its last tick: systemd killed it some 15 s after each start)."""
+    its last tick: systemd killed it between ticks)."""
     s = service
-    s.dropin("70-test-watchdog", WATCHDOG_DROPIN)
+    s.dropin("70-test-watchdog", f"[Service]\nWatchdogSec={SHORT_WATCHDOG_S}s\n")
     try:
         s.systemctl("stop", SERVICE)
-        pid = s.ensure_running(policy("0.2", agent="  interval: 25s\n"))
+        pid = s.ensure_running(policy("0.2", agent=f"  interval: {INTERVAL_S}s\n"))
         before = s.show("NRestarts")["NRestarts"]
         mark = s.cursor()
         first = wait("a tick", s.status_tick)
         wait("two more ticks of the same agent",
              lambda: (s.status_tick() or 0) >= first + 2 or s.main_pid() != pid,
-             timeout=4 * 25 + WAIT_S)  # fmt: skip
+             timeout=4 * INTERVAL_S + WAIT_S)  # fmt: skip
         assert s.main_pid() == pid, s.manager_says(mark)
         assert s.show("NRestarts")["NRestarts"] == before
         assert not [m for m in s.manager_says(mark) if "Watchdog timeout" in m]
