@@ -50,8 +50,11 @@ agent:
 tenants:
   a: {{shares: 1}}
 rules:
-  - {{name: jobs, match: {{}}, tenant: a, limits: {{cpu_max: 1}}}}
+  - {{name: jobs, match: {{path: "{managed}/*"}}, tenant: a, limits: {{cpu_max: 1}}}}
 """
+# The rule claims the sandbox's cgroups only: with `match: {}` this module's daemon claimed,
+# and tried to cap, the containers that the other pytest-xdist worker's dockerd runs at the
+# same time (a full run: `docker/<id>: no cpu.max: its controller is not enabled`).
 
 
 @dataclass
