@@ -33,10 +33,20 @@ def quota(cgroup: Path) -> float | None:
     return None if q == "max" else int(q) / int(period)
 
 
-def cpu_over(paths: list[Path], seconds: float) -> list[float]:
+def portions(paths: list[Path], seconds: float) -> list[float]:
+    """Each cgroup's part of the CPU time the cgroups used together over `seconds`.
+
+    Parts, not CPUs: under TCG the host takes time from the guest's two vCPUs (the agent,
+    the VM's own threads, the host's other work) and a busy cgroup gets less than its CPUs'
+    worth by a margin that varies from run to run (CI: 1.37 of the 1.8 CPUs inference could
+    have had); what the agent's weights and caps decide is how the time the cgroups got is
+    split between them."""
     before = [usage_us(p) for p in paths]
-    time.sleep(seconds)  # no wait on anything: the window the CPU shares are measured over
-    return [(usage_us(p) - b) / 1e6 / seconds for p, b in zip(paths, before, strict=True)]
+    time.sleep(seconds)  # no wait on anything: the window the CPU time is measured over
+    used = [(usage_us(p) - b) / 1e6 / seconds for p, b in zip(paths, before, strict=True)]
+    total = sum(used)
+    assert total > 0.5, f"the busy cgroups ran: {used} CPUs"
+    return [u / total for u in used]
 
 
 def policy(managed: str, tmp_path: Path, others: float, **sections: Any) -> Any:
@@ -73,8 +83,11 @@ def test_lower_classes_are_throttled_while_inference_stalls_and_released_after(
         assert wait_for(lambda: all((quota(b) or 9) <= 0.1 for b in batch), timeout=60), [
             read(b, "cpu.max") for b in batch
         ]
-        shares = cpu_over([infer, *batch], 5)
-        assert shares[0] > 1.4, f"inference should get most of the 2 CPUs: {shares}"
+        # capped at 0.07 CPU each, the batch cgroups leave inference 1.8 of 2 CPUs: 90% of
+        # the time; with equal weights and no caps it would get 2/5
+        parts = portions([infer, *batch], 5)
+        print(f"parts while the batch cgroups are capped: {[round(x, 3) for x in parts]}")
+        assert parts[0] > 0.8, f"inference should get most of the CPU time: {parts}"
         for s in stalled:
             s.kill()
             s.wait()
@@ -115,13 +128,14 @@ def test_a_lower_class_is_frozen_when_throttling_is_not_enough_and_thawed_after(
 def test_a_reservation_holds_against_busy_neighbours(
     two_cpus: float, managed: str, tmp_path: Path, procs: list[subprocess.Popen[bytes]]
 ) -> None:
-    """1 of the 2 CPUs reserved for inference: its one busy process gets about a CPU
-    against four busy batch cgroups, where equal weights give it 2/5 of a CPU."""
+    """1 of the 2 CPUs reserved for inference: its one busy process gets about a CPU,
+    half the time the five cgroups get, against four busy batch cgroups, where equal
+    weights give it a fifth (2/5 of a CPU)."""
     infer, *batch = cgroups(managed, "i-1", "b-1", "b-2", "b-3", "b-4")
     procs += [busy(infer), *(busy(b) for b in batch)]
     everyone = [infer, *batch]
     wait_until(lambda: all(usage_us(c) > 0 for c in everyone), 30, "all five cgroups running")
-    without = cpu_over([infer], 5)[0]
+    without = portions(everyone, 5)[0]
     p = policy(
         managed,
         tmp_path,
@@ -136,10 +150,10 @@ def test_a_reservation_holds_against_busy_neighbours(
             return int(read(infer, "cpu.weight")) > max(int(read(b, "cpu.weight")) for b in batch)
 
         wait_until(reserved, 60, "the reservation written: inference's weight above the others")
-        with_reservation = cpu_over([infer], 10)[0]
-    print(f"inference CPU: {without:.2f} without the agent, {with_reservation:.2f} with")
-    assert without < 0.6
-    assert with_reservation > 0.85
+        with_reservation = portions(everyone, 10)[0]
+    print(f"inference's part: {without:.2f} without the agent, {with_reservation:.2f} with")
+    assert without < 0.3
+    assert with_reservation > 0.42
 
 
 def test_the_earliest_deadline_wins(
