@@ -20,9 +20,12 @@ cgroup goes, or it lapses after its time to live.
 Every uid but root is bounded (`UserBounds`, from the policy's gpu section): its
 reservations and unclaimed grants together may number `max_holds_per_user`, and hold
 `max_held_gpu_hours_per_user` GPU-hours ahead of use (each unbound one's GPUs times the
-time it has left to live). A reservation past either is refused, naming the bound; a
-waiting request past either is not granted, and waits with the bound as its reason, until
-one of the uid's holds is claimed, released or lapses.
+time it has left to live); and where the policy sets `max_gpus_per_user`, all its holds,
+jobs' included, may hold that many GPUs at once. A reservation past any is refused, naming
+the bound; a waiting request past any is not granted, and waits with the bound as its
+reason, until one of the uid's holds is claimed, released or lapses (one that asks for more
+GPUs than the last bound allows at all is refused when asked). A waiting request holds no
+GPU: what bounds it is the count of them (`max_waiting`), and these bounds at its grant.
 
 Durations: a request carries the duration its job declared (deadline, work and CPUs), or
 its class's recent holds give one (gpu_durations, kept here and in the state file); its
@@ -154,11 +157,13 @@ def _mine(uid: int, owner: int) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class UserBounds:
-    """What one uid other than root may hold that no job uses yet (gpu.max_holds_per_user,
-    gpu.max_held_gpu_hours_per_user): a count, and GPU-hours ahead of use."""
+    """What one uid other than root may hold: that no job uses yet, a count and GPU-hours
+    ahead of use (gpu.max_holds_per_user, gpu.max_held_gpu_hours_per_user); and GPUs at
+    once, in use or not (gpu.max_gpus_per_user)."""
 
     holds: int = 1 << 30
     gpu_hours: float = float("inf")
+    gpus: int = 1 << 30
 
 
 UNBOUNDED = UserBounds()
@@ -257,6 +262,12 @@ class GpuLedger:
         with self._lock:
             self._bounds = bounds
             self._check_name(owner)
+            if uid != 0 and request.count > bounds.gpus:
+                raise Conflict(
+                    f"request {owner!r} asks for {request.count} GPUs; one uid may hold"
+                    f" {bounds.gpus} at once (gpu.max_gpus_per_user), so it could never be"
+                    " granted"
+                )
             if uid != 0 and self._waiting_uids[uid] >= max_waiting:
                 raise Conflict(
                     f"uid {uid} has {self._waiting_uids[uid]} GPU requests waiting, the most"
@@ -351,7 +362,8 @@ class GpuLedger:
         none)."""
         with self._lock:
             self._check_name(owner)
-            over = self._over(uid, request.count * max(until - now, 0.0) / 3600.0, now, bounds)
+            hours = request.count * max(until - now, 0.0) / 3600.0
+            over = self._over(uid, request.count, hours, now, bounds)
             if over is not None:
                 raise Conflict(f"reservation {owner!r} refused: {over}")
             result = place(request, node, holdings(self._holds.values()))
@@ -594,11 +606,20 @@ class GpuLedger:
             return f"its id is the hold of {other.owner!r}, which its job would release"
         return replace(hold, id=new_id())
 
-    def _over(self, uid: int, hours: float, now: float, bounds: UserBounds) -> str | None:
-        """Why one more hold of `hours` GPU-hours ahead would take `uid` past its bounds;
-        None if it would not (root is not bounded)."""
+    def _over(
+        self, uid: int, gpus: int, hours: float, now: float, bounds: UserBounds
+    ) -> str | None:
+        """Why one more hold of `gpus` GPUs and `hours` GPU-hours ahead would take `uid` past
+        its bounds; None if it would not (root is not bounded)."""
         if uid == 0:
             return None
+        held = sum(len(h.uuids) for h in self._holds.values() if h.uid == uid)
+        if held + gpus > bounds.gpus:
+            return (
+                f"uid {uid} holds {held} GPUs (jobs, reservations and grants); {gpus} more"
+                f" would pass gpu.max_gpus_per_user ({bounds.gpus}); release one or wait"
+                " for a job to end"
+            )
         mine = [h for h in self._holds.values() if h.uid == uid and h.kind is not HoldKind.JOB]
         if len(mine) >= bounds.holds:
             return (
@@ -674,7 +695,8 @@ class GpuLedger:
         held = holdings(self._holds.values(), now)
         refused: dict[GpuRequest, Refusal] = {}
         for w in waiting:
-            over = self._over(w.uid, w.request.count * timeout / 3600.0, now, self._bounds)
+            hours = w.request.count * timeout / 3600.0
+            over = self._over(w.uid, w.request.count, hours, now, self._bounds)
             if over is not None:  # its uid's own bound: others' requests of its shape may fit
                 if w.reason != over:
                     self._waiting[w.id] = replace(w, reason=over)

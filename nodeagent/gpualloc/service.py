@@ -20,7 +20,7 @@ import structlog
 from nodeagent.actgpu import GpuExecutor
 from nodeagent.gpu.backend import GpuBackend
 from nodeagent.gpu.model import GpuState, Hold, HoldKind
-from nodeagent.gpualloc.ledger import GpuLedger, UserBounds
+from nodeagent.gpualloc.ledger import UNBOUNDED, GpuLedger, UserBounds
 from nodeagent.identity import Kind, WorkloadIdentity
 from nodeagent.logs import audit_event
 from nodeagent.policy.placement import NodeGpus, node_gpus
@@ -73,7 +73,8 @@ def may_bind(path: str, uid: int) -> bool:
 
 def bounds(gpu: GpuSettings) -> UserBounds:
     """Each uid's bounds (root has none) as the policy's gpu section sets them."""
-    return UserBounds(gpu.max_holds_per_user, gpu.max_held_gpu_hours_per_user)
+    gpus = UNBOUNDED.gpus if gpu.max_gpus_per_user is None else gpu.max_gpus_per_user
+    return UserBounds(gpu.max_holds_per_user, gpu.max_held_gpu_hours_per_user, gpus)
 
 
 def process_uids(root: str, path: str, proc_root: str = "/proc") -> frozenset[int] | None:

@@ -681,6 +681,13 @@ class GpuSettings(_Strict):
     and unclaimed grant's GPUs times the time it has left to live, summed (a reservation
     made again counts anew). The default lets one member hold 2 GPUs for 12 h, not every
     GPU for 7 days."""
+    max_gpus_per_user: StrictInt | None = Field(None, ge=1, le=1024)
+    """GPUs one uid (other than root) may hold at once, in use or not: its jobs', its
+    reservations' (bound or not) and its unclaimed grants' together. A reservation past it is
+    refused, a request past it waits until one of the uid's holds goes, and one that asks
+    for more on its own is refused. None (the default): no bound beyond the node's GPUs, so
+    a member's job may use every GPU for as long as it runs (set it where that must not
+    be; Slurm's MaxTRESPerUser=gres/gpu is the same bound)."""
     patience: Number = Field(0.0, ge=0, le=10)
     """A GPU request that already waits may wait this share of its job's expected duration
     more for a set that scores clearly better and is expected free by then; 0 (the default):

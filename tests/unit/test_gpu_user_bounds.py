@@ -108,6 +108,55 @@ def test_a_members_unclaimed_grants_are_counted_and_the_next_request_waits(d: Da
     assert d.call(BOB, "GET", "/v1/gpus/requests", query={"id": late["id"]})["status"] == "granted"
 
 
+def test_by_default_a_members_job_may_hold_every_gpu(d: Daemon) -> None:
+    """The GPU-hours bound is on what no job uses yet: a job's GPUs are in use for as long
+    as it runs, and without gpu.max_gpus_per_user one member's job holds both GPUs (the
+    bound below is the operator's to set)."""
+    granted = d.ask(BOB, "train", 2)
+    assert granted["status"] == "granted"
+    d.start(BOB, "train", gpu_request=granted["id"])
+    assert d.holds() == [("train", "job")]
+
+
+def test_with_max_gpus_per_user_jobs_reservations_and_grants_share_one_bound(
+    tmp_path: Path,
+) -> None:
+    """Item 5 tried again through a job: bob's job held both GPUs of the node for as long as
+    it ran, as much as a 7-day reservation would have. With gpu.max_gpus_per_user 1, a
+    member's job, reservation and unclaimed grant count alike: one GPU in all, whatever
+    their kind; more on one request is refused when asked, more beside it waits (or, for a
+    reservation, is refused), the other member and root are not held back, and the waiting
+    request is granted once the job ends."""
+    d = daemon(tmp_path, {"gpu": {"max_gpus_per_user": 1}})
+    e = d.refused(BOB, "POST", "/v1/gpus/requests", {"name": "both", "count": 2})
+    assert isinstance(e, Conflict)
+    assert str(e) == (
+        "request 'both' asks for 2 GPUs; one uid may hold 1 at once (gpu.max_gpus_per_user),"
+        " so it could never be granted"
+    )
+    granted = d.ask(BOB, "train", 1)
+    d.start(BOB, "train", gpu_request=granted["id"])
+    more = (
+        "uid 1001 holds 1 GPUs (jobs, reservations and grants); 1 more would pass"
+        " gpu.max_gpus_per_user (1); release one or wait for a job to end"
+    )
+    late = d.ask(BOB, "second", 1)
+    assert (late["status"], late["reason"]) == ("waiting", more)
+    e = d.refused(BOB, "POST", RESERVATIONS, {"name": "r", "count": 1, "ttl": "1h"})
+    assert isinstance(e, Conflict) and str(e) == f"reservation 'r' refused: {more}"
+    hers = d.ask(ALICE, "hers", 1)
+    assert hers["status"] == "granted"  # the other GPU: her bound is her own
+    d.call(ALICE, "DELETE", "/v1/gpus/requests", {"id": hers["id"]})
+    reserve(d, ROOT, "ops", 1, ttl="1h")  # root is not bounded
+    d.call(ROOT, "DELETE", RESERVATIONS, {"name": "ops"})
+    d.exit("train")
+    d.agent.tick()  # the job ends: its GPU goes back, and bob's waiting request is served
+    d.call(BOB, "GET", "/v1/gpus/requests", query={"id": late["id"]})
+    d.agent.tick()
+    answer = d.call(BOB, "GET", "/v1/gpus/requests", query={"id": late["id"]})
+    assert answer["status"] == "granted"
+
+
 # --- 6: a reservation binds only to its own uid's workload ----------------------------------
 
 
