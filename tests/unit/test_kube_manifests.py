@@ -23,6 +23,8 @@ from nodeagent.sdbus import SYSTEM_BUS_ADDRESS
 
 CRI_SOCKET = "/run/containerd/containerd.sock"
 """containerd's CRI socket, as the kubelet is configured for it on most nodes."""
+LAYOUTS = ["deploy/kubernetes", "deploy/node-resource-topology", "deploy/k3s", "deploy/cri-o"]
+"""The DaemonSet and its overlays: ../kubernetes plus one thing each."""
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def test_kustomize_renders_every_object_the_issue_lists(rendered: list[dict[str,
         "Namespace", "ClusterRole", "ClusterRoleBinding")} == {"nodeagent"}  # fmt: skip
 
 
-@pytest.mark.parametrize("directory", ["deploy/kubernetes", "deploy/node-resource-topology"])
+@pytest.mark.parametrize("directory", LAYOUTS)
 def test_every_object_is_valid_against_its_schema(directory: str) -> None:
     for doc in kustomize(directory):
         assert problems(doc) == [], f"{doc['kind']}/{doc['metadata']['name']}"
@@ -263,6 +265,42 @@ def test_each_path_the_agent_opens_is_the_hosts(
         "node features": policy.publish.node_features or "",
     }[what]
     assert pod.host_path(opened) == (host, not writable)
+
+
+@pytest.mark.parametrize(
+    ("directory", "runtime", "host"),
+    [
+        ("deploy/kubernetes", "containerd", CRI_SOCKET),
+        ("deploy/k3s", "containerd", "/run/k3s/containerd/containerd.sock"),  # rke2's too
+        ("deploy/cri-o", "crio", "/run/crio/crio.sock"),
+    ],
+)
+def test_each_runtimes_layout_mounts_its_cri_socket_where_the_policy_looks(
+    directory: str, runtime: str, host: str
+) -> None:
+    """One policy for every runtime: each layout mounts its runtime's socket directory where
+    the ConfigMap's policy names that runtime's socket, and differs from ../kubernetes in
+    that volume alone."""
+    docs = kustomize(directory)
+    laid_out = Pod(one(docs, "DaemonSet"))
+    configmap = one(docs, "ConfigMap")
+    policy = parse_policy(configmap["data"]["policy.yaml"], directory)
+    assert laid_out.host_path(getattr(policy.agent.runtimes, runtime)) == (host, True)
+    base = kustomize("deploy/kubernetes")
+    assert configmap == one(base, "ConfigMap")
+
+    def by_name(daemonset: dict[str, Any]) -> dict[str, Any]:
+        """The DaemonSet with its volumes by name (a patch may reorder the list)."""
+        out = copy.deepcopy(daemonset)
+        spec = out["spec"]["template"]["spec"]
+        spec["volumes"] = {v["name"]: v for v in spec["volumes"]}
+        return out
+
+    unchanged = by_name(one(base, "DaemonSet"))
+    unchanged["spec"]["template"]["spec"]["volumes"]["cri-socket"]["hostPath"]["path"] = (
+        posixpath.dirname(host)
+    )
+    assert by_name(one(docs, "DaemonSet")) == unchanged
 
 
 def test_the_pod_runs_as_a_node_agent(pod: Pod, policy: PolicySpec) -> None:
