@@ -49,6 +49,7 @@ from nodeagent.logs import audit_event
 from nodeagent.ownership import WriteMode, read_only_reason
 from nodeagent.policy.plan import CgroupPlan, Plan, Target, node_critical
 from nodeagent.policyfile.model import WithoutBus
+from nodeagent.reach import Reachability
 from nodeagent.sdbus import NoBus, NotTheUnit
 from nodeagent.selfguard import SelfGuard
 from nodeagent.snapshot import NodeSnapshot
@@ -126,6 +127,8 @@ class Executor:
         self.without_bus = without_bus
         self._bus_down: str | None = None
         """Why D-Bus could not be reached, while it cannot; logged once per outage."""
+        self.reach = Reachability()
+        """How the last call to systemd went (the metrics and /v1/status)."""
         self._verified = _VerifiedUnits(tree)
         self._unthawed: list[CgroupPlan] = []
         """Thaws outside the plan's workloads that did not land (`_thaws`)."""
@@ -269,6 +272,7 @@ class Executor:
         except NodeagentError as e:
             outcome = WriteResult(path, Attribute.CPU_WEIGHT, None, "", "", Outcome.FAILED, str(e))
         else:
+            self.reach.ok("systemd", self._bus_address())
             if self._bus_down is not None:
                 log.info("systemd.reachable", via=getattr(self.units, "via", None))
                 self._bus_down = None
@@ -290,7 +294,12 @@ class Executor:
         self._systemd.units[path] = outcome
         return outcome
 
+    def _bus_address(self) -> str:
+        return str(getattr(self.units, "via", None) or "the system bus")
+
     def _no_bus(self, path: str, why: str) -> WriteResult | None:
+        if self.units is not None:  # none configured is no peer
+            self.reach.failed("systemd", self._bus_address(), why)
         fallback = self.without_bus()
         if self._bus_down is None:
             log.warning(

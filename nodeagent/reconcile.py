@@ -40,6 +40,7 @@ from nodeagent.policy.plan import DEFAULT_POLICIES, Plan
 from nodeagent.policy.plancache import PlanCache, PlanInputs
 from nodeagent.policy.weights import ancestors
 from nodeagent.policyfile.model import PolicySpec
+from nodeagent.reach import Reach
 from nodeagent.release import Releaser, in_release_order
 from nodeagent.report import TickRecord
 from nodeagent.runtimes.metadata import RuntimeMetadata
@@ -288,11 +289,20 @@ class Reconciler:
         self.problems.update(snapshot, plan, results)
         self.notes.update(plan.notes)
         self.last = TickRecord(
-            snapshot, plan, results, time.monotonic() - started, self.dry_run, assignments, modes
-        )
+            snapshot, plan, results, time.monotonic() - started, self.dry_run, assignments, modes,
+            self.peers(),
+        )  # fmt: skip
         self._siblings = None
         self._lookups.clear()  # this tick asked the runtimes for whom it could
         return self.last
+
+    def peers(self) -> tuple[Reach, ...]:
+        """Every service the agent asks, as it last answered (`reach`)."""
+        kube = () if self.kube is None else self.kube.peers()
+        return (
+            *self.runtimes.reach.now(), *self.slurm.reach.now(), *self.executor.reach.now(),
+            *kube,
+        )  # fmt: skip
 
     def claimed(
         self, identities: list[WorkloadIdentity], jobs: Mapping[str, Assignment]

@@ -12,6 +12,7 @@ from nodeagent.identity import WorkloadIdentity
 from nodeagent.ownership import WriteMode
 from nodeagent.policy.base import Assignment, Note, describe
 from nodeagent.policy.plan import CgroupPlan, Plan
+from nodeagent.reach import Reach
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
 from nodeagent.tables import SHOWN, short_ids
 
@@ -27,6 +28,9 @@ class TickRecord:
     """Every claimed workload's rule, including those skipped this tick."""
     modes: Mapping[str, WriteMode] = field(default_factory=dict)
     """How the agent may write each claimed workload, including those skipped this tick."""
+    peers: tuple[Reach, ...] = ()
+    """The runtimes, Slurm, systemd and the kubelet's and API server's sides, as each last
+    answered by the end of this tick."""
 
 
 _VALUE_KEYS = ("current", "target", "policy", "reason")

@@ -27,6 +27,7 @@ import structlog
 from nodeagent.errors import NodeagentError
 from nodeagent.identity import Runtime, WorkloadIdentity
 from nodeagent.policyfile.model import SlurmSettings
+from nodeagent.reach import Reachability
 
 log = structlog.get_logger("nodeagent.slurm")
 
@@ -107,6 +108,8 @@ class SlurmJobs:
         self._retry_at = -float("inf")
         self.problem: str | None = None
         """What failed, while Slurm does not answer."""
+        self.reach = Reachability()
+        """How its last squeue went (the metrics and /v1/status)."""
 
     def enrich(
         self, identities: Iterable[WorkloadIdentity], settings: SlurmSettings
@@ -134,6 +137,7 @@ class SlurmJobs:
         try:
             listed = self._query(wanted, settings)
         except SlurmUnavailable as e:
+            self.reach.failed("slurm", settings.squeue, str(e))
             self._retry_at = now + settings.retry_interval
             if self.problem is None and self._logs:
                 log.warning(
@@ -144,6 +148,7 @@ class SlurmJobs:
                 )
             self.problem = str(e)
             return
+        self.reach.ok("slurm", settings.squeue)
         if self.problem is not None and self._logs:
             log.info("slurm.reachable", was=self.problem)
         self.problem = None

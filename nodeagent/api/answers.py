@@ -66,6 +66,19 @@ class RuntimeState(Answer):
     problem: str | None
 
 
+class PeerState(Answer):
+    """A service the daemon asks, as its last exchange left it (Unix times)."""
+
+    name: str
+    address: str
+    up: bool
+    since: float
+    """When `up` last changed."""
+    last_success: float | None
+    error: str | None
+    """While down: what failed."""
+
+
 class Status(Answer):
     """GET /v1/status: who the daemon is and what it runs with."""
 
@@ -83,6 +96,9 @@ class Status(Answer):
     slurm_problem: str | None
     deadline_misses: int
     runtimes: dict[str, RuntimeState]
+    peers: list[PeerState] = []
+    """Every service the daemon asks, as of its last tick (none before it; a daemon older
+    than the list sends none)."""
 
 
 # -- /v1/allocations and /v1/explain ----------------------------------------------------------

@@ -20,6 +20,7 @@ import structlog
 from nodeagent.errors import one_line
 from nodeagent.identity import QosTier
 from nodeagent.kube.pods import Pod, PodDirectory
+from nodeagent.reach import Reachability
 
 log = structlog.get_logger("nodeagent.kubernetes")
 GONE = 410
@@ -62,8 +63,12 @@ class Informer:
         watch_timeout: float,
         changed: Callable[[], None],
         stop: threading.Event,
+        reach: Reachability,
+        address: str,
         **selectors: str,
     ) -> None:
+        """`reach`: where each list and watch says how it went, as api-server/KIND at
+        `address` (the server's URL)."""
         from kubernetes import watch  # noqa: PLC0415 (only in Kubernetes mode)
 
         self.kind = kind
@@ -74,6 +79,7 @@ class Informer:
         self._changed = changed
         self._stop = stop
         self._selectors = selectors
+        self._reach, self._address = reach, address
         make: Any = watch.Watch  # untyped
         self._watch: Any = make()
         self.items: dict[str, Any] = {}
@@ -88,8 +94,12 @@ class Informer:
         self.items = dict(self._key(o) for o in answer.items)
         self.resource_version = answer.metadata.resource_version
         self.lists += 1
+        self._answered()
         self._changed()
         self.synced.set()
+
+    def _answered(self) -> None:
+        self._reach.ok(f"api-server/{self.kind}", self._address)
 
     def watch_once(self) -> None:
         """One watch, until the server ends it, from the last resourceVersion."""
@@ -106,6 +116,7 @@ class Informer:
                 self._watch.stop()
                 return
             self.events += 1
+            self._answered()
             kind, obj = event["type"], event["object"]
             if kind in ("ADDED", "MODIFIED"):
                 name, value = self._key(obj)
@@ -127,6 +138,7 @@ class Informer:
                 if self.resource_version is None:
                     self.relist()
                 self.watch_once()
+                self._answered()  # the server ended it, as it does every watch_timeout
                 failures = 0
             except ApiException as e:
                 if self.events != seen:
@@ -144,6 +156,7 @@ class Informer:
                 failures = self._failed(failures, one_line(e))
 
     def _failed(self, failures: int, why: str) -> int:
+        self._reach.failed(f"api-server/{self.kind}", self._address, why)
         if failures == 0:
             log.warning("kubernetes.watch_failed", kind=self.kind, error=why,
                         action="keeping the last view, retrying")  # fmt: skip
@@ -159,11 +172,15 @@ class ApiWatch:
 
         core = client.CoreV1Api(api_client)
         self.stop = threading.Event()
+        self.reach = Reachability()
+        """How each kind's last list, watch event or watch went (its threads write it)."""
         self._lock = threading.Lock()
         self._version = 0
         self._directory = PodDirectory()
+        address = str(getattr(getattr(api_client, "configuration", None), "host", None)
+                      or "the API server")  # fmt: skip
         common = {"timeout": timeout, "watch_timeout": watch_timeout, "changed": self._bump,
-                  "stop": self.stop}  # fmt: skip
+                  "stop": self.stop, "reach": self.reach, "address": address}  # fmt: skip
         self.pods = Informer(
             "pods",
             core.list_pod_for_all_namespaces,

@@ -28,6 +28,7 @@ from nodeagent.kube.pods import EMPTY, PodDirectory
 from nodeagent.kube.publish import Publisher
 from nodeagent.logs import audit_warning
 from nodeagent.policyfile.model import PolicySpec
+from nodeagent.reach import Reach, Reachability
 
 log = structlog.get_logger("nodeagent.kubernetes")
 REFRESH = 10.0
@@ -67,6 +68,8 @@ class KubernetesNode:
         self.publisher = Publisher(self.pod_resources, self.api_client, self.node,
                                    lambda: self.listing)  # fmt: skip
         self.listing: tuple[ContainerDevices, ...] = ()
+        self.reach = Reachability()
+        """How the last PodResources call went (the API watch keeps its own)."""
         self._asked: tuple[float, object] = (-REFRESH, None)
         self._failing: str | None = None
         self._said: set[str] = set()
@@ -79,6 +82,10 @@ class KubernetesNode:
         if self.api is not None:
             self.api.close()
         self.pod_resources.close()
+
+    def peers(self) -> tuple[Reach, ...]:
+        """The kubelet's PodResources and the API server's watch, as they last answered."""
+        return (*self.reach.now(), *(() if self.api is None else self.api.reach.now()))
 
     def pods(self) -> PodDirectory:
         return self.api.directory() if self.api is not None else EMPTY
@@ -105,15 +112,18 @@ class KubernetesNode:
         return joined.holds
 
     def _ask(self) -> None:
+        socket = self.pod_resources.socket
         try:
             self.listing = self.pod_resources.list()
         except PodResourcesError as e:
             message = one_line(e)
+            self.reach.failed("pod-resources", socket, message)
             if message != self._failing:
                 log.warning("kubernetes.pod_resources_failed", error=message,
                             action="keeping the last answer")  # fmt: skip
                 self._failing = message
             return
+        self.reach.ok("pod-resources", socket)
         if self._failing is not None:
             log.info("kubernetes.pod_resources_recovered")
             self._failing = None

@@ -231,6 +231,7 @@ class TickCollector(Collector):
             _isolated(out, failed, "series:tenants", lambda part: _tenants(part, record))
             _isolated(out, failed, "series:protection", lambda part: _protection(part, record))
             _isolated(out, failed, "series:violations", lambda part: _violations(part, record))
+            _isolated(out, failed, "series:peers", lambda part: _peers(part, record))
         gpus = self._gpus
         if gpus is not None:
             _isolated(out, failed, "series:gpus", lambda part: gpus.render(part, workloads))
@@ -523,6 +524,15 @@ def _protection(out: Scrape, record: TickRecord) -> None:
     ):
         value = note.fields.get(key)
         out.add(name, (), len(value) if isinstance(value, Mapping | list | tuple) else None)
+
+
+def _peers(out: Scrape, record: TickRecord) -> None:
+    """Each service the agent asks, as it answered by the end of the tick."""
+    for peer in record.peers:
+        name, address = printable(peer.name), printable(peer.address)
+        out.add("nodeagent_peer_up", (name, address), int(peer.up))
+        if peer.last_ok is not None:
+            out.add("nodeagent_peer_last_success_timestamp_seconds", (name,), peer.last_ok)
 
 
 def _violations(out: Scrape, record: TickRecord) -> None:

@@ -131,6 +131,23 @@ FAMILIES: tuple[Family, ...] = (
         " kubelet, systemd, an operator): a fight over a cgroup shows here.",
         "attribute",
     ),
+    # the services the agent asks
+    _f(
+        "nodeagent_peer_up",
+        "gauge",
+        "1 when the agent's last exchange with a service it asks succeeded, 0 when it failed:"
+        " each container runtime's socket, Slurm's squeue, systemd's bus, the kubelet's"
+        " PodResources, the API server's watch of each kind (api-server/pods, ...). Listed"
+        " from its first exchange; a runtime whose socket was never there is not listed.",
+        "peer",
+        "address",
+    ),
+    _f(
+        "nodeagent_peer_last_success_timestamp_seconds",
+        "gauge",
+        "Unix time of the last exchange with the peer that succeeded; absent until one has.",
+        "peer",
+    ),
     _f("nodeagent_node_cpu_cores", "gauge", "CPUs on the node."),
     _f("nodeagent_node_cpu_busy_ratio", "gauge", "Busy share of all CPUs over the last tick."),
     # each workload

@@ -14,8 +14,16 @@ from nodeagent.api.server import Request, Routes
 from nodeagent.errors import BadRequest, NotFound
 from nodeagent.gpualloc.service import environment
 from nodeagent.policyfile.model import AgentMode
+from nodeagent.reach import Reach
 from nodeagent.reconcile import Reconciler
 from nodeagent.report import TickRecord, allocations, explain, find, identities
+
+
+def _peer(p: Reach) -> answers.PeerState:
+    return answers.PeerState(
+        name=p.name, address=p.address, up=p.up, since=p.since, last_success=p.last_ok,
+        error=p.error,
+    )  # fmt: skip
 
 
 def agent_routes(
@@ -46,6 +54,7 @@ def agent_routes(
                 name: answers.RuntimeState.model_validate(state)
                 for name, state in rec.runtimes.status().items()
             },
+            peers=[_peer(p) for p in (() if last is None else last.peers)],
         )
 
     def allocs(_: Request) -> answers.Allocations:

@@ -54,6 +54,7 @@ from nodeagent.errors import one_line
 from nodeagent.identity import Kind, Runtime, WorkloadIdentity
 from nodeagent.meta import BadAnswer, ContainerMeta, Unavailable
 from nodeagent.policyfile.model import RuntimeSettings
+from nodeagent.reach import Reachability
 from nodeagent.runtimes.base import Adapter, Creations
 
 log = structlog.get_logger("nodeagent.runtimes")
@@ -164,6 +165,8 @@ class RuntimeMetadata:
         """Of those, the ones the creation's event described, asked nothing."""
         self.user_podman: Callable[[int], Adapter] | None = None
         """User N's own podman, for the containers below user@N.service (None: not asked)."""
+        self.reach = Reachability(wall)
+        """How each runtime's last exchange went (the metrics and /v1/status)."""
 
     @classmethod
     def from_settings(cls, settings: RuntimeSettings, **options: Any) -> RuntimeMetadata:
@@ -300,7 +303,12 @@ class RuntimeMetadata:
             except (Unavailable, BadAnswer) as e:
                 self._stream_at[runtime] = now + RETRY_S  # no socket is a host without it
                 log.debug("runtime.events_unopened", runtime=runtime, reason=one_line(e))
+                if isinstance(e, Unavailable) and (
+                    self.reach.known(runtime) or os.path.exists(adapter.socket)
+                ):  # a runtime this node never had is not listed as down
+                    self.reach.failed(runtime, adapter.socket, one_line(e))
                 continue
+            self.reach.ok(runtime, adapter.socket)
             if stream is None:
                 self._stream_at[runtime] = math.inf
             else:
@@ -320,6 +328,8 @@ class RuntimeMetadata:
         except (Unavailable, BadAnswer) as e:
             log.debug("runtime.events_broken", runtime=runtime, reason=one_line(e))
             said, broken = {}, True
+            if isinstance(e, Unavailable):
+                self.reach.failed(runtime, self.adapters[runtime].socket, one_line(e))
         else:
             broken = stream.ended
         budget_end = now + self.budget
@@ -456,6 +466,7 @@ class RuntimeMetadata:
         return self._keep(target, _Entry(None, problem))
 
     def _went_down(self, runtime: str, adapter: Adapter, reason: str, now: float) -> None:
+        self.reach.failed(runtime, adapter.socket, reason)
         down = self._down.get(runtime)
         text = f"{runtime} does not answer: {reason}"
         if down is None:
@@ -475,6 +486,8 @@ class RuntimeMetadata:
             down.reason, down.retry_at = text, now + RETRY_S
 
     def _came_back(self, runtime: str, adapter: Adapter, now: float) -> None:
+        """`runtime` answered (at every answer: most find it up)."""
+        self.reach.ok(runtime, adapter.socket)
         down = self._down.pop(runtime, None)
         if down is None:
             return
@@ -520,6 +533,7 @@ class RuntimeMetadata:
             except BadAnswer:  # unreadable events: the next poll covers the same window
                 self._events[runtime] = (cursor[0], now)
                 continue
+            self.reach.ok(runtime, adapter.socket)
             self._events[runtime] = (wall, now)
             for cid in changed or ():
                 entry = self._entries.get((runtime, cid))

@@ -91,8 +91,10 @@ def test_properties_first_all_of_them_then_the_files(tree: CgroupTree) -> None:
         "0.333 cores rounded up to 0.34, as systemd keeps it"
     )
     fake = FakeSystemd()
-    results = Executor(tree, lambda *a: None, units=fake).apply(plan, snap)
+    executor = Executor(tree, lambda *a: None, units=fake)
+    results = executor.apply(plan, snap)
     ((unit, props),) = fake.calls
+    assert [(r.name, r.up) for r in executor.reach.now()] == [("systemd", True)]
     assert unit == SCOPE.path.rsplit("/", 1)[-1]
     assert props == {
         "CPUWeight": 100,
@@ -127,6 +129,8 @@ def test_without_d_bus_the_operator_chooses(
     assert [e["event"] for e in logs if e["event"].startswith("systemd")] == [
         "systemd.unreachable"
     ], "said once, not once a write"
+    (bus,) = executor.reach.now()
+    assert (bus.name, bus.up, bus.last_ok) == ("systemd", False, None), bus
 
 
 # -- the real adapter (nodeagent.sdbus.Systemd) against a recording stub of systemd's manager

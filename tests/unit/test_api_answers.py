@@ -64,6 +64,7 @@ def test_every_route_answers_its_model(tmp_path: Path) -> None:
     d = daemon(tmp_path, {"classes": {"batch": {"declared_deadlines": "scheduled"}}})
     status = served(d, answers.Status, "GET", "/v1/status", ROOT)
     assert status.tick == 1 and status.workloads == 0
+    assert status.peers == [], "nothing outside the agent asked yet"
     assert status.policy_sha256 == digest(d.agent.spec)
     granted = served(d, answers.GpuGrant, "POST", "/v1/gpus/requests",
                      body={"name": "train", "count": 1})  # fmt: skip

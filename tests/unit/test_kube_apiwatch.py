@@ -118,6 +118,9 @@ def test_an_unreachable_server_keeps_the_last_view(
 
         wait_for(failed, 20, "the pods' watch to fail against the gone server")
     assert watch.directory().pods == view.pods
+    pods = {r.name: r for r in watch.reach.now()}["api-server/pods"]
+    assert not pods.up and pods.last_ok is not None and pods.error, pods
+    assert pods.address.startswith("http"), "the server's URL"
 
 
 def test_an_edit_on_the_api_server_reassigns_the_pod(

@@ -223,6 +223,20 @@ def test_gpu_uuids_are_joined_to_the_right_containers(agent: tuple[Agent, Any]) 
     }
 
 
+def test_the_kubelet_and_the_api_server_are_peers_in_the_tick_and_its_status(
+    agent: tuple[Agent, Any], api: ApiServerStandIn
+) -> None:
+    """What nodeagent_peer_up and /v1/status show of the Kubernetes side: PodResources at
+    its socket, and each kind the API server is watched for at the server's URL."""
+    a, k = agent
+    record = a.tick()
+    assert {(p.name, p.address, p.up) for p in record.peers} >= {
+        ("pod-resources", k.socket, True),
+        ("api-server/pods", api.url, True),
+        ("api-server/namespaces", api.url, True),
+    }
+
+
 def test_a_process_on_a_gpu_its_pod_was_not_given_is_a_violation(
     agent: tuple[Agent, Any],
 ) -> None:

@@ -45,6 +45,7 @@ from nodeagent.metrics.families import FAMILIES, WORKLOAD
 from nodeagent.policy.base import Assignment
 from nodeagent.policyfile.load import load_policy
 from nodeagent.policyfile.model import PolicySpec, WorkloadClass
+from nodeagent.reach import Reach
 from nodeagent.report import TickRecord
 from nodeagent.sense.gpus import GpuSensor
 from nodeagent.snapshot import CgroupSample, Skipped, WorkloadState
@@ -336,6 +337,28 @@ def test_a_failing_gpu_backend_costs_only_the_gpu_series() -> None:
     assert values(s, "nodeagent_workload_cpu_weight", cgroup=A1)
 
 
+PEERS = (
+    Reach("containerd", "/run/containerd/containerd.sock", False, NOW - 30, NOW - 31,
+          "containerd does not answer: connection refused"),
+    Reach("slurm", "squeue", True, NOW - 600, NOW - 1, None),
+    Reach("api-server/pods", "https://10.0.0.1:443", False, NOW - 5, None, "401 Unauthorized"),
+)  # fmt: skip
+
+
+def test_each_peer_is_up_or_down_with_its_last_success() -> None:
+    """containerd down since a restart, Slurm answering, the API server never answered:
+    up 0/1 by peer and address, and the last success where there was one."""
+    s = observed(replace(record([state(A1, 1.0)]), peers=PEERS))
+    up = {(x.labels["peer"], x.labels["address"]): x.value for x in s["nodeagent_peer_up"]}
+    assert up == {
+        ("containerd", "/run/containerd/containerd.sock"): 0,
+        ("slurm", "squeue"): 1,
+        ("api-server/pods", "https://10.0.0.1:443"): 0,
+    }
+    last = {x.labels["peer"]: x.value for x in s["nodeagent_peer_last_success_timestamp_seconds"]}
+    assert last == {"containerd": NOW - 31, "slurm": NOW - 1}
+
+
 def test_every_family_is_described_and_named_koordlet_style() -> None:
     c = TickCollector()
     assert [m.name for m in c.describe()] == [f.name.removesuffix("_total") for f in FAMILIES]
@@ -361,6 +384,7 @@ def test_every_family_is_described_and_named_koordlet_style() -> None:
         "nodeagent_gpu_healthy",
         "nodeagent_workload_gpu_processes",
         "nodeagent_gpu_violating_processes",
+        "nodeagent_peer_up",
     }
     for f in FAMILIES:
         assert f.name.startswith("nodeagent_")
@@ -371,7 +395,7 @@ def test_every_family_is_described_and_named_koordlet_style() -> None:
 def full_scrape() -> CollectorRegistry:
     """Every kind of series at once: a deadline job, a stalling inference pod that has
     batch throttled, GPUs (a simulated node) with a process no hold covers, the reload
-    result and the interval."""
+    result, the interval and the peers."""
     c = TickCollector(lambda: 1, reload=lambda: (False, NOW), interval=lambda: 1.0)
     stalling = state(K8S, 0.5, stall=0.4)
     due = state(DUE, 1.0, used_s=20.0)
@@ -380,7 +404,7 @@ def full_scrape() -> CollectorRegistry:
     assert gpus is not None
     gpus = replace(gpus, processes=(GpuProcess(4242, gpus.devices[0].uuid, 1 << 30, A1),))
     workloads = [stalling, due, state(A1, 3.0), state(B1, 3.0)]
-    c.observe(record(workloads, policy=WITH_DEADLINE, gpus=gpus))
+    c.observe(replace(record(workloads, policy=WITH_DEADLINE, gpus=gpus), peers=PEERS))
     c.watch_gpus(backend)
     registry = CollectorRegistry()
     registry.register(c)

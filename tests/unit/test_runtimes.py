@@ -14,6 +14,7 @@ import structlog
 
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.meta import MAX_ENTRIES, BadAnswer, Unavailable, labels
+from nodeagent.reach import Reach
 from nodeagent.runtimes.docker import DockerAdapter, event_ids, told
 from nodeagent.runtimes.metadata import LATE_S, PREFETCH_KEEP_S, RETRY_S, RuntimeMetadata
 from nodeagent.runtimes.podman import NO_LABELS, PodmanAdapter
@@ -189,6 +190,47 @@ def test_a_runtime_that_stops_answering_is_said_once_and_comes_back(docker: Stan
     assert back[1].meta is not None and back[1].meta.name == "db", "back without a restart"
     events = [e["event"] for e in logs if e["event"].startswith("runtime.")]
     assert events == ["runtime.unavailable", "runtime.available"], logs
+
+
+def test_the_runtimes_reach_follows_its_answers(docker: StandInDocker) -> None:
+    """Up from its first answer, down (since then, with the error) when it stops answering,
+    up again when it is back, with when it last answered: what /v1/status and
+    nodeagent_peer_up show."""
+    docker.answers[A] = container(A, "web", "img", {})
+    clock = Clock()
+    meta = RuntimeMetadata({"docker": DockerAdapter(docker.path, TIMEOUT)}, clock=clock, wall=clock)
+    assert meta.reach.now() == (), "nothing asked yet: not listed"
+    meta.attach([ident(A)])
+    assert meta.reach.now() == (Reach("docker", docker.path, True, 1000.0, 1000.0, None),)
+    docker.hang_all = True
+    clock.t += 1
+    meta.attach([ident(A), ident(B)])
+    (down,) = meta.reach.now()
+    assert (down.up, down.since, down.last_ok) == (False, 1001.0, 1000.0)
+    assert down.error is not None and "did not answer in" in down.error, down
+    docker.hang_all = False
+    docker.answers[B] = container(B, "db", "pg", {})
+    clock.t += RETRY_S
+    meta.attach([ident(A), ident(B)])
+    t = 1001.0 + RETRY_S
+    assert meta.reach.now() == (Reach("docker", docker.path, True, t, t, None),)
+
+
+def test_a_runtime_the_node_never_had_is_not_listed_one_that_went_is_down(
+    tmp_path: Path,
+) -> None:
+    """A socket never there (docker on a containerd node) is no peer; one that answered and
+    then went (its daemon stopped, the socket removed) is down."""
+    clock = Clock()
+    gone = tmp_path / "gone.sock"
+    meta = RuntimeMetadata({"docker": DockerAdapter(str(gone), TIMEOUT)}, clock=clock, wall=clock)
+    assert meta.streams() == []
+    assert meta.reach.now() == ()
+    meta.reach.ok("docker", str(gone))  # as if it had answered before its socket went
+    clock.t += RETRY_S
+    assert meta.streams() == []
+    (down,) = meta.reach.now()
+    assert not down.up and down.error is not None and str(gone) in down.error, down
 
 
 def test_a_refused_answer_is_said_once_and_not_asked_again(docker: StandInDocker) -> None:

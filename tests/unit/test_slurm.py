@@ -159,6 +159,11 @@ def test_slurm_not_answering_is_one_line_logged_once_and_retried_later() -> None
         ("slurm.reachable", None),
     ]
     assert slurm.problem is None
+    (reach,) = slurm.reach.now()
+    assert (reach.name, reach.address, reach.up, reach.error) == (
+        "slurm", "/usr/bin/squeue", True, None
+    )  # fmt: skip
+    assert reach.last_ok == reach.since, "up since its first answer after the outage"
 
 
 def test_squeue_failing_names_the_command_and_what_it_said() -> None:
