@@ -62,6 +62,10 @@ log = structlog.get_logger("nodeagent.runtimes")
 RETRY_S = 5.0
 LATE_S = 0.25
 EVENTS_EVERY_S = 1.0
+PROBE_S = 10.0
+"""How often a runtime without events (CRI: its metadata never changes) is asked whether
+it answers, while the agent knows containers of its: so that a containerd restarted under
+pods that go on shows as down and back (nodeagent_peer_up), not up on its last answer."""
 LOOKUP_BUDGET_S = 1.0
 UNKNOWN_TRIES = 10
 PREFETCH_KEEP_S = 60.0
@@ -151,6 +155,8 @@ class RuntimeMetadata:
         self._entries: dict[tuple[str, str], _Entry] = {}
         self._down: dict[str, _Down] = {}
         self._events: dict[str, tuple[float, float]] = {}
+        self._probed: dict[str, float] = {}
+        """Per runtime without events: when it was last asked whether it answers."""
         """Per runtime: the wall time its events were read up to, and when (monotonic)."""
         self._attached: dict[str, WorkloadIdentity] = {}
         self._refused: set[tuple[str, str]] = set()
@@ -465,6 +471,17 @@ class RuntimeMetadata:
                 )
         return self._keep(target, _Entry(None, problem))
 
+    def _probe(self, runtime: str, adapter: Adapter, now: float) -> None:
+        """Ask `runtime` whether it answers (one deadline at most), as a lookup would."""
+        self._probed[runtime] = now
+        try:
+            self.lookups += 1
+            adapter.ping()
+        except Unavailable as e:
+            self._went_down(runtime, adapter, one_line(e), now)
+        else:
+            self._came_back(runtime, adapter, now)
+
     def _went_down(self, runtime: str, adapter: Adapter, reason: str, now: float) -> None:
         self.reach.failed(runtime, adapter.socket, reason)
         down = self._down.get(runtime)
@@ -505,9 +522,10 @@ class RuntimeMetadata:
                 self._entries[key] = replace(entry, ask_at=now)
 
     def _follow_events(self, now: float) -> None:
-        """Ask again about the containers the runtimes' events say changed (renames); and
-        ask a runtime that is down about one of its containers once its retry is due, so
-        that it is found back even when nothing new needs it."""
+        """Ask again about the containers the runtimes' events say changed (renames); ask a
+        runtime that is down about one of its containers once its retry is due, so that it
+        is found back even when nothing new needs it; and ask one without events whether it
+        answers every PROBE_S, so that it is found down when nothing new needs it either."""
         for runtime, adapter in self.adapters.items():
             known = [k for k, e in self._entries.items() if k[0] == runtime and e.meta]
             if not known:
@@ -533,7 +551,10 @@ class RuntimeMetadata:
             except BadAnswer:  # unreadable events: the next poll covers the same window
                 self._events[runtime] = (cursor[0], now)
                 continue
-            self.reach.ok(runtime, adapter.socket)
+            if changed is not None:
+                self.reach.ok(runtime, adapter.socket)
+            elif now - self._probed.get(runtime, -math.inf) >= PROBE_S:
+                self._probe(runtime, adapter, now)
             self._events[runtime] = (wall, now)
             for cid in changed or ():
                 entry = self._entries.get((runtime, cid))

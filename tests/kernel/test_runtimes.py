@@ -26,10 +26,13 @@ import runtimes as rt
 import structlog
 from conftest import CGROUP_ROOT, enable_controllers
 from helpers import read, sleeper, spec, usage_us, wait_for
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from standin_runtime import StandInDocker, container
 
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent, open_agent
+from nodeagent.metrics.collector import TickCollector
 from nodeagent.policy.classify import unmatched_for_metadata
 from nodeagent.report import TickRecord, allocations, identities
 from nodeagent.sdbus import Systemd
@@ -379,6 +382,82 @@ def test_dockerd_stopped_mid_run_and_restarted(
             r.start_daemon("dockerd")
         r.remove(labelled)
         r.remove(plain)
+
+
+def peer_up(agent: Agent, peer: str) -> float | None:
+    """nodeagent_peer_up for `peer` as a scrape of the agent's last tick shows it."""
+    collector = TickCollector()
+    collector.observe(agent.rec.last)
+    registry = CollectorRegistry()
+    registry.register(collector)
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for sample in family.samples:
+            if sample.name == "nodeagent_peer_up" and sample.labels["peer"] == peer:
+                return sample.value
+    return None
+
+
+def test_containerd_restarted_by_systemctl_shows_in_its_peer_metric_and_a_pod_after_it_is_claimed(
+    started_runtimes: dict[str, rt.Runtimes], tmp_path: Path, managed: str
+) -> None:
+    """containerd, a unit of the VM's real systemd (KillMode=process, as Debian ships it),
+    stopped and started, then restarted with `systemctl restart` while a pod runs on: the
+    agent's nodeagent_peer_up{peer="containerd"} goes 1, 0, 1 (no new container needs
+    containerd meanwhile: found by the probe of a runtime without events), and a pod started
+    after the restart is claimed with the class its annotation asks for (issue 35 item 2)."""
+    r = started_runtimes["systemd"]
+    host = r.place.host  # type: ignore[attr-defined]
+    rule = {
+        "name": "prod", "match": {"kind": "container", "namespace": "prod-*"},
+        "tenant": "a", "class": "batch",
+        "class_from": {"pod_annotation": "nodeagent.io/class", "allowed": ["inference", "batch"]},
+    }  # fmt: skip
+    asks = {"nodeagent.io/class": "inference"}
+
+    def claimed_as_inference(record: TickRecord, pod: rt.Pod) -> bool:
+        a = record.assignments.get(rel(r, pod.containers["server"].cgroup))
+        return a is not None and str(a.workload_class) == "inference"
+
+    def answering() -> bool:
+        return r.place.run(rt.CTR, "--address", r.paths.containerd, "version",
+                           check=False).returncode == 0  # fmt: skip
+
+    def socket_back() -> None:
+        """Until containerd answers on its socket again (a stale file may be left)."""
+        assert wait_for(answering, timeout=90), "containerd answering on its socket again"
+
+    try:
+        before = r.run_pod("prod-a", "before-0", {}, asks, {"server": ("sleep", "3600")})
+        agent = make_agent(r, tmp_path, managed, [rule])
+        ticks_until(agent, lambda rec: claimed_as_inference(rec, before), what="the first pod")
+        assert peer_up(agent, "containerd") == 1
+        host.systemctl("stop", "containerd.service")
+        stopped = ticks_until(agent, lambda _: peer_up(agent, "containerd") == 0, timeout=90,
+                              what="nodeagent_peer_up 0 once containerd is stopped")  # fmt: skip
+        (down,) = [p for p in stopped.peers if p.name == "containerd"]
+        assert down.error, down
+        print(f"containerd stopped: {down}")
+        host.systemctl("start", "containerd.service")
+        socket_back()
+        ticks_until(agent, lambda _: peer_up(agent, "containerd") == 1, timeout=90,
+                    what="nodeagent_peer_up 1 once containerd is started")  # fmt: skip
+        host.systemctl("restart", "containerd.service")
+        socket_back()
+        after = r.run_pod("prod-b", "after-0", {}, asks, {"server": ("sleep", "3600")})
+        cgroup = rel(r, after.containers["server"].cgroup)
+        # the rule matches on the namespace, which only containerd's answer says: the first
+        # tick that claims the pod has that answer, and with it the class it asks for
+        first = ticks_until(agent, lambda rec: cgroup in rec.assignments,
+                            what="the pod started after the restart")  # fmt: skip
+        a = first.assignments[cgroup]
+        assert (a.tenant, str(a.workload_class)) == ("a", "inference"), a
+        assert claimed_as_inference(first, before), "the pod from before the restart keeps its"
+        assert peer_up(agent, "containerd") == 1
+    finally:
+        if not r.place.alive("containerd"):
+            host.systemctl("start", "containerd.service")
+            socket_back()
+        r.remove_pods()
 
 
 def is_capped(cgroup: Path) -> bool:

@@ -9,7 +9,8 @@ target's `up`, staleness markers where a series went).
   the last one (a loop hung in a kernel read). Before that its cpu.weight writes fail
   from FAIL; a deadline is missed at MISS; a reload fails at RELOAD; its GPUs run
   processes no hold covers;
-- node-c stops answering at DOWN (up 0, its series stale).
+- node-c stops answering at DOWN (up 0, its series stale);
+- node-a's containerd stops answering it at PEER, and stays down.
 
 Every agent runs the same workloads (a deadline job, a stalling inference pod that has
 batch throttled, a job on a GPU), so every dashboard panel has data from each that is up.
@@ -30,6 +31,7 @@ from nodeagent.cgroupfs.values import Attribute
 from nodeagent.gpu.model import GpuState
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.metrics.collector import Reload, TickCollector
+from nodeagent.reach import Reach
 from nodeagent.report import TickRecord
 from nodeagent.sense.gpus import GpuSensor
 from nodeagent.snapshot import WorkloadState
@@ -38,9 +40,11 @@ A, B, C = "node-a:9400", "node-b:9400", "node-c:9400"
 STEPS = 61
 """Scrapes 0..60: 15 minutes."""
 END = (STEPS - 1) * SCRAPE
-FAIL, MISS, STALL, RELOAD, DOWN = 10, 12, 20, 25, 30
+FAIL, MISS, STALL, RELOAD, DOWN, PEER = 10, 12, 20, 25, 30, 35
 """The scrapes at which node-b's writes start failing, its deadline is missed, it stalls
-(its last tick is at STALL - 1), its reload fails; and at which node-c goes down."""
+(its last tick is at STALL - 1), its reload fails; at which node-c goes down; and at which
+node-a's containerd stops answering."""
+CONTAINERD = "/run/containerd/containerd.sock"
 
 
 POLICY = with_deadline("1970-01-01T00:30:00+00:00", 3000)
@@ -91,10 +95,13 @@ def _grown(w: WorkloadState, step: int) -> WorkloadState:
     return replace(w, sample=sample)
 
 
-def _tick(step: int, gpus: GpuState, failing: Sequence[Attribute] = ()) -> TickRecord:
+def _tick(
+    step: int, gpus: GpuState, failing: Sequence[Attribute] = (), down_from: int | None = None
+) -> TickRecord:
+    """One tick at `step`; its containerd answering, or down from scrape `down_from` on."""
     workloads = [state(K8S, 0.5, stall=0.4), state(DUE, 1.0, used_s=20.0)]
     workloads += [state(A1, 3.0), state(B1, 3.0)]
-    return record(
+    made = record(
         [_grown(w, step) for w in workloads],
         failing=failing,
         policy=POLICY,
@@ -102,6 +109,13 @@ def _tick(step: int, gpus: GpuState, failing: Sequence[Attribute] = ()) -> TickR
         wall_time=step * SCRAPE,
         gpus=gpus,
     )
+    if down_from is None or step < down_from:
+        containerd = Reach("containerd", CONTAINERD, True, 0.0, step * SCRAPE, None)
+    else:
+        last = (down_from - 1) * SCRAPE
+        refused = f"containerd does not answer: {CONTAINERD}: connection refused"
+        containerd = Reach("containerd", CONTAINERD, False, down_from * SCRAPE, last, refused)
+    return replace(made, peers=(containerd,))
 
 
 def _scraped(node: _Node, step: int, series: Series) -> None:
@@ -129,8 +143,8 @@ def fleet_series(tmp: Path) -> list[dict[str, str]]:
             failing = (Attribute.CPU_WEIGHT,) if step >= FAIL else ()
             b.collector.observe(_tick(step, violating, failing))
         b.misses, b.reload = int(step >= MISS), (step < RELOAD, 0.0)
-        for node in (nodes[A], nodes[C]):
-            node.collector.observe(_tick(step, clean))
+        nodes[A].collector.observe(_tick(step, clean, down_from=PEER))
+        nodes[C].collector.observe(_tick(step, clean))
         for node in nodes.values():
             up = node.instance != C or step < DOWN
             if up:

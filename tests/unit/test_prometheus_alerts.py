@@ -31,6 +31,9 @@ CASES: list[tuple[str, int, list[dict[str, str]]]] = [
     ("NodeagentGpuViolation", fleet.STEPS - 1, [{"instance": fleet.B, "kind": "unassigned"}]),
     ("NodeagentConfigReloadFailed", fleet.RELOAD - 1, []),
     ("NodeagentConfigReloadFailed", fleet.STEPS - 1, [{"instance": fleet.B}]),
+    ("NodeagentPeerDown", fleet.PEER + 4, []),  # pending: down for 1 of its 5 minutes
+    ("NodeagentPeerDown", fleet.STEPS - 1,
+     [{"instance": fleet.A, "peer": "containerd", "address": fleet.CONTAINERD}]),
 ]  # fmt: skip
 
 

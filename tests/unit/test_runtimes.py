@@ -13,10 +13,16 @@ import pytest
 import structlog
 
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
-from nodeagent.meta import MAX_ENTRIES, BadAnswer, Unavailable, labels
+from nodeagent.meta import MAX_ENTRIES, BadAnswer, ContainerMeta, Unavailable, labels
 from nodeagent.reach import Reach
 from nodeagent.runtimes.docker import DockerAdapter, event_ids, told
-from nodeagent.runtimes.metadata import LATE_S, PREFETCH_KEEP_S, RETRY_S, RuntimeMetadata
+from nodeagent.runtimes.metadata import (
+    LATE_S,
+    PREFETCH_KEEP_S,
+    PROBE_S,
+    RETRY_S,
+    RuntimeMetadata,
+)
 from nodeagent.runtimes.podman import NO_LABELS, PodmanAdapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernel"))
@@ -231,6 +237,68 @@ def test_a_runtime_the_node_never_had_is_not_listed_one_that_went_is_down(
     assert meta.streams() == []
     (down,) = meta.reach.now()
     assert not down.up and down.error is not None and str(gone) in down.error, down
+
+
+class Cri:
+    """A stand-in CRI runtime's adapter (no events, as CRI has none): answers while `up`."""
+
+    name, socket = "containerd", "/run/containerd/containerd.sock"
+
+    def __init__(self) -> None:
+        self.up = True
+        self.pings = 0
+
+    def _answer(self) -> None:
+        if not self.up:
+            raise Unavailable(f"{self.socket}: connection refused")
+
+    def container(self, container_id: str) -> ContainerMeta | None:
+        self._answer()
+        return ContainerMeta("containerd", "server", "registry/app:1")
+
+    def pod(self, pod_uid: str) -> ContainerMeta | None:
+        return None
+
+    def ping(self) -> None:
+        self.pings += 1
+        self._answer()
+
+    def creations(self) -> None:
+        return None
+
+    def changed(self, since: float, until: float) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_runtime_without_events_is_probed_so_a_restart_under_running_pods_shows() -> None:
+    """containerd restarted (systemctl restart) while its pods run on: no new container needs
+    it, and CRI has no events, so only a probe every PROBE_S finds it down and back; at most
+    one ping per PROBE_S while it answers."""
+    clock = Clock()
+    cri = Cri()
+    meta = RuntimeMetadata({"containerd": cri}, clock=clock, wall=clock)
+    pod = ident(A, Runtime.CONTAINERD)
+    meta.attach([pod])
+    for _ in range(int(PROBE_S * 2)):  # 20 s of one-second ticks: two probes at most
+        clock.t += 1
+        meta.attach([pod])
+    assert 1 <= cri.pings <= 3, cri.pings
+    assert [r.up for r in meta.reach.now()] == [True]
+    cri.up = False
+    for _ in range(int(PROBE_S) + 1):
+        clock.t += 1
+        meta.attach([pod])
+    (down,) = meta.reach.now()
+    assert not down.up and down.error == f"{cri.socket}: connection refused", down
+    assert meta.attach([pod])[0].meta is not None, "what it said of the pod stays"
+    cri.up = True
+    for _ in range(int(RETRY_S) + 1):
+        clock.t += 1
+        meta.attach([pod])
+    assert [r.up for r in meta.reach.now()] == [True], "found back at its retry"
 
 
 def test_a_refused_answer_is_said_once_and_not_asked_again(docker: StandInDocker) -> None:
