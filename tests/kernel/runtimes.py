@@ -710,6 +710,17 @@ class Cri:
     def close(self) -> None:
         self.channel.close()
 
+    def ready(self) -> bool:
+        """Whether the CRI serves pods: after a start containerd answers on its socket (ctr)
+        before its CRI plugin is up ("server is not initialized yet")."""
+        import grpc
+
+        try:
+            answer = self.stub.Status(self.pb.StatusRequest(), timeout=COMMAND_TIMEOUT_S)
+        except grpc.RpcError:
+            return False
+        return any(c.type == "RuntimeReady" and c.status for c in answer.status.conditions)
+
     def run_pod(
         self, namespace: str, name: str, uid: str, labels: Mapping[str, str],
         annotations: Mapping[str, str], parent: str, containers: Mapping[str, tuple[str, ...]],

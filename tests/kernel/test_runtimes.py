@@ -419,12 +419,15 @@ def test_containerd_restarted_by_systemctl_shows_in_its_peer_metric_and_a_pod_af
         return a is not None and str(a.workload_class) == "inference"
 
     def answering() -> bool:
-        return r.place.run(rt.CTR, "--address", r.paths.containerd, "version",
-                           check=False).returncode == 0  # fmt: skip
+        cri = r.cri()
+        try:
+            return cri.ready()
+        finally:
+            cri.close()
 
     def socket_back() -> None:
-        """Until containerd answers on its socket again (a stale file may be left)."""
-        assert wait_for(answering, timeout=90), "containerd answering on its socket again"
+        """Until containerd's CRI serves pods again (its socket answers before it does)."""
+        assert wait_for(answering, timeout=90), "containerd's CRI ready again"
 
     try:
         before = r.run_pod("prod-a", "before-0", {}, asks, {"server": ("sleep", "3600")})
