@@ -7,6 +7,12 @@ The result is one Hold of kind "pod" per container, with its cgroup, so that GPU
 verification (a process on a GPU its pod was not given), power classes and the metrics
 treat a pod's GPUs as they treat a job's. nodeagent never tells a pod which GPUs to use:
 the device plugin did, and no Hold of kind "pod" is ever turned into an environment.
+
+The device ids are the NVIDIA device plugin's, under each of its strategies
+(`device_uuid`): `deviceIDStrategy=uuid` gives the GPU's UUID (a MIG instance's MIG-
+UUID), `index` its index (`0`; `0:1` for MIG instance 1 of GPU 0), and sharing by
+time-slicing or MPS a replica of either (`GPU-...::3`, `0::3`). A replica is the GPU,
+held shared: several pods hold one GPU, and each one's processes on it are its own.
 """
 
 from __future__ import annotations
@@ -34,6 +40,25 @@ def owner(c: ContainerDevices) -> str:
     return f"pod:{c.namespace}/{c.pod}/{c.container}"
 
 
+REPLICA = "::"
+"""What the device plugin puts between a shared GPU's id and its replica's number."""
+
+
+def device_uuid(device_id: str, gpus: GpuState) -> str | None:
+    """The UUID of the GPU or MIG instance the device plugin's `device_id` names, whatever
+    its strategy (see the module's docstring); None for one this node does not have."""
+    base = device_id.split(REPLICA, 1)[0]
+    if base.isdecimal():
+        return next((d.uuid for d in gpus.devices if d.index == int(base)), None)
+    gpu, colon, mig = base.partition(":")
+    if colon and gpu.isdecimal() and mig.isdecimal():
+        parents = [d for d in gpus.devices if d.index == int(gpu)]
+        found = [m for d in parents for m in d.mig_devices if m.index == int(mig)]
+        return found[0].uuid if found else None
+    known = {d.uuid for d in gpus.devices} | {m.uuid for d in gpus.devices for m in d.mig_devices}
+    return base if base in known else None
+
+
 def join(
     listing: Sequence[ContainerDevices],
     pods: PodDirectory,
@@ -58,14 +83,17 @@ def join(
             cgroups[(pod.namespace, pod.name, v.meta.name)] = v.path
     holds, unjoined = [], []
     for c in listing:
-        uuids = tuple(
-            u
+        ids = [
+            i
             for d in c.devices
             if any(glob_matches(g, d.resource) for g in gpu_resources)
-            for u in d.ids
-        )
-        if not uuids:
+            for i in d.ids
+        ]
+        if not ids:
             continue
+        named = {i: device_uuid(i, gpus) for i in ids}
+        uuids = tuple(sorted({u for u in named.values() if u is not None}))
+        shared = any(REPLICA in i for i in ids)
         cgroup = cgroups.get((c.namespace, c.pod, c.container))
         why = (
             ""
@@ -77,16 +105,19 @@ def join(
             )
         )
         if why:
-            unjoined.append(f"{owner(c)} holds {', '.join(uuids)}: {why}")
-        foreign = [u for u in uuids if u not in index]
+            unjoined.append(f"{owner(c)} holds {', '.join(ids)}: {why}")
+        foreign = [i for i, u in named.items() if u is None]
         if foreign:
             unjoined.append(f"{owner(c)} holds {', '.join(foreign)}, which is no GPU this node has")
+        if not uuids:
+            continue
         holds.append(
             Hold(
                 owner(c),
                 HoldKind.POD,
-                tuple(sorted(uuids)),
-                tuple(sorted({index[u] for u in uuids if u in index})),
+                uuids,
+                tuple(sorted({index[u] for u in uuids})),
+                shared_memory=0 if shared else None,  # a replica: the GPU, held with others
                 cgroup=cgroup,
                 workload_class=None if cgroup is None else classes.get(cgroup),
             )

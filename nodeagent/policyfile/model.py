@@ -791,8 +791,14 @@ class KubernetesSettings(_Strict):
     pod_resources_socket: SocketPath = "/var/lib/kubelet/pod-resources/kubelet.sock"
     pod_resources_timeout: Duration = Field(2.0, gt=0, le=60)
     """Deadline on each call to the kubelet's PodResources API."""
-    gpu_resources: tuple[Glob, ...] = ("nvidia.com/gpu", "nvidia.com/mig-*")
-    """Extended resources that are GPUs (their device ids are GPU or MIG UUIDs)."""
+    gpu_resources: tuple[Glob, ...] = (
+        "nvidia.com/gpu",
+        "nvidia.com/gpu.shared",
+        "nvidia.com/mig-*",
+    )
+    """Extended resources that are GPUs: whole GPUs, shared ones (the device plugin's
+    time-slicing and MPS replicas, renamed by `renameByDefault`) and MIG instances. Their
+    device ids may be UUIDs, indices or replicas of either (nodeagent.kube.gpus)."""
     api_server: ApiServerSettings = ApiServerSettings()
     namespaces: dict[Glob, Annotated[NamespaceTenant, BeforeValidator(_namespace_tenant)]] = {}
     """Namespace globs to tenants, first match wins."""
