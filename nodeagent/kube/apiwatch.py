@@ -38,6 +38,8 @@ def pod_of(obj: Any) -> Pod:
         if s.container_id:
             containers[s.container_id.split("://", 1)[-1]] = s.name
     qos = (status.qos_class or "").lower() if status else ""
+    asked = [*(spec.containers or ()), *(spec.init_containers or ())] if spec else []
+    images = {c.name: c.image for c in asked if c.name and c.image}
     return Pod(
         uid=meta.uid,
         namespace=meta.namespace,
@@ -47,6 +49,7 @@ def pod_of(obj: Any) -> Pod:
         priority=spec.priority if spec else None,
         qos=QosTier(qos) if qos in QosTier.__members__.values() else None,
         containers=containers,
+        images=images,
     )
 
 

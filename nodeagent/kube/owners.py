@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 from nodeagent.identity import QosTier, WorkloadIdentity
 from nodeagent.kube.pods import PodDirectory
-from nodeagent.meta import BadAnswer, ContainerMeta, PodMeta, labels
+from nodeagent.meta import BadAnswer, ContainerMeta, PodMeta, labels, optional_name
 from nodeagent.policyfile.glob import glob_matches
 from nodeagent.policyfile.matching import show
 from nodeagent.policyfile.model import (
@@ -73,6 +73,9 @@ def with_api_view(w: WorkloadIdentity, pods: PodDirectory | None) -> WorkloadIde
     meta = w.meta or ContainerMeta(runtime=str(w.runtime), name=name)
     try:
         own = labels(api.labels), labels(api.annotations, "annotations")
+        asked = api.images.get(meta.name or name or "")
+        if asked is not None:  # the tag the pod names, where the runtime may say another
+            meta = replace(meta, image=optional_name(asked, "the pod spec's image"))
     except BadAnswer as e:
         # the pod's creator made this: it costs this pod its labels, never the others
         bare = PodMeta(api.namespace, api.name, api.uid)

@@ -20,6 +20,9 @@ class Pod:
     qos: QosTier | None = None
     containers: Mapping[str, str] = field(default_factory=dict)
     """Container id (without the runtime's `containerd://`) to the container's name."""
+    images: Mapping[str, str] = field(default_factory=dict)
+    """Container name to the image its spec asks for (the tag the pod names, where the
+    runtime may report another tag of the same image)."""
 
     @property
     def ref(self) -> str:

@@ -127,11 +127,11 @@ class CriAdapter:
             api_pb2.ContainerStatusResponse,
             deadline,
         )
-        image = status.status.image.image if status is not None else ""
+        image = asked_image(status.status.image if status is not None else None, c.image)
         return ContainerMeta(
             runtime=self.name,
             name=optional_name(c.metadata.name, "metadata.name"),
-            image=optional_name(image or c.image.image, "image"),
+            image=optional_name(image, "image"),
             labels=labels(dict(c.labels)),
             annotations=labels(dict(c.annotations), "annotations"),
             pod=self._pod_of(c.pod_sandbox_id, deadline),
@@ -193,6 +193,17 @@ class CriAdapter:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+
+
+def asked_image(status: api_pb2.ImageSpec | None, listed: api_pb2.ImageSpec) -> str:
+    """The image as the pod spec names it: the kubelet's `user_specified_image` where the
+    runtime keeps it (Kubernetes 1.30 and later), else the image the runtime reports, which
+    containerd gives as the image's first tag: another tag of the same image than the pod
+    asked for when it has several (the API server's watch then gives the pod's own)."""
+    for spec in (status, listed):
+        if spec is not None and spec.user_specified_image:
+            return spec.user_specified_image
+    return (status.image if status is not None else "") or listed.image
 
 
 def _pod(sandbox: api_pb2.PodSandboxStatus | api_pb2.PodSandbox) -> PodMeta:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import structlog
@@ -16,6 +17,8 @@ from waits import wait_for
 
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
 from nodeagent.kube.apiwatch import ApiWatch, pod_of
+from nodeagent.kube.owners import with_api_view
+from nodeagent.meta import ContainerMeta, PodMeta
 from nodeagent.policy.classify import assign
 from nodeagent.policyfile.model import PolicySpec
 
@@ -64,6 +67,26 @@ def test_lists_only_this_nodes_pods_then_watches_from_the_lists_version(
     assert (p.uid, p.ref, p.containers, p.qos) == (UID, "research-nlp/train-0",
                                                    {CID: "trainer"}, QosTier.BURSTABLE)  # fmt: skip
     assert directory.namespaces == {"research-nlp": {"team": "nlp"}}
+    assert p.images == {"trainer": "registry.example/train:1"}, "as the pod spec asks"
+
+
+def test_a_containers_image_is_the_tag_its_pod_asked_for(
+    server: ApiServerStandIn, watch: ApiWatch
+) -> None:
+    """containerd 1.6 and 1.7 report an image by its first tag (issue 35 item 5): the pod
+    asked for registry.example/train:1, the runtime said registry.example/train:latest, a
+    rule on the asked tag fell through. With the API server's view, the pod's own tag."""
+    said = ContainerMeta("containerd", "trainer", "registry.example/train:latest",
+                         pod=PodMeta("research-nlp", "train-0", UID))  # fmt: skip
+    seen = with_api_view(replace(CONTAINER, meta=said), watch.directory())
+    assert seen.meta is not None and seen.meta.image == "registry.example/train:1"
+    spec = PolicySpec.model_validate({
+        "version": 1, "tenants": {"r": {"shares": 1}},
+        "rules": [{"name": "by-image", "match": {"image": "registry.example/train:1"},
+                   "tenant": "r"}],
+    })  # fmt: skip
+    claimed = assign([replace(CONTAINER, meta=said)], spec, watch.directory())
+    assert claimed[CONTAINER.path].rule == "by-image"
 
 
 def test_later_label_edits_arrive_and_a_new_watch_starts_where_the_last_ended(

@@ -95,6 +95,22 @@ def test_a_container_with_its_pod(cri: tuple[StandInCri, str]) -> None:
     assert dict(meta.pod.labels) == {"app": "web"} and meta.pod.annotations["owner"] == "ops"
 
 
+def test_the_image_is_the_one_the_pod_asked_for_where_the_kubelet_said_it(
+    cri: tuple[StandInCri, str],
+) -> None:
+    """containerd reports an image by its first tag: a pod that asked for registry/app:stable,
+    another tag of the same image, read registry/app:2 (issue 35 item 5). The kubelet's
+    user_specified_image (Kubernetes 1.30 and later) is the pod's own: taken first."""
+    server, path = cri
+    asked = pb.ImageSpec(image="registry/app:2", user_specified_image="registry/app:stable")
+    status = pb.ContainerStatus(id=CID, image=asked)
+    server.answers["ContainerStatus"] = pb.ContainerStatusResponse(
+        status=status
+    ).SerializeToString()
+    meta = CriAdapter("containerd", path, 0.5).container(CID)
+    assert meta is not None and meta.image == "registry/app:stable"
+
+
 def test_a_sandbox_is_known_as_the_pods(cri: tuple[StandInCri, str]) -> None:
     server, path = cri
     server.answers["ListContainers"] = pb.ListContainersResponse().SerializeToString()
