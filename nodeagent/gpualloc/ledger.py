@@ -614,6 +614,11 @@ class GpuLedger:
         if uid == 0:
             return None
         held = sum(len(h.uuids) for h in self._holds.values() if h.uid == uid)
+        if gpus > bounds.gpus:
+            return (
+                f"{gpus} GPUs are more than gpu.max_gpus_per_user ({bounds.gpus}) lets one uid"
+                " hold at once; ask for fewer"
+            )
         if held + gpus > bounds.gpus:
             return (
                 f"uid {uid} holds {held} GPUs (jobs, reservations and grants); {gpus} more"

@@ -144,6 +144,11 @@ def test_with_max_gpus_per_user_jobs_reservations_and_grants_share_one_bound(
     assert (late["status"], late["reason"]) == ("waiting", more)
     e = d.refused(BOB, "POST", RESERVATIONS, {"name": "r", "count": 1, "ttl": "1h"})
     assert isinstance(e, Conflict) and str(e) == f"reservation 'r' refused: {more}"
+    e = d.refused(ALICE, "POST", RESERVATIONS, {"name": "big", "count": 2, "ttl": "1h"})
+    assert isinstance(e, Conflict) and str(e) == (
+        "reservation 'big' refused: 2 GPUs are more than gpu.max_gpus_per_user (1) lets one"
+        " uid hold at once; ask for fewer"
+    )
     hers = d.ask(ALICE, "hers", 1)
     assert hers["status"] == "granted"  # the other GPU: her bound is her own
     d.call(ALICE, "DELETE", "/v1/gpus/requests", {"id": hers["id"]})
