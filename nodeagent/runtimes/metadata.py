@@ -155,9 +155,9 @@ class RuntimeMetadata:
         self._entries: dict[tuple[str, str], _Entry] = {}
         self._down: dict[str, _Down] = {}
         self._events: dict[str, tuple[float, float]] = {}
+        """Per runtime: the wall time its events were read up to, and when (monotonic)."""
         self._probed: dict[str, float] = {}
         """Per runtime without events: when it was last asked whether it answers."""
-        """Per runtime: the wall time its events were read up to, and when (monotonic)."""
         self._attached: dict[str, WorkloadIdentity] = {}
         self._refused: set[tuple[str, str]] = set()
         self._streams: dict[str, Creations] = {}
@@ -314,10 +314,10 @@ class RuntimeMetadata:
                 ):  # a runtime this node never had is not listed as down
                     self.reach.failed(runtime, adapter.socket, one_line(e))
                 continue
-            self.reach.ok(runtime, adapter.socket)
-            if stream is None:
+            if stream is None:  # none to follow (CRI): nothing was asked
                 self._stream_at[runtime] = math.inf
             else:
+                self.reach.ok(runtime, adapter.socket)
                 self._streams[runtime] = stream
         return list(self._streams.values())
 

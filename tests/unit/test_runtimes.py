@@ -280,6 +280,7 @@ def test_a_runtime_without_events_is_probed_so_a_restart_under_running_pods_show
     clock = Clock()
     cri = Cri()
     meta = RuntimeMetadata({"containerd": cri}, clock=clock, wall=clock)
+    assert meta.streams() == [] and meta.reach.now() == (), "no stream to open: nothing asked"
     pod = ident(A, Runtime.CONTAINERD)
     meta.attach([pod])
     for _ in range(int(PROBE_S * 2)):  # 20 s of one-second ticks: two probes at most
