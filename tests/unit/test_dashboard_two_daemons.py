@@ -60,6 +60,7 @@ from test_grafana_dashboard import DASHBOARD, filled, targets
 from test_metrics_server import free_port
 from test_prometheus_alerts import RULES
 from ticks import GPU_NODE
+from waits import wait_for
 
 INTERVAL = 0.2
 """agent.interval of both daemons, in seconds."""
@@ -408,6 +409,15 @@ def panel_tests(ds: list[Daemon], step: int) -> tuple[list[dict[str, Any]], dict
     return tests, counts
 
 
+def stopped(pid: int) -> bool:
+    """Whether every thread of process `pid` is stopped (state T in /proc/PID/task/*/stat)."""
+    states = [
+        stat.read_text().rsplit(")", 1)[1].split()[0]
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat")
+    ]
+    return bool(states) and all(s == "T" for s in states)
+
+
 def fresh_age(d: Daemon) -> float:
     """Seconds from its last tick to its last scrape."""
     last = d.scrapes[-1]
@@ -428,6 +438,9 @@ def test_the_dashboard_shows_each_of_two_daemons_and_the_one_that_stopped(
             d.scrape(TICKS, WAIT_S)
     ages = {d.name: fresh_age(d) for d in (a, b)}
     b.proc.send_signal(signal.SIGSTOP)
+    # stopped once every thread of it is (each stops when it next runs, later on a busy host):
+    # a scrape sent before that could be answered (seen once, in a full run beside the build)
+    wait_for(lambda: stopped(b.proc.pid), 30, "node-b stopped by SIGSTOP")
     with ThreadPoolExecutor(1) as pool:  # node-b's scrape runs out its timeout meanwhile
         for _ in range(DOWN):
             answer = pool.submit(b.get, STOPPED_TIMEOUT_S)
