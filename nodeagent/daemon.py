@@ -28,7 +28,7 @@ from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.changes import NoteLog, ProblemLog
 from nodeagent.commands import Commands
 from nodeagent.discovery.registry import Registry
-from nodeagent.errors import NodeagentError
+from nodeagent.errors import NodeagentError, one_line
 from nodeagent.gpu.choice import open_backend
 from nodeagent.gpualloc.service import GpuService, process_uids
 from nodeagent.jobs import Jobs
@@ -41,6 +41,7 @@ from nodeagent.policyfile.load import digest, load_policy
 from nodeagent.policyfile.model import AgentMode, AgentSettings, PolicySpec
 from nodeagent.policyfile.yamlfile import PolicyError
 from nodeagent.reconcile import Reconciler
+from nodeagent.reloads import Reload
 from nodeagent.report import TickRecord
 from nodeagent.routes.agent import agent_routes
 from nodeagent.routes.gpus import GpuRoutes
@@ -163,9 +164,13 @@ class Agent:
         self.reload_requested = Flag(self.wakeup)
         self.commands = Commands(self.wakeup)  # the API handlers that change state post here
         self._stop_signal: int | None = None
-        self.last_reload = (True, time.time())
+        self.started = time.time()
+        """When this daemon started (Unix time), for /v1/status."""
+        self.last_reload = (True, self.started)
         """Whether the last reload applied the file, and when the policy in force was loaded
         (for the metrics; the start-up load counts as a reload that applied)."""
+        self.reload_outcome: Reload | None = None
+        """What the last reload did, its problems included (/v1/status); None before any."""
         self._digest: tuple[PolicySpec | None, str] = (None, "")
 
     # --- the reconciler's parts, as callers and tests reach them ------------------------
@@ -281,19 +286,38 @@ class Agent:
         """Save the usage history, the jobs, the holds and the carried state now."""
         self.rec.saver.save()
 
-    def reload(self) -> None:
-        """Re-read the policy file; on any problem keep running on the last good policy."""
-        if self.config_path is None:
-            return
+    def reload(self) -> Reload | None:
+        """Re-read the policy file; on any problem keep running on the last good policy.
+        SIGHUP, `agent.reload_on_change` and `POST /v1/reload` all come here, on the loop's
+        thread: what it did is returned (the API answers with it) and kept for /v1/status;
+        `last_reload` says whether it applied, for the metrics. None without a policy file."""
+        path = self.config_path
+        if path is None:
+            return None
         self.last_reload = (False, self.last_reload[1])  # failed, unless it gets to the end
         try:
-            spec = with_overrides(load_policy(self.config_path), self.overrides)
+            outcome = self._reload(path)
+        except Exception as e:  # a bug or the runtimes' reopening: said, then raised as before
+            self.reload_outcome = Reload(path, False, time.time(), (f"{path}: {one_line(e)}",))
+            raise
+        self.reload_outcome = outcome
+        if outcome.applied:
+            self.last_reload = (True, outcome.at)
+        return outcome
+
+    def _reload(self, path: str) -> Reload:
+        try:
+            spec = with_overrides(load_policy(path), self.overrides)
         except PolicyError as e:
             for problem in e.problems:
                 log.error(
                     "policy.invalid", problem=str(problem), action="keeping the last good policy"
                 )
-            return
+            # str(e): every problem shown, and the count of those left out
+            return Reload(path, False, time.time(), tuple(str(e).splitlines()))
+        except NodeagentError as e:  # a command-line override the new file's values refuse
+            log.error("policy.reload_failed", error=str(e))
+            return Reload(path, False, time.time(), (f"{path}: {e}",))
         changed = needs_restart(self.spec, spec)
         if changed:
             log.error(
@@ -301,13 +325,18 @@ class Agent:
                 changed=changed,
                 action="keeping the last good policy; restart nodeagent to apply these",
             )
-            return
+            said = (
+                f"{path}: {', '.join(changed)} {'is' if len(changed) == 1 else 'are'} read only"
+                " at start: nothing of the file is applied; restart nodeagent to apply it"
+                " (systemctl restart nodeagent)"
+            )
+            return Reload(path, False, time.time(), (said,))
         if spec.agent.runtimes != self.spec.agent.runtimes:
             self.rec.runtimes.close()
             self.rec.runtimes = RuntimeMetadata.from_settings(spec.agent.runtimes)
         self.rec.reloaded(spec)
-        log.info("policy.reloaded", file=self.config_path, rules=len(spec.rules))
-        self.last_reload = (True, time.time())
+        log.info("policy.reloaded", file=path, rules=len(spec.rules))
+        return Reload(path, True, time.time(), rules=len(spec.rules), tenants=len(spec.tenants))
 
     # --- the API -------------------------------------------------------------------------
 
@@ -317,7 +346,7 @@ class Agent:
         gpus = GpuRoutes(self.gpus, lambda: self.rec.spec, self.rec.fairness)
         routes: Routes = {
             **gpus.routes(),
-            **agent_routes(self.rec, self.config_path, lambda: self.policy_sha256),
+            **agent_routes(self.rec, self.config_path, self),
         }
         return {
             path: {m: h if m == "GET" else self.commands.posted(h) for m, h in methods.items()}

@@ -79,8 +79,22 @@ class PeerState(Answer):
     """While down: what failed."""
 
 
+class ReloadState(Answer):
+    """The daemon's last reload of its policy file (SIGHUP, `agent.reload_on_change` or
+    `POST /v1/reload`)."""
+
+    file: str
+    applied: bool
+    at: float
+    """When it was tried (Unix time)."""
+    problems: list[str] = []
+    """Refused: each problem in one line (FILE:LINE:COL: message)."""
+
+
 class Status(Answer):
-    """GET /v1/status: who the daemon is and what it runs with."""
+    """GET /v1/status: who the daemon is, what it runs with, and what is wrong with it.
+    The fields after `peers` are newer: each has a default, so that an older daemon's answer
+    still reads (shown as unknown)."""
 
     pid: int
     dry_run: bool
@@ -99,6 +113,31 @@ class Status(Answer):
     peers: list[PeerState] = []
     """Every service the daemon asks, as of its last tick (none before it; a daemon older
     than the list sends none)."""
+    version: str | None = None
+    """The daemon's nodeagent version."""
+    started: float | None = None
+    """When the daemon started (Unix time)."""
+    tick_time: float | None = None
+    """The wall time of the last tick (Unix time); None before the first."""
+    policy_loaded: float | None = None
+    """When the policy in force was loaded: at start, or by the last reload that applied."""
+    last_reload: ReloadState | None = None
+    """None: no reload since the daemon started."""
+    problems: list[str] = []
+    """What an operator should look at, one line each: services that do not answer, a
+    refused reload, missed deadlines, ticks that stopped. Empty when all is well (and from
+    a daemon older than the list)."""
+
+
+class Reloaded(Answer):
+    """POST /v1/reload, applied: the policy in force now. A refused reload is an error (409)
+    whose message is the problems, one per line."""
+
+    file: str
+    policy_sha256: str
+    rules: int
+    tenants: int
+    at: float
 
 
 # -- /v1/allocations and /v1/explain ----------------------------------------------------------

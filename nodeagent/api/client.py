@@ -32,9 +32,12 @@ ROUTE_ERRORS = frozenset({400, 403, 404, 409})
 class ApiRefused(NodeagentError):
     """The daemon answered, but not 200: `status` says why (409: a name is taken, ...)."""
 
-    def __init__(self, message: str, status: int) -> None:
+    def __init__(self, message: str, status: int, lines: list[str] | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.lines = lines or [message]
+        """The message as the daemon wrote it, line by line (a refused reload's problems,
+        one a line); the message itself is on one line."""
 
 
 A = TypeVar("A", bound=BaseModel)
@@ -249,7 +252,8 @@ def _call(
     message = answer.get("error") if isinstance(answer, dict) else None
     if not isinstance(message, str):
         message = raw.decode("utf-8", "replace").strip() or "no details"
+    lines = [shown for line in message.splitlines() if (shown := " ".join(line.split()))]
     message = " ".join(message.split())  # one line, whatever the daemon sent
     if status in ROUTE_ERRORS:
-        raise ApiRefused(message, status)
+        raise ApiRefused(message, status, lines)
     raise ApiRefused(f"nodeagent API error {status} on {path}: {message}", status)

@@ -1,4 +1,5 @@
-"""The agent's own routes: its status, what it set and why, and the jobs `exec` starts.
+"""The agent's own routes: its status, its policy's reload, what it set and why, and the jobs
+`exec` starts.
 
 Reads answer from the last tick's record, which the loop replaces whole; the daemon posts
 whatever changes state (every POST and DELETE) to the loop (nodeagent.commands)."""
@@ -7,16 +8,45 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from typing import Annotated, Protocol
 
+from pydantic import Field
+
+from nodeagent import __version__
 from nodeagent.api import answers
+from nodeagent.api.bodies import Body, parse
 from nodeagent.api.server import Request, Routes
-from nodeagent.errors import BadRequest, NotFound
+from nodeagent.errors import BadRequest, Conflict, Forbidden, NotFound
 from nodeagent.gpualloc.service import environment
 from nodeagent.policyfile.model import AgentMode
 from nodeagent.reach import Reach
 from nodeagent.reconcile import Reconciler
+from nodeagent.reloads import Reload
 from nodeagent.report import TickRecord, allocations, explain, find, identities
+
+STALE_TICKS, STALE_MIN = 3, 30.0
+"""No tick for max(3 x agent.interval, 30 s) is a problem in /v1/status, as it is stale on
+/healthz (nodeagent.metrics.server)."""
+
+
+class Lifecycle(Protocol):
+    """What the status and reload routes need of the daemon around the reconciler: its
+    `Agent`, which this layer does not import."""
+
+    started: float
+    last_reload: tuple[bool, float]
+    reload_outcome: Reload | None
+
+    @property
+    def policy_sha256(self) -> str: ...
+
+    def reload(self) -> Reload | None: ...
+
+
+class _ReloadBody(Body):
+    file: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    """The policy file the caller means (an absolute path): refused unless it is the one
+    the daemon runs with, so that `nodeagent reload --config FILE` never reloads another."""
 
 
 def _peer(p: Reach) -> answers.PeerState:
@@ -26,10 +56,47 @@ def _peer(p: Reach) -> answers.PeerState:
     )  # fmt: skip
 
 
-def agent_routes(
-    rec: Reconciler, config_path: str | None, policy_sha256: Callable[[], str]
-) -> Routes:
-    """/v1/status, /v1/allocations, /v1/explain and /v1/jobs over `rec`."""
+def _reload_state(r: Reload | None) -> answers.ReloadState | None:
+    if r is None:
+        return None
+    return answers.ReloadState(file=r.file, applied=r.applied, at=r.at, problems=list(r.problems))
+
+
+def problems(
+    status: answers.Status, interval: float, now: float, reload: Reload | None
+) -> list[str]:
+    """What an operator should look at, one line each, from what the status holds: the
+    services that do not answer (a runtime said once, as a peer or as a runtime), Slurm, a
+    refused reload, missed deadlines, and ticks that stopped."""
+    out: list[str] = []
+    down = {p.name for p in status.peers if not p.up}
+    out += [f"{p.name} does not answer ({p.address}): {p.error}" for p in status.peers if not p.up]
+    out += [
+        r.problem or f"{name} does not answer ({r.socket})"
+        for name, r in status.runtimes.items()
+        if not r.answering and name not in down
+    ]
+    if status.slurm_problem is not None and "slurm" not in down:
+        out.append(f"slurm: {status.slurm_problem}")
+    if reload is not None and not reload.applied:
+        out += [f"reload refused, the last good policy stays: {p}" for p in reload.problems]
+    if status.deadline_misses:
+        jobs = "job" if status.deadline_misses == 1 else "jobs"
+        out.append(f"{status.deadline_misses} deadline {jobs} missed since the daemon started")
+    window = max(STALE_TICKS * interval, STALE_MIN)
+    last = status.tick_time if status.tick_time is not None else status.started
+    if last is not None and now - last > window:
+        since = "no tick has completed since the start" if status.tick is None else "no tick"
+        out.append(
+            f"{since} for {now - last:.0f} s (agent.interval {interval:g} s): ticks fail or"
+            " hang; see tick.failed in the journal"
+        )
+    return out
+
+
+def agent_routes(rec: Reconciler, config_path: str | None, agent: Lifecycle) -> Routes:
+    """/v1/status, /v1/reload, /v1/allocations, /v1/explain and /v1/jobs over `rec` and the
+    daemon around it (`agent`)."""
 
     def record() -> TickRecord:
         last = rec.last
@@ -39,11 +106,12 @@ def agent_routes(
 
     def status(_: Request) -> answers.Status:
         last = rec.last
-        return answers.Status(
+        reload = agent.reload_outcome
+        answer = answers.Status(
             pid=os.getpid(),
             dry_run=rec.dry_run,
             policy_file=config_path,
-            policy_sha256=policy_sha256(),
+            policy_sha256=agent.policy_sha256,
             cgroup_root=rec.tree.root,
             managed_root=rec.spec.agent.managed_root,
             tick=None if last is None else last.snapshot.seq,
@@ -55,6 +123,43 @@ def agent_routes(
                 for name, state in rec.runtimes.status().items()
             },
             peers=[_peer(p) for p in (() if last is None else last.peers)],
+            version=__version__,
+            started=agent.started,
+            tick_time=None if last is None else last.snapshot.wall_time,
+            policy_loaded=agent.last_reload[1],
+            last_reload=_reload_state(reload),
+        )
+        found = problems(answer, rec.spec.agent.interval, time.time(), reload)
+        return answer.model_copy(update={"problems": found})
+
+    def reload(request: Request) -> answers.Reloaded:
+        """On the loop's thread (posted, as every POST): the file read and applied or
+        refused there, as SIGHUP's reload is."""
+        if request.peer.uid != 0:
+            raise Forbidden(
+                "only root may reload the daemon's policy (sudo nodeagent reload, or"
+                " systemctl reload nodeagent)"
+            )
+        body = parse(_ReloadBody, request.body)
+        if config_path is None:
+            raise BadRequest("this daemon runs without a policy file (--config): nothing to reload")
+        if body.file is not None and os.path.realpath(body.file) != os.path.realpath(config_path):
+            raise BadRequest(
+                f"this daemon runs with {config_path}, not {body.file}: reload its own file,"
+                f" or restart it with --config {body.file}"
+            )
+        done = agent.reload()
+        if done is None:  # no file after all: said above
+            raise BadRequest("this daemon runs without a policy file (--config): nothing to reload")
+        if not done.applied:
+            # one problem a line: the CLI prints them as they are (ApiRefused.lines)
+            raise Conflict("\n".join(done.problems))
+        return answers.Reloaded(
+            file=done.file,
+            policy_sha256=agent.policy_sha256,
+            rules=done.rules or 0,
+            tenants=done.tenants or 0,
+            at=done.at,
         )
 
     def allocs(_: Request) -> answers.Allocations:
@@ -102,6 +207,7 @@ def agent_routes(
     return {
         "/v1/jobs": {"GET": list_jobs, "POST": start_job, "DELETE": finish_job},
         "/v1/status": {"GET": status},
+        "/v1/reload": {"POST": reload},
         "/v1/allocations": {"GET": allocs},
         "/v1/explain": {"GET": explain_one},
     }
