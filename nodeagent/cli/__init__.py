@@ -13,7 +13,18 @@ from typing import Any
 
 import click
 
-from nodeagent.cli import capacity, examples, exec, gpus, inspection, release, run, units, validate
+from nodeagent.cli import (
+    capacity,
+    control,
+    examples,
+    exec,
+    gpus,
+    inspection,
+    release,
+    run,
+    units,
+    validate,
+)
 from nodeagent.errors import NodeagentError
 
 
@@ -46,6 +57,8 @@ def main(ctx: click.Context) -> None:
       nodeagent workloads --config FILE         what discovery finds, and which rule claims it
       nodeagent run --config FILE --dry-run     print the plan, write nothing
       nodeagent run --config FILE               the daemon (as root, on cgroup v2)
+      nodeagent status                          what runs, and what is wrong
+      nodeagent reload                          have the daemon re-read its policy
       nodeagent allocations                     what the daemon set, and why
       nodeagent explain CGROUP                  the full policy trace for one workload
       nodeagent exec --deadline +2h --work 3h -- CMD
@@ -60,6 +73,8 @@ def main(ctx: click.Context) -> None:
 for _command in (
     validate.validate,
     run.run,
+    control.status,
+    control.reload,
     inspection.workloads,
     inspection.allocations_cmd,
     inspection.explain,
