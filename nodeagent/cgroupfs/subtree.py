@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from nodeagent.cgroupfs import parse
 from nodeagent.cgroupfs.paths import split_path
-from nodeagent.cgroupfs.tree import AuditFn, CgroupTree, CgroupWriteError
+from nodeagent.cgroupfs.tree import AuditFn, CgroupTree, CgroupVanished, CgroupWriteError
 from nodeagent.errors import NodeagentError
 
 
@@ -36,7 +36,9 @@ def ensure_managed_root(
     parts = split_path(managed_root)
     for depth in range(len(parts) + 1):
         path = "/".join(parts[:depth])
-        if depth and tree.mkdir(path):
+        if depth and parts[depth - 1].endswith(UNIT_SUFFIXES):
+            _require_unit(tree, path, managed_root)
+        elif depth and tree.mkdir(path):
             audit(tree.path_of(path), "mkdir", None, "cgroup", "create the managed subtree")
         with tree.open(path) as d:
             enabled = parse.controllers(d.read("cgroup.subtree_control"))
@@ -64,6 +66,28 @@ def ensure_managed_root(
                 value,
                 f"enable {', '.join(missing)} for the managed subtree {managed_root}",
             )
+
+
+UNIT_SUFFIXES = (".service", ".scope")
+"""Cgroups only systemd makes, for a running unit: the agent never makes one by hand."""
+
+
+def _require_unit(tree: CgroupTree, path: str, managed_root: str) -> None:
+    """A managed root below a unit (the packaged nodeagent-workloads.service) needs that
+    unit running: a directory made in its place would be an unmanaged look-alike in
+    systemd's tree that holds the jobs while systemd calls the unit dead (issue 36)."""
+    try:
+        with tree.open(path):
+            return
+    except CgroupVanished:
+        pass
+    unit = path.rsplit("/", 1)[-1]
+    start = f"systemctl start {unit}; " if unit.endswith(".service") else ""
+    raise NodeagentError(
+        f"agent.managed_root {managed_root} is inside {tree.path_of(path)}, the cgroup of the"
+        f" systemd unit {unit}, which is not running: {start}or, for an agent run by hand,"
+        " set agent.managed_root to a cgroup of its own such as nodeagent.slice"
+    )
 
 
 def own_cgroup(proc_root: str = "/proc") -> str:

@@ -47,7 +47,9 @@ def match_terms(
     if not match.needs_metadata:
         return ()
     if w.meta is None:
-        if not assume_meta:
+        # only a container or a pod is ever described by a runtime (a systemd unit, a Slurm
+        # job or an exec job never is), so only they can be assumed to be
+        if not assume_meta or (w.container_id is None and w.pod_uid is None):
             return None
         own = any(getattr(match, k) is not None for k in CONTAINER_META)
         return None if own and w.kind is Kind.POD else ()

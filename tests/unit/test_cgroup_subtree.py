@@ -51,16 +51,18 @@ class KernelLikeTree(CgroupTree):
         return made
 
 
-def prepared(tmp_path: Path, offered: str) -> Path:
+def prepared(
+    tmp_path: Path, offered: str, managed_root: str = "jobs.slice/nodeagent.slice"
+) -> Path:
     """The cgroup tree after the agent prepared its managed root, the host's root offering
     `offered`."""
     root = tmp_path / "cgroup"
-    root.mkdir()
+    root.mkdir(exist_ok=True)
     for name, text in {"cgroup.controllers": offered, "cgroup.subtree_control": "",
                        "cgroup.procs": ""}.items():  # fmt: skip
         (root / name).write_text(text)
     policy = {"version": 1, "tenants": {"a": {"shares": 1}},
-              "agent": {"managed_root": "jobs.slice/nodeagent.slice",
+              "agent": {"managed_root": managed_root,
                         "state_file": str(tmp_path / "state.json")}}  # fmt: skip
     open_agent(PolicySpec.model_validate(policy), KernelLikeTree(str(root))).prepare()
     return root
@@ -82,3 +84,43 @@ def test_a_host_without_pids_still_gets_its_managed_root(tmp_path: Path) -> None
     root = prepared(tmp_path, "cpu memory\n")
     managed = root / "jobs.slice" / "nodeagent.slice"
     assert (managed / "cgroup.subtree_control").read_text() == "+cpu +memory"
+
+
+PACKAGED = "system.slice/nodeagent-workloads.service/workloads"
+
+
+def systemd_made(level: Path) -> None:
+    """A cgroup systemd made, offered cpu, memory and pids."""
+    level.mkdir(parents=True)
+    for name, text in {"cgroup.controllers": "cpu memory pids", "cgroup.subtree_control": "",
+                       "cgroup.procs": ""}.items():  # fmt: skip
+        (level / name).write_text(text)
+
+
+@pytest.mark.usefixtures("files_replace_their_value")
+def test_a_managed_root_in_a_unit_that_is_not_running_is_one_line_and_makes_nothing(
+    tmp_path: Path,
+) -> None:
+    """Issue 36 item 2: the packaged managed root, with nodeagent-workloads.service not
+    running (an agent run from a shell): the agent made the unit's cgroup itself, a
+    look-alike systemd knew nothing of."""
+    systemd_made(tmp_path / "cgroup" / "system.slice")
+    with pytest.raises(NodeagentError) as e:
+        prepared(tmp_path, "cpu memory pids\n", PACKAGED)
+    unit_cgroup = tmp_path / "cgroup" / "system.slice" / "nodeagent-workloads.service"
+    assert str(e.value) == (
+        f"agent.managed_root {PACKAGED} is inside {unit_cgroup}, the cgroup of the systemd"
+        " unit nodeagent-workloads.service, which is not running: systemctl start"
+        " nodeagent-workloads.service; or, for an agent run by hand, set"
+        " agent.managed_root to a cgroup of its own such as nodeagent.slice"
+    )
+    assert not unit_cgroup.exists()
+
+
+@pytest.mark.usefixtures("files_replace_their_value")
+def test_a_managed_root_in_a_running_unit_is_made_below_it(tmp_path: Path) -> None:
+    unit = tmp_path / "cgroup" / "system.slice" / "nodeagent-workloads.service"
+    systemd_made(unit.parent)
+    systemd_made(unit)
+    prepared(tmp_path, "cpu memory pids\n", PACKAGED)
+    assert (unit / "workloads" / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"

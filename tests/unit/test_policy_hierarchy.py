@@ -133,7 +133,7 @@ def besteffort_pod_tick(tmp_path: Path, spec: PolicySpec) -> TickRecord:
     """One dry-run tick over a fixture tree: a besteffort pod with two containers, and a
     prod job in the managed root."""
     tree = tmp_path / "cgroup"
-    for path in [f"{POD}/{CID}", f"{POD}/{CID2}", "nodeagent.slice/prod-1"]:
+    for path in [f"{POD}/{CID}", f"{POD}/{CID2}", f"{spec.agent.managed_root}/prod-1"]:
         (tree / path).mkdir(parents=True)
     for d, _, _ in os.walk(tree):
         for name, text in CGROUP_FILES.items():
@@ -156,9 +156,11 @@ def planned_shares(record: TickRecord) -> dict[str, float]:
 def test_the_shipped_policy_counts_a_besteffort_pod_once(tmp_path: Path) -> None:
     """Issue 13.12: config/policy.yaml's `qos: besteffort` rule claimed the pod and its
     containers, and planned tenant shares added up to 120-130%."""
-    record = besteffort_pod_tick(tmp_path, load_policy(str(REPO / "config/policy.yaml")))
+    shipped = load_policy(str(REPO / "config/policy.yaml"))
+    record = besteffort_pod_tick(tmp_path, shipped)
     claimed = {c.path for c in record.plan.cgroups if c.assignment is not None}
-    assert {f"{POD}/{CID}", f"{POD}/{CID2}", "nodeagent.slice/prod-1"} <= claimed
+    job = f"{shipped.agent.managed_root}/prod-1"
+    assert {f"{POD}/{CID}", f"{POD}/{CID2}", job} <= claimed
     assert planned_shares(record) == pytest.approx({"research": 2 / 3, "prod": 1 / 3}, abs=0.02)
 
 

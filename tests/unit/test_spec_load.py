@@ -55,7 +55,9 @@ def test_shipped_example_loads() -> None:
         "slurm-prod",
         "slurm-jobs",
     ]
-    assert spec.rules[0].match.path == "nodeagent.slice/research-*"
+    assert spec.rules[0].match.path == (
+        "system.slice/nodeagent-workloads.service/workloads/research-*"
+    )
     assert spec.rules[0].workload_class is WorkloadClass.TRAINING
     assert spec.rules[2].match.labels == {
         "com.docker.compose.project": "shop",
@@ -81,7 +83,10 @@ def test_shipped_example_states_the_defaults() -> None:
     """The example documents each default by spelling it out; they must stay true."""
     example = load_policy(REPO / "config" / "policy.yaml")
     defaults = parse_policy("version: 1\ntenants: {a: {shares: 1}}\n", "d.yaml")
-    assert example.agent == defaults.agent
+    # but one: the packaged units' managed root, which it names (issue 36 item 2)
+    assert example.agent.managed_root == "system.slice/nodeagent-workloads.service/workloads"
+    assert defaults.agent.managed_root == "nodeagent.slice"
+    assert example.agent.model_copy(update={"managed_root": "nodeagent.slice"}) == defaults.agent
     assert example.fair_share == defaults.fair_share
 
 

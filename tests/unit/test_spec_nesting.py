@@ -74,6 +74,18 @@ def test_rules_that_cannot_nest_are_not_warned_about(rules: str) -> None:
     assert warnings(rules) == []
 
 
+@pytest.mark.parametrize(
+    "match", ["{labels: {app: web}}", "{image: 'nginx:*'}", "{container_name: web}"]
+)
+def test_a_rule_on_what_runtimes_say_cannot_claim_the_service_holding_the_managed_root(
+    match: str,
+) -> None:
+    """No runtime describes a systemd unit: the shipped example's compose rule (labels only)
+    under the packaged managed root was warned about as claiming the workloads unit."""
+    rules = f"  - {{name: web, match: {match}, tenant: research}}\n"
+    assert warnings(rules, "system.slice/nodeagent-workloads.service/workloads") == []
+
+
 def test_a_catch_all_rule_nests() -> None:
     (line,) = warnings("  - {name: all, match: {}, tenant: research}\n")
     assert "rules[0].match: can claim a pod" in line
