@@ -113,16 +113,37 @@ def open_agent(
     )
     jobs = Jobs(tree, audit_write, proc_root, on_end=gpus.release_job, write_limits=rec.new_job)
     rec.wire(gpus, jobs, StateSaver(lambda: rec.spec.agent.state_file, rec.gather))
-    try:
-        saved = state.load(spec.agent.state_file, tenants=spec.tenants)
-    except NodeagentError as e:
-        log.error("state.unusable", error=str(e), action="starting with empty usage history")
-        saved = None
+    saved = _saved_state(spec, dry_run)
     if saved is not None:
         rec.restore(saved)
     # for agent.reload_on_change: the policy file as it was last loaded
     watch = None if config_path is None else FileWatch(config_path)
     return Agent(rec, config_path=config_path, overrides=overrides, policy_file=watch)
+
+
+def _saved_state(spec: PolicySpec, dry_run: bool) -> state.SavedState | None:
+    """The state file's records; one this version cannot use (another version's, or a
+    damaged one) is kept aside, not overwritten by the first save (issue 36 item 3)."""
+    path = spec.agent.state_file
+    try:
+        return state.load(path, tenants=spec.tenants)
+    except NodeagentError as e:
+        if dry_run:  # writes nothing, so its saves replace nothing either
+            log.error("state.unusable", error=str(e), action="starting with empty state")
+            return None
+        try:
+            kept = state.keep_aside(path, time.time())
+        except NodeagentError as moved:
+            raise NodeagentError(f"{e}; and {moved}: refusing to start over it") from moved
+        log.error(
+            "state.unusable",
+            error=str(e),
+            kept=kept,
+            action=f"starting with empty state; {kept[0] if kept else path} keeps what it"
+            " recorded: `nodeagent release --all --state-file FILE`, run by the version that"
+            " wrote it, hands back the caps and freezes it lists",
+        )
+        return None
 
 
 def with_overrides(spec: PolicySpec, overrides: Mapping[str, object]) -> PolicySpec:

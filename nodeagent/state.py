@@ -91,6 +91,25 @@ def save(path: str, state: SavedState) -> None:
         os.unlink(journal_path(path))  # a crash before this replays lines the file holds
 
 
+def keep_aside(path: str, now: float) -> list[str]:
+    """Move a state file the agent cannot use (another version's, or damaged), and its
+    journal, out of the way under new names, so that this agent's first save does not
+    replace what they record: the jobs, the holds, and what `nodeagent release` would hand
+    back, for the version that wrote them. The new names; a move that fails raises."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    kept = []
+    for old in (path, journal_path(path)):
+        new = f"{old}.unusable-{stamp}"
+        try:
+            os.rename(old, new)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # nothing there to keep
+        except OSError as e:
+            raise NodeagentError(f"cannot move {old} aside to {new}: {e.strerror}") from e
+        kept.append(new)
+    return kept
+
+
 def journal_path(path: str) -> str:
     """The journal of originals noted since the state file at `path` was last saved."""
     return path + ".originals"

@@ -422,3 +422,71 @@ def test_a_journal_without_a_state_file_is_loaded(tmp_path: Path) -> None:
     assert loaded is not None
     assert loaded.originals == {"x.scope": {"cgroup.freeze": record}}
     assert loaded.jobs == () and dict(loaded.tenant_usage) == {}
+
+
+# A state file of another version (a downgrade, an upgrade that changed it) or a damaged one
+
+
+def _file_of_another_version(path: Path) -> str:
+    """Version 2's file, with what release would need; and its journal beside it."""
+    originals = {"system.slice/x.scope": {"cpu.max": {"old": "max"}}}
+    body = json.dumps(
+        {"version": 2, "saved_at": 1.0, "tenant_usage": {"a": 1.0}, "originals": originals}
+    )
+    path.write_text(body)
+    Path(state.journal_path(str(path))).write_text('{"cgroup": "y"}\n')
+    return body
+
+
+def test_a_file_this_version_cannot_read_is_kept_aside_not_overwritten(tmp_path: Path) -> None:
+    """Issue 36 item 3: the agent logged state.unusable, started empty, and its first save
+    replaced the file, losing the originals that `release` of the version that wrote it
+    needs."""
+    path = tmp_path / "state.json"
+    body = _file_of_another_version(path)
+    with structlog.testing.capture_logs() as logs:
+        agent = _agent(tmp_path, path)
+    [said] = [e for e in logs if e["event"] == "state.unusable"]
+    kept = [Path(k) for k in said["kept"]]
+    assert [k.name[: -len("YYYYmmddTHHMMSSZ")] for k in kept] == [
+        "state.json.unusable-",
+        "state.json.originals.unusable-",
+    ]
+    assert said["error"] == f"state file {path} is malformed: version 2 is not 1"
+    assert f"{kept[0]} keeps what it recorded: `nodeagent release" in said["action"]
+    agent.save_state()
+    assert kept[0].read_text() == body, "kept as it was"
+    assert kept[1].read_text() == '{"cgroup": "y"}\n'
+    assert state.load(str(path)) is not None, "this agent's own file, new"
+
+
+def test_a_dry_run_leaves_a_file_it_cannot_read_where_it_is(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    body = _file_of_another_version(path)
+    (tmp_path / "cgroup").mkdir()
+    text = f"version: 1\nagent: {{state_file: {path}}}\ntenants: {{a: {{shares: 1}}}}\n"
+    spec = parse_policy(text, "p.yaml")
+    open_agent(spec, CgroupTree(str(tmp_path / "cgroup")), dry_run=True)
+    assert path.read_text() == body
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "cgroup", "state.json", "state.json.originals"
+    ]  # fmt: skip
+
+
+def test_a_file_that_cannot_be_moved_aside_stops_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "state.json"
+    _file_of_another_version(path)
+
+    def refuse(old: str, new: str) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "rename", refuse)
+    with pytest.raises(NodeagentError) as e:
+        _agent(tmp_path, path)
+    assert str(e.value).startswith(
+        f"state file {path} is malformed: version 2 is not 1; and cannot move {path} aside to"
+        f" {path}.unusable-"
+    )
+    assert str(e.value).endswith(": Permission denied: refusing to start over it")
