@@ -152,9 +152,9 @@ def status(socket: str | None, config: str | None, as_json: bool) -> None:
 
     Its version, pid and uptime; the policy in force (file, sha256, when it was
     loaded); the last reload (applied, or refused with its problems); the last
-    tick and its age; the workloads; then its problems: services that do not
-    answer (runtimes, Slurm, systemd, the kubelet), a refused reload, missed
-    deadlines, ticks that stopped. --json: kind AgentStatus.
+    tick and its age; the workloads and missed deadlines; then its problems:
+    services that do not answer (runtimes, Slurm, systemd, the kubelet), a
+    refused reload, ticks that stopped. --json: kind AgentStatus.
 
     Exits 0 when the daemon answers without problems, 1 when it lists problems,
     and 1 with one line on stderr when no daemon answers.
@@ -248,6 +248,7 @@ def status_text(answer: Status, now: float) -> str:
         ("last reload", _reload_line(answer, now)),
         ("last tick", tick),
         ("workloads", f"{answer.workloads} (managed root {answer.managed_root})"),
+        ("deadlines", f"{answer.deadline_misses} missed since the start"),
         ("problems", str(len(answer.problems)) if answer.problems else "none"),
     ]
     lines = [printable(f"{label:<{LABEL}}{value}") for label, value in rows]

@@ -65,24 +65,18 @@ def _reload_state(r: Reload | None) -> answers.ReloadState | None:
 def problems(
     status: answers.Status, interval: float, now: float, reload: Reload | None
 ) -> list[str]:
-    """What an operator should look at, one line each, from what the status holds: the
-    services that do not answer (a runtime said once, as a peer or as a runtime), Slurm, a
-    refused reload, missed deadlines, and ticks that stopped."""
+    """What an operator should look at now, one line each, from what the status holds: the
+    services that do not answer, Slurm, a refused reload, and ticks that stopped. Not a
+    runtime the node never had (the peers list only those that answered once, or whose
+    socket is there: `runtimes` lists every configured one), and not the deadline misses,
+    a count since the start that would keep `nodeagent status` failing for good after one."""
     out: list[str] = []
     down = {p.name for p in status.peers if not p.up}
     out += [f"{p.name} does not answer ({p.address}): {p.error}" for p in status.peers if not p.up]
-    out += [
-        r.problem or f"{name} does not answer ({r.socket})"
-        for name, r in status.runtimes.items()
-        if not r.answering and name not in down
-    ]
     if status.slurm_problem is not None and "slurm" not in down:
         out.append(f"slurm: {status.slurm_problem}")
     if reload is not None and not reload.applied:
         out += [f"reload refused, the last good policy stays: {p}" for p in reload.problems]
-    if status.deadline_misses:
-        jobs = "job" if status.deadline_misses == 1 else "jobs"
-        out.append(f"{status.deadline_misses} deadline {jobs} missed since the daemon started")
     window = max(STALE_TICKS * interval, STALE_MIN)
     last = status.tick_time if status.tick_time is not None else status.started
     if last is not None and now - last > window:

@@ -297,6 +297,11 @@ def test_workloads_json_with_a_config_shows_tenants(
 
 
 def test_workloads_with_the_shipped_example(runner: CliRunner, cgroup_root: Path) -> None:
+    # its managed root is the packaged units': jobs there, in nodeagent-workloads.service
+    packaged = "system.slice/nodeagent-workloads.service/workloads"
+    for job in (f"{packaged}/research-train", f"{packaged}/job-1"):
+        (cgroup_root / job).mkdir(parents=True)
+        (cgroup_root / job / "cgroup.procs").write_text("")
     result = runner.invoke(
         main,
         ["workloads", "--cgroup-root", str(cgroup_root), "--config", str(EXAMPLE), "--json"],
@@ -304,8 +309,8 @@ def test_workloads_with_the_shipped_example(runner: CliRunner, cgroup_root: Path
     assert result.exit_code == 0, result.output
     tenants = {r["cgroup"]: r["tenant"] for r in json.loads(result.stdout)["items"]}
     assert tenants[DOCKER] == "research"
-    assert tenants[RESEARCH_JOB] == "research"
-    assert tenants[JOB] is None
+    assert tenants[f"{packaged}/research-train"] == "research"
+    assert tenants[f"{packaged}/job-1"] is None
 
 
 def test_workloads_table(runner: CliRunner, cgroup_root: Path, tmp_path: Path) -> None:
