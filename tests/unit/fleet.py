@@ -1,4 +1,4 @@
-"""Three agents scraped as Prometheus scrapes them, as promtool's input series.
+"""Four agents scraped as Prometheus scrapes them, as promtool's input series.
 
 In-process collectors fed hand-built ticks (ticks.py), each scraped every SCRAPE seconds
 for STEPS scrapes on promtool's clock (promseries.py: labelled with job and instance, each
@@ -10,6 +10,8 @@ target's `up`, staleness markers where a series went).
   from FAIL; a deadline is missed at MISS; a reload fails at RELOAD; its GPUs run
   processes no hold covers;
 - node-c stops answering at DOWN (up 0, its series stale);
+- node-d drops out of the targets at GONE (service discovery no longer lists it: its `up`
+  goes stale with the rest of its series, as a removed target's do);
 - node-a's containerd stops answering it at PEER, and stays down.
 
 Every agent runs the same workloads (a deadline job, a stalling inference pod that has
@@ -36,14 +38,14 @@ from nodeagent.report import TickRecord
 from nodeagent.sense.gpus import GpuSensor
 from nodeagent.snapshot import WorkloadState
 
-A, B, C = "node-a:9400", "node-b:9400", "node-c:9400"
+A, B, C, D = "node-a:9400", "node-b:9400", "node-c:9400", "node-d:9400"
 STEPS = 61
 """Scrapes 0..60: 15 minutes."""
 END = (STEPS - 1) * SCRAPE
-FAIL, MISS, STALL, RELOAD, DOWN, PEER = 10, 12, 20, 25, 30, 35
+FAIL, MISS, STALL, GONE, RELOAD, DOWN, PEER = 10, 12, 20, 22, 25, 30, 35
 """The scrapes at which node-b's writes start failing, its deadline is missed, it stalls
-(its last tick is at STALL - 1), its reload fails; at which node-c goes down; and at which
-node-a's containerd stops answering."""
+(its last tick is at STALL - 1); at which node-d is no longer a target; at which node-b's
+reload fails; at which node-c goes down; and at which node-a's containerd stops answering."""
 CONTAINERD = "/run/containerd/containerd.sock"
 
 
@@ -126,14 +128,14 @@ def _scraped(node: _Node, step: int, series: Series) -> None:
 
 
 def fleet_series(tmp: Path) -> list[dict[str, str]]:
-    """The three agents' scrapes, as promtool's input_series (one scrape and tick every
+    """The four agents' scrapes, as promtool's input_series (one scrape and tick every
     SCRAPE seconds: agent.interval is SCRAPE too)."""
     (tmp / "gpus.yaml").write_text(GPU_NODE)
     backend = load_simulated(tmp / "gpus.yaml")
     violating = GpuSensor(backend).read(())
     assert violating is not None and violating.processes
     clean = replace(violating, processes=())
-    nodes = {i: _Node(i) for i in (A, B, C)}
+    nodes = {i: _Node(i) for i in (A, B, C, D)}
     for node in nodes.values():
         node.collector.watch_gpus(backend)
     series: Series = {}
@@ -145,7 +147,10 @@ def fleet_series(tmp: Path) -> list[dict[str, str]]:
         b.misses, b.reload = int(step >= MISS), (step < RELOAD, 0.0)
         nodes[A].collector.observe(_tick(step, clean, down_from=PEER))
         nodes[C].collector.observe(_tick(step, clean))
+        nodes[D].collector.observe(_tick(step, clean))
         for node in nodes.values():
+            if node.instance == D and step >= GONE:
+                continue  # not a target: no scrape, no `up`
             up = node.instance != C or step < DOWN
             if up:
                 _scraped(node, step, series)
