@@ -341,3 +341,41 @@ def test_the_example_files_stay_in_step() -> None:
     (generator,) = kustomization["configMapGenerator"]
     assert generator["files"] == ["policy.yaml"]
     assert Path(ROOT / "deploy/kubernetes/policy.yaml").exists()
+
+
+def test_the_uninstall_releases_every_node_with_the_agents_view_of_the_host(
+    pod: Pod, policy: PolicySpec
+) -> None:
+    """Issue 35 item 8: `kubectl delete -k deploy/kubernetes` left every cap and freeze in
+    place (SIGTERM only saves the state, as a rolling update needs). deploy/uninstall runs
+    `nodeagent release --all` on every node the agent runs on, reading the same host files
+    the agent wrote, through the same policy."""
+    docs = kustomize("deploy/uninstall")
+    for doc in docs:
+        assert problems(doc) == [], doc["kind"]
+    daemonset = one(docs, "DaemonSet", "nodeagent-release")
+    spec = copy.deepcopy(daemonset)["spec"]["template"]["spec"]
+    (init,) = spec["initContainers"]
+    spec["containers"] = [init]
+    release = Pod({"spec": {"template": {"spec": spec}}})
+    assert init["command"] == ["nodeagent"] and init["args"][:2] == ["release", "--all"]
+    assert init["image"] == pod.container["image"]
+    for option in ("--config", "--cgroup-root"):
+        assert release.arg(option) == pod.arg(option), option
+    config = release.mount_of(release.arg("--config"))
+    assert release.volumes[config["name"]] == pod.volumes[pod.mount_of(pod.arg("--config"))["name"]]
+    for path, writes in [
+        (pod.arg("--cgroup-root"), True),
+        (policy.agent.state_file, True),  # what to hand back, updated after
+        (policy.agent.socket, False),  # refused while an agent answers there
+        (SYSTEM_BUS_ADDRESS.removeprefix("unix:path="), False),  # systemd's units
+    ]:
+        host, read_only = release.host_path(path)
+        assert host == pod.host_path(path)[0], path
+        assert read_only is not writes, path
+    for key in ("tolerations", "nodeSelector", "priorityClassName"):
+        assert spec[key] == pod.spec[key], key
+    assert spec["automountServiceAccountToken"] is False  # it asks no API server
+    base = yaml.safe_load((ROOT / "deploy/kubernetes/kustomization.yaml").read_text())
+    mine = yaml.safe_load((ROOT / "deploy/uninstall/kustomization.yaml").read_text())
+    assert mine["images"] == base["images"]
