@@ -27,11 +27,37 @@ from nodeagent.cli import (
 )
 from nodeagent.errors import NodeagentError
 
+_NO_BREAK = "\u2011"  # a non-breaking hyphen, while click wraps
+
+
+def _glued(text: str) -> str:
+    return text.replace("-", _NO_BREAK)
+
+
+class _Formatter(click.HelpFormatter):
+    """Help wrapped at spaces only: click's wrapping also breaks at hyphens, which split
+    option and unit names across lines (`--gpu-` / `memory`)."""
+
+    def write_text(self, text: str) -> None:
+        super().write_text(_glued(text))
+
+    def write_dl(self, rows: Any, col_max: int = 30, col_spacing: int = 2) -> None:
+        super().write_dl([(_glued(a), _glued(b)) for a, b in rows], col_max, col_spacing)
+
+    def write_usage(self, prog: str, args: str = "", prefix: str | None = None) -> None:
+        super().write_usage(prog, _glued(args), prefix)
+
+    def write(self, string: str) -> None:
+        super().write(string.replace(_NO_BREAK, "-"))
+
 
 class _Context(click.Context):
     """A usage error raised while this command's arguments are parsed names this command:
     click's parser raises some (an option missing its value) without a context, and the
-    hint then lost the command path (`nodeagent: ... (see 'nodeagent --help')`)."""
+    hint then lost the command path (`nodeagent: ... (see 'nodeagent --help')`). Its help
+    is wrapped at spaces only (_Formatter)."""
+
+    formatter_class = _Formatter
 
     def __exit__(self, *exc: Any) -> None:
         error = exc[1]
@@ -41,7 +67,8 @@ class _Context(click.Context):
 
 
 @click.group(
-    context_settings={"help_option_names": ["-h", "--help"]},
+    # help at most 80 columns wide, narrower where the terminal is (every subcommand's too)
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 80},
     invoke_without_command=True,
     no_args_is_help=False,
 )
@@ -52,19 +79,20 @@ def main(ctx: click.Context) -> None:
 
     \b
     Start here:
-      nodeagent example-policy > policy.yaml    start a policy from the example
-      nodeagent validate policy.yaml            check a policy file
-      nodeagent workloads --config FILE         what discovery finds, and which rule claims it
-      nodeagent run --config FILE --dry-run     print the plan, write nothing
-      nodeagent run --config FILE               the daemon (as root, on cgroup v2)
-      nodeagent status                          what runs, and what is wrong
-      nodeagent reload                          have the daemon re-read its policy
-      nodeagent allocations                     what the daemon set, and why
-      nodeagent explain CGROUP                  the full policy trace for one workload
+      nodeagent example-policy > policy.yaml   start a policy from the example
+      nodeagent validate policy.yaml           check a policy file
+      nodeagent workloads --config FILE        what discovery finds, which rule
+                                               claims it
+      nodeagent run --config FILE --dry-run    print the plan, write nothing
+      nodeagent run --config FILE              the daemon (root, cgroup v2)
+      nodeagent status                         what runs, and what is wrong
+      nodeagent reload                         the daemon re-reads its policy
+      nodeagent allocations                    what the daemon set, and why
+      nodeagent explain CGROUP                 the policy trace of one workload
       nodeagent exec --deadline +2h --work 3h -- CMD
-                                                run CMD as a job, in time for its deadline
-      nodeagent gpus                            this node's GPUs, their health and users
-      nodeagent capacity --arrival-rate L ...   replicas for a mean wait (M/M/c, Erlang C)
+                                               CMD as a job, done by its deadline
+      nodeagent gpus                           the GPUs, their health and users
+      nodeagent capacity --arrival-rate L ...  replicas for a mean wait
     """
     if ctx.invoked_subcommand is None:  # bare `nodeagent`: the help, as kubectl does
         click.echo(ctx.get_help())

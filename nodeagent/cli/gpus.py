@@ -315,7 +315,7 @@ def reserve_cmd(
     \b
       cid=$(docker create $(nodeagent gpus reserve --name web-1 --count 2) IMAGE)
       nodeagent gpus attach web-1 "$cid" && docker start "$cid"
-      nodeagent gpus reserve --name infer --container inference.service --format env
+      nodeagent gpus reserve --name infer --container infer.service --format env
       nodeagent gpus reserve --name web-1 --json
       nodeagent gpus release web-1
     """

@@ -68,7 +68,9 @@ def _write(path: Path, text: str) -> str:
 
 
 @click.command()
-@click.argument("name", type=click.Choice(sorted(FILES)), default="nodeagent.service")
+@click.argument(
+    "name", type=click.Choice(sorted(FILES)), default="nodeagent.service", metavar="[NAME]"
+)
 @click.option(
     "--executable",
     metavar="PATH",
@@ -87,6 +89,11 @@ def _write(path: Path, text: str) -> str:
 def unit(name: str, executable: str | None, install: bool, unit_dir: str, metrics: bool) -> None:
     """Print the systemd unit NAME for this install, or --install them all.
 
+    \b
+    NAME (default: nodeagent.service):
+      nodeagent.service, nodeagent-workloads.service,
+      nodeagent.service.d/metrics.conf, system.slice.d/10-nodeagent.conf
+
     The shipped units (systemd/ in the source) name /opt/nodeagent/.venv/bin/nodeagent;
     these name the nodeagent you run this with, wherever it is installed. --install writes
     nodeagent.service, nodeagent-workloads.service (which holds the workloads, so that they
@@ -95,7 +102,8 @@ def unit(name: str, executable: str | None, install: bool, unit_dir: str, metric
 
     \b
     Examples:
-      nodeagent unit --install && systemctl daemon-reload && systemctl enable --now nodeagent
+      nodeagent unit --install && systemctl daemon-reload
+      systemctl enable --now nodeagent
       nodeagent unit > /etc/systemd/system/nodeagent.service
       nodeagent unit nodeagent.service.d/metrics.conf
     """
