@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from nodeagent.cli.common import json_option, socket_option
-from nodeagent.cli.output import document, echo_json, item_list, renamed
+from nodeagent.cli.output import document, echo_json, item_list, renamed, terminal_width
 from nodeagent.errors import NodeagentError
-from nodeagent.tables import size, table
+from nodeagent.tables import size, table, wrap
 
 if TYPE_CHECKING:  # the commands import the API's answers when they run
     from nodeagent.api.answers import GpuList, Placed, Placement, Reservation
@@ -155,17 +155,22 @@ def gpus(ctx: click.Context, simulate: str | None, socket: str, as_json: bool) -
     elif not data.gpus:
         click.echo(f"no GPUs: {data.reason}")
     else:
-        click.echo(_gpus_table(data))
+        click.echo(_gpus_table(data, terminal_width()))
 
 
-def _gpus_table(data: GpuList) -> str:
+def _gpus_table(data: GpuList, width: int | None = None) -> str:
+    """The GPUs, their MIG devices, processes, violations and the queue, each table fitted
+    to `width`: the model named once in the first line where every GPU is the same; UUIDs
+    cut to the head that tells them apart, cgroups to their leaf."""
     gpus = data.gpus
-    head = f"{len(gpus)} GPU{'s' if len(gpus) != 1 else ''}, {data.source}"
+    models = {g.name or "?" for g in gpus}
+    model = f" ({models.pop()})" if len(models) == 1 else ""
+    head = f"{len(gpus)} GPU{'s' if len(gpus) != 1 else ''}{model}, {data.source}"
     rows = [
         (
             g.index,
             g.uuid or "?",
-            g.name or "?",
+            *(() if model else (g.name or "?",)),
             "ok" if g.healthy else f"UNHEALTHY: {g.reason}",
             _num(g.utilization, "%"),
             f"{_bytes(g.memory_used)}/{_bytes(g.memory_total)}",
@@ -177,11 +182,22 @@ def _gpus_table(data: GpuList) -> str:
         )
         for g in gpus
     ]
-    headers: tuple[str, ...] = ("GPU", "UUID", "NAME", "HEALTH", "UTIL", "MEMORY", "POWER")
-    headers += ("TEMP", "NUMA", "CPUS", "ASSIGNED")
-    out = [head, table(headers, rows)]
+    headers: tuple[str, ...] = ("GPU", "UUID", *(() if model else ("NAME",)), "HEALTH", "UTIL")
+    headers += ("MEMORY", "POWER", "TEMP", "NUMA", "CPUS", "ASSIGNED")
+    at = headers.index
+    out = [
+        wrap(head, width),
+        table(
+            headers,
+            rows,
+            width=width,
+            cut=[(at("HEALTH"), "head"), (at("ASSIGNED"), "head"), (at("UUID"), "id")],
+            drop=[at(h) for h in ("CPUS", "NAME", "TEMP", "POWER", "UUID") if h in headers],
+            more="--json",
+        ),
+    ]
     if gpus[0].assigned is None:
-        out.append("(assignments and violations: no nodeagent daemon answered)")
+        out.append(wrap("(assignments and violations: no nodeagent daemon answered)", width))
     migs = [(g.index, m) for g in gpus for m in g.mig_devices]
     if migs:
         out += [
@@ -199,6 +215,8 @@ def _gpus_table(data: GpuList) -> str:
                     )
                     for i, m in migs
                 ],
+                width=width,
+                cut=[(4, "head"), (1, "id")],
             ),
         ]
     procs = [(g.index, p) for g in gpus for p in g.processes]
@@ -211,11 +229,13 @@ def _gpus_table(data: GpuList) -> str:
                     (p.pid, i, p.device_uuid, _bytes(p.used_memory), p.cgroup or "(exited)")
                     for i, p in procs
                 ],
+                width=width,
+                cut=[(2, "id"), (4, "leaf")],
             )
         )
     violations = [(g.index, v) for g in gpus for v in g.violations or ()]
     if violations:
-        out += ["", "VIOLATIONS: processes on GPUs their cgroup does not hold:"]
+        out += ["", wrap("VIOLATIONS: processes on GPUs their cgroup does not hold:", width)]
         out.append(
             table(
                 ("PID", "GPU", "DEVICE", "KIND", "CGROUP", "HOLDS"),
@@ -223,6 +243,8 @@ def _gpus_table(data: GpuList) -> str:
                     (v.pid, i, v.device, v.kind, v.cgroup, v.holder or "nothing")
                     for i, v in violations
                 ],
+                width=width,
+                cut=[(5, "head"), (2, "id"), (4, "leaf")],
             )
         )
     if data.queue:
@@ -231,6 +253,8 @@ def _gpus_table(data: GpuList) -> str:
             table(
                 ("REQUEST", "FOR", "COUNT", "CLASS", "WHY"),
                 [(q.id or "-", q.owner, q.count, q.workload_class, q.reason) for q in data.queue],
+                width=width,
+                cut=[(4, "head"), (0, "id"), (1, "leaf")],
             )
         )
     return "\n".join(out)
@@ -472,9 +496,10 @@ def place_cmd(
     if as_json:
         echo_json(placement_document(data))
     elif isinstance(placed, NotPlaced):
-        click.echo(f"nothing fits now: {placed.reason}" + _considered(placed.note))
+        text = f"nothing fits now: {placed.reason}" + _considered(placed.note)
+        click.echo(wrap(text, terminal_width()))
     else:
-        click.echo(_placement_text(placed) + _considered(placed.note))
+        click.echo(wrap(_placement_text(placed) + _considered(placed.note), terminal_width()))
     if not placed.placed:
         raise SystemExit(1)
 

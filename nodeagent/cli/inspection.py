@@ -176,9 +176,17 @@ def allocations_table(
         headers.remove("GPUS")
     if not named:
         headers.remove("NAME")
-    cut: list[tuple[int, Keep]] = [(len(headers) - 1, "head"), (0, "tail")]
-    cut += [(1, "tail")] if named else []
-    return printable(head) + "\n" + table(headers, rows, width=width, cut=cut) + tail
+    # the reason first; the names last, the workload's own (its runtime's) before its path
+    cut: list[tuple[int, Keep]] = [(len(headers) - 1, "head")]
+    cut += [(1, "id"), (0, "leaf")] if named else [(0, "leaf")]
+    drop = _columns(headers, "PIDS.MAX", "MEM.HIGH", "CPU.MAX", "TENANT", "CLASS", "GPUS", "CPU")
+    fitted = table(headers, rows, width=width, cut=cut, drop=drop)
+    return printable(head) + "\n" + fitted + tail
+
+
+def _columns(headers: Sequence[str], *names: str) -> list[int]:
+    """The indices of those of `names` that are among `headers`, in the order named."""
+    return [headers.index(name) for name in names if name in headers]
 
 
 def _name_image(row: Workload) -> str | None:
@@ -224,7 +232,7 @@ def deadlines_table(
                 _when(d.predicted_finish, now),
             )
         )
-    return table(headers, body, width=width, cut=[(0, "tail")])
+    return table(headers, body, width=width, cut=[(0, "leaf")])
 
 
 @click.command("allocations")
@@ -496,9 +504,12 @@ def workloads_table(
         )
         for r in rows
     ]
-    cut: list[tuple[int, Keep]] = [(len(headers) - 1, "head"), (0, "tail")]
-    cut += [(2, "tail"), (1, "tail"), (5, "head")] if named else [(3, "head")]
-    return table(headers, body, width=width, cut=cut)
+    # the status, image and owner first; the names last, the runtime's before the path
+    cut: list[tuple[int, Keep]] = [(len(headers) - 1, "head")]
+    cut += [(2, "tail"), (5, "head"), (1, "leaf")] if named else [(3, "head")]
+    cut.append((0, "leaf"))
+    drop = _columns(headers, "IMAGE", "OWNER", "RUNTIME", "KIND", "CLASS", "TENANT")
+    return table(headers, body, width=width, cut=cut, drop=drop)
 
 
 def _workload_status(r: Mapping[str, Any]) -> str:

@@ -12,7 +12,8 @@ without a new apiVersion.
 from __future__ import annotations
 
 import json
-import shutil
+import os
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -51,8 +52,25 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
+DEFAULT_WIDTH = 80
+"""A terminal's width where it does not say one (a serial console, some CI terminals)."""
+
+
 def terminal_width() -> int | None:
-    """The width tables are fitted to: COLUMNS, else the terminal's on stdout; None when
-    stdout is a pipe or a file without COLUMNS (it gets whole lines)."""
-    columns = shutil.get_terminal_size((0, 0)).columns
-    return columns if columns > 0 else None
+    """The width tables are fitted to: COLUMNS, else the terminal's on stdout, else 80 on a
+    terminal that does not say; None when stdout is a pipe or a file without COLUMNS (it
+    gets whole lines, for grep and for scripts that read the table)."""
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        columns = 0
+    if columns > 0:
+        return columns
+    stdout = sys.stdout  # what click.echo writes to
+    try:
+        if not stdout.isatty():
+            return None
+        columns = os.get_terminal_size(stdout.fileno()).columns
+    except (OSError, ValueError):  # no file descriptor (a test's stream), or a closed one
+        return None
+    return columns if columns > 0 else DEFAULT_WIDTH

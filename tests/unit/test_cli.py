@@ -805,8 +805,9 @@ def test_allocations_from_a_daemon_from_before_pids_max_was_shown(fake_daemon: A
 
 def test_allocations_fits_the_terminal(fake_daemon: Any) -> None:
     """Issue 13, item 24, for allocations: full ids, and reasons of a hundred characters, at
-    110 columns (100 before the PIDS.MAX column: the reasons, then the paths, are cut to fit,
-    and at 100 the paths now are)."""
+    110 columns: the reasons are cut, then the PIDS.MAX column goes (said in a last line),
+    not the paths' leaves (issue 36, item 7: names cut to 12 characters lost what told
+    rows apart)."""
     rows = [
         {**allocation(p), "reason": "cpu weight for a target of 1.33 cores; " * 3}
         for p in (DOCKER, POD_CONTAINER, JOB)
@@ -825,13 +826,14 @@ def test_allocations_fits_the_terminal(fake_daemon: Any) -> None:
         "CPU.MAX",
         "MEM.MAX",
         "MEM.HIGH",
-        "PIDS.MAX",
         "CPU",
         "REASON",
     ]  # fmt: skip  (no GPUS column: no workload holds one)
     assert CID[12:] not in proc.stdout
-    assert lines[-1].startswith(JOB + " ")
-    assert lines[-1].endswith("\u2026")  # the reason, cut
+    assert lines[2].startswith(f"\u2026/docker-{CID[:12]}.scope ")
+    assert lines[-2].startswith(JOB + " ")
+    assert lines[-2].endswith("\u2026")  # the reason, cut
+    assert lines[-1] == "(no room in 110 columns for PIDS.MAX: see --wide)"
     proc = nodeagent("allocations", "--socket", sock, "--wide", COLUMNS="110")
     assert "GPUS" in proc.stdout.splitlines()[1].split()
     assert any(line.startswith(DOCKER + " ") for line in proc.stdout.splitlines())

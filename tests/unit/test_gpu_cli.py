@@ -61,8 +61,9 @@ def test_help(runner: CliRunner, command: list[str], mentions: list[str]) -> Non
 def test_list_a_simulated_node(runner: CliRunner) -> None:
     out = run(runner, "gpus", "--simulate", PAIRS)
     head, columns, *rows = out.splitlines()
-    assert head == f"4 GPUs, simulated from {PAIRS}"
-    assert columns.split()[:6] == ["GPU", "UUID", "NAME", "HEALTH", "UTIL", "MEMORY"]
+    # one model on every GPU: named once, not in a column (issue 36, item 7)
+    assert head == f"4 GPUs (NVIDIA A100 80GB PCIe), simulated from {PAIRS}"
+    assert columns.split()[:5] == ["GPU", "UUID", "HEALTH", "UTIL", "MEMORY"]
     assert " ok      97%   61Gi/80Gi  287/300W  71C   0     0-27,56-83" in rows[0]
     assert "31337  0    GPU-" in out
     assert "nodeagent.slice/research-train" in out
@@ -108,7 +109,7 @@ def test_the_environment_variable_names_the_simulation(
     runner: CliRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("NODEAGENT_GPU_SIM", H100)
-    assert run(runner, "gpus").startswith(f"8 GPUs, simulated from {H100}")
+    assert run(runner, "gpus").startswith(f"8 GPUs (NVIDIA H100 80GB HBM3), simulated from {H100}")
 
 
 def test_no_gpus_is_one_line(runner: CliRunner, monkeypatch: pytest.MonkeyPatch) -> None:
