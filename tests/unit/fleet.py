@@ -51,6 +51,9 @@ CONTAINERD = "/run/containerd/containerd.sock"
 
 POLICY = with_deadline("1970-01-01T00:30:00+00:00", 3000)
 """The deadline job's due 15 minutes after the last scrape, with more work than it can do."""
+POLICY_SHA256 = "5" * 64
+"""nodeagent_policy_info's sha256: every agent runs the same policy (node-b's refused
+reload keeps it)."""
 
 
 @dataclass
@@ -62,7 +65,10 @@ class _Node:
 
     def __post_init__(self) -> None:
         self.collector = TickCollector(
-            lambda: self.misses, reload=lambda: self.reload, interval=lambda: float(SCRAPE)
+            lambda: self.misses,
+            reload=lambda: self.reload,
+            policy=lambda: POLICY_SHA256,
+            interval=lambda: float(SCRAPE),
         )
 
 

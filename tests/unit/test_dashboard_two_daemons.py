@@ -1,13 +1,16 @@
-"""The dashboard and the shipped alert rules over the scrapes of two real daemons.
+"""The dashboard and the shipped alert rules over the scrapes of three real daemons.
 
-Two `nodeagent run` processes (not dry runs), each with its own policy (its own tenants and
-workloads; node-a also a deadline job and a GPU), API socket, state file and metrics port,
-are scraped over HTTP: UP scrapes of both, TICKS ticks of each apart (waited for on their
-tick counters); then node-b is stopped (SIGSTOP), its endpoint stops answering, and DOWN
-more scrapes find it down. The scrapes become promtool's input series (promseries.py)
-labelled as Prometheus labels them (job, instance "127.0.0.1:PORT", `up`), and every
-panel's query is evaluated through promtool at the last scrape of both and at the very
-last, with the alert rules.
+Three `nodeagent run` processes (not dry runs), each with its own policy (its own tenants
+and workloads; node-a also a deadline job and a GPU), API socket, state file and metrics
+port, are scraped over HTTP: UP scrapes of all three, TICKS ticks of each apart (waited for
+on their tick counters), node-c refusing a reload of a broken policy file (SIGHUP) from its
+second; then node-b is stopped (SIGSTOP), its endpoint stops answering, and DOWN more
+scrapes find it down. The scrapes become promtool's input series (promseries.py) labelled
+as Prometheus labels them (job, instance "127.0.0.1:PORT", `up`), and every panel's query
+is evaluated through promtool at the last scrape of all three and at the very last: each
+per-node panel for the daemons it has data from, the fleet row's counts (nodes up and
+down, the worst tick age, refused reloads), the top-10 panels' nodes; with the alert
+rules.
 
 Stand-ins, said plainly: the cgroup root is a plain directory tree of interface files that
 this test writes (the daemons' writes of cpu.weight, cpu.max and memory.* land in plain
@@ -56,19 +59,19 @@ from promseries import (
     put,
     samples,
 )
-from test_grafana_dashboard import DASHBOARD, filled, targets
+from test_grafana_dashboard import DASHBOARD, FLEET_ROWS, filled, fleet_targets, node_targets
 from test_metrics_server import free_port
 from test_prometheus_alerts import RULES
 from ticks import GPU_NODE
 from waits import wait_for
 
 INTERVAL = 0.2
-"""agent.interval of both daemons, in seconds."""
+"""agent.interval of the daemons, in seconds."""
 TICKS = 3
 """Ticks of each daemon, at least, between two scrapes of it (its endpoint renders at most
 once a second, so they come about a second apart)."""
 UP, DOWN = 6, 22
-"""Scrapes of both daemons; then scrapes with node-b stopped: NodeagentDown's 5 minutes
+"""Scrapes of all daemons; then scrapes with node-b stopped: NodeagentDown's 5 minutes
 (20 scrapes) and one to spare, after the first that finds it down."""
 STEPS = UP + DOWN
 FRESH_S = 10.0
@@ -154,9 +157,27 @@ NODES: dict[str, dict[str, Any]] = {
             ],
         },
     },
+    "node-c": {
+        "workloads": {"nodeagent.slice/ci-build": 0.8},
+        "gpus": False,
+        "policy": {
+            "tenants": {"ci": {"shares": 1}},
+            "rules": [
+                {
+                    "name": "ci",
+                    "match": {"path": "nodeagent.slice/ci-*"},
+                    "tenant": "ci",
+                    "class": "batch",
+                    "limits": {"cpu_max": 0.5, "memory_max": "1Gi"},
+                },
+            ],
+        },
+    },
 }
 """Each daemon's workloads (cgroup: CPU cores it uses), whether it has a (simulated) GPU,
 and its policy beyond agent: and gpu:."""
+BROKEN = {"tenants": {"ci": {"shares": -1}}}
+"""What node-c's policy file says when it is reloaded: a tenant's shares the agent refuses."""
 
 
 def stand_in_tree(base: Path, workloads: dict[str, float]) -> tuple[Path, Path]:
@@ -379,14 +400,16 @@ def answers(d: Daemon, expr: str, step: int) -> bool:
 
 
 def panel_tests(ds: list[Daemon], step: int) -> tuple[list[dict[str, Any]], dict[int, list[str]]]:
-    """For each query of each panel at `step`: it answers for every daemon it has data
-    from, by its instance, and for no other; each of its series has a legend of its own
-    (one result per instance where the legend names only the instance). With the panel of
-    each query, by how many daemons it answers for."""
+    """For each query of each per-node panel and top-10 panel at `step`: it answers for
+    every daemon it has data from, by its instance, and for no other; each of its series
+    has a legend of its own (one result per instance where the legend names only the
+    instance). With the panel of each query, by how many daemons it answers for. (Failed
+    writes, 1h keeps only nodes with some: none here.)"""
     board = json.loads(DASHBOARD.read_text())
     tests: list[dict[str, Any]] = []
-    counts: dict[int, list[str]] = {2: [], 1: [], 0: []}
-    for title, t in targets(board):
+    counts: dict[int, list[str]] = {n: [] for n in range(len(ds) + 1)}
+    top = [(title, t) for title, t in fleet_targets(board, FLEET_ROWS[1]) if "> 0" not in t["expr"]]
+    for title, t in node_targets(board) + top:
         expr = filled(t["expr"])
         shown = [d.instance for d in ds if answers(d, expr, step)]
         counts[len(shown)].append(title)
@@ -409,6 +432,21 @@ def panel_tests(ds: list[Daemon], step: int) -> tuple[list[dict[str, Any]], dict
     return tests, counts
 
 
+def fleet_tests(step: int, values: dict[str, float | None]) -> list[dict[str, Any]]:
+    """Each fleet panel named in `values` at `step`: its figure (summed: one per version and
+    policy), or, for None, a tick age under FRESH_S."""
+    board = json.loads(DASHBOARD.read_text())
+    queries = dict(fleet_targets(board, FLEET_ROWS[0]))
+    tests = []
+    for title, value in values.items():
+        expr = f"sum({filled(queries[title]['expr'])})"
+        if value is None:  # fresh: 1 where under FRESH_S, else nothing
+            expr = f"0 * (({expr}) >= 0 < {FRESH_S}) + 1"
+        expected = [{"labels": "{}", "value": 1 if value is None else value}]
+        tests.append({"expr": expr, "eval_time": at(step), "exp_samples": expected})
+    return tests
+
+
 def stopped(pid: int) -> bool:
     """Whether every thread of process `pid` is stopped (state T in /proc/PID/task/*/stat)."""
     states = [
@@ -426,17 +464,28 @@ def fresh_age(d: Daemon) -> float:
     return last[0] - stamp
 
 
-def test_the_dashboard_shows_each_of_two_daemons_and_the_one_that_stopped(
+def refused_reload(d: Daemon) -> bool:
+    """Whether the daemon's endpoint says its last reload was refused."""
+    text = d.get(ANSWER_TIMEOUT_S) or ""
+    return "\nnodeagent_config_last_reload_successful 0.0\n" in text
+
+
+def test_the_dashboard_shows_each_of_three_daemons_and_the_one_that_stopped(
     daemons: dict[str, Daemon], tmp_path: Path
 ) -> None:
-    a, b = daemons["node-a"], daemons["node-b"]
+    a, b, c = daemons["node-a"], daemons["node-b"], daemons["node-c"]
+    every = [a, b, c]
     began = time.monotonic()
-    for d in (a, b):
+    for d in every:
         d.scrape(1, START_S)
+    policy = tmp_path / c.name / "policy.yaml"
+    policy.write_text(yaml.safe_dump({**yaml.safe_load(policy.read_text()), **BROKEN}))
+    c.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: refused_reload(c), WAIT_S, "node-c refused the reload of a broken policy")
     for _ in range(UP - 1):
-        for d in (a, b):
+        for d in every:
             d.scrape(TICKS, WAIT_S)
-    ages = {d.name: fresh_age(d) for d in (a, b)}
+    ages = {d.name: fresh_age(d) for d in every}
     b.proc.send_signal(signal.SIGSTOP)
     # stopped once every thread of it is (each stops when it next runs, later on a busy host):
     # a scrape sent before that could be answered (seen once, in a full run beside the build)
@@ -445,18 +494,19 @@ def test_the_dashboard_shows_each_of_two_daemons_and_the_one_that_stopped(
         for _ in range(DOWN):
             answer = pool.submit(b.get, STOPPED_TIMEOUT_S)
             a.scrape(TICKS, WAIT_S)
+            c.scrape(TICKS, WAIT_S)
             assert answer.result() is None, "node-b answered a scrape while stopped"
             b.scrapes.append(None)
     scraped_s = time.monotonic() - began
     b.proc.send_signal(signal.SIGCONT)
     assert b.get(ANSWER_TIMEOUT_S) is not None, "node-b answers again once continued"
 
-    both, last = UP - 1, STEPS - 1
-    tests, at_both = panel_tests([a, b], both)
-    more, at_last = panel_tests([a, b], last)
+    all_up, last = UP - 1, STEPS - 1
+    tests, at_all = panel_tests(every, all_up)
+    more, at_last = panel_tests(every, last)
     board = json.loads(DASHBOARD.read_text())
-    (up,) = [filled(t["expr"]) for title, t in targets(board) if title == "Up"]
-    (age,) = [filled(t["expr"]) for title, t in targets(board) if title == "Last tick"]
+    (up,) = [filled(t["expr"]) for title, t in node_targets(board) if title == "Up"]
+    (age,) = [filled(t["expr"]) for title, t in node_targets(board) if title == "Last tick"]
     fresh = f"0 * (({age}) >= 0 < {FRESH_S}) + 1"
 
     def each(expr: str, step: int, values: dict[Daemon, int], name: str = "") -> dict[str, Any]:
@@ -469,44 +519,60 @@ def test_the_dashboard_shows_each_of_two_daemons_and_the_one_that_stopped(
             ],
         }
 
+    common = {"Nodes gone (1d)": 0, "Reload failures": 1, "Nodes ticking late": 0}
     tests += [
         *more,
-        each(up, both, {a: 1, b: 1}, "up"),
-        each(fresh, both, {a: 1, b: 1}),
-        each(up, last, {a: 1, b: 0}, "up"),
-        each(fresh, last, {a: 1}),  # node-b's last tick went stale with its scrapes
+        each(up, all_up, {a: 1, b: 1, c: 1}, "up"),
+        each(fresh, all_up, {a: 1, b: 1, c: 1}),
+        each(up, last, {a: 1, b: 0, c: 1}, "up"),
+        each(fresh, last, {a: 1, c: 1}),  # node-b's last tick went stale with its scrapes
+        *fleet_tests(all_up, {"Nodes up": 3, "Nodes down": 0, "Worst tick age": None, **common}),
+        *fleet_tests(last, {"Nodes up": 2, "Nodes down": 1, "Worst tick age": None, **common}),
+        *fleet_tests(all_up, {"Versions": 3, "Policies in force": 3}),
+        *fleet_tests(last, {"Versions": 2, "Policies in force": 2}),
     ]
     rules = {r["alert"]: r for r in yaml.safe_load(RULES.read_text())["groups"][0]["rules"]}
-    alerts = [{"alertname": n, "eval_time": at(both), "exp_alerts": []} for n in rules]
-    for name, rule in rules.items():
-        firing = []
-        if name == "NodeagentDown":
-            labels = {"job": JOB, "instance": b.instance, "severity": rule["labels"]["severity"]}
-            rendered = alert_annotations(rule, {**labels, "alertname": name})
-            firing = [{"exp_labels": labels, "exp_annotations": rendered}]
-        alerts.append({"alertname": name, "eval_time": at(last), "exp_alerts": firing})
+    firing_at = {
+        (all_up, "NodeagentConfigReloadFailed"): [c],
+        (last, "NodeagentConfigReloadFailed"): [c],
+        (last, "NodeagentDown"): [b],
+    }
+    alerts = []
+    for step in (all_up, last):
+        for name, rule in rules.items():
+            firing = []
+            for d in firing_at.get((step, name), []):
+                labels = {
+                    "job": JOB,
+                    "instance": d.instance,
+                    "severity": rule["labels"]["severity"],
+                }
+                rendered = alert_annotations(rule, {**labels, "alertname": name})
+                firing.append({"exp_labels": labels, "exp_annotations": rendered})
+            alerts.append({"alertname": name, "eval_time": at(step), "exp_alerts": firing})
     began_promtool = time.monotonic()
     promtool_test(
         tmp_path,
-        as_series([a, b]),
+        as_series(every),
         {"promql_expr_test": tests, "alert_rule_test": alerts},
         rule_files=[RULES],
     )
-    queries = len(targets(board))
+    queries = sum(len(v) for v in at_all.values())
     print(
-        f"\n2 daemons ({a.instance}, {b.instance}), {STEPS} scrapes each ({UP} of both, then"
-        f" {DOWN} with node-b stopped) in {scraped_s:.1f} s; ages of the last tick at scrape"
-        f" {both}: {', '.join(f'{n} {s:.3f} s' for n, s in ages.items())}"
-        f"\n{queries} panel queries ({len({t for t, _ in targets(board)})} panels) at scrape"
-        f" {both}: {len(at_both[2])} answer for both, {len(at_both[1])} for one"
-        f" ({', '.join(sorted(set(at_both[1])))}), {len(at_both[0])} for neither"
-        f" ({', '.join(sorted(set(at_both[0])))}); at scrape {last}: {len(at_last[1])} for"
-        f" node-a only, {len(at_last[2])} for both ({', '.join(sorted(set(at_last[2])))})"
+        f"\n3 daemons ({', '.join(d.instance for d in every)}), {STEPS} scrapes each ({UP} of"
+        f" all, then {DOWN} with node-b stopped) in {scraped_s:.1f} s; ages of the last tick"
+        f" at scrape {all_up}: {', '.join(f'{n} {s:.3f} s' for n, s in ages.items())}"
+        f"\n{queries} per-node and top-10 panel queries at scrape {all_up}:"
+        f" {len(at_all[3])} answer for all three, {len(at_all[2])} for two, {len(at_all[1])}"
+        f" for one ({', '.join(sorted(set(at_all[1])))}), {len(at_all[0])} for none"
+        f" ({', '.join(sorted(set(at_all[0])))}); at scrape {last}: {len(at_last[2])} for"
+        f" node-a and node-c, {len(at_last[3])} for all three"
+        f" ({', '.join(sorted(set(at_last[3])))})"
         f"\n{len(tests)} promql and {len(alerts)} alert tests passed"
         f" (promtool {time.monotonic() - began_promtool:.1f} s)"
     )
 
-    for d in (a, b):
+    for d in every:
         d.proc.terminate()
         assert d.proc.wait(timeout=60) == 0, d.tail()
         assert "Traceback" not in d.log.read_text(), d.tail()
