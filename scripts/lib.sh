@@ -38,6 +38,9 @@ NODEAGENT_VENV=$NODEAGENT_ROOT/.venv
 NODEAGENT_VM_VENV=$NODEAGENT_ROOT/.venv-vm
 # virtme-ng is pinned: its command line and guest behaviour are what on_cgroup2 relies on.
 NODEAGENT_VNG_SPEC=${NODEAGENT_VNG_SPEC:-virtme-ng==1.42}
+# What the host checks need beside .venv: pandoc, make and man-db for the man pages, which
+# tests/unit/test_packaging.py renders with debian/rules' own recipe and checks with man --warnings.
+NODEAGENT_UNIT_APT_PACKAGES=(pandoc make man-db)
 # systemd and dbus: the kernel suite boots a real systemd with a system bus inside the VM
 # (tests/kernel/systemd_host.py); the guest runs the host's own files.
 NODEAGENT_VM_APT_PACKAGES=(qemu-system-x86 busybox-static binutils file kmod python3-venv systemd dbus iproute2 procps)

@@ -1,5 +1,7 @@
 """Write docs/man/nodeagent.8.md from the commands' own --help and nodeagent-policy.5.md
-from docs/policy.md, and, where pandoc is installed, render both to roff.
+from docs/policy.md. The roff is not made here: debian/rules renders these files with pandoc
+at package build (execute_before_dh_installman, each table a list by docs/man/tables.lua),
+so no roff is committed to drift; tests/unit/test_packaging.py runs that recipe.
 
     python docs/man/generate.py          # from the repository root, with nodeagent importable
 """
@@ -7,8 +9,6 @@ from docs/policy.md, and, where pandoc is installed, render both to roff.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -220,19 +220,12 @@ def manual_5() -> str:
 
 def main_() -> None:
     pages = {"nodeagent.8": manual_8(), "nodeagent-policy.5": manual_5()}
-    pandoc = shutil.which("pandoc")
     for name, text in pages.items():
         (MAN / f"{name}.md").write_text(text)
-        if pandoc:
-            roff = subprocess.run(
-                [pandoc, "--standalone", "--from", "markdown", "--to", "man", "-o", "-"],
-                input=text,
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-            (MAN / name).write_text(roff)
-    print("pandoc:", pandoc or "not installed, no roff written")
+    print("wrote", ", ".join(f"docs/man/{name}.md" for name in pages))
+    print("roff: made by debian/rules at package build; to read a page as it will be:")
+    print("  pandoc -s -f markdown-smart -t man -L docs/man/tables.lua \\")
+    print("    docs/man/nodeagent.8.md | man -l -")
 
 
 if __name__ == "__main__":

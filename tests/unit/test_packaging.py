@@ -5,7 +5,10 @@ the licence is the one pyproject.toml names."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -79,3 +82,80 @@ def test_what_the_unit_runs_is_in_the_packages_dependencies() -> None:
     for command in commands - {"/opt/nodeagent/.venv/bin/nodeagent"}:
         assert command in providers, f"{command}: which package gives it?"
         assert re.search(rf"^\s+{providers[command]},$", control, re.M), providers[command]
+
+
+MAN_PAGES = {"nodeagent.8": ("NODEAGENT", "8"), "nodeagent-policy.5": ("NODEAGENT-POLICY", "5")}
+
+
+def _tool(name: str) -> str:
+    """A tool these tests need: missing is a failure, not a skip (./scripts/test installs
+    them, scripts/lib.sh NODEAGENT_UNIT_APT_PACKAGES)."""
+    path = shutil.which(name)
+    assert path, f"{name} is not on PATH: apt-get install {name}"
+    return path
+
+
+def test_debian_rules_makes_man_pages_that_man_renders_cleanly(tmp_path: Path) -> None:
+    """The roff is made at package build, not committed: this runs debian/rules' own recipe
+    (pandoc on docs/man/*.md) in a scratch tree and reads each page as `man` would at 80
+    columns, where a warning (a table past the margin, a line that cannot break) fails."""
+    make, man = _tool("make"), _tool("man")
+    _tool("pandoc")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "man").symlink_to(REPO / "docs" / "man")
+    made = subprocess.run(
+        [
+            make,
+            "-s",
+            "-C",
+            str(tmp_path),
+            "-f",
+            str(REPO / "debian/rules"),
+            "execute_before_dh_installman",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert made.returncode == 0, made.stderr
+    env = {**os.environ, "MANWIDTH": "80", "MANPAGER": "cat", "PAGER": "cat", "LC_ALL": "C.UTF-8"}
+    for page, (title, section) in MAN_PAGES.items():
+        roff = (tmp_path / "debian" / "man" / page).read_text()
+        th = re.search(r'^\.TH "([^"]*)" "([^"]*)"', roff, re.M)
+        assert th is not None and th.groups() == (title, section), page
+        assert "\n.TS\n" not in roff, f"{page}: a table left (docs/man/tables.lua makes lists)"
+        shown = subprocess.run(
+            [man, "--warnings", "-l", str(tmp_path / "debian" / "man" / page)],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert shown.returncode == 0 and shown.stderr == "", f"{page}:\n{shown.stderr}"
+        assert shown.stdout.startswith(f"{title}({section})"), shown.stdout[:200]
+        assert "\nNAME\n" in shown.stdout and "\nSEE ALSO\n" in shown.stdout
+        if page == "nodeagent.8":  # pandoc's smart typography would make "--" a dash
+            assert "nodeagent [--version] [--help] COMMAND" in shown.stdout
+
+
+def test_the_debian_package_installs_both_man_pages() -> None:
+    rules = (REPO / "debian/rules").read_text()
+    listed = re.search(r"^MANPAGES := (.+)$", rules, re.M)
+    assert listed is not None
+    assert sorted(listed.group(1).split()) == sorted(MAN_PAGES)
+    assert re.search(r"^execute_before_dh_installman:", rules, re.M)
+    manpages = (REPO / "debian/nodeagent.manpages").read_text().split()
+    assert manpages == [f"debian/man/{page}" for page in listed.group(1).split()]
+    for page in MAN_PAGES:
+        assert (REPO / "docs/man" / f"{page}.md").is_file()
+    control = (REPO / "debian/control").read_text()
+    build_depends = control.split("Build-Depends:", 1)[1].split("\n\n", 1)[0]
+    assert re.search(r"^\s+pandoc\b", build_depends, re.M), "pandoc: a build dependency"
+    package = (REPO / "scripts/package").read_text()
+    assert re.search(r"^\s+apt_install .*\bpandoc\b", package, re.M), "build_deb installs pandoc"
+    lib = (REPO / "scripts/lib.sh").read_text()
+    unit_packages = re.search(r"^NODEAGENT_UNIT_APT_PACKAGES=\((.*)\)$", lib, re.M)
+    assert unit_packages is not None
+    assert {"pandoc", "make", "man-db"} <= set(unit_packages.group(1).split())
