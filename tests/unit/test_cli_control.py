@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+from test_daemon_reload import reload_metric
 
 from nodeagent import __version__
 from nodeagent.api.answers import PeerState, RuntimeState, Status
@@ -31,7 +32,6 @@ from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cli.control import daemon_socket, status_text
 from nodeagent.daemon import Agent, open_agent
 from nodeagent.errors import BadRequest, Conflict, Forbidden
-from nodeagent.metrics.collector import TickCollector
 from nodeagent.policyfile.listen import DEFAULT_SOCKET
 from nodeagent.policyfile.load import load_policy
 from nodeagent.reloads import Reload
@@ -128,18 +128,6 @@ def wait_for(check: Callable[[], bool], seconds: float = 20.0) -> bool:
             return True
         time.sleep(0.02)
     return False
-
-
-def reload_metric(agent: Agent) -> float:
-    """nodeagent_config_last_reload_successful as a scrape would show it now."""
-    collector = TickCollector(reload=lambda: agent.last_reload)
-    [value] = [
-        s.value
-        for family in collector.collect()
-        for s in family.samples
-        if s.name == "nodeagent_config_last_reload_successful"
-    ]
-    return value
 
 
 # --- nodeagent reload ------------------------------------------------------------------------
