@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from conftest import (
@@ -206,6 +206,39 @@ class SystemdHost:
         """Run Python `code` inside (this venv, so nodeagent imports); returns its stdout."""
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONDONTWRITEBYTECODE": "1"}
         return self.run(sys.executable, "-c", code, timeout=timeout, env=env).stdout
+
+    @contextlib.contextmanager
+    def job_client(self, argv: Sequence[str], job: Path) -> Iterator[subprocess.Popen[str]]:
+        """`argv` (a `nodeagent exec ... -- sleep infinity`) inside its namespaces, from a
+        cgroup of its own inside its tree, as a shell of that host would run it (not from this
+        process's cgroup, outside its cgroup namespace, which earlier tests may have moved:
+        the agent may not move a process in from there); output on its stdout. The job ends
+        when the test ends it, or at the end (`job`'s cgroup.kill): a `sleep 600` ended on its
+        own under the 900 s ceiling when a busy host made a test slow, and then read as a job
+        that died with the agent."""
+        clients = self.outer("/nodeagent-test-clients")
+        clients.mkdir(exist_ok=True)
+        enter = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(clients)]
+        cli = subprocess.Popen(
+            [*enter, *self._nsenter, *argv],
+            text=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            yield cli
+        finally:
+            if cli.poll() is None:  # the test failed before the job ended: kill it
+                with contextlib.suppress(OSError):
+                    (job / "cgroup.kill").write_text("1")
+                try:
+                    cli.communicate(timeout=60)
+                except subprocess.TimeoutExpired:
+                    cli.kill()
+                    cli.communicate()
+            with contextlib.suppress(OSError):  # empty once the CLI is gone
+                clients.rmdir()
 
     def systemctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.run("systemctl", "--no-pager", *args, check=check)

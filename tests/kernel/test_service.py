@@ -246,6 +246,12 @@ class Service:
         assert isinstance(answer, dict)
         return answer
 
+    def status(self) -> dict[str, Any]:
+        """What `nodeagent status --json` shows (GET /v1/status)."""
+        answer = client.get(str(self.host.path(SOCKET)), "/v1/status", timeout=60)
+        assert isinstance(answer, dict)
+        return answer
+
     def jobs(self) -> list[dict[str, Any]]:
         """The jobs the running agent knows (GET /v1/jobs)."""
         answer = client.get(str(self.host.path(SOCKET)), "/v1/jobs", timeout=60)
@@ -273,40 +279,14 @@ class Service:
         found = re.match(r"tick (\d+):", self.show("StatusText")["StatusText"])
         return int(found.group(1)) if found else None
 
-    @contextlib.contextmanager
-    def job(self, name: str, *options: str) -> Iterator[subprocess.Popen[str]]:
-        """`nodeagent exec --name NAME OPTIONS -- sleep infinity` inside systemd's namespaces,
-        from a cgroup of its own inside systemd's tree, as a shell of that host would run it
-        (not from this process's cgroup, outside systemd's cgroup namespace, which earlier
-        tests may have moved: the agent may not move a process in from there). The job ends
-        when the test ends it, or at the test's end (cgroup.kill): a `sleep 600` ended on its
-        own under the 900 s ceiling when a busy host made the restart, crash and watchdog
-        kill slow, and then read as a job that died with the agent."""
-        clients = self.host.outer("/nodeagent-test-clients")
-        clients.mkdir(exist_ok=True)
-        enter = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(clients)]
-        nsenter = ["nsenter", "-t", str(self.host.pid), "-p", "-m", "-C", "--"]
+    def job(
+        self, name: str, *options: str
+    ) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
+        """`nodeagent exec --name NAME OPTIONS -- sleep infinity` from a shell of systemd's
+        host (SystemdHost.job_client)."""
         command = [sys.executable, "-m", "nodeagent", "exec", "--name", name, *options]
-        cli = subprocess.Popen(
-            [*enter, *nsenter, *command, "--", "sleep", "infinity"],
-            text=True,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            yield cli
-        finally:
-            if cli.poll() is None:  # the test failed before the job ended: kill it
-                with contextlib.suppress(OSError):
-                    self.host.outer(f"/{MANAGED}/{name}/cgroup.kill").write_text("1")
-                try:
-                    cli.communicate(timeout=60)
-                except subprocess.TimeoutExpired:
-                    cli.kill()
-                    cli.communicate()
-            with contextlib.suppress(OSError):  # empty once the CLI is gone
-                clients.rmdir()
+        job = self.host.outer(f"/{MANAGED}/{name}")
+        return self.host.job_client([*command, "--", "sleep", "infinity"], job)
 
     @contextlib.contextmanager
     def busy_workload(self, name: str, loops: int = 1, listed: bool = True) -> Iterator[Path]:
@@ -565,10 +545,12 @@ def _rows(allocations: dict[str, Any], names: set[str]) -> list[dict[str, Any]]:
 def test_reload_fails_on_a_bad_file_keeps_the_last_good_policy_and_applies_a_good_one(
     service: Service, record_testsuite_property: Callable[[str, object], None]
 ) -> None:
-    """13.5: ExecReload= validates first, so `systemctl reload` tells the truth: a bad file fails
-    it (non-zero, the FILE:LINE:COL at priority err) and never reaches the agent; a good one is
-    applied. A SIGHUP that bypasses validate (kill -HUP) is refused by the agent itself, whose
-    policy.invalid `journalctl -p err` shows."""
+    """13.5, and issue 36 item 4: ExecReload= asks the agent itself (`nodeagent reload`), so
+    `systemctl reload` tells the truth and so does the agent: a bad file fails it (non-zero,
+    the FILE:LINE:COL at priority err), the agent refused it (policy.invalid; its status says
+    the reload was refused, which is what nodeagent_config_last_reload_successful reads) and
+    keeps its last good policy; a good one is applied. A SIGHUP by hand is refused the same
+    way."""
     s = service
     s.write_policy(GOOD)
     pid = s.ensure_running()
@@ -583,7 +565,10 @@ def test_reload_fails_on_a_bad_file_keeps_the_last_good_policy_and_applies_a_goo
         problem = rf"^{POLICY}:{BAD_LINE}:\d+: "
         assert [e for e in s.entries(mark) if re.search(problem, str(e.get("MESSAGE")))]
         assert _errors(s, problem)
-        assert s.event(mark, "policy.invalid") is None  # the agent was never asked
+        invalid = wait("policy.invalid", lambda: s.event(mark, "policy.invalid"))
+        assert invalid["problem"].startswith(f"{POLICY}:{BAD_LINE}:")  # the agent was asked
+        last = s.status()["last_reload"]
+        assert last["applied"] is False and last["problems"][0].startswith(f"{POLICY}:"), last
 
         mark = s.cursor()
         s.systemctl("kill", "--kill-whom=main", "--signal=SIGHUP", SERVICE)
