@@ -9,13 +9,14 @@ installed on the machine the tests run on, nor kept in the VM: in systemd's moun
 /var/lib (dpkg's database, the state directory) and /opt/venvs are overlays on a tmpfs for the
 test's duration, /etc/nodeagent a tmpfs, and the files dpkg puts in /usr go with the purge (the
 VM's / is read-only: dpkg, which removes a directory the package leaves empty, may not meet it).
-Two stand-ins for what a Debian host has: the host's Docker-style policy-rc.d (which refuses
-every start and stop) is replaced in that namespace by one that allows them, as on a host
-without one; and one drop-in raises TimeoutStartSec for the emulated VM, where Python starts
-slowly. man-db's trigger does not rebuild its database (its auto-update is off, as in
-Debian's container images: mandb over every man page of the VM took over 10 minutes under TCG);
-`man` finds the package's pages without it. The "newer build" is the same .deb with a higher
-version in its control file, as a rebuild with a new changelog entry would be.
+Two stand-ins for what a Debian host has: a Docker-style policy-rc.d, where the host has one
+(this machine's refuses every start and stop; a plain Debian has none), is replaced in that
+namespace by one that allows them, as on a host without one; and one drop-in raises
+TimeoutStartSec for the emulated VM, where Python starts slowly. man-db's trigger does not
+rebuild its database (its auto-update is off, as in Debian's container images: mandb over every
+man page of the VM took over 10 minutes under TCG); `man` finds the package's pages without it.
+The "newer build" is the same .deb with a higher version in its control file, as a rebuild with
+a new changelog entry would be.
 
 The operator's edit of the conffile is a policy with the packaged managed root that caps docker
 containers; a docker-<id>.scope (systemd-run) is the workload, which the packaged agent, in its
@@ -84,10 +85,15 @@ for d in /var/lib /opt/venvs; do
 done
 mount -t tmpfs -o mode=0755 tmpfs /etc/nodeagent
 rm -f /var/lib/man-db/auto-update
-printf '#!/bin/sh\nexit 0\n' >$w/policy-rc.d && chmod 755 $w/policy-rc.d
-mount --bind $w/policy-rc.d /usr/sbin/policy-rc.d
+if [ -e /usr/sbin/policy-rc.d ]; then  # a Docker-style host's: it refuses every action
+  printf '#!/bin/sh\nexit 0\n' >$w/policy-rc.d && chmod 755 $w/policy-rc.d
+  mount --bind $w/policy-rc.d /usr/sbin/policy-rc.d
+fi
 """
-UNISOLATE = "umount -l /usr/sbin/policy-rc.d /etc/nodeagent /opt/venvs /var/lib"
+UNISOLATE = """
+umount -l /etc/nodeagent /opt/venvs /var/lib
+if grep -q ' /usr/sbin/policy-rc.d ' /proc/self/mountinfo; then umount -l /usr/sbin/policy-rc.d; fi
+"""
 DPKG = ("--force-confold", "--force-unsafe-io")
 """--force-unsafe-io: no fsync of each of the virtualenv's thousands of files, which under TCG
 made an install take minutes; what dpkg does is otherwise the same."""
