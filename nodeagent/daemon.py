@@ -51,6 +51,7 @@ from nodeagent.selfguard import SelfGuard
 from nodeagent.sense.node import NodeSensor
 from nodeagent.sense.sensor import Sensor
 from nodeagent.slurm import SlurmJobs
+from nodeagent.staleness import stale_window
 from nodeagent.wakeup import Flag, Wakeup
 
 if TYPE_CHECKING:
@@ -594,7 +595,7 @@ def serve_metrics(agent: Agent) -> MetricsServer | None:
         return None
     # imported only when metrics are on: prometheus_client is slow to import on a cold disk
     from nodeagent.metrics.collector import TickCollector  # noqa: PLC0415
-    from nodeagent.metrics.server import MetricsServer, stale_window  # noqa: PLC0415
+    from nodeagent.metrics.server import MetricsServer  # noqa: PLC0415
 
     collector = TickCollector(
         lambda: agent.notes.deadline_misses,

@@ -1,7 +1,8 @@
 """Serve the metrics over HTTP at `agent.metrics.listen`, from one background thread.
 
 Paths: `/metrics` (the Prometheus text format, or OpenMetrics when asked), `/healthz` (200
-while ticks come, 503 once none has for `stale_window`), anything else 404. GET and HEAD.
+while ticks come, 503 once none has for nodeagent.staleness' window), anything else 404. GET
+and HEAD.
 
 Any local user can connect to a loopback port, so the endpoint is built to cost the daemon
 little whoever connects. One thread serves every connection without blocking (a selector),
@@ -60,22 +61,16 @@ from nodeagent.metrics.families import Rendered
 from nodeagent.policyfile.listen import parse_listen, unix_path
 from nodeagent.regular_file import read_regular_file
 from nodeagent.report import TickRecord
+from nodeagent.staleness import STALE_MIN
 
 log = structlog.get_logger("nodeagent.metrics")
 
-STALE_TICKS, STALE_MIN = 3, 30.0
-"""/healthz says stale after no successful tick for max(3 x agent.interval, 30 s)."""
 TOKEN_MAX = 4096  # bytes
 _ACCEPT_BATCH = 64
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0  # seconds, for an accept() short of resources
 _DROPPED_LOG_EVERY = 300.0  # seconds between metrics.samples_dropped lines for one family
 _NOT_FOUND = b"not found: try /metrics or /healthz\n"
 _TEXT = "text/plain; charset=utf-8"
-
-
-def stale_window(interval: float) -> float:
-    """Seconds without a successful tick after which /healthz answers 503."""
-    return max(STALE_TICKS * interval, STALE_MIN)
 
 
 @dataclass(eq=False, slots=True)

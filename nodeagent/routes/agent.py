@@ -23,10 +23,7 @@ from nodeagent.reach import Reach
 from nodeagent.reconcile import Reconciler
 from nodeagent.reloads import Reload
 from nodeagent.report import TickRecord, allocations, explain, find, identities
-
-STALE_TICKS, STALE_MIN = 3, 30.0
-"""No tick for max(3 x agent.interval, 30 s) is a problem in /v1/status, as it is stale on
-/healthz (nodeagent.metrics.server)."""
+from nodeagent.staleness import stale_window
 
 
 class Lifecycle(Protocol):
@@ -77,7 +74,7 @@ def problems(
         out.append(f"slurm: {status.slurm_problem}")
     if reload is not None and not reload.applied:
         out += [f"reload refused, the last good policy stays: {p}" for p in reload.problems]
-    window = max(STALE_TICKS * interval, STALE_MIN)
+    window = stale_window(interval)  # as /healthz's (nodeagent.metrics.server)
     last = status.tick_time if status.tick_time is not None else status.started
     if last is not None and now - last > window:
         since = "no tick has completed since the start" if status.tick is None else "no tick"
