@@ -188,9 +188,9 @@ class Agent:
         self._stop_signal: int | None = None
         self.started = time.time()
         """When this daemon started (Unix time), for /v1/status."""
-        self.last_reload = (True, self.started)
-        """Whether the last reload applied the file, and when the policy in force was loaded
-        (for the metrics; the start-up load counts as a reload that applied)."""
+        self.policy_loaded = self.started
+        """When the policy in force was loaded (Unix time): the start, or the last reload
+        that applied."""
         self.reload_outcome: Reload | None = None
         """What the last reload did, its problems included (/v1/status); None before any."""
         self._digest: tuple[PolicySpec | None, str] = (None, "")
@@ -296,6 +296,14 @@ class Agent:
         self.rec.fast_path(paths)
 
     @property
+    def last_reload(self) -> tuple[bool, float]:
+        """Whether the last reload applied the file, and when the policy in force was loaded,
+        for the metrics: made from `reload_outcome` (the start-up load counts as a reload
+        that applied) and `policy_loaded`, which hold them."""
+        outcome = self.reload_outcome
+        return (outcome is None or outcome.applied, self.policy_loaded)
+
+    @property
     def policy_sha256(self) -> str:
         """The policy in force's digest (policyfile.load.digest), made once per policy."""
         spec, made = self._digest
@@ -311,20 +319,19 @@ class Agent:
     def reload(self) -> Reload | None:
         """Re-read the policy file; on any problem keep running on the last good policy.
         SIGHUP, `agent.reload_on_change` and `POST /v1/reload` all come here, on the loop's
-        thread: what it did is returned (the API answers with it) and kept for /v1/status;
-        `last_reload` says whether it applied, for the metrics. None without a policy file."""
+        thread: what it did is returned (the API answers with it) and kept for /v1/status
+        and the metrics (`last_reload`). None without a policy file."""
         path = self.config_path
         if path is None:
             return None
-        self.last_reload = (False, self.last_reload[1])  # failed, unless it gets to the end
         try:
             outcome = self._reload(path)
         except Exception as e:  # a bug or the runtimes' reopening: said, then raised as before
             self.reload_outcome = Reload(path, False, time.time(), (f"{path}: {one_line(e)}",))
             raise
-        self.reload_outcome = outcome
         if outcome.applied:
-            self.last_reload = (True, outcome.at)
+            self.policy_loaded = outcome.at
+        self.reload_outcome = outcome
         return outcome
 
     def _reload(self, path: str) -> Reload:

@@ -31,7 +31,7 @@ class Lifecycle(Protocol):
     `Agent`, which this layer does not import."""
 
     started: float
-    last_reload: tuple[bool, float]
+    policy_loaded: float
     reload_outcome: Reload | None
 
     @property
@@ -117,7 +117,7 @@ def agent_routes(rec: Reconciler, config_path: str | None, agent: Lifecycle) -> 
             version=__version__,
             started=agent.started,
             tick_time=None if last is None else last.snapshot.wall_time,
-            policy_loaded=agent.last_reload[1],
+            policy_loaded=agent.policy_loaded,
             last_reload=_reload_state(reload),
         )
         found = problems(answer, rec.spec.agent.interval, time.time(), reload)

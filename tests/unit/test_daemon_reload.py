@@ -16,6 +16,9 @@ from click.testing import CliRunner
 
 from nodeagent import state
 from nodeagent.act import Outcome, WriteResult
+from nodeagent.api.answers import Status
+from nodeagent.api.peer import Peer
+from nodeagent.api.server import Request
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute
 from nodeagent.cli import main
@@ -26,6 +29,8 @@ from nodeagent.persistence import Journalled
 from nodeagent.policyfile.load import load_policy
 from nodeagent.runtimes.cri import CriAdapter
 from nodeagent.runtimes.docker import DockerAdapter
+
+ROOT = Peer(pid=3000, uid=0, gid=0, groups=frozenset())
 
 GOOD = """\
 version: 1
@@ -305,6 +310,45 @@ def reload_metric(agent: Agent) -> float:
         if s.name == "nodeagent_config_last_reload_successful"
     ]
     return value
+
+
+def test_the_metrics_and_status_tell_one_story_of_the_reloads(
+    policy_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the metrics show (`last_reload`) and /v1/status's policy_loaded come from the one
+    outcome and load time the agent keeps: at the start (a load that applied), after a
+    reload that raised (a bug: said, then raised), one refused and one applied."""
+    agent = make_agent(policy_file, tmp_path)
+    status = agent.routes()["/v1/status"]["GET"]
+
+    def loaded() -> object:
+        answer = status(Request("GET", "/v1/status", {}, ROOT))
+        assert isinstance(answer, Status)
+        return answer.policy_loaded
+
+    start = agent.started
+    assert (agent.last_reload, loaded(), agent.reload_outcome) == ((True, start), start, None)
+    good = GOOD.format(state=tmp_path / "state.json") + "  prod: {shares: 1}\n"
+    policy_file.write_text(good)
+
+    def broken(spec: object) -> None:
+        raise RuntimeError("a bug")
+
+    with monkeypatch.context() as m:
+        m.setattr(agent.rec, "reloaded", broken)
+        with pytest.raises(RuntimeError, match="a bug"):
+            agent.reload()
+    assert agent.reload_outcome is not None
+    assert agent.reload_outcome.problems == (f"{policy_file}: RuntimeError: a bug",)
+    assert (agent.last_reload, loaded()) == ((False, start), start)
+    policy_file.write_text("version: 1\ntenants:\n  research: {shares: -2}\n")
+    refused = agent.reload()
+    assert refused is not None and not refused.applied
+    assert (agent.last_reload, loaded()) == ((False, start), start)
+    policy_file.write_text(good)
+    applied = agent.reload()
+    assert applied is not None and applied.applied and applied.at >= start
+    assert (agent.last_reload, loaded()) == ((True, applied.at), applied.at)
 
 
 @pytest.mark.parametrize("field", sorted(RESTART_ONLY))
