@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import re
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from nodeagent.cgroupfs.values import Attribute
@@ -58,6 +59,28 @@ _GAP = 2
 _CUT = "\u2026"
 
 
+@dataclass(frozen=True)
+class Fitted:
+    """A table fitted to a width, and what fitting it cost."""
+
+    text: str
+    hidden: tuple[str, ...] = ()
+    """The headers of the columns that went."""
+    leaves_cut: bool = False
+    """Whether a name lost part of its leaf (the last step)."""
+    over: int = 0
+    """How far its widest row still runs past the width (0: it fits)."""
+
+
+def fittest(*fits: Fitted, uncounted: Collection[str] = ()) -> Fitted:
+    """The first of several layouts of one table that fits, keeps every name's leaf and
+    hides the fewest columns (those `uncounted` aside), in that order."""
+    return min(
+        fits,
+        key=lambda f: (f.over > 0, f.leaves_cut, len(set(f.hidden).difference(uncounted))),
+    )
+
+
 def table(
     headers: Sequence[str],
     rows: Sequence[Sequence[object]],
@@ -67,10 +90,23 @@ def table(
     drop: Sequence[int] = (),
     more: str = "--wide",
 ) -> str:
+    """Aligned columns, fitted to `width` (see `fit`)."""
+    return fit(headers, rows, width=width, cut=cut, drop=drop, more=more).text
+
+
+def fit(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    *,
+    width: int | None = None,
+    cut: Sequence[tuple[int, Keep]] = (),
+    drop: Sequence[int] = (),
+    more: str = "--wide",
+) -> Fitted:
     """Aligned columns, fitted to `width` in three steps, each only while the lines are
     wider: the columns named in `cut` (by index, in its order: text before names) are
     narrowed, each no further than its `Keep` allows; then the columns in `drop` go, in its
-    order, named in a last line that says where they are (`more`); then a name's leaf is
+    order, named in one last line that says where they are (`more`); then a name's leaf is
     cut too, from its start, no further than the names that differ still differ. A cell cut
     short ends (or, keeping its tail, starts) with an ellipsis. A table that still cannot
     fit is wider than `width`; without `width` (a pipe, a file) lines are whole."""
@@ -84,13 +120,14 @@ def table(
     def over() -> int:
         return sum(widths[i] for i in shown) + _GAP * (len(shown) - 1) - (width or 0)
 
-    def narrow(column: int, keep: Keep, least: int) -> None:
+    def narrow(column: int, keep: Keep, least: int) -> bool:
         target = widths[column] - min(over(), widths[column] - least)
         if target >= widths[column]:
-            return
+            return False
         for row, whole in zip(cells[1:], full[1:], strict=True):
             row[column] = _cut(whole[column], target, keep)
         widths[column] = max(len(row[column]) for row in cells)
+        return True
 
     for column, keep in cut if width else ():
         if over() > 0:
@@ -101,16 +138,30 @@ def table(
         if over() > 0 and len(shown) > 1:
             shown.remove(column)
             hidden.append(full[0][column])
+    leaves_cut = False
     for column, keep in cut if width else ():
         if keep == "leaf" and over() > 0:
             body = [row[column] for row in full[1:]]
-            narrow(column, keep, _least(body, keep, len(full[0][column]), leaf=False))
+            least = _least(body, keep, len(full[0][column]), leaf=False)
+            leaves_cut = narrow(column, keep, least) or leaves_cut
     lines = [(" " * _GAP).join(row[i].ljust(widths[i]) for i in shown).rstrip() for row in cells]
     if hidden:
-        lines.append(
-            wrap(f"(no room in {width} columns for {', '.join(hidden)}: see {more})", width)
-        )
-    return "\n".join(lines)
+        lines.append(_hidden_line(hidden, width, more))
+    return Fitted("\n".join(lines), tuple(hidden), leaves_cut, max(0, over()) if width else 0)
+
+
+def _hidden_line(hidden: Sequence[str], width: int | None, more: str) -> str:
+    """The line under a table that names the columns that went and where they are: said
+    shorter where the whole sentence is wider than the table may be, wrapped only where
+    even that is."""
+    names = ", ".join(hidden)
+    for line in (
+        f"(no room in {width} columns for {names}: see {more})",
+        f"(not shown: {names}; see {more})",
+    ):
+        if width is None or len(line) <= width:
+            return line
+    return wrap(line, width)
 
 
 def _cut(text: str, width: int, keep: Keep) -> str:
@@ -203,6 +254,69 @@ def wrap(text: str, width: int | None) -> str:
     return "\n".join(out)
 
 
+def fold(text: str, width: int | None, hang: int | None = None) -> str:
+    """`text` with each line wider than `width` folded so that none is: at spaces where it
+    can be, and a word wider than a line (a path, an id) after a `/`, else after a `-`, `_`,
+    `.`, `,`, `:` or `=` in it, else where the line ends; nothing is cut. A continuation
+    starts at column `hang` (by default two more than its line's indent). Without `width`
+    (a pipe, a file) lines are whole."""
+    if width is None:
+        return text
+    return "\n".join(part for line in text.split("\n") for part in _fold(line, width, hang))
+
+
+_BREAKS = ("/", "-_.,:;=")
+"""Where a word wider than a line is broken, the first that a line has room for."""
+
+
+def _fold(line: str, width: int, hang: int | None) -> list[str]:
+    if len(line) <= width:
+        return [line]
+    indent = len(line) - len(line.lstrip(" "))
+    cont = " " * (indent + 2 if hang is None else hang)
+    if len(cont) > width // 2:
+        cont = " " * 2
+    out: list[str] = []
+    current = line[:indent]
+    for space, word in re.findall(r"(\s*)(\S+)", line[indent:]):
+        gap = space if current.strip() else ""
+        if len(current) + len(gap) + len(word) <= width:
+            current += gap + word
+            continue
+        rest = word
+        if current.strip():
+            if len(cont) + len(word) <= width:  # the next line has room for it whole
+                out.append(current)
+                current = cont + word
+                continue
+            head, rest = _break(word, width - len(current) - len(gap), hard=False)
+            out.append(current + (gap + head if head else ""))
+            current = cont
+        while len(current) + len(rest) > width:
+            head, rest = _break(rest, width - len(current), hard=True)
+            out.append(current + head)
+            current = cont
+        current += rest
+    out.append(current)
+    return [part.rstrip() for part in out]
+
+
+def _break(word: str, room: int, *, hard: bool) -> tuple[str, str]:
+    """`word` in two, the first at most `room` wide and ending at the first of `_BREAKS`
+    that has room; ('', word) where none has. Not `hard` (the rest of a line that holds
+    words already): a path only after a `/`, so that a line never ends inside a component
+    it could have held whole. `hard` (a line of its own): where no break has room, at
+    `room`, never empty."""
+    for marks in _BREAKS if hard or "/" not in word else _BREAKS[:1]:
+        at = max((i + 1 for i, c in enumerate(word[: max(0, room)]) if c in marks), default=0)
+        if at:
+            return word[:at], word[at:]
+    if not hard:
+        return "", word
+    at = max(1, room)
+    return word[:at], word[at:]
+
+
 _LONG_ID = re.compile(r"(?<![0-9a-f])([0-9a-f]{12})[0-9a-f]{52}(?![0-9a-f])")
 # no look-behind: a pod's UID follows 'pod'; 8 hex digits then a separator fix its start
 _UUID = re.compile(
@@ -226,16 +340,41 @@ def change(current: str | None, target: str | None) -> str:
     return f"{current or '?'}->{target}"
 
 
-def setting(attribute: str, current: str | None, target: str | None, written: bool = True) -> str:
+def setting(
+    attribute: str,
+    current: str | None,
+    target: str | None,
+    written: bool = True,
+    *,
+    compact: bool = False,
+) -> str:
     """One cgroup setting as allocations and explain show it: memory in sizes (4Gi), and
     OLD->NEW where the kernel still holds another value than the plan's. For a cgroup the
     agent does not write (read-only), NEW would read as "will be written": the value the
-    kernel keeps comes first, the plan's beside it, '100 (plan: 133)'."""
+    kernel keeps comes first, the plan's beside it, '100 (plan: 133)'. `compact`: cpu.max in
+    cores (`cap`)."""
     if attribute.startswith("memory."):
         current, target = size(current), size(target)
+    elif compact and attribute == "cpu.max":
+        shown = cap(current), cap(target)
+        if shown[0] != shown[1] or current == target:  # a change of period alone: as it is
+            current, target = shown
     if not written and target is not None and current != target:
         return f"{current or '?'} (plan: {target})"
     return change(current, target)
+
+
+def cap(value: str | None) -> str | None:
+    """cpu.max's text in cores: '150000 100000' as 1.50, 'max 100000' as max; any other
+    text as it is."""
+    if value is None:
+        return None
+    parts = value.split()
+    if parts[:1] == ["max"] and len(parts) <= 2:
+        return "max"
+    if len(parts) == 2 and all(p.isdigit() for p in parts) and int(parts[1]) > 0:
+        return cores(int(parts[0]) / int(parts[1]))
+    return value
 
 
 def yes_no(value: bool | None) -> str:

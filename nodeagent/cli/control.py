@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime as dt
 import os
 import sys
-import textwrap
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -26,7 +25,7 @@ from nodeagent.cli.common import json_option
 from nodeagent.cli.output import counted, document, echo_json, renamed
 from nodeagent.errors import NodeagentError
 from nodeagent.policyfile.listen import DEFAULT_SOCKET
-from nodeagent.tables import printable
+from nodeagent.tables import fold, printable
 
 if TYPE_CHECKING:
     from nodeagent.api.answers import Status
@@ -35,7 +34,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 RELOAD_TIMEOUT = 35.0
 """Seconds for the whole reload call: the daemon runs it between two ticks and gives up
 after 30 s (nodeagent.commands), whose 503 should be what the CLI shows."""
-WIDTH = 80
 LABEL = 14
 """The status block's labels' column."""
 
@@ -166,6 +164,7 @@ def status(socket: str | None, config: str | None, as_json: bool) -> None:
     """
     from nodeagent.api import client
     from nodeagent.api.answers import Status
+    from nodeagent.cli.output import terminal_width
 
     where = daemon_socket(socket, config)
     answer = client.get_as(Status, where, "/v1/status")
@@ -173,7 +172,7 @@ def status(socket: str | None, config: str | None, as_json: bool) -> None:
     if as_json:
         echo_json(status_document(answer, now))
     else:
-        click.echo(status_text(answer, now))
+        click.echo(status_text(answer, now, terminal_width()))
     if answer.problems:
         sys.exit(1)
 
@@ -232,8 +231,10 @@ def _reload_line(answer: Status, now: float) -> str:
     return f"refused {_age(now - r.at)} ago ({counted(len(r.problems), 'problem')}, below)"
 
 
-def status_text(answer: Status, now: float) -> str:
-    """The status as a short aligned block, 80 columns wide but for long paths."""
+def status_text(answer: Status, now: float, width: int | None = None) -> str:
+    """The status as a short aligned block; `width`: each line wider is folded
+    (`tables.fold`), nothing cut, its continuation under the value (a problem's under its
+    text), a path wider than a line after a `/`."""
     version = answer.version or "? (an older daemon)"
     mode = " (dry run: writes nothing)" if answer.dry_run else ""
     tick = "none yet" if answer.tick is None else str(answer.tick)
@@ -251,16 +252,6 @@ def status_text(answer: Status, now: float) -> str:
         ("deadlines", f"{answer.deadline_misses} missed since the start"),
         ("problems", str(len(answer.problems)) if answer.problems else "none"),
     ]
-    lines = [printable(f"{label:<{LABEL}}{value}") for label, value in rows]
-    for problem in answer.problems:
-        lines.append(
-            textwrap.fill(
-                printable(problem),
-                width=WIDTH,
-                initial_indent="  - ",
-                subsequent_indent="    ",
-                break_long_words=False,
-                break_on_hyphens=False,
-            )
-        )
+    lines = [fold(printable(f"{label:<{LABEL}}{value}"), width, LABEL) for label, value in rows]
+    lines += [fold(f"  - {printable(problem)}", width, 4) for problem in answer.problems]
     return "\n".join(lines)

@@ -20,8 +20,12 @@ from nodeagent.cli.output import (
 from nodeagent.errors import NodeagentError
 from nodeagent.tables import (
     SHOWN,
+    Fitted,
     Keep,
     cores,
+    fit,
+    fittest,
+    fold,
     percent,
     printable,
     runtime_name,
@@ -114,27 +118,69 @@ def _mode(write: str | None) -> str:
     return {"read-only": " (read-only)", "systemd": " (via systemd)"}.get(write or "", "")
 
 
-def _setting(row: Allocation, attribute: str) -> str | None:
+def _setting(row: Allocation, attribute: str, compact: bool = False) -> str | None:
     """One cell; none where the answer has no such attribute (a daemon from before it was
     shown: pids.max)."""
     v = row.values.get(attribute)
     if v is None:
         return None
-    return setting(attribute, v.current, v.target, row.write != "read-only")
+    return setting(attribute, v.current, v.target, row.write != "read-only", compact=compact)
+
+
+def _why(row: Allocation) -> str:
+    """The reason for a row's values, or what went wrong, and what a rule refused."""
+    said = row.reason if row.status == "ok" else f"{row.status.upper()}: {row.problem}"
+    return "; ".join([said, *(f"REFUSED {x}" for x in row.refused)])
+
+
+COMPACT = ("WEIGHT", "CAP", "MEM", "HIGH", "PIDS")
+"""The compact layout's headers for the attributes in `SHOWN`: CAP is cpu.max in cores."""
 
 
 def allocations_table(
     data: Allocations | Mapping[str, Any], *, width: int | None = None, wide: bool = True
 ) -> str:
     """The allocations as a table; not `wide`: short ids, and the GPUS column only where a
-    workload holds GPUs; `width`: reasons, then paths, cut to fit. A mapping (what
-    report.allocations builds, as `run --once` has it) is read as the answer would be."""
+    workload holds GPUs; `width`: reasons, then paths, cut to fit, and where that hides
+    more (or cuts into a name's leaf) the compact layout: shorter headers, the runtime's name
+    apart from its image, cpu.max in cores. A mapping (what report.allocations builds, as
+    `run --once` has it) is read as the answer would be."""
     from nodeagent.api.answers import Allocations
 
     if not isinstance(data, Allocations):
         data = Allocations.model_validate(data)
     allocated = data.allocations
     gpus = wide or any(a.gpus for a in allocated)
+    fitted = _full_layout(allocated, width=width, wide=wide, gpus=gpus)
+    compact = False
+    if width is not None and (fitted.hidden or fitted.leaves_cut or fitted.over):
+        narrow = _compact_layout(allocated, width=width, wide=wide, gpus=gpus)
+        # the full layout shows an image only cut, after the name: its going is no loss
+        compact = fittest(fitted, narrow, uncounted=("IMAGE",)) is narrow
+        fitted = narrow if compact else fitted
+    mode = " (dry run: nothing written)" if data.dry_run else ""
+    levels = sum(1 for a in allocated if a.level)
+    found = counted(len(allocated) - levels, "workload") + (
+        f", {counted(levels, 'parent level')}" if levels else ""
+    )
+    head = f"tick {data.tick}{mode}: {found}; OLD->NEW where the kernel differs"
+    if compact and "CAP" not in fitted.hidden:
+        head += "; CAP: cpu.max in cores"
+    ids = (lambda text: text) if wide else short_ids
+    notes = [printable(ids(f"{n.kind}: {n.status}: {n.message}")) for n in data.node_notes]
+    tail = "".join("\n" + fold(note, width) for note in notes)
+    jobs = [(a.cgroup, a.deadline) for a in allocated if a.deadline is not None]
+    if jobs:
+        misses = "?" if data.deadline_misses is None else str(data.deadline_misses)
+        tail += "\n\ndeadline jobs (misses so far: " + misses + ")\n"
+        tail += deadlines_table(jobs, data.time, width=width, wide=wide)
+    return fold(printable(head), width) + "\n" + fitted.text + tail
+
+
+def _full_layout(
+    allocated: Sequence[Allocation], *, width: int | None, wide: bool, gpus: bool
+) -> Fitted:
+    """Each cgroup file's values under its name, as the kernel writes them."""
     named = any(_name_image(a) for a in allocated)
     rows = []
     for a in allocated:
@@ -146,28 +192,10 @@ def allocations_table(
             *(_setting(a, str(attribute)) for attribute in SHOWN),
             ",".join(map(str, a.gpus)) or None,
             cores(a.cpu_rate),
-            "; ".join(
-                [
-                    a.reason if a.status == "ok" else f"{a.status.upper()}: {a.problem}",
-                    *(f"REFUSED {x}" for x in a.refused),
-                ]
-            ),
+            _why(a),
         ]
         at = 3 + named + len(SHOWN)  # the GPUS column
         rows.append(row if gpus else row[:at] + row[at + 1 :])
-    mode = " (dry run: nothing written)" if data.dry_run else ""
-    levels = sum(1 for a in allocated if a.level)
-    found = counted(len(rows) - levels, "workload") + (
-        f", {counted(levels, 'parent level')}" if levels else ""
-    )
-    head = f"tick {data.tick}{mode}: {found}; OLD->NEW where the kernel differs"
-    notes = data.node_notes
-    tail = "".join("\n" + printable(f"{n.kind}: {n.status}: {n.message}") for n in notes)
-    jobs = [(a.cgroup, a.deadline) for a in allocated if a.deadline is not None]
-    if jobs:
-        misses = "?" if data.deadline_misses is None else str(data.deadline_misses)
-        tail += "\n\ndeadline jobs (misses so far: " + misses + ")\n"
-        tail += deadlines_table(jobs, data.time, width=width, wide=wide)
     headers = [
         "CGROUP", "NAME", "TENANT", "CLASS", "CPU.WEIGHT", "CPU.MAX", "MEM.MAX", "MEM.HIGH",
         "PIDS.MAX", "GPUS", "CPU", "REASON",
@@ -180,8 +208,49 @@ def allocations_table(
     cut: list[tuple[int, Keep]] = [(len(headers) - 1, "head")]
     cut += [(1, "id"), (0, "leaf")] if named else [(0, "leaf")]
     drop = _columns(headers, "PIDS.MAX", "MEM.HIGH", "CPU.MAX", "TENANT", "CLASS", "GPUS", "CPU")
-    fitted = table(headers, rows, width=width, cut=cut, drop=drop)
-    return printable(head) + "\n" + fitted + tail
+    return fit(headers, rows, width=width, cut=cut, drop=drop)
+
+
+def _compact_layout(
+    allocated: Sequence[Allocation], *, width: int, wide: bool, gpus: bool
+) -> Fitted:
+    """The same rows in fewer columns: the headers short (`COMPACT`), cpu.max in cores,
+    the runtime's name in a column of its own and its image in another, the first to go;
+    then the least needed figures, the class, the tenant and (where every row is ok) the
+    reason before the limits, the GPUs and the CPU used."""
+    columns: list[tuple[str, Sequence[object]]] = [
+        (
+            "CGROUP",
+            [(a.cgroup if wide else short_ids(a.cgroup)) + _mode(a.write) for a in allocated],
+        ),
+        ("NAME", [runtime_name(a.container_name, a.namespace, a.pod) for a in allocated]),
+        ("IMAGE", [a.image for a in allocated]),
+        ("TENANT", [a.tenant for a in allocated]),
+        ("CLASS", [a.workload_class for a in allocated]),
+        *(
+            (header, [_setting(a, str(attribute), compact=True) for a in allocated])
+            for header, attribute in zip(COMPACT, SHOWN, strict=True)
+        ),
+        ("GPUS", [",".join(map(str, a.gpus)) or None for a in allocated]),
+        ("CPU", [cores(a.cpu_rate) for a in allocated]),
+        ("REASON", [_why(a) for a in allocated]),
+    ]
+    columns = [
+        (header, cells)
+        for header, cells in columns
+        if (header != "GPUS" or gpus) and (header not in ("NAME", "IMAGE") or any(cells))
+    ]
+    headers = [header for header, _ in columns]
+    rows = list(zip(*(cells for _, cells in columns), strict=True))
+    cut: list[tuple[int, Keep]] = [(len(headers) - 1, "head")]
+    cut += [(i, "tail") for i in _columns(headers, "IMAGE")]
+    cut += [(i, "leaf") for i in _columns(headers, "NAME", "CGROUP")]
+    # the reason, cut to a few words, goes before the limits where no row has a problem
+    quiet = all(a.status == "ok" and not a.refused for a in allocated)
+    reason = ("REASON",) if quiet else ()
+    least = ("IMAGE", "PIDS", "HIGH", "CLASS", "TENANT", *reason, "MEM", "CAP", "GPUS", "CPU")
+    drop = _columns(headers, *least)
+    return fit(headers, rows, width=width, cut=cut, drop=drop)
 
 
 def _columns(headers: Sequence[str], *names: str) -> list[int]:
@@ -232,7 +301,9 @@ def deadlines_table(
                 _when(d.predicted_finish, now),
             )
         )
-    return table(headers, body, width=width, cut=[(0, "leaf")])
+    # what the others tell is what goes first: the finish (the deadline less the slack)
+    drop = [headers.index("FINISH"), headers.index("SLACK")]
+    return table(headers, body, width=width, cut=[(0, "leaf")], drop=drop)
 
 
 @click.command("allocations")
@@ -276,7 +347,7 @@ def explain(cgroup: str, socket: str, as_json: bool) -> None:
     if as_json:
         echo_json(explanation_document(data))
         return
-    click.echo(explain_text(data))
+    click.echo(explain_text(data, width=terminal_width()))
 
 
 def _claim(data: Explanation) -> str:
@@ -331,41 +402,54 @@ def _sensed(key: str, value: object) -> str:
     return str(value)
 
 
-def explain_text(data: Explanation | Mapping[str, Any]) -> str:
+def explain_text(data: Explanation | Mapping[str, Any], *, width: int | None = None) -> str:
     """One workload's explanation; a mapping (what report.explain builds) is read as the
-    answer would be."""
+    answer would be. `width`: each line wider is folded (`tables.fold`), nothing cut, its
+    continuation under the value it continues: a path wider than a line after a `/`."""
     from nodeagent.api.answers import Explanation
 
     if not isinstance(data, Explanation):
         data = Explanation.model_validate(data)
     written = data.write != "read-only"
-    lines = [
-        f"{data.cgroup}  ({data.kind}, {data.runtime}, owner {data.owner}"
+    what = (
+        f"({data.kind}, {data.runtime}, owner {data.owner}"
         + ("" if data.write in (None, "direct") else f", {data.write}")
-        + ")",
-        f"  {_claim(data)}",
-        *_explain_metadata(data),
-        f"  cpu now: {cores(data.cpu_rate)} cores   (tick {data.tick}"
-        + (", dry run" if data.dry_run else "")
-        + ")",
-        "values:",
+        + ")"
+    )
+    head = f"{data.cgroup}  {what}"
+    # each line, and the column its continuation starts at
+    lines: list[tuple[str, int | None]] = (
+        [(data.cgroup, 2), (f"  {what}", 3)]
+        if width is not None and len(printable(head)) > width
+        else [(head, None)]
+    )
+    lines += [
+        (f"  {_claim(data)}", 4),
+        *((line, 4) for line in _explain_metadata(data)),
+        (
+            f"  cpu now: {cores(data.cpu_rate)} cores   (tick {data.tick}"
+            + (", dry run" if data.dry_run else "")
+            + ")",
+            4,
+        ),
+        ("values:", None),
     ]
     for attr in SHOWN:
         v = data.values.get(attr)  # none from a daemon from before pids.max was shown
         if v is not None and (v.target is not None or v.current is not None):
             why = f"  [{v.policy}] {v.reason}" if v.policy else ""
             shown = setting(attr, v.current, v.target, written)
-            lines.append(f"  {attr:<12} {shown}{why}")
+            lines.append((f"  {attr:<12} {shown}{why}", 15))
     sensed = [(k, v) for k, v in data.sensed.items() if v not in (None, {})]
     if sensed:
-        lines.append("sensed this tick:")
-        lines.extend(f"  {k:<28} {_sensed(k, v)}" for k, v in sensed)
-    lines.append("trace:")
-    lines.extend(f"  {t}" for t in data.trace or [data.reason or "nothing planned"])
+        lines.append(("sensed this tick:", None))
+        lines.extend((f"  {k:<28} {_sensed(k, v)}", 31) for k, v in sensed)
+    lines.append(("trace:", None))
+    lines.extend((f"  {t}", 4) for t in data.trace or [data.reason or "nothing planned"])
     for w in data.writes:
         shown = setting(w.attribute, w.old, w.new)
-        lines.append(f"last tick: {w.attribute} {shown}: {w.outcome} {w.detail}")
-    return "\n".join(printable(line) for line in lines)
+        lines.append((f"last tick: {w.attribute} {shown}: {w.outcome} {w.detail}", 2))
+    return "\n".join(fold(printable(line), width, hang) for line, hang in lines)
 
 
 def check_cgroup_root(root: str, proc_root: str) -> None:
