@@ -165,6 +165,11 @@ class UserBounds:
     gpu_hours: float = float("inf")
     gpus: int = 1 << 30
 
+    def never_granted(self, uid: int, gpus: int) -> bool:
+        """Whether one hold of `gpus` GPUs is more than `uid` may hold at once at all, so
+        that nothing it releases makes room for it (root is not bounded)."""
+        return uid != 0 and gpus > self.gpus
+
 
 UNBOUNDED = UserBounds()
 
@@ -262,7 +267,7 @@ class GpuLedger:
         with self._lock:
             self._bounds = bounds
             self._check_name(owner)
-            if uid != 0 and request.count > bounds.gpus:
+            if bounds.never_granted(uid, request.count):
                 raise Conflict(
                     f"request {owner!r} asks for {request.count} GPUs; one uid may hold"
                     f" {bounds.gpus} at once (gpu.max_gpus_per_user), so it could never be"
@@ -614,7 +619,7 @@ class GpuLedger:
         if uid == 0:
             return None
         held = sum(len(h.uuids) for h in self._holds.values() if h.uid == uid)
-        if gpus > bounds.gpus:
+        if bounds.never_granted(uid, gpus):
             return (
                 f"{gpus} GPUs are more than gpu.max_gpus_per_user ({bounds.gpus}) lets one uid"
                 " hold at once; ask for fewer"

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from nodeagent.errors import Conflict
 from nodeagent.gpu.model import Hold
 from nodeagent.gpu.simulated import load_simulated
-from nodeagent.gpualloc.ledger import Answer, GpuLedger, holdings
+from nodeagent.gpualloc.ledger import Answer, GpuLedger, UserBounds, holdings
 from nodeagent.policy.placement import GpuRequest, NodeGpus, Refusal
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,6 +67,37 @@ def test_a_request_that_fits_is_granted_and_claimed_by_its_job(node: NodeGpus) -
     assert (hold.kind, hold.cgroup, hold.until) == ("job", "nodeagent.slice/job-a", None)
     assert (hold.id, hold.uid, hold.tenant) == (got.hold.id, 1000, "research")
     assert holdings(ledger.holds()).exclusive == frozenset(hold.uuids)
+
+
+def test_more_gpus_than_one_uid_may_hold_is_refused_when_asked_and_waits_when_lowered(
+    node: NodeGpus,
+) -> None:
+    """gpu.max_gpus_per_user, one rule (UserBounds.never_granted) in two places: a request
+    for more is refused when asked and queues nothing (root is not bounded); one already
+    waiting when a reload lowers the bound below it waits with that as its reason, and is
+    granted once the bound is raised again and its GPUs are free."""
+    ledger = GpuLedger()
+    two, one = UserBounds(gpus=2), UserBounds(gpus=1)
+    with pytest.raises(Conflict) as refused:
+        answer(ledger, node, "big", 3, bounds=two)
+    assert str(refused.value) == (
+        "request 'big' asks for 3 GPUs; one uid may hold 2 at once (gpu.max_gpus_per_user),"
+        " so it could never be granted"
+    )
+    assert ledger.queue() == [] and ledger.holds() == ()
+    assert ask(ledger, node, "ops", 3, uid=0, bounds=two) == "granted"
+    assert ask(ledger, node, "pair", 2, bounds=two) == "waiting"  # one GPU is free
+    ledger.step(node, 1.0, 30, bounds=one)
+    (waiting,) = ledger.queue()
+    assert waiting.reason == (
+        "2 GPUs are more than gpu.max_gpus_per_user (1) lets one uid hold at once; ask for fewer"
+    )
+    (ops,) = ledger.holds()
+    assert ledger.drop(ops.id) is not None
+    ledger.step(node, 2.0, 30, bounds=one)
+    assert [w.owner for w in ledger.queue()] == ["pair"], "still past the bound"
+    ledger.step(node, 3.0, 30, bounds=two)
+    assert ledger.queue() == [] and [h.owner for h in ledger.holds()] == ["pair"]
 
 
 def test_an_unclaimed_grant_lapses(node: NodeGpus) -> None:
