@@ -1,27 +1,40 @@
-"""structlog setup: JSON lines for journald and benchmarks, a readable console on a terminal.
+"""structlog setup: entries for journald, JSON lines for shippers and benchmarks, a readable
+console on a terminal.
 
-Every JSON record carries "ts" as unix seconds (a float) so that benchmarks can line log
-events up with their own clocks without parsing dates; the console shows local time.
-
-When stderr is the journal (systemd says so in $JOURNAL_STREAM), each line starts with its
-syslog priority, `<3>` for an error (sd-daemon(3)): journald strips it and files the line at
-that priority, so `journalctl -p err -u nodeagent` shows `policy.invalid`. On the console,
-control characters in strings (a cgroup path can hold any byte but "/") are shown as their
-Unicode pictures, never sent to the terminal: JSON escapes them already.
+Where the records go (`--log-format`, or $NODEAGENT_LOG_FORMAT):
+- **journal** (what `auto` picks when stderr is the journal: systemd says so in
+  $JOURNAL_STREAM): one native journal entry per record. MESSAGE is a line a person reads,
+  `cgroup.write path=/system.slice/docker-3f.scope attribute=cpu.max old=max new="25000
+  100000" reason=...`, so that `journalctl -u nodeagent` and `systemctl status nodeagent` read
+  like other services; every field is its own journal field as well (NODEAGENT_EVENT,
+  NODEAGENT_PATH, ...), so `journalctl -o json` keeps them and `journalctl
+  NODEAGENT_EVENT=gpu.violation` finds them; PRIORITY is the level's syslog priority, so
+  `journalctl -p err -u nodeagent` shows policy.invalid. An entry journald does not take
+  (restarting, its queue full for a second) is written to stderr as its line instead.
+- **json** (`auto` when stderr is neither the journal nor a terminal: a pipe, a container's
+  log): one JSON object per line, "ts" as unix seconds (a float) so that benchmarks line
+  events up with their own clocks without parsing dates. On the journal's stream each line
+  starts with its syslog priority, `<3>` for an error (sd-daemon(3)), which journald strips.
+- **console** (`auto` on a terminal): local time, the event and its fields, colours unless
+  NO_COLOR. Control characters in strings (a cgroup path can hold any byte but "/") are shown
+  as pictures or escapes, never sent to the terminal or the journal's MESSAGE.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import structlog
 
+from nodeagent import journal
 from nodeagent.errors import NodeagentError
 from nodeagent.journal import stderr_is_the_journal
+from nodeagent.tables import printable
 
 # Audit events bypass the level filter: an operator who turns logging down to "error" still
 # needs the record of every cgroup write.
@@ -32,20 +45,25 @@ _audit = structlog.wrap_logger(
 )
 
 
-def configure(level: str = "info", json: bool | None = None) -> None:
-    """Configure structlog globally, writing to stderr; `json=None` means JSON unless a TTY."""
+def configure(level: str = "info", fmt: str = "auto") -> str:
+    """Configure structlog globally for `fmt` (journal.FORMATS; the module's docstring) and
+    `level`; returns the format chosen."""
     levels = logging.getLevelNamesMapping()
     number = levels.get(level.upper())
     if number is None or level.upper() in ("NOTSET", "WARN", "FATAL"):
         raise NodeagentError(
             f"unknown log level {level!r}; use debug, info, warning, error or critical"
         )
-    use_json = not sys.stderr.isatty() if json is None else json
+    chosen = journal.choose_format(fmt)
     processors: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
     ]
-    if use_json:
+    factory: Any = structlog.PrintLoggerFactory(file=sys.stderr)
+    if chosen == "journal":
+        processors += [structlog.processors.format_exc_info, journal_entry]
+        factory = JournalLoggerFactory(journal.Journal(journal.SOCKET))
+    elif chosen == "json":
         render = structlog.processors.JSONRenderer()
         processors += [
             structlog.processors.TimeStamper(fmt=None, key="ts"),  # unix float seconds
@@ -62,10 +80,88 @@ def configure(level: str = "info", json: bool | None = None) -> None:
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(number),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=factory,
         # Not cached: module-level loggers must follow a later configure() (tests, reload).
         cache_logger_on_first_use=False,
     )
+    return chosen
+
+
+def message(event: str, fields: Mapping[str, Any]) -> str:
+    """A record as one line a person reads, the way structured logs of other daemons read
+    (klog, logfmt): the event, then `key=value` for each field in order. A value with a
+    space, a quote (escaped), an equals sign or nothing in it is quoted; one that is not a
+    string is written as compact JSON (null, true, ["GPU-a","GPU-b"]). Whatever a terminal
+    or journalctl would not show as text is escaped (`printable`), so a cgroup name cannot
+    forge a second line."""
+    parts = [printable(event)]
+    for key, value in fields.items():
+        if isinstance(value, str):
+            text = printable(value)
+            if not text or any(c in text for c in ' "='):
+                text = '"' + text.replace('"', '\\"') + '"'
+        else:
+            text = printable(_compact_json(value))
+        parts.append(f"{printable(key)}={text}")
+    return " ".join(parts)
+
+
+def _compact_json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def journal_entry(
+    _logger: Any, method: str, event: MutableMapping[str, Any]
+) -> tuple[tuple[bytes, str], dict[str, Any]]:
+    """The record as one native journal entry: MESSAGE (`message`, then the traceback if
+    any), PRIORITY, SYSLOG_IDENTIFIER, and each field as NODEAGENT_<KEY> with its value as
+    it is (a string) or as JSON. Handed to JournalLogger with the line to write to stderr
+    instead, should journald not take it."""
+    level = str(event.pop("level", method))
+    name = str(event.pop("event", ""))
+    exception = event.pop("exception", None)
+    text = message(name, event)
+    if exception is not None:
+        text += "\n" + str(exception).translate(_CONTROLS_BUT_LINES)
+    priority = journal.PRIORITY.get(level, 6)
+    fields = [
+        ("MESSAGE", text),
+        ("PRIORITY", str(priority)),
+        ("SYSLOG_IDENTIFIER", "nodeagent"),
+        (journal.field_name("event"), name),
+    ]
+    for key, value in event.items():
+        as_text = value if isinstance(value, str) else _compact_json(value)
+        fields.append((journal.field_name(key), as_text))
+    if exception is not None:
+        fields.append((journal.field_name("exception"), str(exception)))
+    return (journal.encode(fields), f"<{priority}>{text}"), {}
+
+
+class JournalLogger:
+    """structlog's logger for `journal_entry`'s output: sends the entry, and when journald
+    does not take it, writes its line to stderr (behind its priority) so nothing is lost."""
+
+    def __init__(self, sink: journal.Journal) -> None:
+        self._sink = sink
+
+    def msg(self, entry: bytes, line: str) -> None:
+        try:
+            self._sink.send(entry)
+        except OSError:
+            print(line, file=sys.stderr, flush=True)
+
+    debug = info = warning = error = critical = exception = log = msg
+
+
+class JournalLoggerFactory:
+    """One JournalLogger over one socket for every logger structlog asks for."""
+
+    def __init__(self, sink: journal.Journal) -> None:
+        self._logger = JournalLogger(sink)
+
+    def __call__(self, *_args: Any) -> JournalLogger:
+        return self._logger
 
 
 def console_colours() -> bool:
@@ -74,15 +170,11 @@ def console_colours() -> bool:
     return sys.stderr.isatty() and not os.environ.get("NO_COLOR")
 
 
-# syslog(3) priorities by structlog level name; an unknown name is logged as info
-PRIORITY = {"debug": 7, "info": 6, "warning": 4, "warn": 4, "error": 3, "critical": 2}
-
-
 def _with_priority(render: Any) -> Any:
     """The JSON line behind its `<N>` priority prefix, for journald."""
 
     def render_for_journal(logger: Any, method: str, event: MutableMapping[str, Any]) -> str:
-        priority = PRIORITY.get(str(event.get("level", method)), 6)
+        priority = journal.PRIORITY.get(str(event.get("level", method)), 6)
         return f"<{priority}>{render(logger, method, event)}"
 
     return render_for_journal

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -138,9 +138,17 @@ def entrypoint() -> None:
         message = " ".join(e.format_message().split())
         click.echo(f"{where}: error: {message} (see '{where} --help')", err=True)
         sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
+    except click.ClickException as e:  # a policy file's problems, one FILE:LINE:COL a line
+        _fail(e.format_message(), e.exit_code)
     except NodeagentError as e:
-        click.echo(f"nodeagent: error: {e}", err=True)
-        sys.exit(1)
+        _fail(str(e), 1)
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    """`nodeagent: error: ...` on stderr (filed at priority err on the journal's stream), or
+    with NODEAGENT_LOG_FORMAT=json the record, as every other line the unit writes."""
+    from nodeagent.cli.output import report
+
+    fmt = os.environ.get("NODEAGENT_LOG_FORMAT", "auto")
+    report(fmt, "command.failed", f"nodeagent: error: {message}", level="error")
+    sys.exit(code)

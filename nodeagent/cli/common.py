@@ -1,4 +1,5 @@
-"""What the commands share: the socket and --json options, and loading a policy file."""
+"""What the commands share: the socket, --json and --log-format options, and loading a policy
+file."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from nodeagent.journal import FORMATS
 from nodeagent.policyfile.listen import DEFAULT_SOCKET
 
 if TYPE_CHECKING:
@@ -27,6 +29,24 @@ def socket_option(f: F) -> F:
 
 def json_option(f: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(f)
+
+
+def log_format_option(f: F) -> F:
+    """--log-format, for the commands a unit runs (run; validate, reload and release as its
+    ExecStartPre=, ExecReload= and ExecStopPost=): one setting, NODEAGENT_LOG_FORMAT in the
+    unit's environment, makes all their lines alike."""
+    return click.option(
+        "--log-format",
+        type=click.Choice(FORMATS),
+        default="auto",
+        show_default=True,
+        envvar="NODEAGENT_LOG_FORMAT",
+        help="journal: native journal entries, a readable MESSAGE and every field as"
+        " NODEAGENT_<KEY>; json: one JSON object a line, for log shippers; console: for a"
+        " person. auto: the daemon's log goes to the journal when stderr is the journal,"
+        " to a terminal as console, anywhere else as json; the other commands' lines stay"
+        " text unless json is asked for (env NODEAGENT_LOG_FORMAT).",
+    )(f)
 
 
 def wide_option(f: F) -> F:

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from nodeagent.cli.common import json_option
-from nodeagent.cli.output import counted, document, echo_json, renamed
+from nodeagent.cli.common import json_option, log_format_option
+from nodeagent.cli.output import counted, document, echo_json, renamed, report
 from nodeagent.errors import NodeagentError
 from nodeagent.policyfile.listen import DEFAULT_SOCKET
 from nodeagent.tables import fold, printable
@@ -80,7 +80,8 @@ def daemon_socket(socket: str | None, config: str | None) -> str:
 @click.command()
 @_daemon_options
 @json_option
-def reload(socket: str | None, config: str | None, as_json: bool) -> None:
+@log_format_option
+def reload(socket: str | None, config: str | None, as_json: bool, log_format: str) -> None:
     """Have the running daemon re-read its policy file, and say whether it applied it.
 
     The daemon reads the file itself: a file it refuses is listed here as
@@ -98,7 +99,6 @@ def reload(socket: str | None, config: str | None, as_json: bool) -> None:
     """
     from nodeagent.api import client
     from nodeagent.api.answers import Reloaded
-    from nodeagent.journal import stderr_is_the_journal
 
     where = daemon_socket(socket, config)
     body = {} if config is None else {"file": os.path.abspath(config)}
@@ -112,8 +112,8 @@ def reload(socket: str | None, config: str | None, as_json: bool) -> None:
             echo_json(_reload_document(config, False, None, problems))
             sys.exit(1)
         # as ExecReload=, each problem is filed at priority err (`journalctl -p err`)
-        journal = "<3>" if stderr_is_the_journal() else ""
-        click.echo("\n".join(journal + line for line in problems), err=True)
+        for line in problems:
+            report(log_format, "policy.invalid", line, level="error", file=config)
         raise NodeagentError(
             f"the daemon on {where} refused the file ({counted(len(problems), 'problem')},"
             " above) and keeps its last good policy"
@@ -122,7 +122,16 @@ def reload(socket: str | None, config: str | None, as_json: bool) -> None:
         echo_json(_reload_document(done.file, True, done, []))
         return
     found = f"{counted(done.tenants, 'tenant')}, {counted(done.rules, 'rule')}"
-    click.echo(f"{printable(done.file)}: reloaded ({found}; sha256 {done.policy_sha256[:12]})")
+    text = f"{printable(done.file)}: reloaded ({found}; sha256 {done.policy_sha256[:12]})"
+    report(
+        log_format,
+        "policy.reloaded",
+        text,
+        file=done.file,
+        tenants=done.tenants,
+        rules=done.rules,
+        sha256=done.policy_sha256,
+    )
 
 
 def _reload_document(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -74,3 +75,22 @@ def terminal_width() -> int | None:
     except (OSError, ValueError):  # no file descriptor (a test's stream), or a closed one
         return None
     return columns if columns > 0 else DEFAULT_WIDTH
+
+
+def report(log_format: str, event: str, text: str, *, level: str = "info", **fields: Any) -> None:
+    """One line of what a command a unit runs has to say (validate's problems, reload's
+    answer, release's results), alike with the daemon's log: `text` as it is, or with
+    --log-format json the record {"event", "level", "message", **fields}. Warnings and
+    errors go to stderr, filed at their priority when stderr is the journal (`<3>`, as
+    sd-daemon(3) says), so `journalctl -p err -u nodeagent` shows them."""
+    from nodeagent.journal import PRIORITY, stderr_is_the_journal
+
+    if log_format == "json":
+        record = {"event": event, "level": level, "ts": time.time(), "message": text, **fields}
+        line = json.dumps(record)
+    else:
+        line = text
+    err = level not in ("debug", "info")
+    if err and stderr_is_the_journal():
+        line = f"<{PRIORITY.get(level, 6)}>{line}"
+    click.echo(line, err=err)

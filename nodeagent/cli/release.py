@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import click
 
-from nodeagent.cli.common import json_option, load
+from nodeagent.cli.common import json_option, load, log_format_option
+from nodeagent.cli.output import document, echo_json, report
 from nodeagent.errors import NodeagentError
 
 DEFAULT_CONFIG = "/etc/nodeagent/policy.yaml"
@@ -36,6 +36,7 @@ DEFAULT_CONFIG = "/etc/nodeagent/policy.yaml"
     " not failed with Restart= to follow).",
 )
 @json_option
+@log_format_option
 def release(
     *,
     cgroups: tuple[str, ...],
@@ -45,6 +46,7 @@ def release(
     state_file: str | None,
     unit: str | None,
     as_json: bool,
+    log_format: str,
 ) -> None:
     """Hand back what the stopped agent changed: each value it wrote goes back to what the
     attribute held before (a frozen cgroup is thawed, a cap lifted), where it still holds
@@ -70,11 +72,11 @@ def release(
 
     if everything == bool(cgroups):
         raise click.UsageError("name the cgroups to release, or pass --all (not both)")
-    logs.configure("info")
+    logs.configure("info", log_format)
     if unit is not None:
         go, why = stopped_for_good(pending_job(unit), os.environ.get("SERVICE_RESULT"))
         if not go:
-            _say(as_json, f"nodeagent release: {unit}: {why}", {"skipped": why, "results": []})
+            _say(as_json, log_format, f"nodeagent release: {unit}: {why}", skipped=why)
             return
     try:
         agent = load(config).agent
@@ -83,18 +85,22 @@ def release(
         # every freeze and cap in place after the agent has gone
         agent = AgentSettings()
         where = state_file or agent.state_file
-        click.echo(
+        report(
+            log_format,
+            "release.policy_unusable",
             f"nodeagent release: {e.message.splitlines()[0]}; handing back with the default"
             f" agent settings (state file {where})",
-            err=True,
+            level="warning",
+            file=config,
+            state_file=where,
         )
     path = state_file or agent.state_file
     if unit is None:  # as ExecStopPost= the agent is gone, but its socket file may be left
         _refuse_while_running(agent.socket, path)
     saved = state.load(path)
     if saved is None:
-        _say(as_json, f"nodeagent release: no state file {path}: nothing to hand back",
-             {"skipped": "no state file", "results": []})  # fmt: skip
+        text = f"nodeagent release: no state file {path}: nothing to hand back"
+        _say(as_json, log_format, text, skipped="no state file", state_file=path)
         return
     with Systemd() as systemd:
         results, after = release(
@@ -110,14 +116,16 @@ def release(
     counts = summary(results)
     if as_json:
         body = {"skipped": None, "state_file": path, "results": [r.to_json() for r in results]}
-        click.echo(json.dumps(body, indent=2))
+        echo_json(document("Release", body))
     else:
         for r in results:
             change = f"{r.now} -> {r.to}" if r.outcome == "released" else (r.now or "")
             line = f"{r.outcome:<9} {r.cgroup}  {r.attribute} {change}".rstrip()
-            click.echo(line + (f"  ({r.detail})" if r.detail else ""))
+            line += f"  ({r.detail})" if r.detail else ""
+            report(log_format, "release.result", line, **r.to_json())
         told = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
-        click.echo(f"nodeagent release: {told or 'nothing recorded to hand back'}; {path} updated")
+        text = f"nodeagent release: {told or 'nothing recorded to hand back'}; {path} updated"
+        report(log_format, "release.done", text, state_file=path, counts=dict(counts))
     if counts.get("failed"):
         sys.exit(1)
 
@@ -151,5 +159,9 @@ def _refuse_while_running(socket: str, state_file: str) -> None:
     )
 
 
-def _say(as_json: bool, line: str, body: dict[str, object]) -> None:
-    click.echo(json.dumps(body, indent=2) if as_json else line)
+def _say(as_json: bool, log_format: str, line: str, **why: str) -> None:
+    """Why nothing was handed back: the Release document, or one line."""
+    if as_json:
+        echo_json(document("Release", {"skipped": why["skipped"], "results": [], **why}))
+    else:
+        report(log_format, "release.skipped", line, **why)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from nodeagent.cli.common import load
+from nodeagent.cli.common import load, log_format_option
 from nodeagent.errors import NodeagentError
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ def metrics_refused(listen: str | None) -> str | None:
     default="info",
     show_default=True,
 )
+@log_format_option
 def run(
     *,
     config: str,
@@ -80,6 +81,7 @@ def run(
     state_file: str | None,
     no_api: bool,
     log_level: str,
+    log_format: str,
 ) -> None:
     """Run the reconcile loop: discover workloads, apply the policy, serve the API.
 
@@ -94,7 +96,7 @@ def run(
     from nodeagent.daemon import open_agent, serve, serve_metrics
     from nodeagent.sense.sensor import raise_fd_limit
 
-    logs.configure(log_level)
+    logs.configure(log_level, log_format)
     spec = load(config)
     overrides = {
         k: v

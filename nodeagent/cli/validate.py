@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from nodeagent.cli.common import json_option
-from nodeagent.cli.output import counted, document, echo_json
+from nodeagent.cli.common import json_option, log_format_option
+from nodeagent.cli.output import counted, document, echo_json, report
 
 if TYPE_CHECKING:
     from nodeagent.policyfile.yamlfile import Problem
@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 @click.argument("file", type=click.Path(dir_okay=True))
 @click.option("--strict", is_flag=True, help="Fail (exit 1) on warnings too.")
 @json_option
-def validate(file: str, strict: bool, as_json: bool) -> None:
+@log_format_option
+def validate(file: str, strict: bool, as_json: bool, log_format: str) -> None:
     """Check a policy FILE; print FILE:LINE:COL: message for every problem.
 
     Every problem is found in one round: a field with a type error does not hide
@@ -32,7 +33,6 @@ def validate(file: str, strict: bool, as_json: bool) -> None:
     With --json, the same as one JSON object (kind PolicyCheck) on stdout.
     """
     from nodeagent.cli.run import metrics_refused
-    from nodeagent.journal import stderr_is_the_journal
     from nodeagent.policyfile.load import check_policy
     from nodeagent.policyfile.yamlfile import PolicyError
 
@@ -53,20 +53,37 @@ def validate(file: str, strict: bool, as_json: bool) -> None:
             )
         echo_json(doc)
     else:
-        # as ExecStartPre=/ExecReload=, each problem is filed at its journald priority
-        # (err, or warning), so `journalctl -p err -u nodeagent` shows it
-        journal = stderr_is_the_journal()
-        lines = [("<3>" if p.severity == "error" else "<4>") * journal + str(p) for p in problems]
+        # as ExecStartPre=, each problem is filed at its journald priority (err, or warning),
+        # so `journalctl -p err -u nodeagent` shows it
+        for p in problems:
+            error = p.severity == "error"
+            report(
+                log_format,
+                "policy.invalid" if error else "policy.warning",
+                str(p),
+                level="error" if error else "warning",
+                file=file,
+                line=p.line,
+                column=p.col,
+                problem=p.message,
+            )
         if omitted:
-            lines.append(f"{file}: ... and {omitted} more problems")
+            text = f"{file}: ... and {omitted} more problems"
+            report(log_format, "policy.invalid", text, level="error", file=file, omitted=omitted)
         if refused is not None:
-            lines.append("<3>" * journal + f"{file}: {refused}")
-        if lines:
-            click.echo("\n".join(lines), err=True)
+            report(log_format, "policy.refused", f"{file}: {refused}", level="error", file=file)
         if spec is not None and not failed:
             found = f"{counted(len(spec.tenants), 'tenant')}, {counted(len(spec.rules), 'rule')}"
             warned = f"; {counted(len(problems), 'warning')}" if problems else ""
-            click.echo(f"{file}: ok ({found}{warned})")
+            report(
+                log_format,
+                "policy.valid",
+                f"{file}: ok ({found}{warned})",
+                file=file,
+                tenants=len(spec.tenants),
+                rules=len(spec.rules),
+                warnings=len(problems),
+            )
     if failed:
         sys.exit(1)
 

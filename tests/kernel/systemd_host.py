@@ -35,6 +35,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from conftest import (
     CGROUP_ROOT,
@@ -138,6 +139,24 @@ BOOT_TIMEOUT_S = float(os.environ.get("NODEAGENT_SYSTEMD_BOOT_TIMEOUT", "240"))
 STOP_TIMEOUT_S = 60.0
 COMMAND_TIMEOUT_S = 120.0  # generous: under TCG on a busy host, Python starts slowly
 JOURNAL_LINES = 25
+
+
+LEVELS = {"7": "debug", "6": "info", "4": "warning", "3": "error", "2": "critical"}
+"""Log levels by the syslog priority nodeagent's journal entries carry (nodeagent.journal)."""
+
+
+def agent_record(entry: Mapping[str, Any]) -> dict[str, Any] | None:
+    """One of the agent's journal entries (`journalctl -o json`) as the record it logged:
+    {"event", "level", field: value} from NODEAGENT_EVENT, PRIORITY and the NODEAGENT_<KEY>
+    fields, values as the journal keeps them (text; what was not a string, as JSON). None
+    for an entry that is not one of the agent's records (systemd's, validate's text)."""
+    if "NODEAGENT_EVENT" not in entry:
+        return None
+    record: dict[str, Any] = {"level": LEVELS.get(str(entry.get("PRIORITY")), "info")}
+    for name, value in entry.items():
+        if name.startswith("NODEAGENT_"):
+            record[name.removeprefix("NODEAGENT_").lower()] = value
+    return record
 
 
 class SystemdHostError(AssertionError):

@@ -58,7 +58,7 @@ def json_log_lines(tick: Callable[[], object]) -> list[dict[str, object]]:
     """Run `tick` with the daemon's JSON logging; every line it logs, parsed. A line that is
     not one JSON object (a raw newline in a name) fails the test here."""
     out = io.StringIO()
-    logs.configure("info", json=True)
+    logs.configure("info", fmt="json")
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=out))
     try:
         tick()

@@ -40,7 +40,7 @@ from typing import Any
 
 import pytest
 from helpers import read, wait_for
-from systemd_host import SystemdHost
+from systemd_host import SystemdHost, agent_record
 
 from nodeagent.api import client
 
@@ -131,10 +131,11 @@ class Package:
         return answer
 
     def journal(self) -> list[dict[str, Any]]:
-        """The agent's log records (JSON lines)."""
-        args = ("journalctl", "--no-pager", "-o", "cat", "-u", UNIT)
+        """The agent's log records (its native journal entries)."""
+        args = ("journalctl", "--no-pager", "-o", "json", "-u", UNIT)
         lines = self.host.run(*args, check=False).stdout.splitlines()
-        return [json.loads(line) for line in lines if line.startswith("{")]
+        found = (agent_record(json.loads(line)) for line in lines if line.strip())
+        return [r for r in found if r is not None]
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ import pytest
 from conftest import remove_cgroup_tree
 from floods import Calls, Flood
 from helpers import read
-from systemd_host import SystemdHost, checkout_binding
+from systemd_host import SystemdHost, agent_record, checkout_binding
 
 from nodeagent import state
 from nodeagent.api import client
@@ -217,13 +217,8 @@ class Service:
         return [str(e["MESSAGE"]) for e in self.entries(after) if e.get("_PID") == "1"]
 
     def events(self, after: str | None = None, pid: int | None = None) -> list[dict[str, Any]]:
-        """The agent's log records (JSON lines on its stderr)."""
-        found = []
-        for entry in self.entries(after, pid):
-            message = entry.get("MESSAGE")
-            if entry.get("_PID") != "1" and isinstance(message, str) and message.startswith("{"):
-                found.append(json.loads(message))
-        return found
+        """The agent's log records (native journal entries: NODEAGENT_EVENT and its fields)."""
+        return [r for e in self.entries(after, pid) if (r := agent_record(e)) is not None]
 
     def event(self, after: str | None, name: str) -> dict[str, Any] | None:
         return next((e for e in self.events(after) if e.get("event") == name), None)
@@ -496,8 +491,22 @@ def test_the_agent_runs_under_the_hardened_unit(service: Service) -> None:
                 None,
             ),
         )
+        write_path = write["path"]
         assert write["path"].endswith(f"{MANAGED}/train-0/cpu.max")
         assert (write["old"], write["new"]) == ("max 100000", "20000 100000")
+        # the journal reads like other services' (`journalctl -u`, `systemctl status`): a
+        # line, not a JSON object; `-o json` keeps every field apart (issue 36, item 9)
+        [entry] = [
+            e
+            for e in s.entries(mark)
+            if e.get("NODEAGENT_EVENT") == "cgroup.write" and e.get("NODEAGENT_PATH") == write_path
+        ]
+        assert entry["MESSAGE"].startswith(
+            f'cgroup.write path={write_path} attribute=cpu.max old="max 100000"'
+            ' new="20000 100000" reason='
+        ), entry
+        assert (entry["PRIORITY"], entry["SYSLOG_IDENTIFIER"]) == ("6", "nodeagent")
+        assert entry["_PID"] == str(pid)
 
         # `nodeagent exec` through the API socket: a job the agent puts in a cgroup of its own
         job_cgroup = s.host.outer(f"/{MANAGED}/sleeper")
@@ -575,8 +584,8 @@ def test_reload_fails_on_a_bad_file_keeps_the_last_good_policy_and_applies_a_goo
         invalid = wait("policy.invalid", lambda: s.event(mark, "policy.invalid"))
         assert invalid["problem"].startswith(f"{POLICY}:{BAD_LINE}:")
         assert invalid["action"] == "keeping the last good policy"
-        said = [e for e in s.entries(mark) if '"policy.invalid"' in str(e.get("MESSAGE"))]
-        assert [e["PRIORITY"] for e in said] == ["3"], said  # the agent's own <3> prefix
+        said = [e for e in s.entries(mark) if e.get("NODEAGENT_EVENT") == "policy.invalid"]
+        assert [e["PRIORITY"] for e in said] == ["3"], said  # the agent's entry, at err
         # still the same agent, still applying the old values, to a workload new since too
         assert (s.active_state(), s.main_pid()) == ("active", pid)
         with s.busy_workload("train-late") as late:

@@ -39,6 +39,7 @@ NEEDED = (
     "read_other_users_proc",
     "dbus_system_bus",
     "dbus_private_socket",
+    "journal_native_entries",
 )
 
 
@@ -117,6 +118,11 @@ def test_the_sandbox_gives_the_agent_what_it_needs_and_refuses_the_rest(
     finally:
         host.systemctl("stop", unit, check=False)
     assert {name: outcomes.get(name) for name in NEEDED} == dict.fromkeys(NEEDED, "ok")
+    # journald took both entries, the one passed as a memfd too (--all: fields over 4 KiB)
+    args = ("journalctl", "--no-pager", "--all", "-o", "json", "-u", "nodeagent.service")
+    lines = host.run(*args, "NODEAGENT_EVENT=probe.journal").stdout.splitlines()
+    sizes = sorted(len(json.loads(line)["NODEAGENT_VALUE"]) for line in lines if line.strip())
+    assert sizes == [10, 4 << 20]
     assert {name: outcomes[name] for name in outcomes if name not in NEEDED} == {
         "write_etc": "EROFS",
         "write_kernel_tunable": "EROFS",

@@ -90,6 +90,18 @@ def imports() -> None:
     assert inotify_simple and pydantic_core and pynvml and yaml
 
 
+def journal_entries() -> None:
+    """Native journal entries as the agent sends them: one in a datagram, one too large for
+    any (4 MiB, passed as a sealed memfd: memfd_create, F_ADD_SEALS, SCM_RIGHTS)."""
+    from nodeagent import journal
+
+    sink = journal.Journal(journal.SOCKET)
+    for size in (10, 4 << 20):
+        fields = [("MESSAGE", "probe"), ("NODEAGENT_EVENT", "probe.journal")]
+        sink.send(journal.encode([*fields, ("NODEAGENT_VALUE", "v" * size)]))
+    sink.close()
+
+
 NEEDS = {
     "import_dependencies": imports,
     "mkdir_in_own_cgroup": child_cgroup,
@@ -100,6 +112,7 @@ NEEDS = {
     "read_other_users_proc": other_users_process,
     "dbus_system_bus": dbus("unix:path=/run/dbus/system_bus_socket", "the system bus"),
     "dbus_private_socket": dbus("unix:path=/nonexistent/bus", "systemd's private socket"),
+    "journal_native_entries": journal_entries,
 }
 REFUSED = {
     "write_etc": lambda: Path("/etc/nodeagent-probe").write_text("x"),

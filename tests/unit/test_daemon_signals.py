@@ -30,7 +30,7 @@ from nodeagent.daemon import Agent, open_agent
 from nodeagent.policyfile.load import load_policy
 
 policy, root, pad = sys.argv[1], sys.argv[2], int(sys.argv[3])
-logs.configure("info", json=True)
+logs.configure("info", fmt="json")
 log = structlog.get_logger("nodeagent.test")
 agent = open_agent(load_policy(policy), CgroupTree(root), dry_run=True, config_path=policy)
 agent.install_signal_handlers()

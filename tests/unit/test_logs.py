@@ -26,7 +26,7 @@ def json_lines(text: str) -> list[dict[str, object]]:
 
 
 def test_audit_write_is_one_json_event_with_the_fields(capsys: pytest.CaptureFixture[str]) -> None:
-    logs.configure(json=True)
+    logs.configure(fmt="json")
     before = time.time()
     logs.audit_write("kubepods/pod1", "cpu.weight", "100", "400", "policy gpu-train")
     after = time.time()
@@ -48,14 +48,14 @@ def test_audit_write_is_one_json_event_with_the_fields(capsys: pytest.CaptureFix
 
 
 def test_audit_old_value_may_be_unknown(capsys: pytest.CaptureFixture[str]) -> None:
-    logs.configure(json=True)
+    logs.configure(fmt="json")
     logs.audit_write("nodeagent/job1", "memory.high", None, "max", "created")
     [event] = json_lines(capsys.readouterr().err)
     assert event["old"] is None
 
 
 def test_audit_is_not_hidden_by_the_level(capsys: pytest.CaptureFixture[str]) -> None:
-    logs.configure(level="error", json=True)
+    logs.configure(level="error", fmt="json")
     structlog.get_logger("nodeagent.test").info("chatter")
     logs.audit_write("a", "cpu.max", "max 100000", "50000 100000", "limit")
     events = json_lines(capsys.readouterr().err)
@@ -63,7 +63,7 @@ def test_audit_is_not_hidden_by_the_level(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_level_filters_ordinary_events(capsys: pytest.CaptureFixture[str]) -> None:
-    logs.configure(level="warning", json=True)
+    logs.configure(level="warning", fmt="json")
     log = structlog.get_logger("nodeagent.test")
     log.info("quiet")
     log.warning("loud", n=1)
@@ -72,7 +72,7 @@ def test_level_filters_ordinary_events(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_exceptions_are_rendered_into_the_json_line(capsys: pytest.CaptureFixture[str]) -> None:
-    logs.configure(json=True)
+    logs.configure(fmt="json")
     try:
         raise ValueError("bad")
     except ValueError:
@@ -89,7 +89,7 @@ def test_json_is_the_default_off_a_tty(capfd: pytest.CaptureFixture[str]) -> Non
 
 
 def test_console_renderer_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
-    logs.configure(json=False)
+    logs.configure(fmt="console")
     structlog.get_logger("nodeagent.test").info("hello", k="v")
     err = capsys.readouterr().err
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[info\s*\] hello\s+k=v\n", err)
@@ -104,7 +104,7 @@ def test_unknown_level_is_refused(level: str) -> None:
 def test_the_console_shows_control_characters_escaped(capsys: pytest.CaptureFixture[str]) -> None:
     """A cgroup named with an escape sequence (any byte but '/' may be in a path) must reach a
     terminal as text (issue 12, item 23: `\\x1b]0;...\\x07` set the terminal's title)."""
-    logs.configure(json=False)
+    logs.configure(fmt="console")
     hostile = "/sys/fs/cgroup/a\x1b]0;owned\x07b\nfake line"
     structlog.get_logger("nodeagent.test").warning(
         "cgroup.vanished\x1b[2J", path=hostile, note="tab\there\x9b1m"
@@ -120,7 +120,7 @@ def test_the_console_shows_control_characters_escaped(capsys: pytest.CaptureFixt
 def test_a_traceback_on_the_console_keeps_its_lines_but_not_escapes(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    logs.configure(json=False)
+    logs.configure(fmt="console")
     try:
         raise ValueError("no such cgroup x\x1b]0;t\x07y")
     except ValueError:
@@ -142,7 +142,7 @@ def test_lines_carry_their_syslog_priority_when_stderr_is_the_journal(
     """journald files a line that starts `<3>` at priority err (sd-daemon(3)): then
     `journalctl -p err -u nodeagent` shows policy.invalid (issue 13, item 5)."""
     _journal_is(monkeypatch, 2)  # what systemd sets when StandardError=journal
-    logs.configure(level="debug", json=True)
+    logs.configure(level="debug", fmt="json")
     log = structlog.get_logger("nodeagent.test")
     log.debug("d")
     log.info("i")
@@ -163,7 +163,7 @@ def test_no_priority_prefix_when_stderr_is_not_that_stream(
     """A child that inherited $JOURNAL_STREAM but writes elsewhere (a pipe, a file) stays
     plain JSON."""
     _journal_is(monkeypatch, 0)  # stdin's, not stderr's
-    logs.configure(json=True)
+    logs.configure(fmt="json")
     structlog.get_logger("nodeagent.test").error("e")
     [line] = capfd.readouterr().err.splitlines()
     assert line.startswith("{")

@@ -288,8 +288,29 @@ def test_the_command_releases_updates_the_state_file_and_says_so(tmp_path: Path)
     assert (b / "cgroup.freeze").read_text() == "0"
     loaded = state.load(str(tmp_path / "state.json"))
     assert loaded is not None and loaded.originals == {}
-    again = CliRunner().invoke(main, [*args, "--json"])
-    assert json.loads(again.output)["results"] == []
+    again = json.loads(CliRunner().invoke(main, [*args, "--json"]).output)
+    assert (again["apiVersion"], again["kind"], again["results"]) == ("nodeagent/v1", "Release", [])
+
+
+def test_the_command_writes_json_records_as_the_daemon_logs_them(tmp_path: Path) -> None:
+    """ExecStopPost= under NODEAGENT_LOG_FORMAT=json: every line a record, as the daemon's
+    (issue 36, item 9)."""
+    root = tmp_path / "cg"
+    cgroup(root, "nodeagent.slice/b", cpu_max="1000 100000")
+    record = originals(
+        ("nodeagent.slice/b", Attribute.CPU_MAX, "max 100000", "1000 100000", WriteMode.DIRECT),
+    )
+    policy = _state_file(tmp_path, root, originals=record)
+    args = ["release", "--all", "--config", str(policy), "--cgroup-root", str(root)]
+    out = CliRunner().invoke(main, args, env={"NODEAGENT_LOG_FORMAT": "json"})
+    assert out.exit_code == 0, out.output
+    records = [json.loads(line) for line in out.output.splitlines()]
+    assert [r["event"] for r in records] == ["cgroup.write", "release.result", "release.done"]
+    result = records[1]
+    assert (result["cgroup"], result["outcome"], result["original"]) == (
+        "nodeagent.slice/b", "released", "max 100000"
+    )  # fmt: skip
+    assert records[2]["counts"] == {"released": 1}
 
 
 def test_the_command_asks_for_cgroups_or_all(tmp_path: Path) -> None:
