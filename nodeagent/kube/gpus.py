@@ -17,7 +17,7 @@ held shared: several pods hold one GPU, and each one's processes on it are its o
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 
 from nodeagent.gpu.model import GpuState, Hold, HoldKind
@@ -44,9 +44,18 @@ REPLICA = "::"
 """What the device plugin puts between a shared GPU's id and its replica's number."""
 
 
-def device_uuid(device_id: str, gpus: GpuState) -> str | None:
+def uuid_indices(gpus: GpuState) -> dict[str, int]:
+    """Each GPU's UUID and each MIG instance's, with the index of the GPU it is or is on:
+    made once for a whole listing, to check the ids by UUID against (`device_uuid`)."""
+    index = {d.uuid: d.index for d in gpus.devices}
+    index |= {m.uuid: d.index for d in gpus.devices for m in d.mig_devices}
+    return index
+
+
+def device_uuid(device_id: str, gpus: GpuState, known: Container[str]) -> str | None:
     """The UUID of the GPU or MIG instance the device plugin's `device_id` names, whatever
-    its strategy (see the module's docstring); None for one this node does not have."""
+    its strategy (see the module's docstring); None for one this node does not have.
+    `known`: the UUIDs of `gpus` (`uuid_indices`), made once by the caller for all its ids."""
     base = device_id.split(REPLICA, 1)[0]
     if base.isdecimal():
         return next((d.uuid for d in gpus.devices if d.index == int(base)), None)
@@ -55,7 +64,6 @@ def device_uuid(device_id: str, gpus: GpuState) -> str | None:
         parents = [d for d in gpus.devices if d.index == int(gpu)]
         found = [m for d in parents for m in d.mig_devices if m.index == int(mig)]
         return found[0].uuid if found else None
-    known = {d.uuid for d in gpus.devices} | {m.uuid for d in gpus.devices for m in d.mig_devices}
     return base if base in known else None
 
 
@@ -69,8 +77,7 @@ def join(
     classes: Mapping[str, str],
 ) -> Joined:
     """`classes`: the class of each claimed workload's cgroup, for the power caps."""
-    index = {d.uuid: d.index for d in gpus.devices}
-    index |= {m.uuid: d.index for d in gpus.devices for m in d.mig_devices}
+    index = uuid_indices(gpus)
     cgroups: dict[tuple[str, str, str], str] = {}
     known: set[tuple[str, str]] = set()
     for i in identities:
@@ -91,7 +98,7 @@ def join(
         ]
         if not ids:
             continue
-        named = {i: device_uuid(i, gpus) for i in ids}
+        named = {i: device_uuid(i, gpus, index) for i in ids}
         uuids = tuple(sorted({u for u in named.values() if u is not None}))
         shared = any(REPLICA in i for i in ids)
         cgroup = cgroups.get((c.namespace, c.pod, c.container))

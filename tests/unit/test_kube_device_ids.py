@@ -19,7 +19,7 @@ from test_gpu_policies import G0, G1, state
 from nodeagent.gpu.model import GpuProcess, GpuState, Hold
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
-from nodeagent.kube.gpus import device_uuid, join
+from nodeagent.kube.gpus import device_uuid, join, uuid_indices
 from nodeagent.kube.podresources import ContainerDevices, Devices
 from nodeagent.kube.pods import EMPTY
 from nodeagent.meta import ContainerMeta, PodMeta
@@ -126,13 +126,25 @@ def mig_node() -> GpuState:
 def test_a_mig_instance_by_uuid_index_or_replica(device_id: str, mig_slot: int) -> None:
     gpus = mig_node()
     (gpu,) = gpus.devices
-    assert device_uuid(device_id, gpus) == gpu.mig_devices[mig_slot].uuid
+    assert device_uuid(device_id, gpus, uuid_indices(gpus)) == gpu.mig_devices[mig_slot].uuid
+
+
+def test_the_uuids_are_each_gpus_and_mig_instances_with_the_gpus_index() -> None:
+    """What join ties a pod's ids to, made once per listing: a MIG instance is its GPU's
+    index, as the whole GPU is."""
+    gpus = mig_node()
+    (gpu,) = gpus.devices
+    assert gpu.mig_devices
+    assert uuid_indices(gpus) == {gpu.uuid: gpu.index} | {
+        m.uuid: gpu.index for m in gpu.mig_devices
+    }
+    assert uuid_indices(state((), ())) == {G0: 0, G1: 1}
 
 
 @pytest.mark.parametrize("device_id", ["7", "GPU-not-here", "0:9", "9:0", "x::1", ""])
 def test_an_id_of_no_gpu_this_node_has_is_said_and_holds_nothing(device_id: str) -> None:
     gpus = state((), ())
-    assert device_uuid(device_id, gpus) is None
+    assert device_uuid(device_id, gpus, uuid_indices(gpus)) is None
     joined = join(
         listed({"a": (device_id,)}), EMPTY, [container("a")], gpus=gpus,
         gpu_resources=["nvidia.com/gpu"], classes={},
