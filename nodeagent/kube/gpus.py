@@ -9,17 +9,23 @@ treat a pod's GPUs as they treat a job's. nodeagent never tells a pod which GPUs
 the device plugin did, and no Hold of kind "pod" is ever turned into an environment.
 
 The device ids are the NVIDIA device plugin's, under each of its strategies
-(`device_uuid`): `deviceIDStrategy=uuid` gives the GPU's UUID (a MIG instance's MIG-
-UUID), `index` its index (`0`; `0:1` for MIG instance 1 of GPU 0), and sharing by
-time-slicing or MPS a replica of either (`GPU-...::3`, `0::3`). A replica is the GPU,
+(`device_uuid`, in nodeagent.gpu.grants with the runtimes' ids): `deviceIDStrategy=uuid`
+gives the GPU's UUID (a MIG instance's MIG-UUID), `index` its index (`0`; `0:1` for MIG
+instance 1 of GPU 0), and sharing by time-slicing or MPS a replica of either
+(`GPU-...::3`, `0::3`). A replica is the GPU,
 held shared: several pods hold one GPU, and each one's processes on it are its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+# the ids' reading is shared with the runtimes' grants (nodeagent.runtimes.gpus), so it lives
+# beside the GPUs: re-exported (explicitly, for mypy) where the kube side always had it
+from nodeagent.gpu.grants import REPLICA as REPLICA  # noqa: PLC0414
+from nodeagent.gpu.grants import device_uuid as device_uuid  # noqa: PLC0414
+from nodeagent.gpu.grants import uuid_indices as uuid_indices  # noqa: PLC0414
 from nodeagent.gpu.model import GpuState, Hold, HoldKind
 from nodeagent.identity import Kind, WorkloadIdentity
 from nodeagent.kube.owners import with_api_view
@@ -38,33 +44,6 @@ class Joined:
 
 def owner(c: ContainerDevices) -> str:
     return f"pod:{c.namespace}/{c.pod}/{c.container}"
-
-
-REPLICA = "::"
-"""What the device plugin puts between a shared GPU's id and its replica's number."""
-
-
-def uuid_indices(gpus: GpuState) -> dict[str, int]:
-    """Each GPU's UUID and each MIG instance's, with the index of the GPU it is or is on:
-    made once for a whole listing, to check the ids by UUID against (`device_uuid`)."""
-    index = {d.uuid: d.index for d in gpus.devices}
-    index |= {m.uuid: d.index for d in gpus.devices for m in d.mig_devices}
-    return index
-
-
-def device_uuid(device_id: str, gpus: GpuState, known: Container[str]) -> str | None:
-    """The UUID of the GPU or MIG instance the device plugin's `device_id` names, whatever
-    its strategy (see the module's docstring); None for one this node does not have.
-    `known`: the UUIDs of `gpus` (`uuid_indices`), made once by the caller for all its ids."""
-    base = device_id.split(REPLICA, 1)[0]
-    if base.isdecimal():
-        return next((d.uuid for d in gpus.devices if d.index == int(base)), None)
-    gpu, colon, mig = base.partition(":")
-    if colon and gpu.isdecimal() and mig.isdecimal():
-        parents = [d for d in gpus.devices if d.index == int(gpu)]
-        found = [m for d in parents for m in d.mig_devices if m.index == int(mig)]
-        return found[0].uuid if found else None
-    return base if base in known else None
 
 
 def join(
