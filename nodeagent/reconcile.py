@@ -43,6 +43,8 @@ from nodeagent.policyfile.model import PolicySpec
 from nodeagent.reach import Reach
 from nodeagent.release import Releaser, in_release_order
 from nodeagent.report import TickRecord
+from nodeagent.runtimes.docker import DockerAdapter
+from nodeagent.runtimes.gpus import RuntimeGpus
 from nodeagent.runtimes.metadata import RuntimeMetadata
 from nodeagent.sense.sensor import Sensor
 from nodeagent.slurm import SlurmJobs
@@ -102,6 +104,8 @@ class Reconciler:
         self.sensor = sensor
         self.executor = executor
         self.runtimes = runtimes
+        self.runtime_gpus = RuntimeGpus()
+        """The GPUs dockerd gave its containers (`docker run --gpus`), as holds."""
         self.slurm = slurm
         self.kube = kube
         self.policies = policies
@@ -234,17 +238,21 @@ class Reconciler:
         if not self.dry_run:
             self.jobs.reap(snapshot)
         kube = self.kube
-        pods = None
-        if kube is not None:
-            spec = self.spec
+        spec = self.spec
+        docker = self.runtimes.adapters.get("docker")
+        granted = docker if isinstance(docker, DockerAdapter) else None
 
-            def pods(state: GpuState) -> tuple[Hold, ...]:
-                classes = {p: str(a.workload_class) for p, a in assignments.items()}
-                return kube.gpu_holds(state, spec, identities, classes)
+        def outside(state: GpuState) -> tuple[Hold, ...]:
+            """The holds outside the ledger: the pods' (the kubelet's device plugin) and
+            the Docker containers' given GPUs (`--gpus`), both where both apply."""
+            classes = {p: str(a.workload_class) for p, a in assignments.items()}
+            pods = () if kube is None else kube.gpu_holds(state, spec, identities, classes)
+            held = (*state.holds, *pods)
+            return pods + self.runtime_gpus.holds(granted, state, identities, classes, held)
 
         snapshot = replace(
             snapshot,
-            gpus=self.gpus.sense(time.monotonic(), pods),
+            gpus=self.gpus.sense(time.monotonic(), outside),
             local_seconds=_local_seconds(snapshot.wall_time),
         )
         if kube is not None:

@@ -169,13 +169,19 @@ class HoldKind(enum.StrEnum):
     POD = "pod"
     """Kubernetes mode: a container's GPUs as the device plugin gave them, read from the
     kubelet each tick; never in the ledger, never saved, never made into an environment."""
+    RUNTIME = "runtime"
+    """A container's GPUs as its runtime gave them (`docker run --gpus`), read from the
+    runtime (nodeagent.runtimes.gpus); never in the ledger, never saved, never made into an
+    environment, and never weighed when the ledger grants GPUs."""
 
 
 @dataclass(frozen=True, slots=True)
 class Hold:
-    """GPUs (or MIG devices) held by one job, one reservation for a container, or one
-    granted request waiting for its job to start. Its `id` is what the daemon acts on;
-    `owner` is a label (the job's or the reservation's name), unique among live holds."""
+    """GPUs (or MIG devices) held by one job, one reservation for a container, one granted
+    request waiting for its job to start, or (read each tick, outside the ledger) one
+    container as Kubernetes' device plugin or its runtime gave them. Its `id` is what the
+    daemon acts on; `owner` is a label (the job's or the reservation's name; `pod:...`,
+    `docker:NAME`), unique among live holds."""
 
     owner: str
     kind: HoldKind

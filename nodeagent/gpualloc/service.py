@@ -151,8 +151,9 @@ class GpuService:
         self.state: GpuState | None = None
         self._ambiguous: dict[str, tuple[str, ...]] = {}
         self.pod_holds: tuple[Hold, ...] = ()
-        """Kubernetes mode: the GPUs the device plugin gave each container (kind pod), from
-        the kubelet, beside the ledger's (which stays empty in that mode)."""
+        """The holds read each tick outside the ledger: in Kubernetes mode the GPUs the
+        device plugin gave each container (kind pod), from the kubelet (the ledger then
+        stays empty); on any node the GPUs dockerd gave a container (kind runtime)."""
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -163,8 +164,9 @@ class GpuService:
         self, now: float, pods: Callable[[GpuState], tuple[Hold, ...]] | None = None
     ) -> GpuState | None:
         """Read the GPUs; bind reservations to their containers, release those whose
-        container is gone; lapse and grant. `now` is the monotonic clock. `pods`: in
-        Kubernetes mode, the pods' holds on the GPUs just read."""
+        container is gone; lapse and grant. `now` is the monotonic clock. `pods`: the holds
+        outside the ledger on the GPUs just read (Kubernetes pods', Docker containers'), given
+        the state with the ledger's holds; they are not weighed when the ledger grants."""
         state = self.sensor.read(self.ledger.holds())
         self.pod_holds = () if state is None or pods is None else pods(state)
         self._bind()

@@ -12,6 +12,9 @@ whose attributes carry the container's name, image and labels (`told`); the list
 at the next tick. Renames come from `GET /events` with `until` set, which answers at once with
 what happened since `since` instead of streaming. Containers that cri-dockerd runs for the
 kubelet carry their pod in `io.kubernetes.*` labels.
+The GPUs a container was given (`docker run --gpus`) are in its inspect alone: asked (`gpus`)
+only of a container with a process on a GPU, which runs, so dockerd holds nothing there
+(nodeagent.runtimes.gpus).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import quote
 
+from nodeagent.gpu.grants import GpuGrant, docker_gpus
 from nodeagent.meta import (
     BadAnswer,
     ContainerMeta,
@@ -173,6 +177,20 @@ class DockerAdapter:
             labels=own,
             pod=_pod_from_labels(own),
         )
+
+    def gpus(self, container_id: str) -> GpuGrant | None:
+        """The GPUs dockerd gave the container (`docker run --gpus`, or the nvidia runtime's
+        environment: nodeagent.gpu.grants), from its inspect, the one answer that has them.
+        Asked only of a container with a process on a GPU, so started: dockerd holds an
+        inspect only while it starts the container. None: dockerd does not know it."""
+        if not _ID.fullmatch(container_id):
+            return None
+        response = self._get(f"/containers/{container_id}/json")
+        if response.status == 404:
+            return None
+        if response.status != 200:
+            raise BadAnswer(f"{self.name}'s inspect answered HTTP {response.status}")
+        return docker_gpus(response.json())
 
     def ping(self) -> None:
         self._get(self._ping_target)
