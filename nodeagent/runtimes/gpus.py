@@ -50,6 +50,18 @@ def _within(cgroup: str, parent: str) -> bool:
     return cgroup == parent or cgroup.startswith(parent + "/")
 
 
+def _closest(cgroup: str, containers: Mapping[str, WorkloadIdentity]) -> WorkloadIdentity | None:
+    """The container whose cgroup is `cgroup` or the closest one above it: its path's
+    parents looked up, not every container tried."""
+    path = cgroup
+    while path:
+        found = containers.get(path)
+        if found is not None:
+            return found
+        path = path.rpartition("/")[0]
+    return None
+
+
 def owner(identity: WorkloadIdentity) -> str:
     """A Docker container's hold's owner: `docker:NAME` (its id's first 12 digits unnamed)."""
     meta = identity.meta
@@ -143,10 +155,10 @@ class RuntimeGpus:
             if p.cgroup is None:
                 continue
             cgroup = p.cgroup
-            mine = [path for path in containers if _within(cgroup, path)]
-            if not mine:
+            container = _closest(cgroup, containers)
+            if container is None:
                 continue
-            cid = containers[max(mine, key=len)].container_id
+            cid = container.container_id
             assert cid is not None
             if cid in self._grants:
                 continue
