@@ -444,7 +444,9 @@ def _stopped(s: Service, pid: int) -> int:
     return pid if stat.rsplit(")", 1)[-1].split()[:1] == ["T"] else 0
 
 
-def test_the_agent_runs_under_the_hardened_unit(service: Service) -> None:
+def test_the_agent_runs_under_the_hardened_unit(
+    service: Service, capsys: pytest.CaptureFixture[str]
+) -> None:
     s = service
     pid = s.ensure_running()
     # the unit's sandbox is the agent's: no new privileges, a seccomp filter, two capabilities
@@ -507,6 +509,9 @@ def test_the_agent_runs_under_the_hardened_unit(service: Service) -> None:
         ), entry
         assert (entry["PRIORITY"], entry["SYSLOG_IDENTIFIER"]) == ("6", "nodeagent")
         assert entry["_PID"] == str(pid)
+        shown = s.host.run("journalctl", "--no-pager", "-u", SERVICE, "-n", "6").stdout
+        with capsys.disabled():
+            print(f"\njournalctl -u {SERVICE} -n 6:\n{shown}")
 
         # `nodeagent exec` through the API socket: a job the agent puts in a cgroup of its own
         job_cgroup = s.host.outer(f"/{MANAGED}/sleeper")
