@@ -181,6 +181,31 @@ def test_the_service_monitor_keeps_the_workloads_namespace_and_pod(
     assert [label for label in WORKLOAD if f"`{label}`" not in said] == []
 
 
+def test_metrics_want_the_token_the_service_monitor_sends(
+    rendered: list[dict[str, Any]], pod: Pod, policy: PolicySpec
+) -> None:
+    """/metrics asks for a bearer token (issue 35: metrics behind a token), the file the
+    pod mounts from the Secret nodeagent-metrics-token, and the ServiceMonitor sends that
+    Secret's same key; the probes' /healthz stays open."""
+    token_file = policy.agent.metrics.bearer_token_file
+    assert token_file is not None
+    mount = pod.mount_of(token_file)
+    assert mount.get("readOnly") is True
+    secret = pod.volumes[mount["name"]]["secret"]
+    key = posixpath.relpath(token_file, mount["mountPath"])
+    assert {"key": "token", "path": key} in secret["items"]
+    assert secret["defaultMode"] == 0o400
+    (endpoint,) = one(rendered, "ServiceMonitor")["spec"]["endpoints"]
+    credentials = endpoint["authorization"]["credentials"]
+    assert endpoint["authorization"]["type"] == "Bearer"
+    assert (credentials["name"], credentials["key"]) == (secret["secretName"], "token")
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert pod.container[probe]["httpGet"]["path"] == "/healthz"
+    # the install says how to make the Secret before the first apply
+    said = (ROOT / "docs/kubernetes.md").read_text()
+    assert f"create secret generic {secret['secretName']}" in said
+
+
 class Pod:
     """The DaemonSet's pod spec, read as the kubelet would lay out its container."""
 
