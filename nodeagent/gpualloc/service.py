@@ -150,7 +150,7 @@ class GpuService:
         self._not_owned: dict[str, tuple[str, ...]] = {}
         self.state: GpuState | None = None
         self._ambiguous: dict[str, tuple[str, ...]] = {}
-        self.pod_holds: tuple[Hold, ...] = ()
+        self.outside_holds: tuple[Hold, ...] = ()
         """The holds read each tick outside the ledger: in Kubernetes mode the GPUs the
         device plugin gave each container (kind pod), from the kubelet (the ledger then
         stays empty); on any node the GPUs dockerd gave a container (kind runtime)."""
@@ -158,7 +158,7 @@ class GpuService:
     # --- the loop ---------------------------------------------------------------------
 
     def holds(self) -> tuple[Hold, ...]:
-        return self.ledger.holds() + self.pod_holds
+        return self.ledger.holds() + self.outside_holds
 
     def sense(
         self, now: float, pods: Callable[[GpuState], tuple[Hold, ...]] | None = None
@@ -168,7 +168,7 @@ class GpuService:
         outside the ledger on the GPUs just read (Kubernetes pods', Docker containers'), given
         the state with the ledger's holds; they are not weighed when the ledger grants."""
         state = self.sensor.read(self.ledger.holds())
-        self.pod_holds = () if state is None or pods is None else pods(state)
+        self.outside_holds = () if state is None or pods is None else pods(state)
         self._bind()
         for h in self.ledger.holds():
             gone = h.kind is HoldKind.RESERVATION and h.cgroup and not self._exists(h.cgroup)

@@ -21,11 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-# the ids' reading is shared with the runtimes' grants (nodeagent.runtimes.gpus), so it lives
-# beside the GPUs: re-exported (explicitly, for mypy) where the kube side always had it
-from nodeagent.gpu.grants import REPLICA as REPLICA  # noqa: PLC0414
-from nodeagent.gpu.grants import device_uuid as device_uuid  # noqa: PLC0414
-from nodeagent.gpu.grants import uuid_indices as uuid_indices  # noqa: PLC0414
+from nodeagent.gpu.grants import REPLICA, device_uuid, uuid_indices
 from nodeagent.gpu.model import GpuState, Hold, HoldKind
 from nodeagent.identity import Kind, WorkloadIdentity
 from nodeagent.kube.owners import with_api_view

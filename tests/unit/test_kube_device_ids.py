@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 from test_gpu_policies import G0, G1, state
 
+from nodeagent.gpu.grants import device_uuid, uuid_indices
 from nodeagent.gpu.model import GpuProcess, GpuState, Hold
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
-from nodeagent.kube.gpus import device_uuid, join, uuid_indices
+from nodeagent.kube.gpus import join
 from nodeagent.kube.podresources import ContainerDevices, Devices
 from nodeagent.kube.pods import EMPTY
 from nodeagent.meta import ContainerMeta, PodMeta
