@@ -8,7 +8,7 @@ is milliwatts, as NVML reports them; None is a figure the device does not report
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 # the kernel's CPU list format, which cpuset.cpus holds too: re-exported (explicitly, for
@@ -236,3 +236,18 @@ class GpuState:
     def parents(self) -> dict[str, str]:
         """MIG device UUID -> its GPU's UUID."""
         return {m.uuid: d.uuid for d in self.devices for m in d.mig_devices}
+
+
+def within(cgroup: str, parent: str) -> bool:
+    """`cgroup` is `parent` or below it (paths relative to the cgroup root)."""
+    return cgroup == parent or cgroup.startswith(parent + "/")
+
+
+def holders(process: GpuProcess, holds: Sequence[Hold]) -> list[Hold]:
+    """Every hold bound to the process's cgroup or one above it, closest first: any of them
+    covers it (one alone would let a hold bound there, whoever's, judge the others' GPUs)."""
+    if process.cgroup is None:
+        return []
+    cgroup = process.cgroup
+    bound = [h for h in holds if h.cgroup is not None and within(cgroup, h.cgroup)]
+    return sorted(bound, key=lambda h: -len(h.cgroup or ""))

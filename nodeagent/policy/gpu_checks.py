@@ -22,23 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nodeagent.cgroupfs.values import Attribute, Frozen
-from nodeagent.gpu.model import GpuProcess, GpuState, Hold, HoldKind
+from nodeagent.gpu.model import GpuProcess, GpuState, Hold, HoldKind, holders, within
 from nodeagent.policy.base import Carry, Decision, Note, Output, Policy, PolicyInput
 from nodeagent.policyfile.model import ViolationAction
-
-
-def within(cgroup: str, parent: str) -> bool:
-    return cgroup == parent or cgroup.startswith(parent + "/")
-
-
-def holders(process: GpuProcess, holds: Sequence[Hold]) -> list[Hold]:
-    """Every hold bound to the process's cgroup or one above it, closest first: any of them
-    covers it (one alone would let a hold bound there, whoever's, judge the others' GPUs)."""
-    if process.cgroup is None:
-        return []
-    cgroup = process.cgroup
-    bound = [h for h in holds if h.cgroup is not None and within(cgroup, h.cgroup)]
-    return sorted(bound, key=lambda h: -len(h.cgroup or ""))
 
 
 def violations(gpus: GpuState) -> list[tuple[GpuProcess, str, Hold | None]]:

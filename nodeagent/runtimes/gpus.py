@@ -26,7 +26,7 @@ import structlog
 from nodeagent.discovery.layouts import delegated_uid
 from nodeagent.errors import one_line
 from nodeagent.gpu.grants import NO_GPUS, GpuGrant, granted, uuid_indices
-from nodeagent.gpu.model import GpuState, Hold, HoldKind
+from nodeagent.gpu.model import GpuState, Hold, HoldKind, holders
 from nodeagent.identity import Kind, Runtime, WorkloadIdentity
 from nodeagent.meta import Unavailable
 
@@ -44,10 +44,6 @@ class Grants(Protocol):
     socket: str
 
     def gpus(self, container_id: str) -> GpuGrant | None: ...
-
-
-def _within(cgroup: str, parent: str) -> bool:
-    return cgroup == parent or cgroup.startswith(parent + "/")
 
 
 def _closest(cgroup: str, containers: Mapping[str, WorkloadIdentity]) -> WorkloadIdentity | None:
@@ -154,16 +150,14 @@ class RuntimeGpus:
         for p in state.processes:
             if p.cgroup is None:
                 continue
-            cgroup = p.cgroup
-            container = _closest(cgroup, containers)
+            container = _closest(p.cgroup, containers)
             if container is None:
                 continue
             cid = container.container_id
             assert cid is not None
             if cid in self._grants:
                 continue
-            bound = [h for h in held if h.cgroup is not None and _within(cgroup, h.cgroup)]
-            if any(h.covers(p.device_uuid, parents) for h in bound):
+            if any(h.covers(p.device_uuid, parents) for h in holders(p, held)):
                 continue
             if self.clock() >= end:
                 return
