@@ -54,6 +54,13 @@ def stderr_is_the_journal() -> bool:
 PRIORITY = {"debug": 7, "info": 6, "warning": 4, "warn": 4, "error": 3, "critical": 2}
 """syslog(3) priorities by level name; an unknown name is logged as info (6)."""
 
+
+def prefixed(level: str, line: str) -> str:
+    """`line` behind its `<N>` priority prefix (sd-daemon(3)): how journald files a line
+    written to a stream at the level's priority."""
+    return f"<{PRIORITY.get(level, 6)}>{line}"
+
+
 FORMATS = ("auto", "journal", "json", "console")
 """The choices of --log-format; `auto` picks one of the others by where stderr goes."""
 

@@ -122,11 +122,11 @@ def journal_entry(
     exception = event.pop("exception", None)
     text = message(name, event)
     if exception is not None:
-        text += "\n" + str(exception).translate(_CONTROLS_BUT_LINES)
-    priority = journal.PRIORITY.get(level, 6)
+        # escaped as the line above is, line by line: a traceback keeps its newlines
+        text += "\n" + "\n".join(printable(line) for line in str(exception).split("\n"))
     fields = [
         ("MESSAGE", text),
-        ("PRIORITY", str(priority)),
+        ("PRIORITY", str(journal.PRIORITY.get(level, 6))),
         ("SYSLOG_IDENTIFIER", "nodeagent"),
         (journal.field_name("event"), name),
     ]
@@ -135,7 +135,7 @@ def journal_entry(
         fields.append((journal.field_name(key), as_text))
     if exception is not None:
         fields.append((journal.field_name("exception"), str(exception)))
-    return (journal.encode(fields), f"<{priority}>{text}"), {}
+    return (journal.encode(fields), journal.prefixed(level, text)), {}
 
 
 class JournalLogger:
@@ -174,8 +174,7 @@ def _with_priority(render: Any) -> Any:
     """The JSON line behind its `<N>` priority prefix, for journald."""
 
     def render_for_journal(logger: Any, method: str, event: MutableMapping[str, Any]) -> str:
-        priority = journal.PRIORITY.get(str(event.get("level", method)), 6)
-        return f"<{priority}>{render(logger, method, event)}"
+        return journal.prefixed(str(event.get("level", method)), render(logger, method, event))
 
     return render_for_journal
 

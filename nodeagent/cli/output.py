@@ -83,7 +83,7 @@ def report(log_format: str, event: str, text: str, *, level: str = "info", **fie
     --log-format json the record {"event", "level", "message", **fields}. Warnings and
     errors go to stderr, filed at their priority when stderr is the journal (`<3>`, as
     sd-daemon(3) says), so `journalctl -p err -u nodeagent` shows them."""
-    from nodeagent.journal import PRIORITY, stderr_is_the_journal
+    from nodeagent.journal import prefixed, stderr_is_the_journal
 
     if log_format == "json":
         record = {"event": event, "level": level, "ts": time.time(), "message": text, **fields}
@@ -92,5 +92,5 @@ def report(log_format: str, event: str, text: str, *, level: str = "info", **fie
         line = text
     err = level not in ("debug", "info")
     if err and stderr_is_the_journal():
-        line = f"<{PRIORITY.get(level, 6)}>{line}"
+        line = prefixed(level, line)
     click.echo(line, err=err)

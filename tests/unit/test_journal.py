@@ -178,6 +178,17 @@ def test_a_traceback_follows_the_line(journald: Journald) -> None:
     assert fields["PRIORITY"] == b"3"
 
 
+def test_a_tracebacks_controls_are_escaped_as_the_lines_are(journald: Journald) -> None:
+    logs.configure()
+    try:
+        raise ValueError("no /x\x1b]0;t\x07 cgroup")
+    except ValueError:
+        structlog.get_logger("nodeagent.test").exception("tick.failed")
+    message = journald.entry()["MESSAGE"].decode()
+    assert message.endswith("ValueError: no /x\\x1b]0;t\\x07 cgroup")
+    assert "\x1b" not in message and "\u241b" not in message
+
+
 def test_an_entry_larger_than_a_datagram_goes_as_a_sealed_memfd(journald: Journald) -> None:
     logs.configure()
     big = "a" * (4 << 20)  # over any datagram's limit (net.core.wmem_max)
