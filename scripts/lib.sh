@@ -2,7 +2,8 @@
 # scripts/lib.sh: helpers sourced by scripts/test, scripts/vm, scripts/demo, scripts/bench.
 #
 #   ensure_venv             .venv with `pip install -e '.[dev]'`, reinstalled only when pyproject.toml changes
-#   ensure_promtool         .venv/bin/promtool, from Debian's prometheus package (unpacked only)
+#   ensure_prometheus       .venv/bin/promtool and .venv/bin/prometheus, from Debian's prometheus
+#                           package (downloaded once, unpacked only: no service is installed)
 #   ensure_slurm            Debian's munge, slurmctld, slurmd and slurm-client on this filesystem, for
 #                           the real-kernel Slurm test (apt, with a policy-rc.d that refuses every
 #                           start, and the services disabled: they only ever run inside the VM)
@@ -192,24 +193,29 @@ with open(sys.argv[1], "rb") as f:
     --disable-pip-version-check --target "$target" "${specs[@]}"
 }
 
-# ensure_promtool: Prometheus's promtool in .venv/bin, for `promtool check metrics` on the
-# metrics endpoint. Unpacked from Debian's prometheus package, not installed: no Prometheus
-# server or service comes with it.
-ensure_promtool() {
-  local bin=$NODEAGENT_VENV/bin/promtool tmp
-  [[ -x $bin ]] && return 0
-  command -v apt-get >/dev/null || die "promtool comes from Debian's prometheus package, and there is no apt-get"
-  tmp=$(mktemp -d "${TMPDIR:-/tmp}/nodeagent-promtool.XXXXXX")
-  _promtool_download() { (cd "$tmp" && apt-get download -q -o APT::Sandbox::User=root prometheus); }
-  if ! _promtool_download >/dev/null 2>&1; then # no package lists yet: fetch them once
+# ensure_prometheus: Prometheus's promtool and server in .venv/bin, both from one download of
+# Debian's prometheus package, unpacked, not installed (no service, no user, no
+# /etc/prometheus): promtool checks scrapes and rules, and the unit tests start the server
+# themselves, on loopback with its data in a temporary directory, to scrape a real endpoint
+# with the ServiceMonitor's scrape config (tests/unit/test_service_monitor_scrape.py).
+ensure_prometheus() {
+  local bin=$NODEAGENT_VENV/bin tmp name rc=0
+  [[ -x $bin/promtool && -x $bin/prometheus ]] && return 0
+  command -v apt-get >/dev/null || die "promtool and prometheus come from Debian's prometheus package, and there is no apt-get"
+  tmp=$(mktemp -d "${TMPDIR:-/tmp}/nodeagent-prometheus.XXXXXX")
+  _prometheus_download() { (cd "$tmp" && apt-get download -q -o APT::Sandbox::User=root prometheus); }
+  if ! _prometheus_download >/dev/null 2>&1; then # no package lists yet: fetch them once
     [[ -n $_NODEAGENT_APT_UPDATED ]] || run_logged "apt-get update" env DEBIAN_FRONTEND=noninteractive \
-      apt-get update -q -o DPkg::Lock::Timeout=600 || return 1
+      apt-get update -q -o DPkg::Lock::Timeout=600 || rc=$?
     _NODEAGENT_APT_UPDATED=1
-    run_logged "apt-get download prometheus" _promtool_download || return 1
+    ((rc != 0)) || run_logged "apt-get download prometheus" _prometheus_download || rc=$?
   fi
-  dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/unpacked" &&
-    install -m 0755 "$tmp/unpacked/usr/bin/promtool" "$bin"
-  local rc=$?
+  if ((rc == 0)); then
+    dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/unpacked" || rc=$?
+    for name in promtool prometheus; do
+      ((rc != 0)) || install -m 0755 "$tmp/unpacked/usr/bin/$name" "$bin/$name" || rc=$?
+    done
+  fi
   rm -rf "$tmp"
   return "$rc"
 }
