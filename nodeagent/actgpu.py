@@ -15,6 +15,7 @@ import structlog
 from nodeagent.errors import NodeagentError, one_line
 from nodeagent.gpu.backend import GpuBackend
 from nodeagent.logs import audit_event
+from nodeagent.policy.base import POWER_LIMIT_MW
 from nodeagent.policy.plan import Plan
 from nodeagent.snapshot import NodeSnapshot
 
@@ -37,7 +38,7 @@ class GpuExecutor:
         gpus = snapshot.gpus
         current = {t.uuid: t.power_limit_mw for t in (gpus.telemetry if gpus else ())}
         for d in plan.devices:
-            if d.setting != "power_limit_mw" or dry_run or current.get(d.uuid) == d.value:
+            if d.setting != POWER_LIMIT_MW or dry_run or current.get(d.uuid) == d.value:
                 continue
             try:
                 result = self.backend.set_power_limit(d.uuid, d.value)

@@ -15,8 +15,9 @@ policies before it said this tick (`earlier`), plus what it handed itself last t
 
 `CpuWeights` turns shares and floors into cpu.weight at the end.
 
-A policy also says what the loop must do for it, so that the loop knows no policy by
-name: which files it reads of a workload every tick (`needs`), and when its carried
+A policy declares what it writes (`writes`, `device_settings`): the plan refuses any
+other decision of it. It also says what the loop must do for it, so that the loop knows no
+policy by name: which files it reads of a workload every tick (`needs`), and when its carried
 state or what was sensed means the plan must be made again next tick (`stale`,
 `stale_sensed`). Policies subclass `Policy` for the defaults (nothing every tick, never
 stale) and declare only what they need.
@@ -211,6 +212,10 @@ class Note:
     """Tells notes of one kind about one cgroup apart (a process on a GPU)."""
 
 
+POWER_LIMIT_MW = "power_limit_mw"
+"""The one device setting there is (`DeviceDecision.setting`): a GPU's power limit."""
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceDecision:
     """A setting of a device rather than a cgroup: a GPU's power limit, in milliwatts."""
@@ -283,6 +288,12 @@ class Policy(Protocol):
     """One step of the plan. Subclass it for the defaults of everything but `decide`."""
 
     name: str
+    writes: frozenset[Attribute] = frozenset()
+    """The cgroup attributes it decides (`Decision`): the plan refuses a decision on any
+    other, as a problem naming the policy, so what a policy may change is read here and
+    checked, not found in its code."""
+    device_settings: frozenset[str] = frozenset()
+    """The device settings it decides (`DeviceDecision.setting`), refused alike."""
 
     def decide(self, given: PolicyInput) -> Sequence[Output]: ...
 

@@ -122,6 +122,7 @@ class _Job:
 
 class Deadlines(Policy):
     name = "deadlines"
+    writes = frozenset({Attribute.CPU_MAX})
 
     def needs(self, assignment: Assignment, spec: PolicySpec) -> Needs:
         """A deadline job's processes and threads, every tick: one that starts or ends is

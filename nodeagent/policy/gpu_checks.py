@@ -54,6 +54,7 @@ def _workload(cgroup: str, paths: Sequence[str]) -> str | None:
 
 class GpuChecks(Policy):
     name = "gpu-checks"
+    writes = frozenset({Attribute.FREEZE})
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         gpus = given.snapshot.gpus

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from nodeagent.policy.base import DeviceDecision, Output, Policy, PolicyInput
+from nodeagent.policy.base import POWER_LIMIT_MW, DeviceDecision, Output, Policy, PolicyInput
 from nodeagent.policyfile.model import PowerCap
 
 DAY = 86_400
@@ -27,6 +27,7 @@ def in_force(cap: PowerCap, local_seconds: float | None) -> bool:
 
 class GpuPower(Policy):
     name = "gpu-power"
+    device_settings = frozenset({POWER_LIMIT_MW})
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         gpus, caps = given.snapshot.gpus, given.spec.gpu.power
@@ -55,5 +56,5 @@ class GpuPower(Policy):
                     why += f" (clamped to the card's {low / 1000:g}-{high / 1000:g} W)"
                 wanted = clamped
             if t.power_limit_mw != wanted:
-                out.append(DeviceDecision(t.uuid, "power_limit_mw", wanted, self.name, why))
+                out.append(DeviceDecision(t.uuid, POWER_LIMIT_MW, wanted, self.name, why))
         return out

@@ -31,6 +31,17 @@ def _bytes(size: int | str) -> int | None:
 
 class StaticLimits(Policy):
     name = "static-limits"
+    writes = frozenset(
+        {
+            Attribute.CPU_MAX,
+            Attribute.MEMORY_MAX,
+            Attribute.MEMORY_HIGH,
+            Attribute.MEMORY_LOW,
+            Attribute.MEMORY_MIN,
+            Attribute.PIDS_MAX,
+            Attribute.CPUSET_CPUS,
+        }
+    )
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         page = given.snapshot.node.page_size

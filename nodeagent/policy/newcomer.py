@@ -65,6 +65,7 @@ class SiblingWeight(Policy):
     workloads under the same parent got in the last full tick's plan (`Siblings`)."""
 
     name = "sibling-weight"
+    writes = frozenset({Attribute.CPU_WEIGHT})
 
     def __init__(self, siblings: Siblings | None) -> None:
         self.siblings = siblings

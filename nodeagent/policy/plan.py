@@ -158,6 +158,7 @@ def make_plan(
                 f"policy {policy.name} failed, left out this tick: {_error(failed)}"
             )
             continue
+        outputs = [o for o in outputs if _declared(policy, o, merged.problems)]
         for o in outputs:
             merged.add(policy.name, o)
         earlier.extend(outputs)
@@ -381,6 +382,19 @@ def _without(given: PolicyInput, paths: Collection[str]) -> PolicyInput:
         assignments={p: a for p, a in given.assignments.items() if p not in paths},
         earlier=tuple(o for o in given.earlier if getattr(o, "path", None) not in paths),
     )
+
+
+def _declared(policy: Policy, o: Output, problems: list[str]) -> bool:
+    """Whether `o` is within what the policy declares it writes; if not, the refusal is
+    added to `problems` (a bug in the policy: the rest of its outputs stand)."""
+    if isinstance(o, Decision) and o.attribute not in policy.writes:
+        what = f"{o.attribute} of {o.path}"
+    elif isinstance(o, DeviceDecision) and o.setting not in policy.device_settings:
+        what = f"{o.setting} of GPU {o.uuid}"
+    else:
+        return True
+    problems.append(f"policy {policy.name} decided {what}, which it does not declare: refused")
+    return False
 
 
 def _error(e: Exception) -> str:

@@ -214,6 +214,7 @@ def _who(stalling: Mapping[str, float]) -> str:
 
 class Protection(Policy):
     name = "protection"
+    writes = frozenset({Attribute.CPU_MAX, Attribute.FREEZE})
 
     def needs(self, assignment: Assignment, spec: PolicySpec) -> Needs:
         """cpu.pressure, every tick, of the cgroups it watches: a protected class's, and

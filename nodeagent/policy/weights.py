@@ -69,6 +69,7 @@ class _Node:
 
 class CpuWeights(Policy):
     name = "cpu-weights"
+    writes = frozenset({Attribute.CPU_WEIGHT})
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         targets = cpu_targets(given)

@@ -152,6 +152,8 @@ class Tighten:
     thaws the ones frozen now: what any policy might plan."""
 
     name = "tighten"
+    writes = frozenset({Attribute.CPU_MAX, Attribute.CPU_WEIGHT, Attribute.FREEZE})
+    device_settings: frozenset[str] = frozenset()
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         out: list[Output] = []
@@ -172,6 +174,8 @@ class KeepFrozen:
     """A stand-in policy that plans kube-proxy frozen (a GPU check, say)."""
 
     name = "keep"
+    writes = frozenset({Attribute.FREEZE})
+    device_settings: frozenset[str] = frozenset()
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         return [Decision(PROXY.path, Attribute.FREEZE, Frozen(True), self.name, "frozen")]

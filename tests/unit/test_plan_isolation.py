@@ -64,6 +64,7 @@ class FailsOn(Policy):
     together: frozenset[str] = frozenset()
     name: str = "fails-on"
     runs: int = field(default=0, init=False)
+    writes = frozenset({Attribute.CPU_MAX})
 
     def decide(self, given: PolicyInput) -> Sequence[Decision]:
         self.runs += 1

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from builders import docker, job, service, snapshot, spec, workload
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, MemoryLimit, Value
-from nodeagent.policy.base import Decision, Policy, PolicyInput, Skip
+from nodeagent.policy.base import Decision, DeviceDecision, Output, Policy, PolicyInput, Skip
 from nodeagent.policy.classify import assign
-from nodeagent.policy.plan import CgroupPlan, Plan, make_plan
+from nodeagent.policy.newcomer import SiblingWeight
+from nodeagent.policy.plan import DEFAULT_POLICIES, CgroupPlan, Plan, make_plan
 from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 from nodeagent.snapshot import CgroupSample, WorkloadState
 
@@ -23,6 +25,9 @@ class Fixed(Policy):
     name: str
     attribute: Attribute
     value: Value
+
+    def __post_init__(self) -> None:
+        self.writes = frozenset({self.attribute})
 
     def decide(self, given: PolicyInput) -> Sequence[Decision]:
         return [
@@ -219,6 +224,7 @@ class SkipsOne(Policy):
 
     bad: str
     name: str = "picky"
+    writes = frozenset({Attribute.CPU_WEIGHT})
 
     def decide(self, given: PolicyInput) -> Sequence[Decision | Skip]:
         return [
@@ -238,6 +244,51 @@ def test_a_policy_that_fails_is_left_out_and_the_others_still_plan() -> None:
     assert plan.problems == (
         "policy broken failed, left out this tick: ZeroDivisionError: float division by zero",
     )
+
+
+@dataclass
+class Overreaches(Policy):
+    """Declares cpu.weight and a device setting, but also decides cpu.max and a power
+    limit: a bug the plan must catch, whatever the policy's code says."""
+
+    name: str = "overreaches"
+    writes = frozenset({Attribute.CPU_WEIGHT})
+
+    def decide(self, given: PolicyInput) -> Sequence[Output]:
+        return [
+            Decision("nodeagent.slice/a-1", Attribute.CPU_WEIGHT, CpuWeight(300), self.name, "ok"),
+            Decision("nodeagent.slice/a-1", Attribute.CPU_MAX, CpuMax(1000), self.name, "sly"),
+            DeviceDecision("GPU-0", "power_limit_mw", 100_000, self.name, "sly"),
+        ]
+
+
+def test_a_decision_on_what_its_policy_does_not_declare_is_refused() -> None:
+    plan = make_plan(SNAP, spec({"a": 1}), {}, [Overreaches()])
+    cg = by_path(plan)["nodeagent.slice/a-1"]
+    assert cg.targets[Attribute.CPU_WEIGHT].value == CpuWeight(300), "the declared one stands"
+    assert Attribute.CPU_MAX not in cg.targets
+    assert plan.devices == ()
+    assert plan.problems == (
+        "policy overreaches decided cpu.max of nodeagent.slice/a-1, which it does not declare:"
+        " refused",
+        "policy overreaches decided power_limit_mw of GPU GPU-0, which it does not declare:"
+        " refused",
+    )
+    assert not any("overreaches" in line for line in cg.trace if "sly" in line)
+
+
+def test_every_shipped_policy_declares_what_it_writes() -> None:
+    """The declarations are the reference docs/architecture.md gives: a policy that
+    starts writing something new must say so there too."""
+    declared = {p.name: {str(a) for a in p.writes} | set(p.device_settings)
+                for p in (*DEFAULT_POLICIES, SiblingWeight(None))}  # fmt: skip
+    text = (Path(__file__).parents[2] / "docs" / "architecture.md").read_text()
+    for name, writes in declared.items():
+        row = next((line for line in text.splitlines() if line.startswith(f"| `{name}` ")), "")
+        assert row, f"docs/architecture.md has no row for policy {name}"
+        assert {w.strip(" `") for w in row.split("|")[2].split(",") if w.strip()} == (
+            writes or {"nothing"}
+        ), row
 
 
 def test_a_cgroup_a_policy_cannot_plan_is_skipped_alone() -> None:
