@@ -10,7 +10,7 @@ derives from the last (who is claimed, what to read, the plan) are keyed on thei
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -44,7 +44,7 @@ from nodeagent.reach import Reach
 from nodeagent.release import Releaser, in_release_order
 from nodeagent.report import TickRecord
 from nodeagent.runtimes.docker import DockerAdapter
-from nodeagent.runtimes.gpus import RuntimeGpus
+from nodeagent.runtimes.gpus import DockerGpus, RuntimeGpus
 from nodeagent.runtimes.metadata import RuntimeMetadata
 from nodeagent.sense.sensor import Sensor
 from nodeagent.slurm import SlurmJobs
@@ -106,6 +106,8 @@ class Reconciler:
         self.runtimes = runtimes
         self.runtime_gpus = RuntimeGpus()
         """The GPUs dockerd gave its containers (`docker run --gpus`), as holds."""
+        self.slurm_gpus = RuntimeGpus()
+        """The GPUs (GRES) Slurm gave its jobs on this node, as holds."""
         self.slurm = slurm
         self.kube = kube
         self.policies = policies
@@ -238,18 +240,7 @@ class Reconciler:
         if not self.dry_run:
             self.jobs.reap(snapshot)
         kube = self.kube
-        spec = self.spec
-        docker = self.runtimes.adapters.get("docker")
-        granted = docker if isinstance(docker, DockerAdapter) else None
-
-        def outside(state: GpuState) -> tuple[Hold, ...]:
-            """The holds outside the ledger: the pods' (the kubelet's device plugin) and
-            the Docker containers' given GPUs (`--gpus`), both where both apply."""
-            classes = {p: str(a.workload_class) for p, a in assignments.items()}
-            pods = () if kube is None else kube.gpu_holds(state, spec, identities, classes)
-            held = (*state.holds, *pods)
-            return pods + self.runtime_gpus.holds(granted, state, identities, classes, held)
-
+        outside = self._outside(assignments, identities)
         snapshot = replace(
             snapshot,
             gpus=self.gpus.sense(time.monotonic(), outside),
@@ -303,6 +294,29 @@ class Reconciler:
         self._siblings = None
         self._lookups.clear()  # this tick asked the runtimes for whom it could
         return self.last
+
+    def _outside(
+        self, assignments: Mapping[str, Assignment], identities: Sequence[WorkloadIdentity]
+    ) -> Callable[[GpuState], tuple[Hold, ...]]:
+        """This tick's holds outside the ledger, made once the GPUs are read."""
+        kube, spec = self.kube, self.spec
+        docker = self.runtimes.adapters.get("docker")
+        dockerd = DockerGpus(docker) if isinstance(docker, DockerAdapter) else None
+        slurm = self.slurm.gpus(spec.agent.slurm)
+
+        def outside(state: GpuState) -> tuple[Hold, ...]:
+            """The pods' (the kubelet's device plugin), the Docker containers' given GPUs
+            (`--gpus`) and the Slurm jobs' (GRES), each where it applies; each asks only about
+            what those before it do not cover."""
+            classes = {p: str(a.workload_class) for p, a in assignments.items()}
+            pods = () if kube is None else kube.gpu_holds(state, spec, identities, classes)
+            held = (*state.holds, *pods)
+            containers = self.runtime_gpus.holds(dockerd, state, identities, classes, held)
+            held += containers
+            jobs = self.slurm_gpus.holds(slurm, state, identities, classes, held)
+            return pods + containers + jobs
+
+        return outside
 
     def peers(self) -> tuple[Reach, ...]:
         """Every service the agent asks, as it last answered (`reach`)."""

@@ -12,11 +12,17 @@ their cgroups (system.slice/slurmstepd.scope/job_<id>); this adapter adds the ac
 - Slurm not answering (squeue missing, timed out, failing) is one line naming the command
   and why, logged once per outage; the jobs keep their path identity, so the rules that
   need no account still claim them, and Slurm is asked again after `retry_interval`.
+
+And the GPUs (GRES) Slurm gave a job on this node, asked of `scontrol show job -d` only for a
+job with a GPU process no hold covers (SlurmGpus, a Giver of nodeagent.runtimes.gpus), with the
+same deadline, retry and runner. Never from the job's environment (CUDA_VISIBLE_DEVICES,
+SLURM_JOB_GPUS): its user sets that.
 """
 
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -25,7 +31,11 @@ from dataclasses import dataclass, replace
 import structlog
 
 from nodeagent.errors import NodeagentError
+from nodeagent.gpu.grants import GpuGrant
+from nodeagent.gpu.gres import gres_uuids, slurm_gpus
+from nodeagent.gpu.model import GpuState
 from nodeagent.identity import Runtime, WorkloadIdentity
+from nodeagent.meta import Unavailable
 from nodeagent.policyfile.model import SlurmSettings
 from nodeagent.reach import Reachability
 
@@ -40,6 +50,10 @@ _JOB_ID = re.compile(r"[0-9]{1,20}", re.ASCII)
 _UNKNOWN_JOB = "Invalid job id specified"
 """squeue's answer (exit 1) when the only job asked about is not Slurm's."""
 OUTPUT_MAX = 4 << 20
+
+
+_SCOPE = re.compile(r"system\.slice/([^/]+)_slurmstepd\.scope/", re.ASCII)
+"""A slurmd built for several per host names its scope after its node."""
 
 
 class SlurmUnavailable(NodeagentError):
@@ -84,6 +98,77 @@ def parse_jobs(text: str, command: str) -> dict[str, str | None]:
             raise SlurmUnavailable(f"{command}: line {n} is not job|account: {shown!r}")
         out[job] = None if account in ("", NO_ACCOUNT) else account
     return out
+
+
+def ask(
+    run: Runner, argv: Sequence[str], command: str, timeout: float, unknown: bool
+) -> str | None:
+    """What a Slurm command printed; None when it said the one job asked about is not Slurm's
+    (`unknown`: one job was asked about). SlurmUnavailable, naming `command` and what failed,
+    when it does not answer."""
+    try:
+        answer = run(argv, timeout)
+    except subprocess.TimeoutExpired:
+        raise SlurmUnavailable(f"{command}: no answer in {timeout:g} s") from None
+    except OSError as e:
+        raise SlurmUnavailable(f"{command}: {e.strerror or e}") from None
+    if answer.returncode == 0:
+        return answer.stdout
+    said = " ".join(answer.stderr.split())[:200] or "no message"
+    if _UNKNOWN_JOB in said and unknown:
+        return None
+    raise SlurmUnavailable(f"{command}: exited {answer.returncode}: {said}")
+
+
+def node_name(settings: SlurmSettings, cgroup: str) -> str:
+    """This node's name as Slurm knows it: `agent.slurm.node`, else the one slurmd named its
+    scope after (`<node>_slurmstepd.scope`, where slurmd is built for several per host), else
+    the host's short name, which slurmd takes unless started with -N."""
+    if settings.node:
+        return settings.node
+    m = _SCOPE.match(cgroup + "/")
+    return m.group(1) if m else socket.gethostname().split(".")[0]
+
+
+@dataclass(frozen=True, slots=True)
+class SlurmGpus:
+    """Slurm as a Giver (nodeagent.runtimes.gpus): the GRES GPUs of a job on this node, read
+    from `scontrol show job -d --oneliner <id>` (nodeagent.gpu.gres), within `timeout`."""
+
+    settings: SlurmSettings
+    run: Runner = run_command
+    runtime: str = "slurm"
+
+    @property
+    def where(self) -> str:
+        return self.settings.scontrol
+
+    @property
+    def retry_s(self) -> float:
+        return self.settings.retry_interval
+
+    def key(self, identity: WorkloadIdentity) -> str | None:
+        return identity.job_id if identity.runtime is Runtime.SLURM else None
+
+    def owner(self, identity: WorkloadIdentity) -> str:
+        return f"slurm:{identity.job_id}"
+
+    def gpus(self, identity: WorkloadIdentity) -> GpuGrant | None:
+        job = identity.job_id
+        if job is None or not _JOB_ID.fullmatch(job):
+            return None
+        argv = [self.settings.scontrol, "show", "job", "--details", "--oneliner", job]
+        command = f"{self.settings.scontrol} show job -d {job}"
+        try:
+            text = ask(self.run, argv, command, self.settings.timeout, unknown=True)
+        except SlurmUnavailable as e:
+            raise Unavailable(str(e)) from None
+        if text is None:
+            return None
+        return slurm_gpus(text, job, node_name(self.settings, identity.path))
+
+    def uuids(self, grant: GpuGrant, state: GpuState) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return gres_uuids(grant, state)
 
 
 class SlurmJobs:
@@ -172,18 +257,12 @@ class SlurmJobs:
             f"--format={FORMAT}",
         ]
         command = f"{settings.squeue} --jobs={ids if len(ids) <= 80 else ids[:77] + '...'}"
-        try:
-            answer = self._run(argv, settings.timeout)
-        except subprocess.TimeoutExpired:
-            raise SlurmUnavailable(f"{command}: no answer in {settings.timeout:g} s") from None
-        except OSError as e:
-            raise SlurmUnavailable(f"{command}: {e.strerror or e}") from None
-        if answer.returncode == 0:
-            return parse_jobs(answer.stdout, command)
-        said = " ".join(answer.stderr.split())[:200] or "no message"
-        if _UNKNOWN_JOB in said and len(wanted) == 1:
-            return {}
-        raise SlurmUnavailable(f"{command}: exited {answer.returncode}: {said}")
+        answer = ask(self._run, argv, command, settings.timeout, unknown=len(wanted) == 1)
+        return {} if answer is None else parse_jobs(answer, command)
+
+    def gpus(self, settings: SlurmSettings) -> SlurmGpus:
+        """Slurm as the giver of its jobs' GPUs, asked with these settings and this runner."""
+        return SlurmGpus(settings, self._run)
 
     def _forget_all_but(self, live: set[str]) -> None:
         """Jobs whose cgroups are gone: a job id Slurm gives again is another job."""

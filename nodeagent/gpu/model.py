@@ -170,8 +170,9 @@ class HoldKind(enum.StrEnum):
     """Kubernetes mode: a container's GPUs as the device plugin gave them, read from the
     kubelet each tick; never in the ledger, never saved, never made into an environment."""
     RUNTIME = "runtime"
-    """A container's GPUs as its runtime gave them (`docker run --gpus`), read from the
-    runtime (nodeagent.runtimes.gpus); never in the ledger, never saved, never made into an
+    """A workload's GPUs as whatever started it gave them: a container's runtime (`docker run
+    --gpus`, owner `docker:NAME`) or Slurm (a job's GRES, owner `slurm:JOBID`), read from it
+    (nodeagent.runtimes.gpus); never in the ledger, never saved, never made into an
     environment, and never weighed when the ledger grants GPUs."""
 
 
@@ -179,9 +180,9 @@ class HoldKind(enum.StrEnum):
 class Hold:
     """GPUs (or MIG devices) held by one job, one reservation for a container, one granted
     request waiting for its job to start, or (read each tick, outside the ledger) one
-    container as Kubernetes' device plugin or its runtime gave them. Its `id` is what the
-    daemon acts on; `owner` is a label (the job's or the reservation's name; `pod:...`,
-    `docker:NAME`), unique among live holds."""
+    container as Kubernetes' device plugin or its runtime gave them, or one Slurm job's GRES.
+    Its `id` is what the daemon acts on; `owner` is a label (the job's or the reservation's
+    name; `pod:...`, `docker:NAME`, `slurm:JOBID`), unique among live holds."""
 
     owner: str
     kind: HoldKind

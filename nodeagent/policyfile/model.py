@@ -241,6 +241,11 @@ class SlurmSettings(_Strict):
     its cpuset, memory, devices, cpu.max or freezer, nor anything below the job."""
     squeue: HostPath = "/usr/bin/squeue"
     """Slurm's squeue, which answers with each job's account."""
+    scontrol: HostPath = "/usr/bin/scontrol"
+    """Slurm's scontrol, which answers with the GPUs (GRES) a job holds on each node."""
+    node: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
+    """This node's name in Slurm (its NodeName), where it is not the host's short name nor in
+    slurmstepd's scope's name: a job's GRES are read for this node's entry only."""
     timeout: Duration = Field(5.0, gt=0, le=60)
     """How long one query may take; Slurm not answering in time is asked again
     `retry_interval` later, the jobs meanwhile claimed by the rules that need no account."""

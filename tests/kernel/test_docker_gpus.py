@@ -22,7 +22,7 @@ from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.meta import ContainerMeta
 from nodeagent.policy.gpu_checks import violations
 from nodeagent.runtimes.docker import DockerAdapter
-from nodeagent.runtimes.gpus import RuntimeGpus
+from nodeagent.runtimes.gpus import DockerGpus, RuntimeGpus
 
 G0, G1, G2 = "GPU-00000000-0000-0000-0000-000000000000", "GPU-11111111", "GPU-22222222"
 DEVICES = tuple(
@@ -85,7 +85,7 @@ def test_real_dockerd_gpu_requests_read_into_grants_and_holds(docker: rt.Runtime
     )
     state = GpuState(DEVICES, Topology(), (), processes, (), "simulated", True)
     gpus = RuntimeGpus()
-    holds = gpus.holds(adapter, state, ids, {}, ())
+    holds = gpus.holds(DockerGpus(adapter), state, ids, {}, ())
     assert [(h.owner, h.kind, h.uuids, h.indices, h.cgroup) for h in holds] == sorted(
         [
             ("docker:gpus-two", HoldKind.RUNTIME, (G0, G2), (0, 2), paths[0]),
@@ -99,5 +99,5 @@ def test_real_dockerd_gpu_requests_read_into_grants_and_holds(docker: rt.Runtime
         (13, "unassigned"),
     ]
     assert gpus.asked == 3
-    gpus.holds(adapter, state, ids, {}, ())
+    gpus.holds(DockerGpus(adapter), state, ids, {}, ())
     assert gpus.asked == 3  # kept for the containers' lives

@@ -33,7 +33,7 @@ from nodeagent.meta import BadAnswer, ContainerMeta, Unavailable
 from nodeagent.policy.gpu_checks import violations
 from nodeagent.policyfile.model import PolicySpec
 from nodeagent.runtimes.docker import DockerAdapter
-from nodeagent.runtimes.gpus import RETRY_S, RuntimeGpus
+from nodeagent.runtimes.gpus import RETRY_S, DockerGpus, RuntimeGpus
 
 REPO = Path(__file__).resolve().parents[2]
 CID3 = "77" * 32
@@ -248,7 +248,7 @@ def judged(holds: tuple[Hold, ...], processes: tuple[GpuProcess, ...] = PROCESSE
 def test_a_containers_own_gpu_is_held_and_only_a_process_nobody_granted_is_a_violation() -> None:
     docker, gpus = stand_in(), RuntimeGpus()
     classes = {TRAINER.path: "training"}
-    holds = gpus.holds(docker, state(PROCESSES, ()), CONTAINERS, classes, ())
+    holds = gpus.holds(DockerGpus(docker), state(PROCESSES, ()), CONTAINERS, classes, ())
     assert holds == (
         Hold("docker:trainer", HoldKind.RUNTIME, (G0,), (0,), None, TRAINER.path, "training"),
     )
@@ -262,27 +262,28 @@ def test_each_container_is_asked_once_for_its_life_and_forgotten_when_its_cgroup
     docker, gpus = stand_in(), RuntimeGpus()
     gpu_state = state(PROCESSES, ())
     for _ in range(3):
-        assert [h.owner for h in gpus.holds(docker, gpu_state, CONTAINERS, {}, ())] == [
+        assert [h.owner for h in gpus.holds(DockerGpus(docker), gpu_state, CONTAINERS, {}, ())] == [
             "docker:trainer"
         ]
     assert sorted(docker.asked) == sorted([CID, CID2])
     # the trainer's cgroup is gone: forgotten; a container of the same id is asked again
-    assert gpus.holds(docker, gpu_state, CONTAINERS[1:], {}, ()) == ()
+    assert gpus.holds(DockerGpus(docker), gpu_state, CONTAINERS[1:], {}, ()) == ()
     docker.answers[CID] = inspect([request(count=-1)])
-    holds = gpus.holds(docker, gpu_state, CONTAINERS, {}, ())
+    holds = gpus.holds(DockerGpus(docker), gpu_state, CONTAINERS, {}, ())
     assert [(h.owner, h.uuids) for h in holds] == [("docker:trainer", (G0, G1))]
     assert docker.asked.count(CID) == 2 and docker.asked.count(CID2) == 1
 
 
 def test_nothing_is_asked_without_a_gpu_process_or_where_a_hold_already_covers_it() -> None:
     docker, gpus = stand_in(), RuntimeGpus()
-    assert gpus.holds(docker, state((), ()), CONTAINERS, {}, ()) == ()
+    assert gpus.holds(DockerGpus(docker), state((), ()), CONTAINERS, {}, ()) == ()
     reserved = Hold("mine", HoldKind.RESERVATION, (G0,), (0,), cgroup=TRAINER.path, id="r1")
     covered = (PROCESSES[0],)
-    assert gpus.holds(docker, state(covered, (reserved,)), CONTAINERS, {}, (reserved,)) == ()
+    held = gpus.holds(DockerGpus(docker), state(covered, (reserved,)), CONTAINERS, {}, (reserved,))
+    assert held == ()
     assert docker.asked == []
     # the same container on a GPU the reservation does not cover: asked
-    gpus.holds(docker, state(PROCESSES[:2], (reserved,)), CONTAINERS, {}, (reserved,))
+    gpus.holds(DockerGpus(docker), state(PROCESSES[:2], (reserved,)), CONTAINERS, {}, (reserved,))
     assert docker.asked == [CID]
 
 
@@ -293,15 +294,15 @@ def test_dockerd_down_holds_nothing_says_so_once_and_is_asked_again_later() -> N
     gpu_state = state(PROCESSES, ())
     with structlog.testing.capture_logs() as logs:
         for _ in range(4):
-            assert gpus.holds(docker, gpu_state, CONTAINERS, {}, ()) == ()
+            assert gpus.holds(DockerGpus(docker), gpu_state, CONTAINERS, {}, ()) == ()
             clock.now += 1
         assert len(docker.asked) == 1  # left alone RETRY_S
         clock.now += RETRY_S
-        assert gpus.holds(docker, gpu_state, CONTAINERS, {}, ()) == ()
+        assert gpus.holds(DockerGpus(docker), gpu_state, CONTAINERS, {}, ()) == ()
         assert len(docker.asked) == 2
         docker.down = False
         clock.now += RETRY_S
-        holds = gpus.holds(docker, gpu_state, CONTAINERS, {}, ())
+        holds = gpus.holds(DockerGpus(docker), gpu_state, CONTAINERS, {}, ())
     assert [h.owner for h in holds] == ["docker:trainer"]
     assert [e["event"] for e in logs] == ["runtime.gpus_unavailable", "runtime.gpus_available"]
     assert logs[0]["error"] == "no socket at /run/stand-in/docker.sock"
@@ -312,7 +313,7 @@ def test_a_malformed_answer_is_refused_for_that_container_said_once_not_asked_ag
     docker.answers[CID] = inspect([request(count="all")])
     with structlog.testing.capture_logs() as logs:
         for _ in range(3):
-            assert gpus.holds(docker, state(PROCESSES, ()), CONTAINERS, {}, ()) == ()
+            assert gpus.holds(DockerGpus(docker), state(PROCESSES, ()), CONTAINERS, {}, ()) == ()
     assert [e["event"] for e in logs] == ["runtime.gpus_refused"]
     assert "Count is not an integer" in logs[0]["message"]
     assert docker.asked.count(CID) == 1
@@ -323,7 +324,7 @@ def test_gpus_this_node_does_not_have_are_said_once_and_held_only_where_they_are
     docker.answers[CID] = inspect([request(ids=["0", "GPU-elsewhere"])])
     with structlog.testing.capture_logs() as logs:
         for _ in range(2):
-            holds = gpus.holds(docker, state(PROCESSES, ()), CONTAINERS, {}, ())
+            holds = gpus.holds(DockerGpus(docker), state(PROCESSES, ()), CONTAINERS, {}, ())
     assert [h.uuids for h in holds] == [(G0,)]
     assert [e["event"] for e in logs] == ["runtime.gpus_unknown"]
     assert "docker:trainer was given GPU-elsewhere (--gpus)" in logs[0]["message"]
@@ -443,7 +444,7 @@ def test_an_adapters_bug_costs_that_container_alone_and_never_the_tick() -> None
 
     docker, gpus = Broken({CID: inspect([request(ids=["0"])])}, {}), RuntimeGpus()
     with structlog.testing.capture_logs() as logs:
-        holds = gpus.holds(docker, state(PROCESSES, ()), CONTAINERS, {}, ())
+        holds = gpus.holds(DockerGpus(docker), state(PROCESSES, ()), CONTAINERS, {}, ())
     assert [h.owner for h in holds] == ["docker:trainer"]
     assert [e["event"] for e in logs] == ["runtime.gpus_refused"]
     assert "KeyError" in logs[0]["message"]
