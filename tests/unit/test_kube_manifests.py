@@ -6,8 +6,13 @@ the agent opens under the policy the ConfigMap carries.
 from __future__ import annotations
 
 import copy
+import json
+import os
 import posixpath
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +28,10 @@ from nodeagent.sdbus import SYSTEM_BUS_ADDRESS
 
 CRI_SOCKET = "/run/containerd/containerd.sock"
 """containerd's CRI socket, as the kubelet is configured for it on most nodes."""
-LAYOUTS = ["deploy/kubernetes", "deploy/node-resource-topology", "deploy/k3s", "deploy/cri-o"]
+LAYOUTS = [
+    "deploy/kubernetes", "deploy/node-resource-topology", "deploy/k3s", "deploy/cri-o",
+    "deploy/nvidia-runtime", "deploy/nvidia-host-driver",
+]  # fmt: skip
 """The DaemonSet and its overlays: ../kubernetes plus one thing each."""
 
 
@@ -404,3 +412,184 @@ def test_the_uninstall_releases_every_node_with_the_agents_view_of_the_host(
     base = yaml.safe_load((ROOT / "deploy/kubernetes/kustomization.yaml").read_text())
     mine = yaml.safe_load((ROOT / "deploy/uninstall/kustomization.yaml").read_text())
     assert mine["images"] == base["images"]
+
+
+# --- GPU access (issue 35): the NVIDIA runtime class, or the host's driver library --------
+
+
+def compose(tmp: Path, resources: list[str], components: list[str]) -> list[dict[str, Any]]:
+    """A kustomization of an operator's own, as docs/kubernetes.md shows it: deploy/
+    layouts as resources, deploy/components as components (kustomize wants both relative)."""
+
+    def rel(path: str) -> str:
+        return os.path.relpath(ROOT / path, tmp)
+
+    layout = {"resources": [rel(r) for r in resources], "components": [rel(c) for c in components]}
+    (tmp / "kustomization.yaml").write_text(yaml.safe_dump(layout))
+    return kustomize(str(tmp))
+
+
+def env_of(pod: Pod) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in pod.container["env"]}
+
+
+def without(daemonset: dict[str, Any], volume: str | None = None) -> dict[str, Any]:
+    """The DaemonSet less what a GPU component adds: the runtime class, the NVIDIA_* and
+    LD_PRELOAD variables, and `volume` with its mount."""
+    out = copy.deepcopy(daemonset)
+    spec = out["spec"]["template"]["spec"]
+    spec.pop("runtimeClassName", None)
+    (container,) = spec["containers"]
+    container["env"] = [
+        e for e in container["env"]
+        if not e["name"].startswith("NVIDIA_") and e["name"] != "LD_PRELOAD"
+    ]  # fmt: skip
+    container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != volume]
+    spec["volumes"] = {v["name"]: v for v in spec["volumes"] if v["name"] != volume}
+    return out
+
+
+def test_the_runtime_class_overlay_sees_the_gpus_as_nvidias_daemonsets_do() -> None:
+    """runtimeClassName nvidia with NVIDIA_VISIBLE_DEVICES=all and the `utility` capability
+    (NVML, no CUDA), and nothing else changed: no nvidia.com/gpu request, so the device
+    plugin counts no GPU as this pod's."""
+    docs = kustomize("deploy/nvidia-runtime")
+    daemonset = one(docs, "DaemonSet")
+    laid_out = Pod(daemonset)
+    assert laid_out.spec["runtimeClassName"] == "nvidia"
+    env = env_of(laid_out)
+    assert (env["NVIDIA_VISIBLE_DEVICES"], env["NVIDIA_DRIVER_CAPABILITIES"]) == ("all", "utility")
+    assert "LD_PRELOAD" not in env and "LD_LIBRARY_PATH" not in env
+    resources = laid_out.container["resources"]
+    assert not [r for part in resources.values() for r in part if r.startswith("nvidia.com/")]
+    base = kustomize("deploy/kubernetes")
+    assert without(daemonset) == without(one(base, "DaemonSet"))
+    assert [d for d in docs if d["kind"] != "DaemonSet"] == [
+        d for d in base if d["kind"] != "DaemonSet"
+    ]
+
+
+HOST_DRIVERS = [
+    # component, the host's file the agent preloads, its directory's hostPath type, and the
+    # runtime's layout it is tried on (each layout once: they compose alike)
+    (
+        "nvidia-host-driver",
+        "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+        "Directory",
+        "deploy/kubernetes",
+    ),
+    ("nvidia-host-driver-rhel", "/usr/lib64/libnvidia-ml.so.1", "Directory", "deploy/cri-o"),
+    (
+        "nvidia-host-driver-gpu-operator",
+        "/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+        "DirectoryOrCreate",
+        "deploy/k3s",
+    ),
+]
+
+
+@pytest.mark.parametrize(("component", "library", "kind", "base"), HOST_DRIVERS)
+def test_the_host_driver_components_preload_the_hosts_nvml(
+    tmp_path: Path, component: str, library: str, kind: str, base: str
+) -> None:
+    """Each host layout, on a runtime's layout: LD_PRELOAD names the host's
+    libnvidia-ml.so.1 through a read-only mount of its directory (HostToContainer: a driver
+    mounted later is seen), LD_LIBRARY_PATH is left alone (the host's libc would come
+    before the image's), the pod stays privileged (the host's /dev/nvidia* nodes), and
+    nothing else of the layout changes."""
+    docs = compose(tmp_path, [base], [f"deploy/components/{component}"])
+    daemonset = one(docs, "DaemonSet")
+    assert problems(daemonset) == []  # the rest is the layout's own, checked above
+    laid_out = Pod(daemonset)
+    env = env_of(laid_out)
+    assert "LD_LIBRARY_PATH" not in env and "runtimeClassName" not in laid_out.spec
+    assert laid_out.host_path(env["LD_PRELOAD"]) == (library, True)
+    mount = laid_out.mount_of(env["LD_PRELOAD"])
+    assert mount["mountPropagation"] == "HostToContainer"
+    assert laid_out.volumes[mount["name"]]["hostPath"]["type"] == kind
+    assert laid_out.container["securityContext"]["privileged"] is True
+    unchanged = kustomize(base)
+    assert without(daemonset, mount["name"]) == without(one(unchanged, "DaemonSet"))
+    assert [d for d in docs if d["kind"] != "DaemonSet"] == [
+        d for d in unchanged if d["kind"] != "DaemonSet"
+    ]
+
+
+def test_the_host_driver_overlay_is_the_component_on_the_containerd_layout(
+    tmp_path: Path,
+) -> None:
+    assert kustomize("deploy/nvidia-host-driver") == compose(
+        tmp_path, ["deploy/kubernetes"], ["deploy/components/nvidia-host-driver"]
+    )
+
+
+STUB_NVML = """
+/* A stand-in for the driver's libnvidia-ml.so.1 (no GPU here): what nvidia-ml-py calls
+   to start NVML and count the GPUs, answering NVML_SUCCESS and no GPUs. */
+int nvmlInitWithFlags(unsigned int flags) { return 0; }
+int nvmlShutdown(void) { return 0; }
+int nvmlDeviceGetCount_v2(unsigned int *count) { *count = 0; return 0; }
+"""
+
+
+def gpus_reason(env: dict[str, str]) -> tuple[str, str]:
+    """`nodeagent gpus --json`'s reason for having no GPUs, and its stderr, in `env`."""
+    out = subprocess.run(
+        [sys.executable, "-m", "nodeagent", "gpus", "--json", "--socket", "/nonexistent.sock"],
+        capture_output=True, text=True, check=True, timeout=60,
+        env={k: v for k, v in {**os.environ, **env}.items() if k != "NODEAGENT_GPU_SIM"},
+    )  # fmt: skip
+    reason: str = json.loads(out.stdout)["reason"]
+    return reason, out.stderr
+
+
+def test_a_preloaded_nvml_is_the_library_the_bindings_open(tmp_path: Path) -> None:
+    """What the host-driver components rely on, with the real loader and the real
+    nvidia-ml-py: a libnvidia-ml.so.1 preloaded by path, in a directory no search path
+    names, is the one `dlopen("libnvidia-ml.so.1")` returns (matched by its soname). The
+    driver cannot run here: a stand-in library built with the host's C compiler answers,
+    and only its answer ("no GPUs") tells that it was the one opened. Where the file is
+    missing, ld.so's one line and the agent's own reason, and the agent runs on."""
+    docs = kustomize("deploy/nvidia-host-driver")
+    laid_out = Pod(one(docs, "DaemonSet"))
+    preload = env_of(laid_out)["LD_PRELOAD"]
+    host_file, _ = laid_out.host_path(preload)
+    host = tmp_path / "host"
+    library = host / host_file.lstrip("/")
+    library.parent.mkdir(parents=True)
+    source = tmp_path / "nvml.c"
+    source.write_text(STUB_NVML)
+    compiler = shutil.which("cc")
+    assert compiler, "no C compiler to build the stand-in libnvidia-ml.so.1 (apt install gcc)"
+    real = library.with_name("libnvidia-ml.so.550.54.15")  # the driver's: a symlink to it
+    subprocess.run(
+        [compiler, "-shared", "-fPIC", "-Wl,-soname,libnvidia-ml.so.1", "-o", str(real),
+         str(source)],
+        check=True,
+    )  # fmt: skip
+    library.symlink_to(real.name)
+    # the pod's view: the mount's directory is the host's, LD_PRELOAD as the pod has it
+    mount = laid_out.mount_of(preload)
+    in_pod = str(host) + laid_out.volumes[mount["name"]]["hostPath"]["path"]
+    as_pod_sees = preload.replace(mount["mountPath"], in_pod, 1)
+    assert gpus_reason({"LD_PRELOAD": as_pod_sees}) == ("NVML found no GPUs", "")
+    missing = "no NVIDIA driver: the NVML library libnvidia-ml.so.1 is not installed"
+    assert gpus_reason({})[0] == missing
+    library.unlink()
+    reason, stderr = gpus_reason({"LD_PRELOAD": as_pod_sees})
+    assert reason == missing
+    assert stderr == (
+        f"ERROR: ld.so: object '{as_pod_sees}' from LD_PRELOAD cannot be preloaded"
+        " (cannot open shared object file): ignored.\n"
+    )
+
+
+def test_the_docs_say_how_to_give_the_agent_the_gpus() -> None:
+    said = (ROOT / "docs/kubernetes.md").read_text()
+    for needed in (
+        "kubectl apply -k deploy/nvidia-runtime", "kubectl apply -k deploy/nvidia-host-driver",
+        "components/nvidia-host-driver-rhel", "components/nvidia-host-driver-gpu-operator",
+        "NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_DRIVER_CAPABILITIES=utility", "LD_PRELOAD",
+        "libnvidia-ml.so.1", "nodeagent gpus",
+    ):  # fmt: skip
+        assert needed in said, needed
