@@ -30,9 +30,10 @@ CRI_SOCKET = "/run/containerd/containerd.sock"
 """containerd's CRI socket, as the kubelet is configured for it on most nodes."""
 LAYOUTS = [
     "deploy/kubernetes", "deploy/node-resource-topology", "deploy/k3s", "deploy/cri-o",
-    "deploy/nvidia-runtime", "deploy/nvidia-host-driver",
+    "deploy/nvidia-runtime", "deploy/nvidia-host-driver", "deploy/rollout",
 ]  # fmt: skip
-"""The DaemonSet and its overlays: ../kubernetes plus one thing each."""
+"""The DaemonSet and its overlays: ../kubernetes plus one thing each (deploy/rollout: one
+DaemonSet per pool, tests/unit/test_kube_rollout.py)."""
 
 
 @pytest.fixture(scope="module")
