@@ -45,7 +45,7 @@ from nodeagent.gpu.model import GpuState
 from nodeagent.meta import BadAnswer
 
 GPU = "gpu"
-VIA = "Slurm GRES"
+VIA = "Slurm GRES index"
 MAX_INDEX = 1023
 """The highest GRES index read (a node with more GPUs than this is not a node)."""
 MAX_HOSTS = 65536
@@ -128,16 +128,16 @@ def hostlist_has(hostlist: str, node: str) -> bool:
 
 
 def _names(entry: str, node: str) -> bool:
-    """Whether one hostlist entry (brackets expanded, zero-padding kept) names `node`."""
+    """Whether one hostlist entry (brackets expanded, each range zero-padded to its first
+    number's width, as Slurm writes `[08-10]`) names `node`."""
     pieces = re.split(r"\[([^\[\]]*)\]", entry)
     pattern = re.escape(pieces[0])
     for n in range(1, len(pieces), 2):
-        numbers = _ranges(pieces[n], "hostlist range", 10**5 - 1)
-        widths = {len(p.split("-")[0]) for p in pieces[n].split(",")}
-        if len(widths) == 1 and min(widths) > 1:
-            names = {str(i).zfill(min(widths)) for i in numbers}
-        else:
-            names = {str(i) for i in numbers}
+        names = {
+            str(i).zfill(len(part.partition("-")[0]))
+            for part in pieces[n].split(",")
+            for i in _ranges(part, "hostlist range", 10**5 - 1)
+        }
         pattern += "(?:" + "|".join(re.escape(s) for s in sorted(names)) + ")"
         pattern += re.escape(pieces[n + 1])
     return re.fullmatch(pattern, node) is not None

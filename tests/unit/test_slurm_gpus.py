@@ -119,6 +119,8 @@ def test_hostlists_read_as_slurm_writes_them() -> None:
     assert hostlist_has("a1,b[1-3,7],c[01-02]-x", "b7")
     assert hostlist_has("a1,b[1-3,7],c[01-02]-x", "c02-x")
     assert hostlist_has("rack[1-2]-n[001-004]", "rack2-n003")
+    assert hostlist_has("n[8-10]", "n9") and hostlist_has("n[08-10]", "n09")
+    assert not hostlist_has("n[08-10]", "n9")
     assert not hostlist_has("a1,b[1-3,7],c[01-02]-x", "b4")
     assert not hostlist_has("gpu.01", "gpu101")  # a name's dot is no pattern
     for bad in ("gpu[01-", "gpu[3-1]", "gpu[x]", "a,,b"):
