@@ -16,6 +16,7 @@ import structlog
 from nodeagent.act import Outcome, WriteResult
 from nodeagent.logs import audit_warning
 from nodeagent.policy.base import Note
+from nodeagent.policy.notes import DeadlineProgress, DeadlineStatus, NoteKind
 from nodeagent.policy.plan import Plan
 from nodeagent.snapshot import NodeSnapshot
 
@@ -65,7 +66,7 @@ class ProblemLog:
                 log.info("cgroup.problem_cleared", cgroup=key[1], was=key[0])
 
 
-AUDITED = frozenset({"gpu-violation"})
+AUDITED = frozenset({NoteKind.GPU_VIOLATION})
 """Notes that are also audit events, at level warning: they must be on record even with
 logging turned down, and someone should look."""
 
@@ -75,7 +76,7 @@ class NoteLog:
     predicted-miss, a class throttled or released), and counts deadline misses."""
 
     def __init__(self) -> None:
-        self._last: dict[tuple[str | None, str, str], str] = {}
+        self._last: dict[tuple[str | None, NoteKind, str], str] = {}
         self.deadline_misses = 0
         self._missed: set[tuple[str | None, object]] = set()
         self._missed_lock = threading.Lock()
@@ -92,8 +93,9 @@ class NoteLog:
                 fields = {**n.fields, "cgroup": n.path, "status": n.status, "message": n.message}
                 emit(event, **fields)
                 self._last[key] = n.status
-            if n.kind == "deadline" and n.status == "missed":
-                self.missed(n.path, n.fields.get("deadline"))
+            p = n.payload
+            if isinstance(p, DeadlineProgress) and p.status is DeadlineStatus.MISSED:
+                self.missed(n.path, p.deadline)
         for key in [k for k in self._last if k not in seen]:
             del self._last[key]
 

@@ -29,6 +29,7 @@ from nodeagent.cgroupfs.values import Attribute, CpuWeight, Frozen, MemoryLimit,
 from nodeagent.errors import one_line
 from nodeagent.originals import Original, Originals
 from nodeagent.ownership import WriteMode, parent_identity, write_mode
+from nodeagent.policy.protection import Protection, frozen_by
 from nodeagent.policyfile.model import AgentSettings
 from nodeagent.sdbus import NoBus
 
@@ -79,11 +80,7 @@ def _to_release(
     thaws last (so a cgroup's caps are back before its processes run again)."""
     entries = Originals.load(saved.originals).items()
     recorded = {(p, a) for p, a, _ in entries}
-    carried = saved.carry.get("protection", {})
-    frozen = [
-        str(p) for key in ("frozen", "thaw") for p in carried.get(key, []) if isinstance(p, str)
-    ]
-    for path in dict.fromkeys(frozen):
+    for path in frozen_by(saved.carry.get(Protection.name)):
         if (path, Attribute.FREEZE) not in recorded:
             via = write_mode(parent_identity(path, managed_root), settings)
             if via is not WriteMode.READ_ONLY:
@@ -179,7 +176,7 @@ def release(
     if wanted is None and not any(
         r.outcome == "failed" and r.attribute == Attribute.FREEZE for r in results
     ):
-        carry.pop("protection", None)  # nothing frozen or capped is left to carry
+        carry.pop(Protection.name, None)  # nothing frozen or capped is left to carry
     return results, replace(saved, carry=carry, originals=left.dump())
 
 

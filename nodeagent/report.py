@@ -11,6 +11,7 @@ from nodeagent.cgroupfs.values import Attribute, Frozen
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.ownership import WriteMode
 from nodeagent.policy.base import Assignment, Note, describe
+from nodeagent.policy.notes import DeadlineProgress
 from nodeagent.policy.plan import CgroupPlan, Plan
 from nodeagent.reach import Reach
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
@@ -82,7 +83,7 @@ def status_of(
 def _note(n: Note) -> dict[str, Any]:
     return {
         "policy": n.policy,
-        "kind": n.kind,
+        "kind": str(n.kind),
         "status": n.status,
         "message": n.message,
         **n.fields,
@@ -92,8 +93,8 @@ def _note(n: Note) -> dict[str, Any]:
 def _deadline(notes: Sequence[Note]) -> dict[str, Any] | None:
     """A deadline job's figures: status, deadline, remaining work, required rate, slack,
     predicted finish."""
-    n = next((n for n in notes if n.kind == "deadline"), None)
-    return None if n is None else {"status": n.status, **n.fields}
+    p = next((n.payload for n in notes if isinstance(n.payload, DeadlineProgress)), None)
+    return None if p is None else {"status": str(p.status), **p.fields()}
 
 
 def _gpus(record: TickRecord) -> dict[str, list[int]]:

@@ -18,6 +18,7 @@ from nodeagent.cli.output import (
     terminal_width,
 )
 from nodeagent.errors import NodeagentError
+from nodeagent.policy.notes import NoteKind
 from nodeagent.tables import (
     SHOWN,
     Fitted,
@@ -60,9 +61,9 @@ _DEADLINE_UNITS = {
     "capacity": "capacity_cores",
 }
 _NOTE_UNITS = {
-    "deadline": _DEADLINE_UNITS,
-    "protection": {"caps": "caps_cores", "stalling": "stalling_fraction"},
-    "hierarchy": {"planned": "planned_fraction", "expected": "expected_fraction"},
+    NoteKind.DEADLINE: _DEADLINE_UNITS,
+    NoteKind.PROTECTION: {"caps": "caps_cores", "stalling": "stalling_fraction"},
+    NoteKind.HIERARCHY: {"planned": "planned_fraction", "expected": "expected_fraction"},
 }
 _SENSED_UNITS = {
     "cpu_rate": "cpu_rate_cores",

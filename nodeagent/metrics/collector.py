@@ -48,6 +48,14 @@ from nodeagent.metrics.families import (
 )
 from nodeagent.metrics.gpus import GpuMetrics
 from nodeagent.policy.base import Assignment, Note, describe
+from nodeagent.policy.notes import (
+    DeadlineProgress,
+    DeadlineStatus,
+    GpuViolation,
+    ProtectionPhase,
+    ProtectionState,
+    ViolationKind,
+)
 from nodeagent.policy.plan import CgroupPlan
 from nodeagent.report import TickRecord, status_of
 from nodeagent.snapshot import Skipped, WorkloadState
@@ -58,8 +66,6 @@ T = TypeVar("T")
 
 TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, math.inf)
 """Seconds: from a handful of workloads on metal to a thousand under emulation."""
-DEADLINE_STATUSES = ("on-track", "predicted-miss", "missed", "overrun", "done", "waiting")
-PROTECTION_STATES = ("idle", "throttling", "releasing", "freezing")
 SKIP_STEPS = ("sense", "plan")
 MEMORY = (
     (Attribute.MEMORY_MAX, "nodeagent_workload_memory_max_bytes"),
@@ -72,16 +78,6 @@ PRESSURE = tuple(
     for r in ("cpu", "memory")
 )
 """The PSI totals' names: (some, full) for cpu.pressure, then memory.pressure."""
-DEADLINE_FIELDS = (
-    ("deadline", "nodeagent_deadline_timestamp_seconds"),
-    ("work", "nodeagent_deadline_work_cpu_seconds"),
-    ("remaining", "nodeagent_deadline_remaining_cpu_seconds"),
-    ("required_rate", "nodeagent_deadline_required_rate_cores"),
-    ("rate", "nodeagent_deadline_given_rate_cores"),
-    ("parallelism", "nodeagent_deadline_parallelism_cores"),
-    ("slack", "nodeagent_deadline_slack_seconds"),
-    ("predicted_finish", "nodeagent_deadline_predicted_finish_timestamp_seconds"),
-)
 
 Counts = Mapping[tuple[str, str], int]
 """Writes by (attribute, outcome)."""
@@ -116,7 +112,6 @@ Reload = tuple[bool, float]
 """The last reload's outcome: whether it applied the file, and the unix time the policy in
 force was loaded."""
 BUILD = (__version__, platform.python_version())
-VIOLATIONS = ("unassigned", "wrong-gpu")
 
 
 class TickCollector(Collector):
@@ -464,14 +459,22 @@ def _number(value: object) -> float | None:
 
 
 def _deadline(out: WorkloadPart, labels: Labels, notes: Sequence[Note]) -> None:
-    note = next((n for n in notes if n.kind == "deadline"), None)
-    if note is None:
+    p = next((n.payload for n in notes if isinstance(n.payload, DeadlineProgress)), None)
+    if p is None:
         return
-    for key, name in DEADLINE_FIELDS:
-        out.add(name, labels, _number(note.fields.get(key)))
-    statuses = DEADLINE_STATUSES if note.status in DEADLINE_STATUSES else (note.status,)
-    for status in statuses:
-        out.add("nodeagent_deadline_status", labels, int(status == note.status), status)
+    for name, value in (
+        ("nodeagent_deadline_timestamp_seconds", p.deadline),
+        ("nodeagent_deadline_work_cpu_seconds", p.work),
+        ("nodeagent_deadline_remaining_cpu_seconds", p.remaining),
+        ("nodeagent_deadline_required_rate_cores", p.required_rate),
+        ("nodeagent_deadline_given_rate_cores", p.rate),
+        ("nodeagent_deadline_parallelism_cores", p.parallelism),
+        ("nodeagent_deadline_slack_seconds", p.slack),
+        ("nodeagent_deadline_predicted_finish_timestamp_seconds", p.predicted_finish),
+    ):
+        out.add(name, labels, value)
+    for status in DeadlineStatus:
+        out.add("nodeagent_deadline_status", labels, int(status is p.status), str(status))
 
 
 def _tenants(out: Scrape, record: TickRecord) -> None:
@@ -507,23 +510,15 @@ def _part(mine: float, total: float) -> float | None:
 
 
 def _protection(out: Scrape, record: TickRecord) -> None:
-    note = next((n for n in record.plan.notes if n.path is None and n.kind == "protection"), None)
-    if note is None:
+    p = next((n.payload for n in record.plan.notes if isinstance(n.payload, ProtectionState)), None)
+    if p is None:
         return
-    state = note.status.split(maxsplit=1)[0] if note.status else ""
-    states = PROTECTION_STATES if state in PROTECTION_STATES else (state,)
-    for s in states:
-        out.add("nodeagent_protection_state", (s,), int(s == state))
-    caps = note.fields.get("caps")
-    if isinstance(caps, Mapping):
-        for cls, cores in sorted(caps.items()):
-            out.add("nodeagent_protection_cap_cores", (str(cls),), _number(cores))
-    for key, name in (
-        ("stalling", "nodeagent_protection_stalling_cgroups"),
-        ("frozen", "nodeagent_protection_frozen_cgroups"),
-    ):
-        value = note.fields.get(key)
-        out.add(name, (), len(value) if isinstance(value, Mapping | list | tuple) else None)
+    for phase in ProtectionPhase:
+        out.add("nodeagent_protection_state", (str(phase),), int(phase is p.phase))
+    for cls, cores in sorted(p.caps.items()):
+        out.add("nodeagent_protection_cap_cores", (cls,), cores)
+    out.add("nodeagent_protection_stalling_cgroups", (), len(p.stalling))
+    out.add("nodeagent_protection_frozen_cgroups", (), len(p.frozen))
 
 
 def _peers(out: Scrape, record: TickRecord) -> None:
@@ -539,7 +534,9 @@ def _violations(out: Scrape, record: TickRecord) -> None:
     """On a node with GPUs: the gpu-checks policy's notes, one per process, by kind."""
     if record.snapshot.gpus is None:
         return
-    found = Counter(dict.fromkeys(VIOLATIONS, 0))
-    found.update(n.status for n in record.plan.notes if n.kind == "gpu-violation")
+    found = Counter(dict.fromkeys(map(str, ViolationKind), 0))
+    found.update(
+        str(n.payload.violation) for n in record.plan.notes if isinstance(n.payload, GpuViolation)
+    )
     for kind, n in sorted(found.items()):
         out.add("nodeagent_gpu_violating_processes", (kind,), n)

@@ -32,6 +32,7 @@ from typing import Protocol
 from nodeagent.cgroupfs.values import Attribute, Value, is_looser
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.ownership import WriteMode
+from nodeagent.policy.notes import NoteKind, NotePayload
 from nodeagent.policyfile.model import DeadlineGrant, Limits, PolicySpec, WorkloadClass
 from nodeagent.snapshot import NO_NEEDS, Needs, NodeSnapshot, WorkloadState
 
@@ -200,16 +201,25 @@ class Note:
     """A report for operators: shown by allocations and explain, logged when its status
     changes. `path` is None for the node as a whole; `status` is a short word or two that
     changes only when something an operator cares about does (the log event is
-    `<kind>.<first word of status>`); `fields` are JSON values."""
+    `<kind>.<first word of status>`); `payload` carries its figures, typed by its kind
+    (nodeagent.policy.notes), read by attribute."""
 
     path: str | None
     policy: str
-    kind: str
     status: str
     message: str
-    fields: Mapping[str, object] = field(default_factory=dict)
+    payload: NotePayload
     key: str = ""
     """Tells notes of one kind about one cgroup apart (a process on a GPU)."""
+
+    @property
+    def kind(self) -> NoteKind:
+        return self.payload.kind
+
+    @property
+    def fields(self) -> dict[str, object]:
+        """Its payload's figures as JSON values, as the API and the log show them."""
+        return self.payload.fields()
 
 
 POWER_LIMIT_MW = "power_limit_mw"

@@ -64,6 +64,8 @@ from nodeagent.policy.base import (
 from nodeagent.policy.cpu import Capacity, capacity, idle_cores
 from nodeagent.policy.edf import Demand, admit, allot_late, rank
 from nodeagent.policy.fairshare import is_active
+from nodeagent.policy.notes import DeadlineGrantNote, DeadlineProgress
+from nodeagent.policy.notes import DeadlineStatus as Status
 from nodeagent.policyfile.model import DeadlineGrant, PolicySpec
 from nodeagent.snapshot import NO_NEEDS, Needs, WorkloadState
 
@@ -194,7 +196,9 @@ class Deadlines(Policy):
             )
             if d.name not in noted:
                 out.append(
-                    self._note(jobs[d.name], "on-track", parts[d.name], now, order=order, cap=cap)
+                    self._note(
+                        jobs[d.name], Status.ON_TRACK, parts[d.name], now, order=order, cap=cap
+                    )
                 )
         for d in missed:
             due = d in overdue
@@ -207,7 +211,12 @@ class Deadlines(Policy):
             if not due and d.name not in noted:
                 out.append(
                     self._note(
-                        jobs[d.name], "predicted-miss", parts[d.name], now, order=order, cap=cap
+                        jobs[d.name],
+                        Status.PREDICTED_MISS,
+                        parts[d.name],
+                        now,
+                        order=order,
+                        cap=cap,
                     )
                 )
         spread = _spread(jobs, parts, budget, bool(others))
@@ -272,19 +281,20 @@ class Deadlines(Policy):
             )
             priority = given.spec.classes[a.workload_class].priority
             if remaining <= 0:
-                out.append(self._note(job, "overrun" if w.sample.populated else "done", None, now))
+                status = Status.OVERRUN if w.sample.populated else Status.DONE
+                out.append(self._note(job, status, None, now))
                 if w.sample.populated and window > 0:  # about to end: one more tick's work
                     tick = job.p * given.spec.agent.interval
                     demands[w.path] = Demand(w.path, tick, window, job.p, priority)
                     noted.add(w.path)
             elif window <= 0:
-                out.append(self._note(job, "missed", None, now))
+                out.append(self._note(job, Status.MISSED, None, now))
                 if w.sample.populated is not False:  # the most late first
                     overdue.append(
                         Demand(w.path, remaining, given.spec.agent.interval, job.p, priority)
                     )
             elif w.sample.populated is False:
-                out.append(self._note(job, "waiting", None, now))
+                out.append(self._note(job, Status.WAITING, None, now))
             else:
                 demands[w.path] = Demand(w.path, remaining, window, job.p, priority)
         return jobs, demands, overdue, noted
@@ -368,7 +378,7 @@ class Deadlines(Policy):
     def _note(
         self,
         job: _Job,
-        status: str,
+        status: Status,
         rate: float | None,
         now: float,
         *,
@@ -382,34 +392,24 @@ class Deadlines(Policy):
         finish = now + remaining / pace if remaining > 0 and pace else None
         slack = window - max(0.0, remaining) / p
         message = {
-            "on-track": f"on track: {remaining:.1f} CPU-s left, {window:.0f} s to the deadline",
-            "predicted-miss": f"predicted to miss: {remaining:.1f} CPU-s left cannot fit"
+            Status.ON_TRACK: f"on track: {remaining:.1f} CPU-s left, {window:.0f} s to the"
+            " deadline",
+            Status.PREDICTED_MISS: f"predicted to miss: {remaining:.1f} CPU-s left cannot fit"
             f" in {window:.0f} s with the other deadlines; given what is left",
-            "missed": f"missed its deadline {-window:.0f} s ago with {remaining:.1f} CPU-s"
+            Status.MISSED: f"missed its deadline {-window:.0f} s ago with {remaining:.1f} CPU-s"
             " left; planned first among the late jobs while it runs",
-            "overrun": f"used {-remaining:.1f} CPU-s more than it declared and still runs;"
+            Status.OVERRUN: f"used {-remaining:.1f} CPU-s more than it declared and still runs;"
             " planned as if one more tick at full speed were left, until its deadline",
-            "done": "its declared work is done",
-            "waiting": "holds no process yet",
+            Status.DONE: "its declared work is done",
+            Status.WAITING: "holds no process yet",
         }[status]
-        fields: dict[str, object] = {
-            "deadline": a.deadline,
-            "work": a.work,
-            "remaining": remaining,
-            "required_rate": required,
-            "rate": rate,
-            "measured_rate": w.cpu_rate,
-            "parallelism": p,
-            "slack": slack,
-            "predicted_finish": finish,
-        }
+        progress = DeadlineProgress(
+            status, a.deadline, a.work, remaining, required, rate, w.cpu_rate, p, slack, finish
+        )
         if order is not None and cap is not None:
-            fields |= {
-                "rank": order.get(w.path),
-                "capacity": cap.cores,
-                "capacity_source": cap.source,
-            }
-        return Note(w.path, self.name, "deadline", status, message, fields)
+            rank = order.get(w.path)
+            progress = replace(progress, rank=rank, capacity=cap.cores, capacity_source=cap.source)
+        return Note(w.path, self.name, str(status), message, progress)
 
 
 def _grant_note(path: str, a: Assignment, grant: DeadlineGrant) -> Note:
@@ -423,8 +423,8 @@ def _grant_note(path: str, a: Assignment, grant: DeadlineGrant) -> Note:
         else f"its deadline, declared by {a.declared}, is not planned: {setting} (a reload set"
         " it so after the deadline was taken); fair share plans it as any workload"
     )
-    fields = {"declared_by": a.declared, "grant": str(grant)}
-    return Note(path, Deadlines.name, "deadline-grant", str(grant), message, fields)
+    payload = DeadlineGrantNote(a.declared, str(grant))
+    return Note(path, Deadlines.name, str(grant), message, payload)
 
 
 def _reserves(

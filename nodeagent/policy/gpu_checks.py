@@ -24,25 +24,26 @@ from collections.abc import Sequence
 from nodeagent.cgroupfs.values import Attribute, Frozen
 from nodeagent.gpu.model import GpuProcess, GpuState, Hold, HoldKind, holders, within
 from nodeagent.policy.base import Carry, Decision, Note, Output, Policy, PolicyInput
+from nodeagent.policy.notes import GpuViolation, ViolationKind
 from nodeagent.policyfile.model import ViolationAction
 
 
-def violations(gpus: GpuState) -> list[tuple[GpuProcess, str, Hold | None]]:
+def violations(gpus: GpuState) -> list[tuple[GpuProcess, ViolationKind, Hold | None]]:
     """(process, kind, its holder) for each process on a GPU its cgroup does not hold:
     kind 'wrong-gpu' (its cgroup holds others) or 'unassigned' (it holds none)."""
     parents = gpus.parents()
     # a pod's GPUs not yet tied to its cgroup (Kubernetes mode, the pod not known yet): a
     # process on them may be that pod's, so it is not judged until the pod is known
     untied = [h for h in gpus.holds if h.kind is HoldKind.POD and h.cgroup is None]
-    out: list[tuple[GpuProcess, str, Hold | None]] = []
+    out: list[tuple[GpuProcess, ViolationKind, Hold | None]] = []
     for p in gpus.processes:
         if p.cgroup is None:
             continue  # gone since NVML listed it
         bound = holders(p, gpus.holds)
         if bound and not any(h.covers(p.device_uuid, parents) for h in bound):
-            out.append((p, "wrong-gpu", bound[0]))
+            out.append((p, ViolationKind.WRONG_GPU, bound[0]))
         elif not bound and not any(u.covers(p.device_uuid, parents) for u in untied):
-            out.append((p, "unassigned", None))
+            out.append((p, ViolationKind.UNASSIGNED, None))
     return out
 
 
@@ -67,16 +68,11 @@ class GpuChecks(Policy):
         for p, kind, h in violations(gpus) if gpus is not None else []:
             assert p.cgroup is not None
             workload = _workload(p.cgroup, paths)
-            held = "nothing" if h is None else ", ".join(h.uuids)
+            held, holder = ("nothing", None) if h is None else (", ".join(h.uuids), h.owner)
             message = f"pid {p.pid} in {p.cgroup} runs on {p.device_uuid}; its cgroup holds {held}"
-            fields = {
-                "pid": p.pid,
-                "device": p.device_uuid,
-                "process_cgroup": p.cgroup,
-                "holder": None if h is None else h.owner,
-            }
+            found = GpuViolation(kind, p.pid, p.device_uuid, p.cgroup, holder)
             key = f"{p.pid}@{p.device_uuid}"
-            out.append(Note(workload, self.name, "gpu-violation", kind, message, fields, key))
+            out.append(Note(workload, self.name, str(kind), message, found, key))
             if freeze and workload is not None and workload in given.assignments:
                 frozen.add(workload)
         for path in sorted(frozen):

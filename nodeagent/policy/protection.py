@@ -57,6 +57,7 @@ from nodeagent.policy.base import (
 from nodeagent.policy.classify import outer_claims
 from nodeagent.policy.cpu import usable
 from nodeagent.policy.fairshare import is_active
+from nodeagent.policy.notes import ProtectionPhase, ProtectionState
 from nodeagent.policyfile.model import MAX, DeadlineGrant, PolicySpec, WorkloadClass
 from nodeagent.snapshot import NO_NEEDS, Needs, WorkloadState
 
@@ -104,6 +105,13 @@ class _State:
             "uncap": list(self.uncap),
             "thaw": list(self.thaw),
         }
+
+
+def frozen_by(carried: Mapping[str, object] | None) -> list[str]:
+    """The cgroups the controller froze, or is thawing, by its carried state (`Carry`):
+    what `nodeagent release` thaws where no recorded original covers them."""
+    state = _State.load(carried)
+    return list(dict.fromkeys([*state.frozen, *state.thaw]))
 
 
 def stall(w: WorkloadState) -> float | None:
@@ -277,22 +285,25 @@ class Protection(Policy):
     def _note(self, state: _State, stalling: Mapping[str, float]) -> Note:
         capped = ",".join(sorted(state.caps)) or "none"
         if state.frozen:
-            status = f"freezing {len(state.frozen)} cgroup(s); capped {capped}"
+            phase = ProtectionPhase.FREEZING
+            status = f"{phase} {len(state.frozen)} cgroup(s); capped {capped}"
         elif stalling:
-            status = f"throttling {capped}"
+            phase = ProtectionPhase.THROTTLING
+            status = f"{phase} {capped}"
         elif state.caps:
-            status = f"releasing {capped}"
+            phase = ProtectionPhase.RELEASING
+            status = f"{phase} {capped}"
         else:
-            status = "idle"
+            phase = ProtectionPhase.IDLE
+            status = str(phase)
         caps = ", ".join(f"{c} {v:.2f} cores" for c, v in sorted(state.caps.items()))
         return Note(
             None,
             self.name,
-            "protection",
             status,
             f"stalling: {_who(stalling) or 'none'}; caps: {caps or 'none'};"
             f" frozen: {', '.join(state.frozen) or 'none'}",
-            {"stalling": dict(stalling), "caps": dict(state.caps), "frozen": list(state.frozen)},
+            ProtectionState(phase, dict(stalling), dict(state.caps), tuple(state.frozen)),
         )
 
     def _victims(

@@ -47,6 +47,7 @@ from nodeagent.policy.base import (
 )
 from nodeagent.policy.classify import outer_claims
 from nodeagent.policy.cpu import usable
+from nodeagent.policy.notes import Hierarchy
 from nodeagent.snapshot import WorkloadState
 
 
@@ -227,12 +228,9 @@ def _split_note(
     )
     if fixed:
         message += f"; read-only levels: {', '.join(fixed)}"
-    fields = {
-        "planned": {t: p for t, (p, _) in tenants.items()},
-        "expected": {t: e for t, (_, e) in tenants.items()},
-        "read_only_levels": fixed,
-    }
-    return [Note(None, "cpu-weights", "hierarchy", status, message, fields)]
+    parts = ({t: p for t, (p, _) in tenants.items()}, {t: e for t, (_, e) in tenants.items()})
+    payload = Hierarchy(*parts, tuple(fixed))
+    return [Note(None, "cpu-weights", status, message, payload)]
 
 
 def cpu_targets(given: PolicyInput) -> dict[str, tuple[float, bool, str]]:

@@ -32,12 +32,14 @@ def test_each_problem_is_logged_once_until_it_changes_or_clears() -> None:
 
 
 def test_every_note_kind_logs_and_violations_go_to_the_audit_stream() -> None:
-    """A note's fields may hold any key (a GPU violation names the process's cgroup)."""
+    """A note's figures are logged beside its own cgroup (a GPU violation names the
+    process's)."""
     from nodeagent.changes import NoteLog
     from nodeagent.policy.base import Note
+    from nodeagent.policy.notes import GpuViolation, ViolationKind
 
-    fields = {"pid": 7, "process_cgroup": "x.slice/y", "cgroup": "shadowed"}
-    note = Note(None, "gpu-checks", "gpu-violation", "unassigned", "pid 7 on GPU-a", fields, "7@")
+    found = GpuViolation(ViolationKind.UNASSIGNED, 7, "GPU-a", "x.slice/y", None)
+    note = Note(None, "gpu-checks", "unassigned", "pid 7 on GPU-a", found, "7@")
     log = NoteLog()
     with capture_logs() as logs:
         log.update([note])
