@@ -27,10 +27,9 @@ from __future__ import annotations
 import errno
 import itertools
 import os
-import re
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from jeepney import DBusAddress, HeaderFields, MessageType, Parser, new_method_call
@@ -63,8 +62,6 @@ _UNIT_TYPES = {
 }
 # The properties that live on a unit's type interface (Scope, Service, ...), not on Unit.
 _TYPE_PROPERTIES = RESOURCE_PROPERTIES | {"ControlGroup", "Slice", "Delegate"}
-_UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]+\.(?:" + "|".join(_UNIT_TYPES) + ")")
-_ACTIVE_POLL_S = 0.02
 # What the bus answers while systemd is not connected to it (the bus just restarted), besides
 # failures to activate it (org.freedesktop.DBus.Error.Spawn.*).
 _SYSTEMD_NOT_ON_BUS = frozenset(
@@ -94,14 +91,6 @@ class NotTheUnit(NodeagentError):
             f"whose cgroup is {unit_cgroup or 'none'}; nothing is written through systemd for it"
         )
         self.cgroup, self.unit, self.unit_cgroup = cgroup, unit, unit_cgroup
-
-
-# -- pure: what to ask systemd for, and what it will write ---------------------------------------
-
-
-def is_unit_name(name: str) -> bool:
-    """True for a name systemd could have given a cgroup (``docker-<id>.scope``, ``x.slice``)."""
-    return len(name) <= 255 and _UNIT_NAME.fullmatch(name) is not None
 
 
 # -- the connection --------------------------------------------------------------------------------
@@ -388,34 +377,3 @@ class Systemd:
                 raise SystemdBusError(f"cannot {what}: not a unit name systemd gives cgroups")
             interface = f"org.freedesktop.systemd1.{kind}"
         return self._get(what, unit_path, interface, name)
-
-    def start_transient_scope(
-        self,
-        name: str,
-        pids: Iterable[int],
-        slice_: str = "system.slice",
-        properties: Mapping[str, int] | None = None,
-    ) -> None:
-        """Create scope `name` in `slice_` holding `pids` (systemd's PIDs); wait until active."""
-        what = f"start transient scope {name}"
-        if not name.endswith(".scope") or not is_unit_name(name):
-            raise SystemdBusError(f"cannot {what}: not a scope name")
-        extra = dict(properties or {})
-        unknown = sorted(set(extra) - RESOURCE_PROPERTIES)
-        if unknown:
-            raise SystemdBusError(f"cannot {what}: {', '.join(unknown)} not supported here")
-        changes: list[tuple[str, tuple[str, Any]]] = [
-            ("PIDs", ("au", list(pids))),
-            ("Slice", ("s", slice_)),
-        ]
-        changes += [(key, ("t", value)) for key, value in extra.items()]
-        signature = "ssa(sv)a(sa(sv))"
-        self._manager(
-            what, "StartTransientUnit", signature, name, "fail", changes, [],
-            returns="o", retry=False,
-        )  # fmt: skip
-        deadline = time.monotonic() + self.timeout
-        while (state := self.unit_property(name, "ActiveState")) != "active":
-            if state == "failed" or time.monotonic() > deadline:
-                raise SystemdBusError(f"cannot {what}: it is {state} on {self.via}")
-            time.sleep(_ACTIVE_POLL_S)

@@ -262,7 +262,3 @@ class GpuService:
             audit_event(
                 "gpu.released", owner=hold.owner, uuids=list(hold.uuids), reason="its job ended"
             )
-
-    def cgroup_gpus(self) -> dict[str, tuple[int, ...]]:
-        """GPU indices per workload cgroup, for allocations."""
-        return {h.cgroup: h.indices for h in self.holds() if h.cgroup is not None}

@@ -56,28 +56,6 @@ def docker_scope(systemd_host: SystemdHost) -> Iterator[str]:
         systemd_host.systemctl("stop", unit, check=False)
 
 
-def test_start_transient_scope_makes_a_docker_named_scope(systemd_host: SystemdHost) -> None:
-    host, unit = systemd_host, docker_name()
-    try:
-        started = inside(
-            host,
-            f"""
-sleeper = subprocess.Popen(["sleep", "600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-systemd.start_transient_scope({unit!r}, [sleeper.pid], "system.slice", {{"CPUWeight": 250}})
-out(cgroup=systemd.unit_property({unit!r}, "ControlGroup"), via=systemd.via)
-""",
-        )
-        assert started == {
-            "cgroup": f"/system.slice/{unit}",
-            "via": "the system bus /run/dbus/system_bus_socket",
-        }
-        scope = host.outer(f"/system.slice/{unit}")
-        assert len(read(scope, "cgroup.procs").split()) == 1  # the sleeper, moved in
-        assert read(scope, "cpu.weight") == "250"
-    finally:
-        host.systemctl("stop", unit, check=False)
-
-
 def test_properties_set_over_the_bus_reach_the_files_and_survive_daemon_reload(
     systemd_host: SystemdHost, docker_scope: str
 ) -> None:

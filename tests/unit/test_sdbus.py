@@ -27,29 +27,9 @@ from nodeagent.cgroupfs.unitprops import (
 )
 from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, MemoryLimit
 from nodeagent.errors import NodeagentError
-from nodeagent.sdbus import NoBus, Systemd, SystemdBusError, is_unit_name
+from nodeagent.sdbus import NoBus, Systemd, SystemdBusError
 
 DOCKER_SCOPE = "docker-" + "ab" * 32 + ".scope"
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        DOCKER_SCOPE,
-        "cri-containerd-" + "0" * 64 + ".scope",
-        "kubepods-burstable-pod3d6a1c4e_5b1f_4a8e_9a0e_8f2f2c1d0b7a.slice",
-        "nodeagent.service",
-        "system.slice",
-        "user@1000.service",
-    ],
-)
-def test_unit_names(name: str) -> None:
-    assert is_unit_name(name)
-
-
-@pytest.mark.parametrize("name", ["agent", "multi-user.target", "x.scope/y", ".scope", "a b.scope"])
-def test_not_unit_names(name: str) -> None:
-    assert not is_unit_name(name)
 
 
 def test_an_exact_quota_maps_to_its_per_second_quota() -> None:
