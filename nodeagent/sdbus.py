@@ -12,9 +12,10 @@ Connection: one, kept for the daemon's life. The system bus first; when it is do
 private socket ``/run/systemd/private``, as systemctl does (root only; it speaks D-Bus peer to
 peer: no bus daemon, no ``Hello``, which is why this module drives jeepney's message layer itself
 rather than its ``DBusConnection``, which always says ``Hello``). A call that finds the connection
-dead (the bus or systemd restarted) reconnects and is retried once; ``StartTransientUnit``, the
-one call here that is not idempotent, is not retried. A bus that answers but has no systemd on
-it (a restart in progress) sends the call to the private socket. Every call has a deadline.
+dead (the bus or systemd restarted) reconnects and is retried once: every call here is
+idempotent (lookups, properties, freezing and thawing), so a retry cannot do a thing twice.
+A bus that answers but has no systemd on it (a restart in progress) sends the call to the
+private socket. Every call has a deadline.
 
 Every failure is a :class:`SystemdBusError`: one line naming the unit and the bus; a bus that
 cannot be reached at all is a :class:`NoBus` ("no D-Bus: ..."). A message that does not parse,
@@ -262,9 +263,7 @@ class Systemd:
             return self._conn
         raise NoBus(f"no D-Bus: cannot {what}: {'; '.join(tried)}")
 
-    def _call(
-        self, what: str, message: Any, returns: str, *, retry: bool = True
-    ) -> tuple[Any, ...]:
+    def _call(self, what: str, message: Any, returns: str) -> tuple[Any, ...]:
         bus_problem = None
         for attempt in (1, 2):
             conn = self._connect(what, bus_problem=bus_problem)
@@ -274,7 +273,7 @@ class Systemd:
             except _CallFailed as exc:
                 if attempt == 1 and self._on_bus and _systemd_not_on_bus(exc.name):
                     # the bus is up but systemd is not on it (yet): the call never reached
-                    # systemd, so even a non-idempotent one can go to the private socket
+                    # systemd; it goes to the private socket
                     self.close()
                     bus_problem = f"up, but systemd is not on it ({exc.name})"
                     continue
@@ -291,7 +290,7 @@ class Systemd:
                 ) from exc
             except OSError as exc:
                 self.close()
-                if attempt == 2 or not retry:
+                if attempt == 2:
                     raise SystemdBusError(
                         f"cannot {what}: connection to systemd on {via} lost ({_reason(exc)})"
                     ) from exc
@@ -304,10 +303,9 @@ class Systemd:
         signature: str,
         *args: Any,
         returns: str = "",
-        retry: bool = True,
     ) -> tuple[Any, ...]:
         message = new_method_call(_MANAGER, method, signature, args)
-        return self._call(what, message, returns, retry=retry)
+        return self._call(what, message, returns)
 
     def _unit_path(self, what: str, method: str, arg: str) -> str:
         """The object path of a unit, by name (GetUnit) or by cgroup (GetUnitByControlGroup)."""

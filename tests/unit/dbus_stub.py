@@ -66,8 +66,8 @@ class Manager:
         return [c.member for c in self.calls if c.member != "Hello"]
 
     def writes(self) -> list[Call]:
-        """The calls that change something: properties, freezing, transient units."""
-        changing = {"SetUnitProperties", "FreezeUnit", "ThawUnit", "StartTransientUnit"}
+        """The calls that change something: properties, freezing and thawing."""
+        changing = {"SetUnitProperties", "FreezeUnit", "ThawUnit"}
         return [c for c in self.calls if c.member in changing]
 
     def __call__(self, call: Call) -> Answer:
