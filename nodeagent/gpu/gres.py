@@ -49,7 +49,7 @@ VIA = "Slurm GRES index"
 MAX_INDEX = 1023
 """The highest GRES index read (a node with more GPUs than this is not a node)."""
 MAX_HOSTS = 65536
-"""Nodes one hostlist entry may name."""
+"""Nodes one range of a hostlist may name."""
 _RECORD = re.compile(r"JobId=([0-9]{1,20})(?: |$)", re.ASCII)
 _DETAIL_KEYS = ("JOB_GRES=", "Nodes=", "CPU_IDs=", "Mem=", "GRES=")
 _END = "MinCPUsNode="

@@ -10,6 +10,14 @@ log shows nothing written inside slurmstepd.scope; opted in (agent.slurm.cpu_wei
 only the job's own cpu.weight. With slurmctld stopped, the one-line error names squeue and the
 job is claimed by the rule that needs no account.
 
+The node has four GRES GPUs (issue 35): `Gres=gpu:4`, gres.conf `Name=gpu File=/dev/nvidia[0-3]`,
+whose device nodes are fake (char 195:N, no driver) and exist in systemd's mount namespace only:
+an overlay on its /dev, its upper layer a tmpfs. A job given two reads, from the real
+`scontrol show job -d`, into its hold (kind runtime, owner slurm:<id>) joined to its cgroup, with
+simulated GPUs (the VM has none; the agent's own tick over such holds: tests/unit/
+test_slurm_gpus.py): its own process on them is no violation; one on another GPU, or outside the
+job, still is.
+
 Slurm's configuration, state, logs and munge key are tmpfs mounts in systemd's mount namespace
 only: nothing of Slurm runs, or is written, outside it. Its packages come from ./scripts/test
 (scripts/lib.sh ensure_slurm), installed with every service start refused.
@@ -23,6 +31,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator, MutableMapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +44,12 @@ from systemd_host import SystemdHost
 from nodeagent.act import Outcome
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent, open_agent
+from nodeagent.discovery.layouts import classify
+from nodeagent.gpu.model import Device, GpuProcess, GpuState, HoldKind, Topology
+from nodeagent.policy.gpu_checks import violations
+from nodeagent.policyfile.model import SlurmSettings
 from nodeagent.report import TickRecord, allocations
+from nodeagent.runtimes.gpus import RuntimeGpus
 from nodeagent.sdbus import Systemd
 from nodeagent.slurm import Answer, SlurmJobs, run_command
 
@@ -65,8 +79,37 @@ chmod 0700 /etc/munge /var/lib/munge /var/log/munge
 dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
 chown "$2" /etc/munge/munge.key
 chmod 0400 /etc/munge/munge.key
+# four fake GPUs' device nodes on an overlay of /dev, its upper layer a tmpfs (/dev's own mounts
+# bound back on it); the VM's /dev is left as it was
+mkdir /run/nodeagent-dev
+mount -t tmpfs -o mode=0755 tmpfs /run/nodeagent-dev
+mkdir /run/nodeagent-dev/upper /run/nodeagent-dev/work /run/nodeagent-dev/old
+mount --rbind /dev /run/nodeagent-dev/old
+mount -t overlay overlay \
+  -o lowerdir=/dev,upperdir=/run/nodeagent-dev/upper,workdir=/run/nodeagent-dev/work /dev
+for m in pts shm mqueue hugepages; do
+  old="/run/nodeagent-dev/old/$m"
+  if mountpoint -q "$old"; then mount --rbind "$old" "/dev/$m"; fi
+done
+for i in 0 1 2 3; do mknod -m 0666 "/dev/nvidia$i" c 195 "$i"; done
 """
-CGROUP_CONF = "CgroupPlugin=cgroup/v2\nConstrainCores=no\nConstrainRAMSpace=no\n"
+CGROUP_CONF = (
+    "CgroupPlugin=cgroup/v2\nConstrainCores=no\nConstrainRAMSpace=no\nConstrainDevices=no\n"
+)
+UNMOUNT = """
+umount -R /dev
+umount -R /run/nodeagent-dev/old
+umount /run/nodeagent-dev
+rmdir /run/nodeagent-dev
+"""
+GRES_CONF = "Name=gpu File=/dev/nvidia[0-3]\n"
+GPUS = 4
+DEVICES = tuple(
+    Device(i, f"GPU-{i}{i}{i}{i}", "simulated GPU", f"0000:0{i}:00.0", i, 80 << 30, 0, (), None,
+           simulated=True)
+    for i in range(GPUS)
+)  # fmt: skip
+"""Simulated GPUs (the VM has none), their minor numbers 0-3 as /dev/nvidia[0-3]'s."""
 
 
 def slurm_conf(node: str) -> str:
@@ -86,13 +129,14 @@ SlurmdPidFile=/run/slurmd.pid
 ProctrackType=proctrack/cgroup
 TaskPlugin=task/cgroup
 JobAcctGatherType=jobacct_gather/none
+GresTypes=gpu
 AccountingStorageType=accounting_storage/none
 SchedulerType=sched/builtin
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 MpiDefault=none
-{node} NodeAddr=127.0.0.1 State=UNKNOWN
+{node} NodeAddr=127.0.0.1 Gres=gpu:{GPUS} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -115,10 +159,10 @@ class Slurm:
         enter = ["nsenter", "-t", str(self.host.pid), "-p", "-m", "-C", "--"]
         return run_command([*enter, *argv], timeout)
 
-    def sbatch(self, account: str, command: str) -> str:
+    def sbatch(self, account: str, command: str, *options: str) -> str:
         done = self.run(
             "sbatch", "--parsable", f"--account={account}", "--chdir=/tmp",
-            "--output=/dev/null", "--ntasks=1", "--cpus-per-task=1", "--wrap", command,
+            "--output=/dev/null", "--ntasks=1", "--cpus-per-task=1", *options, "--wrap", command,
         )  # fmt: skip
         return done.stdout.strip().split(";")[0]
 
@@ -227,6 +271,7 @@ def slurm(systemd_host: SystemdHost) -> Iterator[Slurm]:
     node = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, check=True)
     host.path("/etc/slurm/slurm.conf").write_text(slurm_conf(node.stdout.splitlines()[0]))
     host.path("/etc/slurm/cgroup.conf").write_text(CGROUP_CONF)
+    host.path("/etc/slurm/gres.conf").write_text(GRES_CONF)
     for unit in UNITS:  # the packages' own units, installed as an operator does
         shutil.copy(f"/lib/systemd/system/{unit}", host.path(f"/etc/systemd/system/{unit}"))
     host.systemctl("daemon-reload")
@@ -245,6 +290,7 @@ def slurm(systemd_host: SystemdHost) -> Iterator[Slurm]:
         cluster.run("scancel", "--full", "--user=root", check=False)
         for unit in reversed(UNITS):
             host.systemctl("stop", unit, check=False)
+        host.run("sh", "-c", UNMOUNT, check=False)
         for unit in UNITS:
             host.path(f"/etc/systemd/system/{unit}").unlink(missing_ok=True)
         host.systemctl("daemon-reload", check=False)
@@ -414,3 +460,43 @@ def test_slurm_not_answering_is_one_line_and_rules_without_accounts_still_claim_
     finally:
         host.systemctl("start", "slurmctld.service", check=False)
         slurm.cancel(job)
+
+
+def test_a_jobs_gres_gpus_are_its_hold_and_only_a_process_nobody_granted_is_a_violation(
+    systemd_host: SystemdHost, slurm: Slurm
+) -> None:
+    """Issue 35: the real `scontrol show job -d` read into the job's hold, joined to the job's
+    cgroup as discovery reads it; this node's entry found by the name slurmd gave its scope."""
+    host = systemd_host
+    began = time.monotonic()
+    job = slurm.sbatch("A", "exec sleep 3600", "--gres=gpu:2")
+    try:
+        path = host.inner(slurm.started(job))[1:]
+        line = slurm.run("scontrol", "show", "job", "-d", "--oneliner", job).stdout
+        print(f"\nscontrol show job -d --oneliner {job}:\n{line}")
+        assert "GRES=gpu:2(IDX:0-1)" in line.split(), line  # a fresh node: its first two
+        identity = classify(path, "nodeagent.slice")
+        assert identity is not None and identity.job_id == job
+        task = f"{path}/step_batch/user/task_0"
+        processes = (
+            GpuProcess(301, DEVICES[1].uuid, None, task),  # on a GPU it was given
+            GpuProcess(302, DEVICES[3].uuid, None, task),  # on one it was not
+            GpuProcess(303, DEVICES[0].uuid, None, "system.slice/munge.service"),  # no job's
+        )
+        state = GpuState(DEVICES, Topology(), (), processes, (), "simulated", True)
+        giver = SlurmJobs(slurm.squeue).gpus(SlurmSettings(timeout=60))
+        gpus = RuntimeGpus()
+        holds = gpus.holds(giver, state, [identity], {}, ())
+        assert [(h.owner, h.kind, h.uuids, h.indices, h.cgroup) for h in holds] == [
+            (f"slurm:{job}", HoldKind.RUNTIME, (DEVICES[0].uuid, DEVICES[1].uuid), (0, 1), path)
+        ]
+        judged = replace(state, holds=holds)
+        assert [(p.pid, kind) for p, kind, _ in violations(judged)] == [
+            (302, "wrong-gpu"),
+            (303, "unassigned"),
+        ]
+        gpus.holds(giver, state, [identity], {}, ())
+        assert gpus.asked == 1  # kept for the job's life
+    finally:
+        slurm.cancel(job)
+    print(f"GRES test: {time.monotonic() - began:.1f} s")
