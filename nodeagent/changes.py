@@ -8,7 +8,6 @@ bury everything else in the journal.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 
 import structlog
@@ -79,8 +78,8 @@ class NoteLog:
         self._last: dict[tuple[str | None, NoteKind, str], str] = {}
         self.deadline_misses = 0
         self._missed: set[tuple[str | None, object]] = set()
-        self._missed_lock = threading.Lock()
-        """missed() is called by the loop and by the API thread that ends a job."""
+        """Called on the loop's thread alone (a job's end is a command the loop runs); the
+        API reads the count from the published view (report.AgentView)."""
 
     def update(self, notes: Iterable[Note]) -> None:
         seen = set()
@@ -101,7 +100,6 @@ class NoteLog:
 
     def missed(self, path: str | None, deadline: object) -> None:
         """Count one miss per job and deadline, however many ticks it is seen late."""
-        with self._missed_lock:
-            if (path, deadline) not in self._missed:
-                self._missed.add((path, deadline))
-                self.deadline_misses += 1
+        if (path, deadline) not in self._missed:
+            self._missed.add((path, deadline))
+            self.deadline_misses += 1

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from nodeagent import running, sdnotify, state
 from nodeagent.act import Executor, Outcome
-from nodeagent.api.server import ApiServer, Routes
+from nodeagent.api.server import ApiServer, Handler, Request, Routes
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.changes import NoteLog, ProblemLog
 from nodeagent.commands import Commands
@@ -117,6 +117,7 @@ def open_agent(
     saved = _saved_state(spec, dry_run)
     if saved is not None:
         rec.restore(saved)
+    rec.publish()  # what the API answers until the first tick: the restored jobs, say
     # for agent.reload_on_change: the policy file as it was last loaded
     watch = None if config_path is None else FileWatch(config_path)
     return Agent(rec, config_path=config_path, overrides=overrides, policy_file=watch)
@@ -370,17 +371,33 @@ class Agent:
     # --- the API -------------------------------------------------------------------------
 
     def routes(self) -> Routes:
-        """The API's routes; reads answer from the API's threads, from the last tick's record;
-        whatever changes state is posted to the loop and runs on its thread."""
+        """The API's routes; reads answer on the API's threads from the view the loop last
+        published (report.AgentView); whatever changes state is posted to the loop and runs
+        on its thread, which publishes a new view after it."""
         gpus = GpuRoutes(self.gpus, lambda: self.rec.spec, self.rec.fairness)
         routes: Routes = {
             **gpus.routes(),
             **agent_routes(self.rec, self.config_path, self),
         }
         return {
-            path: {m: h if m == "GET" else self.commands.posted(h) for m, h in methods.items()}
+            path: {
+                m: h if m == "GET" else self.commands.posted(self._published(h))
+                for m, h in methods.items()
+            }
             for path, methods in routes.items()
         }
+
+    def _published(self, handler: Handler) -> Handler:
+        """`handler`, then a new view for the reads (on the loop's thread, as the handler
+        runs): a job just started is listed by the next GET, not the next tick."""
+
+        def run(request: Request) -> object:
+            try:
+                return handler(request)
+            finally:
+                self.rec.publish()
+
+        return run
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -605,7 +622,7 @@ def serve_metrics(agent: Agent) -> MetricsServer | None:
     from nodeagent.metrics.server import MetricsServer  # noqa: PLC0415
 
     collector = TickCollector(
-        lambda: agent.notes.deadline_misses,
+        lambda: agent.rec.view.deadline_misses,
         reload=lambda: agent.last_reload,
         policy=lambda: agent.policy_sha256,
         interval=lambda: agent.spec.agent.interval,

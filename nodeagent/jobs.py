@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Annotated, Any, Literal, Protocol
@@ -322,9 +321,6 @@ class Jobs:
         self._jobs: dict[str, Job] = {}
         self._said: set[tuple[int, str]] = set()
         """(uid, problem kind) already logged: a caller's cgroups that could not be read."""
-        # reentrant: write_limits runs under it, and what it calls back may read the jobs
-        # (the originals' journal, when it cannot be appended to, saves the whole state)
-        self._lock = threading.RLock()
 
     # --- the API's side ---------------------------------------------------------------
 
@@ -341,21 +337,20 @@ class Jobs:
         request = parse(StartBody, body)
         job, process = self._check(request, peer, spec, now)
         try:
-            with self._lock:
-                self._admit(job, spec)
-                hold = None
-                if request.gpu_request is not None:
-                    if claim_gpus is None:
-                        raise BadRequest("this daemon has no GPUs to give")
-                    hold = claim_gpus(request.gpu_request, job)
-                    job = replace(job, gpus=hold.uuids, gpu_hold=hold.id)
-                try:
-                    job = self._make_cgroup(job, spec, hold, process)
-                except BaseException:
-                    if hold is not None:
-                        self.on_end(job)
-                    raise
-                self._jobs[job.name] = job
+            self._admit(job, spec)
+            hold = None
+            if request.gpu_request is not None:
+                if claim_gpus is None:
+                    raise BadRequest("this daemon has no GPUs to give")
+                hold = claim_gpus(request.gpu_request, job)
+                job = replace(job, gpus=hold.uuids, gpu_hold=hold.id)
+            try:
+                job = self._make_cgroup(job, spec, hold, process)
+            except BaseException:
+                if hold is not None:
+                    self.on_end(job)
+                raise
+            self._jobs[job.name] = job
         finally:
             process.close()
         log.info(
@@ -376,7 +371,7 @@ class Jobs:
         return job
 
     def _admit(self, job: Job, spec: PolicySpec) -> None:
-        """A free name, and room under the caller's cap (root has none); inside the lock."""
+        """A free name, and room under the caller's cap (root has none)."""
         if job.name in self._jobs:
             raise Conflict(f"job name {job.name!r} is taken by a running job; pick another")
         most = spec.jobs.max_per_user
@@ -388,12 +383,11 @@ class Jobs:
     def finish(self, body: Mapping[str, Any], peer: Peer) -> Job:
         """The CLI's word that the command exited; the cgroup goes when it is empty."""
         request = parse(FinishBody, body)
-        with self._lock:
-            job = self._jobs.get(request.name)
-            if job is None:
-                raise NotFound(f"no running job named {request.name!r}")
-            if peer.uid not in (0, job.uid):
-                raise Forbidden(f"job {request.name!r} belongs to uid {job.uid}")
+        job = self._jobs.get(request.name)
+        if job is None:
+            raise NotFound(f"no running job named {request.name!r}")
+        if peer.uid not in (0, job.uid):
+            raise Forbidden(f"job {request.name!r} belongs to uid {job.uid}")
         self._remove_if_empty(job, request.exit_status)
         return job
 
@@ -573,16 +567,13 @@ class Jobs:
     # --- the loop's side --------------------------------------------------------------
 
     def assignments(self) -> dict[str, Assignment]:
-        with self._lock:
-            return {j.cgroup: j.assignment() for j in self._jobs.values()}
+        return {j.cgroup: j.assignment() for j in self._jobs.values()}
 
     def get(self, cgroup: str) -> Job | None:
-        with self._lock:
-            return next((j for j in self._jobs.values() if j.cgroup == cgroup), None)
+        return next((j for j in self._jobs.values() if j.cgroup == cgroup), None)
 
     def running(self) -> list[Job]:
-        with self._lock:
-            return list(self._jobs.values())
+        return list(self._jobs.values())
 
     @staticmethod
     def needs(assignment: Assignment) -> Needs:
@@ -609,21 +600,21 @@ class Jobs:
     def _remove_if_empty(self, job: Job, exit_status: object) -> bool:
         """Remove `job` if it is still the record of its name (not a successor of the same
         name started since it was looked up) and its cgroup is empty; whether it did. The
-        check, the rmdir and the removal are one step under the lock, so on_end runs once."""
-        with self._lock:
-            if self._jobs.get(job.name) is not job:
-                return False
-            try:
-                with self.tree.open(job.cgroup) as d:
-                    if d.read("cgroup.procs").split():
-                        return False  # something it started still runs: removed later
-            except CgroupVanished:
-                pass
-            except NodeagentError as e:
-                log.warning("job.check_failed", job=job.name, cgroup=job.cgroup, error=str(e))
-                return False
-            self._rmdir(job)
-            del self._jobs[job.name]
+        check, the rmdir and the removal are one step on the loop's thread (the only one that
+        touches the jobs: `finish` is a command the loop runs), so on_end runs once."""
+        if self._jobs.get(job.name) is not job:
+            return False
+        try:
+            with self.tree.open(job.cgroup) as d:
+                if d.read("cgroup.procs").split():
+                    return False  # something it started still runs: removed later
+        except CgroupVanished:
+            pass
+        except NodeagentError as e:
+            log.warning("job.check_failed", job=job.name, cgroup=job.cgroup, error=str(e))
+            return False
+        self._rmdir(job)
+        del self._jobs[job.name]
         self.on_end(job)
         log.info("job.finished", job=job.name, cgroup=job.cgroup, exit_status=exit_status)
         return True
@@ -642,8 +633,7 @@ class Jobs:
     # --- the state file ---------------------------------------------------------------
 
     def dump(self) -> list[dict[str, Any]]:
-        with self._lock:
-            return [j.to_json() for j in self._jobs.values()]
+        return [j.to_json() for j in self._jobs.values()]
 
     def load(self, records: Iterable[Mapping[str, Any]], managed_root: str) -> None:
         """Restore the jobs of a previous run whose cgroups still exist; a malformed record
@@ -661,12 +651,10 @@ class Jobs:
                     pass
             except (CgroupVanished, NodeagentError):
                 continue
-            with self._lock:
-                self._jobs.setdefault(job.name, job)
+            self._jobs.setdefault(job.name, job)
 
     def adopt(self, name: str, hold_id: str) -> None:
         """Record the hold of a job restored from a file written before holds had ids."""
-        with self._lock:
-            job = self._jobs.get(name)
-            if job is not None and job.gpu_hold is None:
-                self._jobs[name] = replace(job, gpu_hold=hold_id)
+        job = self._jobs.get(name)
+        if job is not None and job.gpu_hold is None:
+            self._jobs[name] = replace(job, gpu_hold=hold_id)

@@ -42,7 +42,7 @@ from nodeagent.policy.weights import ancestors
 from nodeagent.policyfile.model import PolicySpec
 from nodeagent.reach import Reach
 from nodeagent.release import Releaser, in_release_order
-from nodeagent.report import TickRecord
+from nodeagent.report import AgentView, TickRecord
 from nodeagent.runtimes.docker import DockerAdapter
 from nodeagent.runtimes.gpus import DockerGpus, RuntimeGpus
 from nodeagent.runtimes.metadata import RuntimeMetadata
@@ -120,6 +120,8 @@ class Reconciler:
         self._hand_back_failed: set[tuple[str, Attribute]] = set()
         """What could not be handed back, logged once (hand_back)."""
         self.last: TickRecord | None = None
+        self.view = AgentView(None, 0, None, 0, {}, ())
+        """What the API reads; `publish` replaces it (open_agent does, once restored)."""
         """The last tick's record (replaced whole: readers on other threads take it as is)."""
         self.problems = ProblemLog()
         self.notes = NoteLog()
@@ -293,7 +295,21 @@ class Reconciler:
         )  # fmt: skip
         self._siblings = None
         self._lookups.clear()  # this tick asked the runtimes for whom it could
+        self.publish()
         return self.last
+
+    def publish(self) -> AgentView:
+        """A new view for the API's reads (report.AgentView), made on the loop's thread
+        after each tick and each command, and swapped in whole."""
+        self.view = AgentView(
+            self.last,
+            len(self.registry.workloads),
+            self.slurm.problem,
+            self.notes.deadline_misses,
+            self.runtimes.status(),
+            tuple(self.jobs.dump()),
+        )
+        return self.view
 
     def _outside(
         self, assignments: Mapping[str, Assignment], identities: Sequence[WorkloadIdentity]

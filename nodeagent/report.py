@@ -34,6 +34,26 @@ class TickRecord:
     answered by the end of this tick."""
 
 
+@dataclass(frozen=True, slots=True)
+class AgentView:
+    """What the API's reads answer from: the last tick's record and the agent's figures as
+    of it. The loop makes a new one after each tick and each command it runs, and replaces
+    the old one whole (`Reconciler.publish`), so a read on the API's thread never sees a
+    tick half done, nor the figures of two moments mixed; and nothing the loop changes is
+    read from another thread."""
+
+    record: TickRecord | None
+    """None until the first tick."""
+    workloads: int
+    """Workloads discovery knows."""
+    slurm_problem: str | None
+    deadline_misses: int
+    runtimes: Mapping[str, Mapping[str, object]]
+    """Each runtime's state (socket, answering, problem)."""
+    jobs: tuple[Mapping[str, Any], ...]
+    """`exec`'s jobs, as the state file records them."""
+
+
 _VALUE_KEYS = ("current", "target", "policy", "reason")
 
 

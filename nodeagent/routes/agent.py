@@ -1,8 +1,9 @@
 """The agent's own routes: its status, its policy's reload, what it set and why, and the jobs
 `exec` starts.
 
-Reads answer from the last tick's record, which the loop replaces whole; the daemon posts
-whatever changes state (every POST and DELETE) to the loop (nodeagent.commands)."""
+Reads answer from the view the loop last published (report.AgentView: the last tick's record
+and the agent's figures as of it), which it replaces whole; the daemon posts whatever changes
+state (every POST and DELETE) to the loop (nodeagent.commands), and publishes anew after it."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from nodeagent.policyfile.model import AgentMode
 from nodeagent.reach import Reach
 from nodeagent.reconcile import Reconciler
 from nodeagent.reloads import Reload
-from nodeagent.report import TickRecord, allocations, explain, find, identities
+from nodeagent.report import AgentView, TickRecord, allocations, explain, find, identities
 from nodeagent.staleness import stale_window
 
 
@@ -89,14 +90,14 @@ def agent_routes(rec: Reconciler, config_path: str | None, agent: Lifecycle) -> 
     """/v1/status, /v1/reload, /v1/allocations, /v1/explain and /v1/jobs over `rec` and the
     daemon around it (`agent`)."""
 
-    def record() -> TickRecord:
-        last = rec.last
-        if last is None:
+    def record(view: AgentView) -> TickRecord:
+        if view.record is None:
             raise NotFound("nodeagent has not completed a tick yet")
-        return last
+        return view.record
 
     def status(_: Request) -> answers.Status:
-        last = rec.last
+        view = rec.view  # one view for the whole answer: the loop swaps it whole
+        last = view.record
         reload = agent.reload_outcome
         answer = answers.Status(
             pid=os.getpid(),
@@ -106,12 +107,12 @@ def agent_routes(rec: Reconciler, config_path: str | None, agent: Lifecycle) -> 
             cgroup_root=rec.tree.root,
             managed_root=rec.spec.agent.managed_root,
             tick=None if last is None else last.snapshot.seq,
-            workloads=len(rec.registry.workloads),
-            slurm_problem=rec.slurm.problem,
-            deadline_misses=rec.notes.deadline_misses,
+            workloads=view.workloads,
+            slurm_problem=view.slurm_problem,
+            deadline_misses=view.deadline_misses,
             runtimes={
                 name: answers.RuntimeState.model_validate(state)
-                for name, state in rec.runtimes.status().items()
+                for name, state in view.runtimes.items()
             },
             peers=[_peer(p) for p in (() if last is None else last.peers)],
             version=__version__,
@@ -156,12 +157,13 @@ def agent_routes(rec: Reconciler, config_path: str | None, agent: Lifecycle) -> 
     def allocs(_: Request) -> answers.Allocations:
         # report.py builds the rows as dicts (run --once and its tests read them so); the
         # model checks them here, so that a key renamed there fails the route's tests
+        view = rec.view
         return answers.Allocations.model_validate(
-            {**allocations(record()), "deadline_misses": rec.notes.deadline_misses}
+            {**allocations(record(view)), "deadline_misses": view.deadline_misses}
         )
 
     def explain_one(request: Request) -> answers.Explanation:
-        last = record()
+        last = record(rec.view)
         query = request.query.get("cgroup", "")
         found = find(identities(last), query, rec.tree.root)
         if len(found) != 1:
@@ -193,7 +195,7 @@ def agent_routes(rec: Reconciler, config_path: str | None, agent: Lifecycle) -> 
         return answers.Job.model_validate(job.to_json())
 
     def list_jobs(_: Request) -> answers.Jobs:
-        return answers.Jobs.model_validate({"jobs": rec.jobs.dump()})
+        return answers.Jobs.model_validate({"jobs": list(rec.view.jobs)})
 
     return {
         "/v1/jobs": {"GET": list_jobs, "POST": start_job, "DELETE": finish_job},
