@@ -58,7 +58,6 @@ from nodeagent.api.bodies import (
     Work,
     check_future,
     check_name,
-    parse,
     problem,
 )
 from nodeagent.api.peer import Peer
@@ -326,7 +325,7 @@ class Jobs:
 
     def start(
         self,
-        body: Mapping[str, Any],
+        request: StartBody,
         peer: Peer,
         spec: PolicySpec,
         now: float,
@@ -334,7 +333,6 @@ class Jobs:
     ) -> Job:
         """Check a request, make the job's cgroup with its limits, move its process in.
         With `gpu_request` in the body, `claim_gpus` turns that grant into the job's own."""
-        request = parse(StartBody, body)
         job, process = self._check(request, peer, spec, now)
         try:
             self._admit(job, spec)
@@ -380,9 +378,8 @@ class Jobs:
                 f"uid {job.uid} runs {most} jobs already, the most jobs.max_per_user allows"
             )
 
-    def finish(self, body: Mapping[str, Any], peer: Peer) -> Job:
+    def finish(self, request: FinishBody, peer: Peer) -> Job:
         """The CLI's word that the command exited; the cgroup goes when it is empty."""
-        request = parse(FinishBody, body)
         job = self._jobs.get(request.name)
         if job is None:
             raise NotFound(f"no running job named {request.name!r}")

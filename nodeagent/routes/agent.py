@@ -19,6 +19,7 @@ from nodeagent.api.bodies import Body, parse
 from nodeagent.api.server import Request, Routes
 from nodeagent.errors import BadRequest, Conflict, Forbidden, NotFound
 from nodeagent.gpualloc.service import environment
+from nodeagent.jobs import FinishBody, StartBody
 from nodeagent.policyfile.model import AgentMode
 from nodeagent.reach import Reach
 from nodeagent.reconcile import Reconciler
@@ -182,14 +183,15 @@ def agent_routes(rec: Reconciler, config_path: str | None, agent: Lifecycle) -> 
                 "nodeagent exec is refused: agent.mode is kubernetes, where the kubelet runs"
                 " the node's workloads and counts what they use; run it as a pod instead"
             )
-        job = rec.jobs.start(request.body, request.peer, rec.spec, time.time(), rec.gpus.claim)
+        body = parse(StartBody, request.body)
+        job = rec.jobs.start(body, request.peer, rec.spec, time.time(), rec.gpus.claim)
         rec.saver.save()  # a restart must know the job before its next periodic save
         mine = next((h for h in rec.gpus.ledger.holds() if h.id == job.gpu_hold), None)
         env = {} if mine is None else environment(mine)
         return answers.StartedJob.model_validate({**job.to_json(), "env": env})
 
     def finish_job(request: Request) -> answers.Job:
-        job = rec.jobs.finish(request.body, request.peer)
+        job = rec.jobs.finish(parse(FinishBody, request.body), request.peer)
         if job.deadline is not None and time.time() > job.deadline:
             rec.notes.missed(job.cgroup, job.deadline)
         return answers.Job.model_validate(job.to_json())
