@@ -472,11 +472,15 @@ class Agent:
                     on_tick(record)
                 if record.snapshot.seq == 1:
                     sdnotify.ready()
+                    backend = self.gpus.backend
                     log.info(  # the journal's line for "started and converged"
                         "agent.ready",
                         workloads=len(record.snapshot.workloads),
                         writes=sum(r.outcome is Outcome.WRITTEN for r in record.results),
                         tick_seconds=round(record.duration, 3),
+                        gpus=len(backend.inventory()),
+                        # why none (no driver, none given to the pod): said once, at start
+                        **({} if backend.inventory() else {"no_gpus": backend.reason}),
                     )
                 if pinger is not None:
                     pinger.beat()

@@ -81,7 +81,7 @@ def open_nvml(proc_root: str = "/proc", sys_root: str = "/sys", nvml: Any = pynv
 def _init_failure(nvml: Any, e: Exception) -> str:
     value = getattr(e, "value", None)
     if value == nvml.NVML_ERROR_LIBRARY_NOT_FOUND:
-        return "no NVIDIA driver: the NVML library libnvidia-ml.so.1 is not installed"
+        return "libnvidia-ml.so.1 not found: no NVIDIA driver, or a container not given it"
     if value == nvml.NVML_ERROR_DRIVER_NOT_LOADED:
         return "the NVIDIA driver is not loaded (nvidia.ko)"
     if value == nvml.NVML_ERROR_NO_PERMISSION:

@@ -327,7 +327,7 @@ def dgx1_quad() -> list[FakeGpu]:
 
 NO_NVML = {
     pynvml.NVML_ERROR_LIBRARY_NOT_FOUND: (
-        "no NVIDIA driver: the NVML library libnvidia-ml.so.1 is not installed"
+        "libnvidia-ml.so.1 not found: no NVIDIA driver, or a container not given it"
     ),
     pynvml.NVML_ERROR_DRIVER_NOT_LOADED: "the NVIDIA driver is not loaded (nvidia.ko)",
     pynvml.NVML_ERROR_NO_PERMISSION: "no permission to open the NVIDIA devices (/dev/nvidia*)",

@@ -114,11 +114,11 @@ def test_the_environment_variable_names_the_simulation(
 
 def test_no_gpus_is_one_line(runner: CliRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_gpus(simulate: str | None = None, **_: object) -> NoGpus:
-        return NoGpus("no NVIDIA driver: the NVML library libnvidia-ml.so.1 is not installed")
+        return NoGpus("libnvidia-ml.so.1 not found: no NVIDIA driver, or a container not given it")
 
     monkeypatch.setattr(choice, "open_backend", no_gpus)
     assert run(runner, "gpus") == (
-        "no GPUs: no NVIDIA driver: the NVML library libnvidia-ml.so.1 is not installed\n"
+        "no GPUs: libnvidia-ml.so.1 not found: no NVIDIA driver, or a container not given it\n"
     )
     data = as_json(runner, "gpus")
     assert (data["kind"], data["items"], data["simulated"], data["source"]) == (
@@ -129,7 +129,7 @@ def test_no_gpus_is_one_line(runner: CliRunner, monkeypatch: pytest.MonkeyPatch)
     )
     result = runner.invoke(main, ["gpus", "place"])
     assert result.exit_code == 1
-    assert "no GPUs: no NVIDIA driver" in str(result.exception)
+    assert "no GPUs: libnvidia-ml.so.1 not found" in str(result.exception)
 
 
 def test_place_prints_the_set_the_score_and_why(runner: CliRunner) -> None:

@@ -38,7 +38,7 @@ def backend(fake: FakeNvml, tmp_path: Path | None = None, **kw: str) -> NvmlBack
 @pytest.mark.parametrize(
     ("code", "says"),
     [
-        (pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, "libnvidia-ml.so.1 is not installed"),
+        (pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, "libnvidia-ml.so.1 not found: no NVIDIA driver"),
         (pynvml.NVML_ERROR_DRIVER_NOT_LOADED, "driver is not loaded"),
         (pynvml.NVML_ERROR_NO_PERMISSION, "no permission"),
         (pynvml.NVML_ERROR_UNKNOWN, "NVML could not start: Unknown Error"),

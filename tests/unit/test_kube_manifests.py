@@ -574,7 +574,7 @@ def test_a_preloaded_nvml_is_the_library_the_bindings_open(tmp_path: Path) -> No
     in_pod = str(host) + laid_out.volumes[mount["name"]]["hostPath"]["path"]
     as_pod_sees = preload.replace(mount["mountPath"], in_pod, 1)
     assert gpus_reason({"LD_PRELOAD": as_pod_sees}) == ("NVML found no GPUs", "")
-    missing = "no NVIDIA driver: the NVML library libnvidia-ml.so.1 is not installed"
+    missing = "libnvidia-ml.so.1 not found: no NVIDIA driver, or a container not given it"
     assert gpus_reason({})[0] == missing
     library.unlink()
     reason, stderr = gpus_reason({"LD_PRELOAD": as_pod_sees})

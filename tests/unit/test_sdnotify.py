@@ -234,7 +234,8 @@ def test_the_first_good_tick_logs_agent_ready_once(
     tmp_path: Path, receiver: socket.socket, monkeypatch: pytest.MonkeyPatch, kept_logging: None
 ) -> None:
     """READY=1 goes to systemd with the first good tick; the same moment is one info line
-    in the journal (`agent.ready`: what that tick sensed and wrote, and how long it took),
+    in the journal (`agent.ready`: what that tick sensed and wrote, how long it took, and its
+    GPUs or why it has none),
     so that an operator, and `scripts/bench overhead`'s restart figure, can see when a
     started daemon has converged the node. Later ticks say nothing at info."""
     logs.configure("info")  # as `nodeagent run` does by default, whatever a test before set
@@ -246,6 +247,8 @@ def test_the_first_good_tick_logs_agent_ready_once(
     assert ready[0]["log_level"] == "info"
     assert ready[0]["workloads"] == 0 and ready[0]["writes"] == 0
     assert ready[0]["tick_seconds"] >= 0
+    # how many GPUs it found, and why none where none: said once, at start (issue 35)
+    assert ("no_gpus" in ready[0]) == (ready[0]["gpus"] == 0), ready[0]
     assert any(m.startswith(b"STATUS=tick 2:") for _, m in got), got  # it went on ticking
 
 
