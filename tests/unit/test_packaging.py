@@ -13,6 +13,7 @@ import tomllib
 from importlib import resources
 from pathlib import Path
 
+import yaml
 from click.testing import CliRunner
 
 from nodeagent import __version__
@@ -82,6 +83,18 @@ def test_what_the_unit_runs_is_in_the_packages_dependencies() -> None:
     for command in commands - {"/opt/nodeagent/.venv/bin/nodeagent"}:
         assert command in providers, f"{command}: which package gives it?"
         assert re.search(rf"^\s+{providers[command]},$", control, re.M), providers[command]
+
+
+def test_the_debian_package_has_the_extras_the_shipped_kubernetes_policy_needs() -> None:
+    """The container image is the Debian package; the DaemonSet's policy watches the API
+    server, which needs the `kubernetes` extra: without it the shipped pod died at start
+    with ModuleNotFoundError (found by ./scripts/test image, issue 35)."""
+    policy = yaml.safe_load((REPO / "deploy/kubernetes/policy.yaml").read_text())
+    assert policy["kubernetes"]["api_server"]["watch"] is True
+    assert "kubernetes" in PYPROJECT["project"]["optional-dependencies"]
+    rules = (REPO / "debian/rules").read_text()
+    (call,) = re.findall(r"^\tdh_virtualenv (?:[^\n]*\\\n)*[^\n]*", rules, re.M)
+    assert re.search(r"--extras[= ]kubernetes\b", call), call
 
 
 MAN_PAGES = {"nodeagent.8": ("NODEAGENT", "8"), "nodeagent-policy.5": ("NODEAGENT-POLICY", "5")}
