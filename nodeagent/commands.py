@@ -8,9 +8,10 @@ the handlers took, a save of the state file from a handler could no longer race 
 loop's own save (the last rename won, and a job just started could vanish from the file),
 and a handler could no longer hold a lock the loop waits on while it does cgroup I/O.
 
-A command from the loop's own thread, or while no loop runs (`--once`, a test driving
+A command from the loop's own thread, or where no loop runs (`--once`, a test driving
 ticks by hand), runs at once in the caller. One that the loop has not taken within its
-timeout is withdrawn and answered 503; a stopping loop answers those still queued the same.
+timeout is withdrawn and answered 503; a stopping loop answers those still queued the same,
+and so every command posted after it stopped.
 """
 
 from __future__ import annotations
@@ -38,14 +39,21 @@ class Commands:
             queue.SimpleQueue()
         )
         self._loop: int | None = None
+        self._stopped = False
+        """A loop ran and is gone: commands are refused, never run in their callers, beside
+        the stopping loop's last save."""
         self._direct = threading.Lock()  # commands run in their callers while no loop runs
 
     def bind(self) -> None:
-        """The calling thread is the loop from now on."""
+        """The calling thread is the loop from now on: bound before the API serves, so that
+        no command runs in an API thread while the loop starts."""
         self._loop = threading.get_ident()
 
     def unbind(self) -> None:
-        """No loop runs commands any more: those still queued are answered 503."""
+        """No loop runs commands any more: those still queued, and any posted later, are
+        answered 503."""
+        if self._loop is not None:
+            self._stopped = True
         self._loop = None
         while True:
             try:
@@ -59,6 +67,8 @@ class Commands:
         """Run `fn` on the loop's thread and return what it returns (or raise what it
         raised)."""
         loop = self._loop
+        if loop is None and self._stopped:
+            raise TryLater("the daemon is stopping")
         if loop is None or loop == threading.get_ident():
             with self._direct if loop is None else contextlib.nullcontext():
                 return fn()

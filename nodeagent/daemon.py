@@ -460,6 +460,8 @@ class Agent:
         ok = False
         while not self.stop.is_set():
             record = _guarded("tick.failed", self.tick)
+            if record is None:  # what the failed tick did reap or start, the reads see
+                self.rec.publish()
             for observe in self.observers:
                 _guarded("observer.failed", observe, record)
             ok = record is not None

@@ -37,10 +37,11 @@ class TickRecord:
 @dataclass(frozen=True, slots=True)
 class AgentView:
     """What the API's reads answer from: the last tick's record and the agent's figures as
-    of it. The loop makes a new one after each tick and each command it runs, and replaces
-    the old one whole (`Reconciler.publish`), so a read on the API's thread never sees a
-    tick half done, nor the figures of two moments mixed; and nothing the loop changes is
-    read from another thread."""
+    of it. The loop makes a new one after each tick (a failed one too) and each command it
+    runs, and replaces the old one whole (`Reconciler.publish`), so a read on the API's
+    thread never sees a tick half done, nor these figures of two moments mixed. (The policy
+    in force, its digest and the last reload are read beside it: a status during a reload
+    may pair the new policy with the last tick.)"""
 
     record: TickRecord | None
     """None until the first tick."""

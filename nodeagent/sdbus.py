@@ -12,8 +12,9 @@ Connection: one, kept for the daemon's life. The system bus first; when it is do
 private socket ``/run/systemd/private``, as systemctl does (root only; it speaks D-Bus peer to
 peer: no bus daemon, no ``Hello``, which is why this module drives jeepney's message layer itself
 rather than its ``DBusConnection``, which always says ``Hello``). A call that finds the connection
-dead (the bus or systemd restarted) reconnects and is retried once: every call here is
-idempotent (lookups, properties, freezing and thawing), so a retry cannot do a thing twice.
+dead (the bus or systemd restarted) reconnects and is retried once: every call here is safe
+to retry (lookups, properties, freezing and thawing: at worst a freeze still in progress
+answers busy, a failed write the next tick makes again).
 A bus that answers but has no systemd on it (a restart in progress) sends the call to the
 private socket. Every call has a deadline.
 

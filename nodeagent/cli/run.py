@@ -123,6 +123,8 @@ def run(
     agent.install_signal_handlers()
     agent.prepare()
     metrics = None if once else serve_metrics(agent)
+    if not once:
+        agent.commands.bind()  # before the API serves: its commands wait for the loop
     server = None if no_api or once else serve(agent)
     try:
         ok = agent.run(once=once, on_tick=_plan_printer() if dry_run else None)

@@ -97,6 +97,22 @@ def test_a_stopping_loop_answers_what_is_still_queued() -> None:
     assert [str(e) for e in answer] == ["the daemon is stopping"]
 
 
+def test_a_command_after_the_loop_stopped_is_refused_not_run_in_its_caller() -> None:
+    """The stopping loop's last save reads the jobs: a job started then on an API thread
+    would change them under it. Where no loop ever ran (--once, tests), commands run in
+    their callers."""
+    commands = Commands(Wakeup())
+    assert commands.call(lambda: "ran") == "ran"
+    commands.unbind()  # no loop had run: nothing changes
+    assert commands.call(lambda: "ran") == "ran"
+    commands.bind()
+    commands.unbind()
+    ran: list[int] = []
+    with pytest.raises(TryLater, match="the daemon is stopping"):
+        commands.call(lambda: ran.append(1))
+    assert ran == []
+
+
 def test_the_agent_runs_what_changes_state_on_its_loop_and_reads_on_the_api_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -125,7 +141,8 @@ def test_the_agent_runs_what_changes_state_on_its_loop_and_reads_on_the_api_thre
     loop.start()
     try:
         me = Peer(os.getpid(), os.getuid(), os.getgid(), frozenset())
-        request = Request(method="POST", path="/v1/jobs", query={}, peer=me)
+        body = {"name": "j", "pid": os.getpid()}
+        request = Request(method="POST", path="/v1/jobs", query={}, peer=me, body=body)
         with pytest.raises(Conflict):
             routes["/v1/jobs"]["POST"](request)
         assert seen["start"] == loop.ident
