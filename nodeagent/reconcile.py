@@ -120,9 +120,9 @@ class Reconciler:
         self._hand_back_failed: set[tuple[str, Attribute]] = set()
         """What could not be handed back, logged once (hand_back)."""
         self.last: TickRecord | None = None
+        """The last tick's record (replaced whole: readers on other threads take it as is)."""
         self.view = AgentView(None, 0, None, 0, {}, ())
         """What the API reads; `publish` replaces it (open_agent does, once restored)."""
-        """The last tick's record (replaced whole: readers on other threads take it as is)."""
         self.problems = ProblemLog()
         self.notes = NoteLog()
         self.plans = PlanCache()
@@ -561,6 +561,9 @@ class Reconciler:
 
     def reloaded(self, spec: PolicySpec) -> None:
         """A new policy from the next tick on: every file read again, and a new plan."""
+        if spec.agent.slurm != self.spec.agent.slurm:
+            # the jobs' GRES grants were read with the old node name or scontrol: ask again
+            self.slurm_gpus = RuntimeGpus()
         self.spec = spec
         self.sensor.min_window = spec.agent.interval / 2
         self.sensor.verify_every = spec.agent.resync_interval

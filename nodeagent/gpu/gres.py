@@ -201,17 +201,30 @@ def slurm_gpus(text: str, job_id: str, node: str) -> GpuGrant:
     """The GRES gpu indices job `job_id` holds on node `node` (as Slurm names it), as a grant
     whose ids are GRES indices (`gres_uuids` maps them to this node's GPUs)."""
     found: set[int] = set()
-    for entry in job_node_gres(text, job_id):
-        if hostlist_has(entry.nodes, node):
-            found.update(entry.gpus)
+    entries = job_node_gres(text, job_id)
+    mine = [e for e in entries if hostlist_has(e.nodes, node)]
+    if entries and not mine:
+        # with -d Slurm lists every node of a running job: this node's name is not Slurm's
+        names = " ".join(e.nodes for e in entries)
+        raise BadAnswer(
+            f"job {job_id} runs on {names}, which does not name {node!r}: set"
+            " agent.slurm.node to this node's Slurm name (slurmd -C)"
+        )
+    for entry in mine:
+        found.update(entry.gpus)
     return GpuGrant(False, tuple(str(i) for i in sorted(found)), VIA) if found else GpuGrant()
 
 
 def gres_uuids(grant: GpuGrant, gpus: GpuState) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(the UUIDs of the GPUs a grant of GRES indices names, sorted; the indices this node has
     no GPU for). GRES index i is the GPU with the i-th lowest /dev/nvidia minor (NVML's index
-    order where minors are not known); on a node with MIG instances no index is mapped."""
+    order where minors are not known); on a node with MIG instances no index is mapped, nor
+    where the minors have a gap (a GPU NVML no longer lists, fallen off the bus: each index
+    past it would name its neighbour)."""
     if any(d.mig_devices for d in gpus.devices):
+        return (), grant.ids
+    minors = sorted(d.minor for d in gpus.devices if d.minor is not None)
+    if minors and minors != list(range(len(minors))):
         return (), grant.ids
     ordered = sorted(gpus.devices, key=lambda d: (d.minor is None, d.minor or 0, d.index))
     uuids, foreign = set[str](), list[str]()

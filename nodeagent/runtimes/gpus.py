@@ -179,7 +179,7 @@ class RuntimeGpus:
                     key,
                     "runtime.gpus_unknown",
                     f"{giver.owner(i)} was given {', '.join(foreign)} ({grant.via}),"
-                    " which is no GPU this node has",
+                    " which maps to no GPU NVML lists here",
                 )
             if not uuids:
                 continue

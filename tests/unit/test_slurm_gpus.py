@@ -80,7 +80,7 @@ def ids(text: str, job: str = "11", node: str = NODE) -> tuple[str, ...]:
     [
         ("gpu:2(IDX:0-1)", ("0", "1")),
         ("gpu:a100:2(IDX:0,2)", ("0", "2")),
-        ("gpu:4(IDX:0-1,3,5)", ()),  # its count is not its indices': refused below
+        ("gpu:4(IDX:0-1,3,5)", ("0", "1", "3", "5")),  # ranges and single indices
         ("gpu:a100:1(IDX:0),gpu:v100:1(IDX:3)", ("0", "3")),  # several types
         ("gpu:1(IDX:2),shard:2(2/4,0/4)", ("2",)),  # another GRES beside: not a GPU of its own
         ("mps:100(IDX:0)", ()),  # MPS or shards alone: not read (docs/gpus.md)
@@ -91,9 +91,6 @@ def ids(text: str, job: str = "11", node: str = NODE) -> tuple[str, ...]:
 )
 def test_the_gpus_a_job_holds_on_this_node(gres: str, held: tuple[str, ...]) -> None:
     text = record(detail=f"Nodes=gpu01 CPU_IDs=0-1 Mem=0 GRES={gres}")
-    if gres == "gpu:4(IDX:0-1,3,5)":
-        assert ids(text) == ("0", "1", "3", "5")  # four indices, count 4: fine
-        return
     assert ids(text) == held
     grant = slurm_gpus(text, "11", NODE)
     assert grant == (GpuGrant(False, held, VIA) if held else NO_GPUS)
@@ -112,7 +109,9 @@ def test_only_this_nodes_entry_counts() -> None:
     text = record(detail=detail, total="gpu:7")
     assert ids(text, node="gpu02") == ("0", "1")
     assert ids(text, node="gpu09") == ("3",)  # zero-padded as the range is
-    assert ids(text, node="gpu9") == ids(text, node="gpu03") == ids(text, node="gpu1") == ()
+    for other in ("gpu9", "gpu03", "gpu1"):  # not this job's: the node's name is wrong
+        with pytest.raises(BadAnswer, match=f"does not name '{other}': set agent.slurm.node"):
+            ids(text, node=other)
 
 
 def test_hostlists_read_as_slurm_writes_them() -> None:
@@ -193,6 +192,12 @@ def test_gres_index_i_is_the_gpu_with_the_ith_lowest_minor() -> None:
     assert gres_uuids(GpuGrant(False, ("0", "1", "7"), VIA), gpus) == ((G0, G1), ("7",))
     unknown = replace(gpus, devices=(device(0, G0, None), device(1, G1, None)))
     assert gres_uuids(GpuGrant(False, ("0",), VIA), unknown) == ((G0,), ())  # NVML's order
+
+
+def test_where_a_gpu_has_left_no_gres_index_is_mapped() -> None:
+    """/dev/nvidia1 fell off the bus: index 1 would name /dev/nvidia2, another job's."""
+    gpus = replace(state((), ()), devices=(device(0, G0, 0), device(1, G1, 2)))
+    assert gres_uuids(GpuGrant(False, ("0", "1"), VIA), gpus) == ((), ("0", "1"))
 
 
 def test_on_a_mig_node_no_gres_index_is_mapped() -> None:
@@ -363,4 +368,11 @@ def test_the_agents_tick_holds_a_slurm_jobs_gres_and_judges_only_the_others(
     }
     agent.tick()
     assert sorted(calls) == ["11", "12"]  # kept for the jobs' lives
+    # a reload that changes how Slurm is asked (its node name, scontrol) asks again
+    slurm_settings = spec.agent.slurm.model_copy(update={"timeout": 9.0})
+    agent.rec.reloaded(
+        spec.model_copy(update={"agent": spec.agent.model_copy(update={"slurm": slurm_settings})})
+    )
+    agent.tick()
+    assert sorted(calls) == ["11", "11", "12", "12"]
     assert agent.gpus.ledger.holds() == ()
