@@ -57,6 +57,7 @@ APPLETS = ("sh", "sleep", "cat", "dd", "head", "true", "echo", "ls", "yes", "env
 START_TIMEOUT_S = float(os.environ.get("NODEAGENT_RUNTIME_START_TIMEOUT", "300"))
 COMMAND_TIMEOUT_S = 180.0  # generous: Go binaries start slowly under TCG on a busy host
 SHARED_DIR = Path("/srv/nodeagent-runtimes")  # the VM and the test systemd both see it
+DAEMONS = ("containerd", "dockerd", "podman-api")
 
 
 class RuntimeError_(AssertionError):
@@ -413,6 +414,8 @@ class Runtimes:
     """Seconds each daemon took to answer."""
     containers: list[Container] = field(default_factory=list)
     pods: list[str] = field(default_factory=list)
+    daemons: tuple[str, ...] = DAEMONS
+    """Which of DAEMONS to start: the image tier needs containerd's CRI alone."""
     _launch: dict[str, tuple[list[str], Mapping[str, str], str]] = field(default_factory=dict)
 
     @property
@@ -432,7 +435,8 @@ class Runtimes:
     # -- life cycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """containerd, dockerd and podman's API service, with the images imported."""
+        """containerd, dockerd and podman's API service (those of them `daemons` names),
+        with the images imported."""
         state, place = self.paths.state, self.place
         for d in ("containerd", "cni", "docker", "podman/tmp"):
             place.file(f"{state}/{d}").mkdir(parents=True, exist_ok=True)
@@ -447,6 +451,14 @@ class Runtimes:
         place.file(f"{state}/containerd/config.toml").write_text(config)
         containerd = ["/usr/bin/containerd", "--config", f"{state}/containerd/config.toml"]
         self._start("containerd", containerd, {}, self.paths.containerd)
+        if "dockerd" in self.daemons:
+            self._start_dockerd()
+        if "podman-api" in self.daemons:
+            self._start_podman_api()
+        self._import_images()
+
+    def _start_dockerd(self) -> None:
+        state, place = self.paths.state, self.place
         place.file(f"{state}/docker/daemon.json").write_text("{}")
         dockerd = [
             "/usr/sbin/dockerd", "--config-file", f"{state}/docker/daemon.json",
@@ -457,6 +469,9 @@ class Runtimes:
             "--exec-opt", f"native.cgroupdriver={self.driver}", "--log-level", "warn",
         ]  # fmt: skip
         self._start("dockerd", dockerd, {}, self.paths.docker)
+
+    def _start_podman_api(self) -> None:
+        state, place = self.paths.state, self.place
         manager = self.driver
         place.file(f"{state}/podman/containers.conf").write_text(
             CONTAINERS_CONF.format(manager=manager, state=state)
@@ -467,7 +482,6 @@ class Runtimes:
         )
         service = [PODMAN, "system", "service", "--time=0", f"unix://{self.paths.podman}"]
         self._start("podman-api", service, self.podman_env, self.paths.podman)
-        self._import_images()
 
     def stop_daemon(self, name: str) -> None:
         """Stop one daemon (dockerd keeps its containers: --live-restore)."""
@@ -502,10 +516,12 @@ class Runtimes:
         tar = Path(self.place.file(f"{self.paths.state}/rootfs.tar"))
         tar.write_bytes(layer)
         inside_tar = f"{self.paths.state}/rootfs.tar"
-        self.docker("import", "--change", 'CMD ["sleep", "3600"]', "--change", "ENV PATH=/bin",
-                    inside_tar, IMAGE)  # fmt: skip
-        self.podman("import", "--change", 'CMD ["sleep", "3600"]', "--change", "ENV PATH=/bin",
-                    inside_tar, IMAGE)  # fmt: skip
+        if "dockerd" in self.daemons:
+            self.docker("import", "--change", 'CMD ["sleep", "3600"]', "--change",
+                        "ENV PATH=/bin", inside_tar, IMAGE)  # fmt: skip
+        if "podman-api" in self.daemons:
+            self.podman("import", "--change", 'CMD ["sleep", "3600"]', "--change",
+                        "ENV PATH=/bin", inside_tar, IMAGE)  # fmt: skip
         archive = oci_archive(
             layer, {IMAGE: ["sleep", "3600"], PAUSE_IMAGE: ["sleep", "2147483647"]}
         )
@@ -789,9 +805,12 @@ class Cri:
 
 
 @contextlib.contextmanager
-def started(place: Place, sandbox_root: Path) -> Iterator[Runtimes]:
-    """One driver's runtimes, started, images imported; stopped and cleaned after."""
-    runtimes = Runtimes(place, Paths.for_driver(place.driver), sandbox_root)
+def started(
+    place: Place, sandbox_root: Path, daemons: tuple[str, ...] = DAEMONS
+) -> Iterator[Runtimes]:
+    """One driver's runtimes (`daemons` of them: containerd always), started, images
+    imported; stopped and cleaned after."""
+    runtimes = Runtimes(place, Paths.for_driver(place.driver), sandbox_root, daemons=daemons)
     try:
         runtimes.start()
         yield runtimes
