@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from nodeagent.errors import one_line
+from nodeagent.errors import NodeagentError, one_line
 from nodeagent.identity import QosTier
 from nodeagent.kube.pods import Pod, PodDirectory
 from nodeagent.reach import Reachability
@@ -225,10 +225,23 @@ class ApiWatch:
 
 
 def in_cluster() -> Any:
-    """An API client with the pod's service account (in-cluster configuration)."""
-    from kubernetes import client, config  # noqa: PLC0415
-
+    """An API client with the pod's service account (in-cluster configuration). A missing
+    client or service account is one line, not a traceback at start."""
+    needs = "kubernetes.api_server.watch and publish.node_resource_topology"
+    try:
+        from kubernetes import client, config  # noqa: PLC0415
+    except ImportError as e:
+        raise NodeagentError(
+            f"{needs} need the kubernetes client, which this install lacks:"
+            f" pip install 'nodeagent[kubernetes]' ({one_line(e)})"
+        ) from e
     configuration = client.Configuration()
     load: Any = config.load_incluster_config  # untyped
-    load(client_configuration=configuration)
+    try:
+        load(client_configuration=configuration)
+    except config.ConfigException as e:
+        raise NodeagentError(
+            f"{needs} use the pod's service account (in-cluster), which is not there:"
+            f" {one_line(e).rstrip('.')}; outside a pod set both false"
+        ) from e
     return client.ApiClient(configuration)

@@ -5,6 +5,7 @@ labelled stand-in of the API server, through the real `kubernetes` client."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -15,8 +16,9 @@ from kube_standins import ApiServerStandIn, namespace, pod
 from kubernetes import client as kube_client
 from waits import wait_for
 
+from nodeagent.errors import NodeagentError
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
-from nodeagent.kube.apiwatch import ApiWatch, pod_of
+from nodeagent.kube.apiwatch import ApiWatch, in_cluster, pod_of
 from nodeagent.kube.owners import with_api_view
 from nodeagent.meta import ContainerMeta, PodMeta
 from nodeagent.policy.classify import assign
@@ -230,3 +232,16 @@ def test_a_pod_without_a_status_yet_is_read_not_raised_on() -> None:
     assert (read.uid, read.name, read.labels, read.containers, read.qos) == (
         "u-1", "p", {"a": "b"}, {}, None
     )  # fmt: skip
+
+
+def test_no_service_account_or_no_client_is_one_line_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The DaemonSet's pod died at start with a traceback when the image lacked the client
+    (./scripts/test image, issue 35): both causes are one line the CLI prints."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(NodeagentError, match=r"pod's service account .* Service host/port"):
+        in_cluster()
+    monkeypatch.setitem(sys.modules, "kubernetes", None)
+    with pytest.raises(NodeagentError, match=r"pip install 'nodeagent\[kubernetes\]'"):
+        in_cluster()
