@@ -327,10 +327,13 @@ def test_status_lists_a_refused_reload_and_exits_1_but_not_for_missed_deadlines(
     """A missed deadline is counted since the start: as a problem, it would fail every
     `nodeagent status` after it until a restart."""
     agent = running.agent
-    # on the loop's thread, as a job's end is, which publishes the count for the reads
-    agent.commands.call(
-        lambda: (agent.notes.missed("nodeagent.slice/late", 1.0), agent.rec.publish())
-    )
+
+    def miss() -> None:
+        """On the loop's thread, as a job's end is; it publishes the count for the reads."""
+        agent.notes.missed("nodeagent.slice/late", 1.0)
+        agent.rec.publish()
+
+    agent.commands.call(miss)
     missed = json.loads(nodeagent("status", "--socket", running.socket, "--json").stdout)
     assert missed["deadline_misses"] == 1 and missed["problems"] == []
     assert nodeagent("status", "--socket", running.socket).returncode == 0
