@@ -79,6 +79,8 @@ class WriteResult:
     reason: str
     outcome: Outcome
     detail: str = ""
+    unit: str | None = None
+    """The systemd unit it went through, for a cgroup systemd owns."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +143,10 @@ class Executor:
         current = {w.path: w.sample.settings for w in (*snapshot.workloads, *snapshot.levels)}
         thaws = self._thaws(plan, current)
         compared = [cg for cg in plan.cgroups if only is None or cg.path in only]
-        self._systemd = _UnitWrites((*plan.cgroups, *thaws), current)
+        owned = {
+            cg.path: cg.targets for cg in (*plan.cgroups, *thaws) if cg.write is WriteMode.SYSTEMD
+        }
+        systemd = _UnitWrites(owned, current)
         results: list[WriteResult] = []
         pending: list[_Pending] = []
         for cg in (*compared, *thaws):
@@ -171,7 +176,7 @@ class Executor:
             if self.dry_run:
                 results.append(_result(p, Outcome.DRY_RUN))
                 continue
-            results.append(self._apply_one(p))
+            results.append(self._apply_one(p, systemd))
         again = {r.path for r in results if r.outcome in (Outcome.FAILED, Outcome.READ_ONLY)}
         self._unthawed = [
             cg for cg in thaws if cg.path in again and _writable(cg.write, Attribute.FREEZE)
@@ -232,31 +237,51 @@ class Executor:
         thaws = {cg.path: cg for cg in (*self._unthawed, *plan.thaws)}
         return [cg for path, cg in thaws.items() if path not in current]
 
-    def _apply_one(self, p: _Pending) -> WriteResult:
+    def write(
+        self, path: str, attribute: Attribute, target: Target, via: WriteMode, now: Value | None
+    ) -> WriteResult:
+        """One attribute of one cgroup written outside a plan (`nodeagent release` and a
+        workload no rule claims any more hand originals back through it), the way every
+        write of the plan goes (`via`: through its unit for a cgroup systemd owns, its
+        property alone being what changes; never memory.max below usage), audited; `now`:
+        the value the caller read. Not guarded: what is written back only loosens."""
+        p = _Pending(path, attribute, target, now)
+        if not _writable(via, attribute):
+            return _result(p, Outcome.READ_ONLY, f"{attribute} of a cgroup written as {via}")
+        if self.dry_run:
+            return _result(p, Outcome.DRY_RUN)
+        owned = {path: {attribute: target}} if via is WriteMode.SYSTEMD else {}
+        return self._apply_one(p, _UnitWrites(owned, {}))
+
+    def _apply_one(self, p: _Pending, systemd: _UnitWrites) -> WriteResult:
         try:
             with self.tree.open(p.path) as d:
                 if p.attribute is Attribute.MEMORY_MAX:
                     refused = self._memory_guard(d, p)
                     if refused is not None:
                         return refused
-                if self._systemd.owns(p.path):
-                    unit = self._unit_ready(d, p.path)
+                if systemd.owns(p.path):
+                    unit = self._unit_ready(d, p.path, systemd)
                     if isinstance(unit, WriteResult):
                         return replace(unit, attribute=p.attribute, new=p.target.render())
                     if unit is not None:
                         return self._through_systemd(d, p, unit)
+                    written = self._write(d, p)
+                    return replace(written, detail=written.detail or self._direct())
                 return self._write(d, p)
         except CgroupVanished:
             return _result(p, Outcome.VANISHED)
         except Exception as e:  # refused, unreadable, unparsable: this write only
             return _result(p, Outcome.FAILED, one_line(e))
 
-    def _unit_ready(self, d: CgroupDir, path: str) -> str | WriteResult | None:
+    def _unit_ready(
+        self, d: CgroupDir, path: str, systemd: _UnitWrites
+    ) -> str | WriteResult | None:
         """The unit of a systemd cgroup with its properties set (once per tick), None to
         write its files directly (no D-Bus, by the operator's choice), or the result that
         stands for all its writes (read-only without D-Bus, or the unit refused)."""
-        if path in self._systemd.units:
-            return self._systemd.units[path]
+        if path in systemd.units:
+            return systemd.units[path]
         outcome: str | WriteResult | None
         properties: dict[str, int] = {}
         try:
@@ -264,7 +289,7 @@ class Executor:
                 raise NoBus("no D-Bus client configured")
             unit = self._verified.unit(d, self.units)
             if isinstance(unit, str):
-                properties = self._systemd.properties(path, self._usage(d), self._idle(d))
+                properties = systemd.properties(path, self._usage(d), self._idle(d))
                 if properties:  # none for a thaw alone: nothing to set
                     self.units.set_unit_properties(unit, properties)
         except NoBus as e:
@@ -291,8 +316,12 @@ class Executor:
                         reason="set on the unit before its files, as runc does",
                     )
                 outcome = unit
-        self._systemd.units[path] = outcome
+        systemd.units[path] = outcome
         return outcome
+
+    def _direct(self) -> str:
+        """Why a file of a cgroup systemd owns was written directly (the bus is down)."""
+        return f"{self._bus_down}: written to the file only, which a daemon-reload undoes"
 
     def _bus_address(self) -> str:
         return str(getattr(self.units, "via", None) or "the system bus")
@@ -323,25 +352,25 @@ class Executor:
         return None if text is None else parse.single_int(text)
 
     def _through_systemd(self, d: CgroupDir, p: _Pending, unit: str) -> WriteResult:
-        """systemd has the property; the file follows (systemd may have written it already)."""
+        """systemd has the property (a freeze: FreezeUnit or ThawUnit); the file follows
+        (systemd may have written it already)."""
         new, reason = p.target.render(), f"{p.target.reason} (through systemd, unit {unit})"
+        old = None if p.current is None else p.current.render()
         if p.attribute is Attribute.FREEZE:
             assert isinstance(p.target.value, Frozen)
-            old = None if p.current is None else p.current.render()
             if old is None:  # not sensed (a thaw outside the workloads): its file says
                 text = d.read_optional(p.attribute)
                 old = None if text is None else text.strip()
                 if old == new:
-                    return WriteResult(d.path, p.attribute, old, new, reason, Outcome.UNCHANGED)
+                    return WriteResult(
+                        d.path, p.attribute, old, new, reason, Outcome.UNCHANGED, unit=unit
+                    )
             self.units.freeze_unit(unit, p.target.value.frozen)  # type: ignore[union-attr]
-            self.audit(self.tree.path_of(d.path) + "/" + p.attribute, p.attribute, old, new, reason)
-            return WriteResult(d.path, p.attribute, old, new, reason, Outcome.WRITTEN)
         result = self._write(d, replace(p, target=replace(p.target, reason=reason)))
         if result.outcome is Outcome.UNCHANGED:  # systemd wrote it (or enabled its controller)
-            old = None if p.current is None else p.current.render()
             self.audit(self.tree.path_of(d.path) + "/" + p.attribute, p.attribute, old, new, reason)
-            return replace(result, old=old, outcome=Outcome.WRITTEN)
-        return result
+            result = replace(result, old=old, outcome=Outcome.WRITTEN)
+        return replace(result, unit=unit)
 
     def _write(self, d: CgroupDir, p: _Pending) -> WriteResult:
         """Re-read the old value (recorded in the audit), then write only if it still differs."""
@@ -375,9 +404,12 @@ class _UnitWrites:
     """One tick's systemd cgroups: their properties, and each unit once set."""
 
     def __init__(
-        self, cgroups: Sequence[CgroupPlan], current: Mapping[str, Mapping[Attribute, Value]]
+        self,
+        owned: Mapping[str, Mapping[Attribute, Target]],
+        current: Mapping[str, Mapping[Attribute, Value]],
     ) -> None:
-        self.plans = {cg.path: cg for cg in cgroups if cg.write is WriteMode.SYSTEMD}
+        self.plans = owned
+        """The targets of each cgroup systemd owns."""
         self.current = current
         self.units: dict[str, str | WriteResult | None] = {}
 
@@ -390,7 +422,7 @@ class _UnitWrites:
         reclaim keeps the kernel's value meanwhile. A unit made idle (`idle`: CPUWeight=idle)
         keeps it: a weight set on it would end its idleness."""
         out: dict[str, int] = {}
-        for attr, target in self.plans[path].targets.items():
+        for attr, target in self.plans[path].items():
             if attr is Attribute.FREEZE or (attr is Attribute.CPU_WEIGHT and idle):
                 continue
             value = target.value

@@ -2,12 +2,14 @@
 
 The state file records, for every attribute the agent changed, the value it found before
 and the one it set (nodeagent.originals). Release writes each original back where the
-attribute still holds what the agent set, the way the agent wrote it: a cgroup systemd
-owns through its unit (the property first, then the file; a freeze through ThawUnit), so
-that a daemon-reload does not bring the agent's value back. A value someone changed since
-is theirs and is left; a cgroup that is gone is skipped. Freezes the protection controller
-carried in a state file written before originals were recorded are thawed too. The state
-file is then rewritten without what was handed back, so a later agent starts clean.
+attribute still holds what the agent set, through the executor's one write path
+(nodeagent.act.Executor.write): a cgroup systemd owns through its unit (the property first,
+then the file; a freeze through ThawUnit), so that a daemon-reload does not bring the
+agent's value back; without D-Bus its file alone, which beats keeping the agent's value. A
+value someone changed since is theirs and is left; a cgroup that is gone is skipped. Freezes
+the protection controller carried in a state file written before originals were recorded
+are thawed too. The state file is then rewritten without what was handed back, so a later
+agent starts clean.
 
 Run by hand, or as the unit's ExecStopPost= with --on-stop, where only a stop for good
 releases: `stopped_for_good` tells it from a restart or a crash.
@@ -21,17 +23,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nodeagent import state
-from nodeagent.act import Units
+from nodeagent.act import Executor, Outcome, Units
 from nodeagent.cgroupfs import parse
 from nodeagent.cgroupfs.tree import AuditFn, CgroupTree, CgroupVanished
-from nodeagent.cgroupfs.unitprops import unit_properties
 from nodeagent.cgroupfs.values import Attribute, CpuWeight, Frozen, MemoryLimit, Value
 from nodeagent.errors import one_line
 from nodeagent.originals import Original, Originals
 from nodeagent.ownership import WriteMode, parent_identity, write_mode
+from nodeagent.policy.plan import Target
 from nodeagent.policy.protection import Protection, frozen_by
-from nodeagent.policyfile.model import AgentSettings
-from nodeagent.sdbus import NoBus
+from nodeagent.policyfile.model import AgentSettings, WithoutBus
 
 REASON = "released: the value before nodeagent changed it"
 
@@ -97,10 +98,13 @@ def in_release_order(
 
 
 class Releaser:
+    """Hands originals back, each where it still holds what the agent set, written by an
+    executor of its own over the same tree, systemd and audit as the agent's: the files of
+    a cgroup systemd owns are written directly when D-Bus is down (`WithoutBus.DIRECT`)."""
+
     def __init__(self, tree: CgroupTree, units: Units | None, audit: AuditFn) -> None:
         self.tree = tree
-        self.units = units
-        self.audit = audit
+        self.writer = Executor(tree, audit, units=units, without_bus=lambda: WithoutBus.DIRECT)
 
     def one(self, path: str, attribute: Attribute, original: Original) -> Handed:
         def handed(outcome: str, now: str | None, detail: str = "") -> Handed:
@@ -109,44 +113,28 @@ class Releaser:
         try:
             with self.tree.open(path) as d:
                 text = d.read_optional(attribute)
-                if text is None:
-                    return handed("failed", None, f"no {attribute}: its controller is off")
-                now = text.strip()
-                if now == original.was:
-                    return handed("already", now)
-                if now != original.set:
-                    return handed("left", now, f"changed since: nodeagent set {original.set}")
-                detail = ""
-                if original.via is WriteMode.SYSTEMD:
-                    detail = self._through_systemd(path, attribute, original.was)
-                if d.read(attribute).strip() != original.was:
-                    d.write(attribute, original.was)
-                reason = REASON + (f" ({detail})" if detail else "")
-                self.audit(
-                    self.tree.path_of(path) + "/" + attribute, attribute, now, original.was, reason
-                )
-                return handed("released", now, detail)
+            if text is None:
+                return handed("failed", None, f"no {attribute}: its controller is off")
+            now = text.strip()
+            if now == original.was:
+                return handed("already", now)
+            if now != original.set:
+                return handed("left", now, f"changed since: nodeagent set {original.set}")
+            target = Target(_value(attribute, original.was), "release", REASON)
+            r = self.writer.write(path, attribute, target, original.via, _value(attribute, now))
         except CgroupVanished:
             return handed("gone", None)
-        except Exception as e:  # refused, unreadable: this attribute only
+        except Exception as e:  # unreadable, unparsable: this attribute only
             return handed("failed", None, one_line(e))
-
-    def _through_systemd(self, path: str, attribute: Attribute, was: str) -> str:
-        """The unit's property (or freezer state) back to the original; what was done, or
-        why only the file is written."""
-        try:
-            if self.units is None:
-                raise NoBus("no D-Bus client configured")
-            unit = self.units.unit_for_cgroup(path)
-            if attribute is Attribute.FREEZE:
-                self.units.freeze_unit(unit, False)
-            else:
-                self.units.set_unit_properties(
-                    unit, unit_properties(attribute, _value(attribute, was))
-                )
-        except NoBus as e:
-            return f"{e}: written to the file only, which a daemon-reload undoes"
-        return f"through systemd, unit {unit}"
+        if r.outcome is Outcome.WRITTEN:
+            return handed(
+                "released", now, f"through systemd, unit {r.unit}" if r.unit else r.detail
+            )
+        if r.outcome is Outcome.UNCHANGED:
+            return handed("already", original.was)
+        if r.outcome is Outcome.VANISHED:
+            return handed("gone", None)
+        return handed("failed", None, r.detail or str(r.outcome))
 
 
 def release(

@@ -143,6 +143,7 @@ def test_release_hands_pids_max_back_through_systemd(tmp_path: Path) -> None:
     scope = tmp_path / "system.slice" / "docker-x.scope"
     scope.mkdir(parents=True)
     (scope / "pids.max").write_text("64\n")
+    (scope / "cgroup.procs").write_text("")
     units = Units()
     releaser = Releaser(CgroupTree(str(tmp_path)), units, lambda *a: None)
     handed = releaser.one(

@@ -57,6 +57,7 @@ class Units:
 def cgroup(root: Path, path: str, **files: str) -> Path:
     d = root / path
     d.mkdir(parents=True)
+    (d / "cgroup.procs").write_text("")  # every cgroup has it: a file absent beside it is off
     for name, text in files.items():
         (d / name.replace("_", ".", 1)).write_text(text + "\n")
     return d
