@@ -15,7 +15,7 @@ its own estimate from a deadline and work, its true duration times a log-normal 
 (--error, sigma; the same draws for every allocator); `exact`; or `none`. Placement gets
 each request's expected duration, when each held GPU is expected back, and, for a job
 that already waits, a patience of --patience times its expected duration less what it
-has waited for a better set (nodeagent.policy.gpu_durations, as in the daemon); the
+has waited for a better set (nodeagent.gpualloc.placement.durations, as in the daemon); the
 baselines ignore all three.
 
 Per node and allocator it prints the share of jobs that waited; the share that waited
@@ -55,8 +55,8 @@ from typing import Any
 from benchref.placement_baselines import best_effort, first_fit
 
 from nodeagent.gpu.simulated import load_simulated
-from nodeagent.policy import gpu_durations
-from nodeagent.policy.placement import GpuRequest, Holdings, NodeGpus, Placement, Refusal, place
+from nodeagent.gpualloc.placement import GpuRequest, Holdings, NodeGpus, Placement, Refusal, place
+from nodeagent.gpualloc.placement import durations as gpu_durations
 
 REPO = Path(__file__).resolve().parents[1]
 NODES = REPO / "config" / "gpus"

@@ -1,14 +1,14 @@
 """Benchmark of the daemon's GPU queue, run by `scripts/bench gpu-queue` (no cgroups).
 
-The daemon's GPU side (GpuService with its ledger, on the simulated 4x A100 node, a
-labelled fake) is called through its API routes (nodeagent.routes.gpus), in process: one
-request takes all four GPUs, then --requests more (one GPU each, from one uid per 16
-requests, so that no per-uid cap refuses them) are asked for and wait. Then --seconds of
-steady state: each second every waiting requester asks for its status once (as `exec`
-does) and the loop ticks once. Then the holder's grant is cancelled and one tick serves
-the queue. It prints the CPU seconds (time.process_time) of each phase. (The holder's
-grant lapses after gpu.claim_timeout, 30 s: where the asks take longer than that, the
-steady state serves the freed GPUs too.)
+The daemon's GPU side (GpuService with its ledger, on the simulated 8x H100 node, a
+labelled fake with no process on its GPUs) is called through its API routes
+(nodeagent.routes.gpus), in process: one request takes all eight GPUs, then --requests
+more (one GPU each, from one uid per 16 requests, so that no per-uid cap refuses them)
+are asked for and wait. Then --seconds of steady state: each second every waiting
+requester asks for its status once (as `exec` does) and the loop ticks once. Then the
+holder's grant is cancelled and one tick serves the queue. It prints the CPU seconds
+(time.process_time) of each phase. (The holder's grant lapses after gpu.claim_timeout,
+30 s: where the asks take longer than that, the steady state serves the freed GPUs too.)
 
 It runs against whatever nodeagent is importable, so the same script measures an older
 tree (PYTHONPATH=/path/to/old/tree): the routes' shape is the same.
@@ -32,7 +32,7 @@ from nodeagent.gpualloc.service import GpuService
 from nodeagent.policyfile.model import PolicySpec
 from nodeagent.routes.gpus import GpuRoutes
 
-NODE = Path(__file__).resolve().parents[1] / "config" / "gpus" / "4x-a100-two-nvlink-pairs.yaml"
+NODE = Path(__file__).resolve().parents[1] / "config" / "gpus" / "dgx-h100-nvswitch.yaml"
 MONOTONIC = hasattr(ledger, "HoldRecord")
 """The ledger runs on the monotonic clock (before that: Unix time)."""
 
@@ -49,7 +49,9 @@ def now() -> float:
 def call(routes: Any, method: str, path: str, uid: int, **given: Any) -> Any:
     peer = Peer(pid=1, uid=uid, gid=uid, groups=frozenset())
     query = given.pop("query", {})
-    return routes[path][method](Request(method, path, query, peer, given))
+    got = routes[path][method](Request(method, path, query, peer, given))
+    # the routes answer with models now (api.answers); an older tree's, with dicts
+    return got.model_dump() if hasattr(got, "model_dump") else got
 
 
 def main() -> None:
@@ -62,7 +64,7 @@ def main() -> None:
         service = GpuService(open_backend(str(NODE)), lambda: spec, lambda c: True)
         service.sense(now())
         routes = GpuRoutes(service, lambda: spec, lambda t: 0.0).routes()
-        holder = call(routes, "POST", "/v1/gpus/requests", 0, name="holder", count=4)
+        holder = call(routes, "POST", "/v1/gpus/requests", 0, name="holder", count=8)
         assert holder["status"] == "granted", holder
         clock = "monotonic" if MONOTONIC else "wall"
         bench.say(f"nodeagent's GPU queue, {n} waiting requests ({clock} clock)")
@@ -92,7 +94,7 @@ def main() -> None:
         service.sense(now())
         served = time.process_time() - started
         granted = sum(1 for h in service.ledger.holds() if str(h.kind) == "request")
-        bench.say(f"release 4 GPUs and serve the queue: {served:.3f} s CPU ({granted} granted)")
+        bench.say(f"release 8 GPUs and serve the queue: {served:.3f} s CPU ({granted} granted)")
         bench.figures.update(
             requests=n,
             asks_cpu_s=round(asked, 3),

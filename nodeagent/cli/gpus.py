@@ -473,8 +473,8 @@ def place_cmd(
       nodeagent gpus place --mig 1g.10gb --simulate config/gpus/h100-mig.yaml
     """
     from nodeagent.api.answers import NotPlaced
+    from nodeagent.gpualloc.placement import GpuRequest
     from nodeagent.gpualloc.placing import BadQuestion, Question, numa_nodes, split
-    from nodeagent.policy.placement import GpuRequest
 
     try:
         request = GpuRequest(
@@ -540,8 +540,8 @@ def _place_here(question: Question, simulate: str | None, note: str) -> Placemen
     says why holds were not considered."""
     from nodeagent.api.answers import Placement
     from nodeagent.gpu.model import GpuState
+    from nodeagent.gpualloc.placement import Holdings, node_gpus
     from nodeagent.gpualloc.placing import answer
-    from nodeagent.policy.placement import Holdings, node_gpus
 
     backend = _open(simulate)
     try:

@@ -3,5 +3,5 @@
 `model` holds the frozen descriptions every part shares, `backend` the one interface
 (a leaf), `choice` the choice between NVML and a simulation, `nvml` the only code that
 talks to NVML, `simulated` the YAML node descriptions in config/gpus/. Placement is pure and
-lives in nodeagent/policy/placement.py.
+lives in nodeagent/gpualloc/placement/.
 """

@@ -6,7 +6,7 @@ order of their class's priority, then their deadline (earliest first, none last)
 fair share (the tenant that used least for its shares first), then arrival; one that
 does not fit yet is passed over for later ones that do (backfill). A waiting request
 that is not asked about for `STALE_AFTER` seconds (its `exec` died) is dropped.
-Placement itself is the pure `policy.placement.place`.
+Placement itself is the pure `placement.place`.
 
 Every hold has an unguessable id and records who asked (uid), its tenant and class; its
 name (a job's or a reservation's) is a label, unique among live holds and waiting
@@ -28,10 +28,10 @@ GPUs than the last bound allows at all is refused when asked). A waiting request
 GPU: what bounds it is the count of them (`max_waiting`), and these bounds at its grant.
 
 Durations: a request carries the duration its job declared (deadline, work and CPUs), or
-its class's recent holds give one (gpu_durations, kept here and in the state file); its
+its class's recent holds give one (placement.durations, kept here and in the state file); its
 hold records when it is expected back. Placement sees those moments, and a request that
 already waits may wait up to `gpu.patience` of its expected duration for a better set
-expected free by then (policy.placement).
+expected free by then (placement).
 
 The queue is served in full only when that can change its answer (a hold released or
 lapsed, the GPUs changed, a request waiting for a better set): otherwise every waiting
@@ -67,8 +67,15 @@ from nodeagent.api.bodies import (
 )
 from nodeagent.errors import Conflict, Forbidden, NotFound
 from nodeagent.gpu.model import Hold, HoldKind
-from nodeagent.policy import gpu_durations
-from nodeagent.policy.placement import GpuRequest, Holdings, NodeGpus, Placement, Refusal, place
+from nodeagent.gpualloc.placement import (
+    GpuRequest,
+    Holdings,
+    NodeGpus,
+    Placement,
+    Refusal,
+    durations,
+    place,
+)
 from nodeagent.policyfile.model import WorkloadClass
 
 log = structlog.get_logger("nodeagent.gpu")
@@ -145,7 +152,7 @@ def holdings(holds: Iterable[Hold], now: float | None = None) -> Holdings:
                 shared[u] = shared.get(u, 0) + h.shared_memory
     if now is None:
         return Holdings(frozenset(exclusive), shared)
-    back = gpu_durations.releases(
+    back = durations.releases(
         (h.uuids, None if h.expected_end is None else h.expected_end - now) for h in listed
     )
     return Holdings(frozenset(exclusive), shared, back)
@@ -213,7 +220,7 @@ _Seconds = Annotated[float, Field(gt=0, le=10 * 365 * 86400)]
 _HISTORY = TypeAdapter(
     dict[
         Annotated[WorkloadClass, Field(strict=False)],
-        Annotated[list[_Seconds], Field(max_length=gpu_durations.HISTORY)],
+        Annotated[list[_Seconds], Field(max_length=durations.HISTORY)],
     ]
 )
 """The classes' hold durations as the state file keeps them."""
@@ -258,7 +265,7 @@ class GpuLedger:
         claim_timeout: float,
         max_waiting: int,
         declared: float | None = None,
-        patience: float = gpu_durations.PATIENCE,
+        patience: float = durations.PATIENCE,
         bounds: UserBounds = UNBOUNDED,
     ) -> Answer:
         """A request for GPUs: granted now if a set fits, else waiting. `declared`: what its
@@ -279,9 +286,7 @@ class GpuLedger:
                     " gpu.max_waiting_per_user allows; cancel one or wait"
                 )
             rid = new_id()
-            expected = gpu_durations.expected_duration(
-                declared, self._history.get(workload_class, [])
-            )
+            expected = durations.expected_duration(declared, self._history.get(workload_class, []))
             w = Waiting(
                 rid, owner, uid, tenant, request, priority, deadline, fairness,
                 workload_class, now, now, expected=expected,
@@ -420,7 +425,7 @@ class GpuLedger:
             if now is not None and hold.since is not None and hold.workload_class is not None:
                 recent = self._history.setdefault(hold.workload_class, [])
                 recent.append(max(now - hold.since, 1e-3))
-                del recent[: -gpu_durations.HISTORY]
+                del recent[: -durations.HISTORY]
             return self._pop(hold_id)
 
     def drop(self, hold_id: str) -> Hold | None:
@@ -435,7 +440,7 @@ class GpuLedger:
         node: NodeGpus | None,
         now: float,
         claim_timeout: float,
-        patience: float = gpu_durations.PATIENCE,
+        patience: float = durations.PATIENCE,
         bounds: UserBounds = UNBOUNDED,
     ) -> list[Hold]:
         """Lapse unclaimed holds and stale waiters, then serve the queue if that can change
@@ -730,7 +735,7 @@ class GpuLedger:
         """The request as placement gets it: its expected duration, and for one that already
         waited (asked before now) its patience left."""
         waited = 0.0 if w.held_back is None else now - w.held_back
-        left = gpu_durations.patience(patience, w.expected, waited) if w.asked < now else 0.0
+        left = durations.patience(patience, w.expected, waited) if w.asked < now else 0.0
         return replace(w.request, expected_duration=w.expected, patience=left)
 
     def _grant(

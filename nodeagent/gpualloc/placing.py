@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nodeagent.errors import NodeagentError
-from nodeagent.policy.placement import (
+from nodeagent.gpualloc.placement import (
     GpuRequest,
     Holdings,
     NodeGpus,

@@ -21,9 +21,9 @@ from nodeagent.actgpu import GpuExecutor
 from nodeagent.gpu.backend import GpuBackend
 from nodeagent.gpu.model import GpuState, Hold, HoldKind
 from nodeagent.gpualloc.ledger import UNBOUNDED, GpuLedger, UserBounds
+from nodeagent.gpualloc.placement import NodeGpus, node_gpus
 from nodeagent.identity import Kind, WorkloadIdentity
 from nodeagent.logs import audit_event
-from nodeagent.policy.placement import NodeGpus, node_gpus
 from nodeagent.policyfile.model import GpuSettings, PolicySpec
 from nodeagent.sense.gpus import GpuSensor
 

@@ -35,12 +35,12 @@ from nodeagent.api.server import Request, Routes
 from nodeagent.errors import BadRequest, Conflict, NotFound
 from nodeagent.gpu.report import read_report
 from nodeagent.gpualloc.ledger import holdings
+from nodeagent.gpualloc.placement import GpuRequest, NodeGpus, Refusal, impossible
+from nodeagent.gpualloc.placement.durations import declared_duration
 from nodeagent.gpualloc.placing import BadQuestion, answer, from_query
 from nodeagent.gpualloc.service import GpuService, bounds, node_of
 from nodeagent.logs import audit_event
 from nodeagent.policy.gpu_checks import violations
-from nodeagent.policy.gpu_durations import declared_duration
-from nodeagent.policy.placement import GpuRequest, NodeGpus, Refusal, impossible
 from nodeagent.policyfile.model import AgentMode, PolicySpec
 from nodeagent.policyfile.units import parse_duration
 

@@ -10,7 +10,7 @@ only when its far end is the peer GPU, so NVSwitch peers get no NVLink credit.
 
 from __future__ import annotations
 
-from nodeagent.policy.placement import (
+from nodeagent.gpualloc.placement import (
     NVLINK_SCORE,
     PCIE_SCORE,
     GpuRequest,

@@ -19,8 +19,8 @@ from daemon_api import ALICE, BOB, CID, ROOT, Daemon, daemon, mkdirs
 from nodeagent.errors import BadRequest, Conflict, Forbidden, NotFound, Refused
 from nodeagent.gpu.simulated import parse_node
 from nodeagent.gpualloc import ledger as ledger_module
+from nodeagent.gpualloc.placement import GpuRequest, Holdings, NodeGpus, Placement, Refusal, place
 from nodeagent.jobs import Job
-from nodeagent.policy.placement import GpuRequest, Holdings, NodeGpus, Placement, Refusal, place
 
 
 @pytest.fixture

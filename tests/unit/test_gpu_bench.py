@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-from nodeagent.policy.placement import GpuRequest, Holdings, NodeGpus, Placement, Refusal
+from nodeagent.gpualloc.placement import GpuRequest, Holdings, NodeGpus, Placement, Refusal
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_gpu_alloc.py"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nodeagent.policy.gpu_durations import (
+from nodeagent.gpualloc.placement.durations import (
     HISTORY,
     declared_duration,
     expected_duration,

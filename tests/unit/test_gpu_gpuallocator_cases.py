@@ -24,7 +24,7 @@ from benchref.placement_baselines import best_effort
 from test_gpu_placement import device, shipped
 
 from nodeagent.gpu.model import Link, PcieLevel, Topology
-from nodeagent.policy.placement import GpuRequest, Holdings, NodeGpus, Placement, Refusal, place
+from nodeagent.gpualloc.placement import GpuRequest, Holdings, NodeGpus, Placement, Refusal, place
 
 P2P = {
     "CrossCPU": (PcieLevel.SYS, 10),

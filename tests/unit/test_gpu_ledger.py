@@ -13,7 +13,7 @@ from nodeagent.errors import Conflict
 from nodeagent.gpu.model import Hold
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.gpualloc.ledger import Answer, GpuLedger, UserBounds, holdings
-from nodeagent.policy.placement import GpuRequest, NodeGpus, Refusal
+from nodeagent.gpualloc.placement import GpuRequest, NodeGpus, Refusal
 
 REPO = Path(__file__).resolve().parents[2]
 PAIRS = REPO / "config" / "gpus" / "4x-a100-two-nvlink-pairs.yaml"

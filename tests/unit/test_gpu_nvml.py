@@ -21,8 +21,8 @@ from fake_nvml import (
 from nodeagent.gpu.backend import GpuError, NoGpus
 from nodeagent.gpu.model import PcieLevel
 from nodeagent.gpu.nvml import APPLICATION_XIDS, NvmlBackend, open_nvml
+from nodeagent.gpualloc.placement import GpuRequest, Holdings, Placement, Refusal, place
 from nodeagent.gpualloc.service import node_of
-from nodeagent.policy.placement import GpuRequest, Holdings, Placement, Refusal, place
 from nodeagent.sense.gpus import GpuSensor
 
 

@@ -24,8 +24,7 @@ from nodeagent.gpu.model import (
     Topology,
 )
 from nodeagent.gpu.simulated import load_simulated
-from nodeagent.gpualloc.service import node_of
-from nodeagent.policy.placement import (
+from nodeagent.gpualloc.placement import (
     NUMA_SCORE,
     PARTITION_MAX,
     GpuRequest,
@@ -37,6 +36,7 @@ from nodeagent.policy.placement import (
     pair_score,
     place,
 )
+from nodeagent.gpualloc.service import node_of
 
 GPUS = Path(__file__).resolve().parents[2] / "config" / "gpus"
 GIB = 1024**3
