@@ -33,8 +33,8 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
-from typing import Annotated, Any, Literal, Protocol
+from dataclasses import dataclass, field, replace
+from typing import Annotated, Any, Protocol
 
 import structlog
 from pydantic import Field, ValidationError
@@ -44,7 +44,6 @@ from nodeagent.api.bodies import (
     MAX_CPUS,
     MIN_MEMORY,
     Body,
-    CgroupPath,
     Classed,
     Cpus,
     Instant,
@@ -54,7 +53,6 @@ from nodeagent.api.bodies import (
     Pids,
     Text,
     Token,
-    Uid,
     Work,
     check_future,
     check_name,
@@ -82,6 +80,7 @@ from nodeagent.identity import WorkloadIdentity
 from nodeagent.policy.base import Assignment
 from nodeagent.policyfile.model import Limits, PolicySpec, WorkloadClass
 from nodeagent.snapshot import NO_NEEDS, Needs, NodeSnapshot
+from nodeagent.state import CapName, JobRecord
 
 log = structlog.get_logger("nodeagent.jobs")
 
@@ -91,8 +90,6 @@ WriteLimits = Callable[[WorkloadIdentity, Assignment], Sequence[str]]
 """Plan a new job's cgroup with its assignment as the fast path plans a newcomer, and have
 the executor write it; what of it is not in place, one line each (empty: all of it is)."""
 
-CapName = Literal["cpus", "memory", "pids"]
-"""A job's caps by its record's names: cpu.max in cores, memory.max in bytes, pids.max."""
 Bounds = dict[CapName, tuple[float, str]]
 """The tightest value found of each cap, and where it comes from."""
 FROM_REQUEST = "the request"
@@ -192,47 +189,28 @@ class Job:
         )
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["workload_class"] = str(self.workload_class)
-        data["gpus"] = list(self.gpus)
-        data["pinned_cpus"] = list(self.pinned_cpus)
-        data["limits_from"] = dict(self.limits_from)
-        return data
+        """The job as the API answers it: its state-file record's fields, today."""
+        return self.record().to_json()
+
+    def record(self) -> JobRecord:
+        """The job as the state file keeps it."""
+        return JobRecord(
+            name=self.name, cgroup=self.cgroup, tenant=self.tenant,
+            workload_class=self.workload_class, uid=self.uid, pid=self.pid,
+            submitted_at=self.submitted_at, deadline=self.deadline, work=self.work,
+            cpus=self.cpus, memory=self.memory, gpus=self.gpus, gpu_hold=self.gpu_hold,
+            pinned_cpus=self.pinned_cpus, pids=self.pids, limits_from=dict(self.limits_from),
+        )  # fmt: skip
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Job:
-        """A saved record, checked as the API checks a request: ValidationError if not."""
-        r = JobRecord.model_validate(data)
+    def from_record(cls, r: JobRecord) -> Job:
         return cls(
             name=r.name, cgroup=r.cgroup, tenant=r.tenant, workload_class=r.workload_class,
             uid=r.uid, pid=r.pid, submitted_at=r.submitted_at, deadline=r.deadline,
-            work=r.work, cpus=r.cpus, memory=r.memory, gpus=tuple(r.gpus),
-            gpu_hold=r.gpu_hold, pinned_cpus=tuple(r.pinned_cpus), pids=r.pids,
+            work=r.work, cpus=r.cpus, memory=r.memory, gpus=r.gpus, gpu_hold=r.gpu_hold,
+            pinned_cpus=r.pinned_cpus, pids=r.pids,
             limits_from=tuple(sorted(r.limits_from.items())),
         )  # fmt: skip
-
-
-class JobRecord(Body):
-    """A job as the state file keeps it."""
-
-    name: Name
-    cgroup: CgroupPath
-    tenant: Text
-    workload_class: Annotated[WorkloadClass, Field(strict=False)]
-    uid: Uid
-    pid: Pid
-    submitted_at: Instant
-    deadline: Instant | None = None
-    work: Work | None = None
-    cpus: Cpus | None = None
-    memory: Memory | None = None
-    gpus: Annotated[list[Text], Field(max_length=64)] = Field(default_factory=list)
-    gpu_hold: Token | None = None
-    pinned_cpus: Annotated[
-        list[Annotated[int, Field(ge=0, lt=1 << 16)]], Field(max_length=1 << 16)
-    ] = Field(default_factory=list)
-    pids: Pids | None = None
-    limits_from: dict[CapName, Text] = Field(default_factory=dict)
 
 
 class StartBody(Classed):
@@ -630,14 +608,15 @@ class Jobs:
     # --- the state file ---------------------------------------------------------------
 
     def dump(self) -> list[dict[str, Any]]:
-        return [j.to_json() for j in self._jobs.values()]
+        """The jobs as the state file keeps them (JobRecord's JSON)."""
+        return [j.record().to_json() for j in self._jobs.values()]
 
     def load(self, records: Iterable[Mapping[str, Any]], managed_root: str) -> None:
         """Restore the jobs of a previous run whose cgroups still exist; a malformed record
         is dropped with a warning, the others kept."""
         for i, record in enumerate(records):
             try:
-                job = Job.from_json(record)
+                job = Job.from_record(JobRecord.from_json(record))
             except ValidationError as e:
                 log.warning("state.job_dropped", record=i, error=problem(e))
                 continue

@@ -22,12 +22,27 @@ import math
 import os
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import Annotated, Any, Literal
 
 import structlog
+from pydantic import ConfigDict, Field, Strict, TypeAdapter
 
+from nodeagent.api.bodies import (
+    CgroupPath,
+    Cpus,
+    Instant,
+    Memory,
+    Name,
+    Pid,
+    Pids,
+    Text,
+    Token,
+    Uid,
+    Work,
+)
 from nodeagent.errors import NodeagentError
+from nodeagent.policyfile.model import WorkloadClass
 from nodeagent.regular_file import UnusableFile, read_regular_file, write_atomically
 
 log = structlog.get_logger("nodeagent")
@@ -42,12 +57,68 @@ MAX_BYTES = 4 << 20
 MAX_USAGE = 1e18
 
 
+CapName = Literal["cpus", "memory", "pids"]
+"""A job's caps by its record's names: cpu.max in cores, memory.max in bytes, pids.max."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    """A job as the state file keeps it: the file's own type, not an API body or the job
+    itself (nodeagent.jobs.Job converts to and from it at dump and load), so that either
+    may change without changing what an earlier agent wrote. Its fields are checked by the
+    rules the API checks a request with (nodeagent.api.bodies), strictly (no coercion: "1"
+    is no number), so that what the API refuses never comes back through a restart; a
+    field added later has a default, so a file from before it loads."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    name: Annotated[Name, Strict()]
+    cgroup: Annotated[CgroupPath, Strict()]
+    tenant: Annotated[Text, Strict()]
+    workload_class: WorkloadClass
+    uid: Annotated[Uid, Strict()]
+    pid: Annotated[Pid, Strict()]
+    submitted_at: Annotated[Instant, Strict()]
+    deadline: Annotated[Instant, Strict()] | None = None
+    work: Annotated[Work, Strict()] | None = None
+    cpus: Annotated[Cpus, Strict()] | None = None
+    memory: Annotated[Memory, Strict()] | None = None
+    gpus: Annotated[tuple[Annotated[Text, Strict()], ...], Field(max_length=64)] = ()
+    gpu_hold: Annotated[Token, Strict()] | None = None
+    """The id of its GPU hold (absent in files from before holds had ids)."""
+    pinned_cpus: Annotated[
+        tuple[Annotated[int, Strict(), Field(ge=0, lt=1 << 16)], ...],
+        Field(max_length=1 << 16),
+    ] = ()
+    pids: Annotated[Pids, Strict()] | None = None
+    limits_from: Mapping[CapName, Annotated[Text, Strict()]] = field(default_factory=dict)
+    """Where each cap came from, by name."""
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["workload_class"] = str(self.workload_class)
+        data["gpus"] = list(self.gpus)
+        data["pinned_cpus"] = list(self.pinned_cpus)
+        data["limits_from"] = dict(self.limits_from)
+        return data
+
+    @classmethod
+    def from_json(cls, data: object) -> JobRecord:
+        """A record as the file holds it, checked field by field: ValidationError (one line
+        through nodeagent.api.bodies.problem) if it is malformed."""
+        return _JOB_RECORD.validate_python(data)
+
+
+_JOB_RECORD = TypeAdapter(JobRecord)
+
+
 @dataclass(frozen=True, slots=True)
 class SavedState:
     saved_at: float
     tenant_usage: Mapping[str, float]
     jobs: Sequence[Any] = ()
-    """Job records (nodeagent.jobs.Job.to_json); checked one by one when restored."""
+    """Job records as JSON (JobRecord.to_json); checked one by one when restored
+    (JobRecord.from_json), so that a bad one costs only itself."""
     carry: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Each policy's state for its next tick."""
     gpus: Sequence[Any] = ()

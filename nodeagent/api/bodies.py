@@ -176,7 +176,7 @@ def problem(error: ValidationError) -> str:
     first = error.errors(include_url=False)[0]
     field = ".".join(str(p) for p in first["loc"]) or "the body"
     kind, ctx = first["type"], first.get("ctx", {})
-    if kind == "extra_forbidden":
+    if kind in ("extra_forbidden", "unexpected_keyword_argument"):  # a model's, a dataclass's
         return f"unknown field {field!r}"
     if kind == "missing":
         return f"{field} is required"

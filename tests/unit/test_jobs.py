@@ -3,6 +3,7 @@ kernel in tests/kernel/test_exec.py)."""
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 from pathlib import Path
@@ -10,13 +11,15 @@ from typing import Any
 
 import pytest
 from daemon_api import ALICE, AlwaysAlive, daemon
+from pydantic import ValidationError
 
-from nodeagent.api.bodies import parse
+from nodeagent.api.bodies import parse, problem
 from nodeagent.api.peer import Peer
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.errors import BadRequest, Forbidden, Refused
 from nodeagent.jobs import Job, Jobs, Pidfd, StartBody, check_name
 from nodeagent.policyfile.model import PolicySpec, WorkloadClass
+from nodeagent.state import JobRecord
 
 SPEC = PolicySpec.model_validate(
     {
@@ -133,7 +136,43 @@ def test_unsafe_names(name: str) -> None:
 
 def test_records_round_trip_through_json(jobs: Jobs) -> None:
     job = check(jobs, deadline=NOW + 60, work=30, cpus=2, memory=1 << 30, **{"class": "training"})
-    assert Job.from_json(job.to_json()) == job
+    assert Job.from_record(JobRecord.from_json(job.record().to_json())) == job
+
+
+PREVIOUS = {
+    "name": "train", "cgroup": "nodeagent.slice/train", "tenant": "research",
+    "workload_class": "training", "uid": 1000, "pid": 4001, "submitted_at": 1.8e9,
+    "deadline": 1.9e9, "work": 30.0, "cpus": 2.0, "memory": 1 << 30,
+    "gpus": ["GPU-1"], "gpu_hold": "abcdefghijklmnop", "pinned_cpus": [0, 1],
+    "pids": 64, "limits_from": {"pids": "jobs.per_user_limits", "cpus": "the request"},
+}  # fmt: skip
+"""A record as the previous version wrote it, when the record was an API body."""
+
+
+def test_a_record_the_previous_version_wrote_loads_and_is_written_back_the_same() -> None:
+    record = JobRecord.from_json(PREVIOUS)
+    job = Job.from_record(record)
+    assert job.limits_from == (("cpus", "the request"), ("pids", "jobs.per_user_limits"))
+    assert (job.workload_class, job.gpus) == (WorkloadClass.TRAINING, ("GPU-1",))
+    assert job.pinned_cpus == (0, 1)
+    assert job.record().to_json() == PREVIOUS
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"extra": 1}, "unknown field 'extra'"),
+        ({"pid": "4001"}, "pid: must be a whole number, got '4001'"),
+        ({"pinned_cpus": [0, "1"]}, "pinned_cpus.1: must be a whole number, got '1'"),
+        ({"limits_from": {"gpus": "x"}}, "limits_from.gpus.[key]"),
+        ({"cpus": math.inf}, "cpus: must be a finite number"),
+        ({"name": "x.slice"}, "name: 'x.slice' is not a safe cgroup name"),
+    ],
+)
+def test_a_malformed_record_is_refused_in_one_line(change: dict[str, object], said: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        JobRecord.from_json({**PREVIOUS, **change})
+    assert said in problem(info.value)
 
 
 def test_a_members_deadline_is_taken_only_where_its_class_takes_declared_ones(jobs: Jobs) -> None:

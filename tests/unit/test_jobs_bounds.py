@@ -24,6 +24,7 @@ from structlog.testing import capture_logs
 from nodeagent.errors import BadRequest, Forbidden
 from nodeagent.jobs import Job
 from nodeagent.policyfile.model import WorkloadClass
+from nodeagent.state import JobRecord
 
 SLICE = "user.slice/user-1000.slice"
 SESSION = f"{SLICE}/session-3.scope"
@@ -218,9 +219,9 @@ def test_the_limits_and_where_they_came_from_survive_a_restart(tmp_path: Path) -
 def test_a_record_from_before_jobs_had_pids_loads_without_them() -> None:
     job = Job("j", JOB, "research", WorkloadClass.BATCH, 1000, 4001, 1.8e9, cpus=2.0,
               pids=16, limits_from=(("cpus", "the request"), ("pids", FROM_SLICE)))  # fmt: skip
-    assert Job.from_json(job.to_json()) == job
-    old = {k: v for k, v in job.to_json().items() if k not in ("pids", "limits_from")}
-    loaded = Job.from_json(old)
+    assert Job.from_record(JobRecord.from_json(job.record().to_json())) == job
+    old = {k: v for k, v in job.record().to_json().items() if k not in ("pids", "limits_from")}
+    loaded = Job.from_record(JobRecord.from_json(old))
     assert (loaded.cpus, loaded.pids, loaded.limits_from) == (2.0, None, ())
     assert loaded.assignment().limits.pids_max is None
 

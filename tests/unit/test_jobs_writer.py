@@ -15,6 +15,7 @@ from structlog.testing import capture_logs
 from nodeagent.errors import BadRequest
 from nodeagent.jobs import Job
 from nodeagent.policyfile.model import WorkloadClass
+from nodeagent.state import JobRecord
 
 JOB = "nodeagent.slice/j"
 
@@ -111,7 +112,7 @@ def test_a_pinned_jobs_cpus_are_kept_in_its_record_and_its_assignment() -> None:
     """Restarted on its state file, the daemon's plan still pins the job; a record written
     before jobs kept their CPUs loads as not pinned."""
     job = Job("j", JOB, "research", WorkloadClass.BATCH, 1000, 4001, 1.8e9, pinned_cpus=(0, 1, 2))
-    again = Job.from_json(job.to_json())
+    again = Job.from_record(JobRecord.from_json(job.record().to_json()))
     assert again == job and again.assignment().cpuset == (0, 1, 2)
-    old = {k: v for k, v in job.to_json().items() if k != "pinned_cpus"}
-    assert Job.from_json(old).assignment().cpuset == ()
+    old = {k: v for k, v in job.record().to_json().items() if k != "pinned_cpus"}
+    assert Job.from_record(JobRecord.from_json(old)).assignment().cpuset == ()
