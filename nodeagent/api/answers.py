@@ -186,7 +186,7 @@ class DeadlineFigures(Answer):
 
 
 class Workload(Answer):
-    """A workload as the API shows it (policy.base.describe): who it is, what the runtime
+    """A workload as the API shows it (nodeagent.report.describe): who it is, what the runtime
     said about it, and the rule that claims it."""
 
     cgroup: str

@@ -502,9 +502,9 @@ def workloads(
     from nodeagent.cgroupfs.tree import CgroupTree
     from nodeagent.discovery.registry import Registry
     from nodeagent.ownership import write_mode
-    from nodeagent.policy.base import describe
     from nodeagent.policy.classify import assign, nested_warnings, unmatched_for_metadata
     from nodeagent.policyfile.model import AgentSettings
+    from nodeagent.report import describe
     from nodeagent.runtimes.metadata import RuntimeMetadata
     from nodeagent.sense.cgroup_files import probe
     from nodeagent.slurm import SlurmJobs

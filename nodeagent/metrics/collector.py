@@ -47,7 +47,7 @@ from nodeagent.metrics.families import (
     rendered,
 )
 from nodeagent.metrics.gpus import GpuMetrics
-from nodeagent.policy.base import Assignment, Note, describe
+from nodeagent.policy.base import Assignment, Note
 from nodeagent.policy.notes import (
     DeadlineProgress,
     DeadlineStatus,
@@ -57,7 +57,7 @@ from nodeagent.policy.notes import (
     ViolationKind,
 )
 from nodeagent.policy.plan import CgroupPlan
-from nodeagent.report import TickRecord, status_of
+from nodeagent.report import TickRecord, describe, status_of
 from nodeagent.snapshot import Skipped, WorkloadState
 from nodeagent.tables import printable
 

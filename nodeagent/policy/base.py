@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from nodeagent.cgroupfs.values import Attribute, Value, is_looser
-from nodeagent.identity import WorkloadIdentity
-from nodeagent.ownership import WriteMode
 from nodeagent.policy.notes import NoteKind, NotePayload
 from nodeagent.policyfile.model import DeadlineGrant, Limits, PolicySpec, WorkloadClass
 from nodeagent.snapshot import NO_NEEDS, Needs, NodeSnapshot, WorkloadState
@@ -80,48 +78,6 @@ class Assignment:
         if self.declared is None:
             return DeadlineGrant.DEFENDED
         return spec.classes[self.workload_class].declared_deadlines
-
-
-def describe(
-    identity: WorkloadIdentity, assignment: Assignment | None, write: WriteMode | None = None
-) -> dict[str, object]:
-    """A workload as the API, the CLI and --json show it; `write` says how the agent may
-    write it (direct, systemd or read-only)."""
-    i, a = identity, assignment
-    return {
-        "cgroup": i.path,
-        "name": i.name,
-        "kind": str(i.kind),
-        "runtime": str(i.runtime),
-        "owner": str(i.owner),
-        "write": None if write is None else str(write),
-        "writable": None if write is None else write is not WriteMode.READ_ONLY,
-        "container_id": i.container_id,
-        "pod_uid": i.pod_uid,
-        "qos": None if i.qos is None else str(i.qos),
-        "job_id": i.job_id,
-        "account": i.account,
-        "rule": None if a is None else a.rule,
-        "tenant": None if a is None else a.tenant,
-        "class": None if a is None else str(a.workload_class),
-        **_metadata(i),
-        "matched": [] if a is None else list(a.matched),
-        "refused": [] if a is None else list(a.refused),
-        "node_critical": None if a is None else a.node_critical,
-    }
-
-
-def _metadata(i: WorkloadIdentity) -> dict[str, object]:
-    """What the runtime said (names, image, labels, pod), or why it said nothing."""
-    meta, pod = i.meta, i.meta.pod if i.meta is not None else None
-    return {
-        "container_name": None if meta is None else meta.name,
-        "image": None if meta is None else meta.image,
-        "namespace": None if pod is None else pod.namespace,
-        "pod": None if pod is None else pod.name,
-        "metadata": None if meta is None else meta.to_json(),
-        "metadata_problem": i.meta_problem,
-    }
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,13 +20,14 @@ from nodeagent.identity import Kind, WorkloadIdentity
 from nodeagent.kube.owners import PodView, node_critical
 from nodeagent.kube.pods import Pod, PodDirectory
 from nodeagent.meta import ContainerMeta, PodMeta, labels
-from nodeagent.policy.base import Assignment, Decision, Output, PolicyInput, describe
+from nodeagent.policy.base import Assignment, Decision, Output, PolicyInput
 from nodeagent.policy.classify import assign
 from nodeagent.policy.plan import CgroupPlan, Plan, Target, make_plan
 from nodeagent.policy.plan import node_critical as plan_node_critical
 from nodeagent.policy.protection import Protection
 from nodeagent.policyfile.load import check_text
 from nodeagent.policyfile.model import NodeCriticalSettings, PolicySpec
+from nodeagent.report import describe
 from nodeagent.selfguard import SelfGuard
 from nodeagent.snapshot import CgroupSample, WorkloadState
 

@@ -19,11 +19,16 @@ from builders import (
 )
 
 from nodeagent import tables
+from nodeagent.api import answers
 from nodeagent.cgroupfs.values import Attribute, CpuWeight, Frozen, MemoryLimit
 from nodeagent.cli.inspection import allocations_table, explain_text
 from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
+from nodeagent.meta import ContainerMeta, PodMeta
+from nodeagent.ownership import WriteMode
+from nodeagent.policy.base import Assignment
 from nodeagent.policy.plan import CgroupPlan, Plan, make_plan
-from nodeagent.report import TickRecord, allocations, explain, find, identities
+from nodeagent.policyfile.model import WorkloadClass
+from nodeagent.report import TickRecord, allocations, describe, explain, find, identities
 from nodeagent.snapshot import CgroupSample, WorkloadState
 
 ROOT = "/sys/fs/cgroup"
@@ -342,3 +347,23 @@ def test_explain_of_a_planned_cgroup_never_shows_an_empty_trace() -> None:
     assert lines[lines.index("trace:") + 1 :] == [
         "  cpu-weights: cpu.weight 46: cpu weight for a target of 1.83 cores"
     ]
+
+
+def test_a_workload_is_described_once_and_the_answer_names_every_key_of_it() -> None:
+    """`describe` is the one description of a workload (the report's rows, the CLI's
+    listing, the metrics' labels): the API's wire type names exactly its keys, so that a
+    key added to one and not the other fails here, not in a reader."""
+    meta = ContainerMeta("containerd", "web", "nginx:1", pod=PodMeta("default", "web-0", "u1"))
+    identity = replace(WORKLOADS[0], meta=meta)
+    assignment = Assignment("web", "prod", WorkloadClass.INFERENCE, matched=("rule web",))
+    described = describe(identity, assignment, WriteMode.SYSTEMD)
+    fields = {f.alias or name for name, f in answers.Workload.model_fields.items()}
+    assert set(described) == fields
+    answer = answers.Workload.model_validate(described)
+    assert (answer.cgroup, answer.workload_class, answer.pod, answer.writable) == (
+        identity.path,
+        "inference",
+        "web-0",
+        True,
+    )
+    assert answer.model_extra == {}
