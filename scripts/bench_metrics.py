@@ -78,7 +78,8 @@ def tick(n: int, seq: int) -> TickRecord:
         states.append(WorkloadState(identity, sample, 0.5, 0.01, 0.02))
     node = NodeState(64, 0.5, 1 << 38, 1 << 37, 4096)
     snap = NodeSnapshot(seq, 1.7e9 + seq, 1.0, node, tuple(states))
-    plan = make_plan(snap, POLICY, {})
+    claimed = assign([w.identity for w in snap.workloads], POLICY)
+    plan = make_plan(snap, POLICY, {}, assignments=claimed)
     results = tuple(
         WriteResult(cg.path, a, "100", t.render(), t.reason, Outcome.WRITTEN)
         for cg in plan.cgroups

@@ -48,7 +48,6 @@ from nodeagent.policy.base import (
     Skip,
     binds,
 )
-from nodeagent.policy.classify import assign
 from nodeagent.policy.deadlines import Deadlines
 from nodeagent.policy.fairshare import FairShare
 from nodeagent.policy.gpu_checks import GpuChecks
@@ -133,18 +132,15 @@ def make_plan(
     previous_usage: Mapping[str, float],
     policies: Sequence[Policy] = DEFAULT_POLICIES,
     *,
-    assignments: Mapping[str, Assignment] | None = None,
+    assignments: Mapping[str, Assignment],
     carried: Mapping[str, Mapping[str, object]] | None = None,
 ) -> Plan:
-    """`assignments` may be passed in when the caller already classified the workloads;
-    those of workloads missing from the snapshot are ignored. `carried` is the previous
-    plan's `carry`."""
+    """`assignments`: the workloads the caller classified (the loop, once per tick; rules
+    claim workloads, levels are only weighted); those of workloads missing from the
+    snapshot are ignored. `carried` is the previous plan's `carry`."""
     identities = [w.identity for w in (*snapshot.workloads, *snapshot.levels)]
-    if assignments is None:  # rules claim workloads; levels are only weighted
-        assignments = assign([w.identity for w in snapshot.workloads], spec)
-    else:
-        sensed = {i.path for i in identities}
-        assignments = {p: a for p, a in assignments.items() if p in sensed}
+    sensed = {i.path for i in identities}
+    assignments = {p: a for p, a in assignments.items() if p in sensed}
     usage = history.advance(previous_usage, snapshot, assignments, spec.fair_share.half_life)
     usage = {t: u for t, u in usage.items() if t in spec.tenants}  # a reload may drop tenants
     idle = {w.path for w in (*snapshot.workloads, *snapshot.levels) if w.sample.cpu_idle}

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
-from nodeagent.policy.base import PolicyInput
+from nodeagent.policy.base import Assignment, Policy, PolicyInput
 from nodeagent.policy.classify import assign
+from nodeagent.policy.plan import DEFAULT_POLICIES, Plan, make_plan
 from nodeagent.policyfile.model import PolicySpec
 from nodeagent.snapshot import CgroupSample, NodeSnapshot, NodeState, WorkloadState
 
@@ -143,11 +144,27 @@ def spec(
     )
 
 
+def claimed(snap: NodeSnapshot, policy: PolicySpec) -> dict[str, Assignment]:
+    """The workloads `policy`'s rules claim, as the loop classifies them before it plans
+    (levels are only weighted)."""
+    return assign((w.identity for w in snap.workloads), policy)
+
+
+def plan_claimed(
+    snap: NodeSnapshot,
+    policy: PolicySpec,
+    usage: Mapping[str, float],
+    policies: Sequence[Policy] = DEFAULT_POLICIES,
+    **kw: Any,
+) -> Plan:
+    """make_plan over the workloads `policy`'s rules claim (`claimed`)."""
+    return make_plan(snap, policy, usage, policies, assignments=claimed(snap, policy), **kw)
+
+
 def policy_input(
     snap: NodeSnapshot, policy: PolicySpec, usage: Mapping[str, float] | None = None
 ) -> PolicyInput:
-    assignments = assign((w.identity for w in snap.workloads), policy)
-    return PolicyInput(snap, policy, assignments, dict(usage or {}))
+    return PolicyInput(snap, policy, claimed(snap, policy), dict(usage or {}))
 
 
 def thawed_tree(root: Path, paths: list[str], procs: dict[str, str] | None = None) -> CgroupTree:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from builders import job, snapshot, spec, workload
+from builders import job, plan_claimed, snapshot, spec, workload
 from structlog.testing import capture_logs
 
 from nodeagent.changes import ProblemLog
-from nodeagent.policy.plan import make_plan
 from nodeagent.snapshot import Skipped
 
 
@@ -21,8 +20,8 @@ def test_each_problem_is_logged_once_until_it_changes_or_clears() -> None:
     problems = ProblemLog()
     with capture_logs() as logs:
         for _ in range(3):
-            problems.update(broken, make_plan(broken, policy, {}), ())
-        problems.update(healthy, make_plan(healthy, policy, {}), ())
+            problems.update(broken, plan_claimed(broken, policy, {}), ())
+        problems.update(healthy, plan_claimed(healthy, policy, {}), ())
     assert [(e["event"], e["cgroup"]) for e in logs] == [
         ("cgroup.skipped", "nodeagent.slice/a-2"),
         ("cgroup.problem_cleared", "nodeagent.slice/a-2"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from builders import job, snapshot, spec, workload
+from builders import job, plan_claimed, snapshot, spec, workload
 
 from nodeagent.cgroupfs.values import Attribute, Frozen
 from nodeagent.gpu.model import Device, GpuProcess, GpuState, Hold, HoldKind, Telemetry, Topology
@@ -75,7 +75,7 @@ def test_caps_in_a_window_that_wraps_midnight() -> None:
 
     def devices(at: float) -> list[DeviceDecision]:
         snap = replace(snapshot([]), gpus=state((), (HOLD,)), local_seconds=at)
-        return list(make_plan(snap, policy, {}, [GpuPower()]).devices)
+        return list(plan_claimed(snap, policy, {}, [GpuPower()]).devices)
 
     night = devices(23 * 3600)
     assert [(d.uuid, d.value) for d in night] == [(G0, 300_000)], "G1: at its default already"
@@ -89,7 +89,7 @@ def test_a_cap_below_the_card_is_clamped() -> None:
          "gpu": {"power": [{"class": "training", "watts": 50}]}}
     )  # fmt: skip
     snap = replace(snapshot([]), gpus=state((), (HOLD,)))
-    (d,) = make_plan(snap, policy, {}, [GpuPower()]).devices
+    (d,) = plan_claimed(snap, policy, {}, [GpuPower()]).devices
     assert d.value == 200_000
     assert "clamped" in d.reason
 
@@ -109,7 +109,7 @@ def test_a_violation_is_one_warning_in_the_audit_stream_not_one_per_tick() -> No
     notes = NoteLog()
     with capture_logs() as logs:
         for _ in range(3):  # three ticks see the same process on the same GPU
-            notes.update(make_plan(snap, policy, {}, [GpuChecks()]).notes)
+            notes.update(plan_claimed(snap, policy, {}, [GpuChecks()]).notes)
     found = [e for e in logs if e["event"].startswith("gpu-violation")]
     assert [(e["event"], e["log_level"], e["pid"]) for e in found] == [
         ("gpu-violation.wrong-gpu", "warning", 11)

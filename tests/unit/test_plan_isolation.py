@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from builders import job, snapshot, spec, workload
+from builders import job, plan_claimed, snapshot, spec, workload
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax
 from nodeagent.policy.base import Assignment, Decision, Floor, Policy, PolicyInput
@@ -84,7 +84,7 @@ def test_any_policy_is_isolated_with_a_bounded_number_of_runs() -> None:
     all_ = paths(64)
     bad = frozenset({all_[5], all_[40]})
     policy = FailsOn(bad)
-    plan = make_plan(snapshot([workload(p) for p in all_]), spec({"a": 1}), {}, [policy])
+    plan = plan_claimed(snapshot([workload(p) for p in all_]), spec({"a": 1}), {}, [policy])
     cgs = by_path(plan)
     assert plan.problems == ()
     for p in all_:
@@ -106,7 +106,7 @@ def test_a_policy_that_fails_without_any_cgroup_is_left_out_whole() -> None:
         def decide(self, given: PolicyInput) -> Sequence[Decision]:
             raise ZeroDivisionError("division by zero")
 
-    plan = make_plan(snapshot([workload(p) for p in paths(3)]), spec({"a": 1}), {}, [Always()])
+    plan = plan_claimed(snapshot([workload(p) for p in paths(3)]), spec({"a": 1}), {}, [Always()])
     assert plan.problems == (
         "policy always failed, left out this tick: ZeroDivisionError: division by zero",
     )
@@ -118,7 +118,7 @@ def test_a_policy_that_fails_only_on_cgroups_together_is_left_out_whole() -> Non
     plan's problems, rather than skipping cgroups that plan fine on their own."""
     all_ = paths(4)
     policy = FailsOn(together=frozenset({all_[0], all_[3]}))
-    plan = make_plan(snapshot([workload(p) for p in all_]), spec({"a": 1}), {}, [policy])
+    plan = plan_claimed(snapshot([workload(p) for p in all_]), spec({"a": 1}), {}, [policy])
     assert plan.problems == (
         "policy fails-on failed, left out this tick: RuntimeError: only together",
     )
@@ -148,7 +148,7 @@ def test_the_failing_cgroup_is_removed_from_what_earlier_policies_said() -> None
             return [Floor(p, 1.0, self.name, "r") for p in sorted(given.assignments)]
 
     snap = snapshot([workload(GOOD), workload(BAD)])
-    plan = make_plan(snap, spec({"a": 1}), {}, [Floors(), Records()])
+    plan = plan_claimed(snap, spec({"a": 1}), {}, [Floors(), Records()])
     assert by_path(plan)[BAD].skipped == "records: rule a-jobs: ValueError: bad"
     last = seen[-1]
     assert [w.path for w in last.snapshot.workloads] == [GOOD]

@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from builders import policy_input, snapshot, spec, workload
+from builders import plan_claimed, policy_input, snapshot, spec, workload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -16,7 +16,6 @@ from pydantic import ValidationError
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.policy.base import CpuTarget, Decision, Floor, Note, PolicyInput, Share
 from nodeagent.policy.fairshare import FairShare, is_active
-from nodeagent.policy.plan import make_plan
 from nodeagent.policy.weights import CpuWeights
 from nodeagent.policyfile.model import FairShareSettings, PolicySpec, Tenant
 from nodeagent.snapshot import CgroupSample, WorkloadState
@@ -201,7 +200,7 @@ def test_trace_explains_the_arithmetic() -> None:
         "tenant gets s*F/sum(s*F) = 0.667 of the pool, split over 1 active workload(s) = 0.667 each"
     )
     assert d.reason == "fair share: tenant a 67% of the pool, split over 1 active"
-    plan = make_plan(snapshot(TWO_TO_ONE), spec({"a": 2, "b": 1}), {})
+    plan = plan_claimed(snapshot(TWO_TO_ONE), spec({"a": 2, "b": 1}), {})
     cg = next(c for c in plan.cgroups if c.path == "nodeagent.slice/a-1")
     weight = cg.targets[Attribute.CPU_WEIGHT].value
     share = next(i for i, line in enumerate(cg.trace) if line.startswith("fair-share: fair share"))

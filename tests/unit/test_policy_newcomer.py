@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from builders import job, snapshot, spec, workload
+from builders import job, plan_claimed, snapshot, spec, workload
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight
 from nodeagent.policy.classify import assign
 from nodeagent.policy.newcomer import Siblings, plan_newcomers
-from nodeagent.policy.plan import make_plan
 
 RULES = [
     {"name": "a", "match": {"name": "a-*"}, "tenant": "a", "limits": {"cpu_max": 0.5}},
@@ -18,7 +17,7 @@ RULES = [
 def test_a_newcomer_gets_its_caps_and_its_tenants_weight() -> None:
     policy = spec({"a": 3, "b": 1}, RULES)
     before = snapshot([workload("nodeagent.slice/a-1"), workload("nodeagent.slice/b-1")])
-    last = make_plan(before, policy, {})
+    last = plan_claimed(before, policy, {})
     a_weight = last.cgroups[0].targets[Attribute.CPU_WEIGHT].value
     new = [job("nodeagent.slice/a-2"), job("nodeagent.slice/b-2"), job("other.slice/x")]
     plan, snap = plan_newcomers(
@@ -64,7 +63,7 @@ def test_the_fast_path_and_the_full_tick_agree_on_a_newcomers_caps() -> None:
     are the full tick's for the same workload, so the tick that follows changes none."""
     policy = spec({"a": 1}, CAPPED)
     new = [job("nodeagent.slice/a-1")]
-    full = make_plan(snapshot([workload("nodeagent.slice/a-1", cpu_rate=None)]), policy, {})
+    full = plan_claimed(snapshot([workload("nodeagent.slice/a-1", cpu_rate=None)]), policy, {})
     fast, _ = plan_newcomers(
         new, assign(new, policy), policy, siblings=None, node=snapshot([]).node, wall_time=0
     )
@@ -80,7 +79,7 @@ def test_the_fast_path_and_the_full_tick_agree_on_a_newcomers_caps() -> None:
 def test_the_trace_says_fast_path_then_what_each_policy_decided() -> None:
     policy = spec({"a": 3, "b": 1}, RULES)
     before = snapshot([workload("nodeagent.slice/a-1"), workload("nodeagent.slice/b-1")])
-    last = make_plan(before, policy, {})
+    last = plan_claimed(before, policy, {})
     new = [job("nodeagent.slice/a-2")]
     plan, _ = plan_newcomers(
         new,
@@ -106,7 +105,7 @@ def test_a_newcomer_the_pipeline_skips_gets_no_targets_as_in_a_full_tick() -> No
     its siblings' weight (a full tick skips it the same way)."""
     policy = spec({"a": 1}, RULES[:1])
     before = snapshot([workload("nodeagent.slice/a-1")])
-    last = make_plan(before, policy, {})
+    last = plan_claimed(before, policy, {})
     new = [job("nodeagent.slice/a-2")]
     broken = assign(new, policy)["nodeagent.slice/a-2"]
     object.__setattr__(broken, "limits", None)  # a bug: no Limits at all

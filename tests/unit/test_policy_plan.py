@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from builders import docker, job, service, snapshot, spec, workload
+from builders import docker, job, plan_claimed, service, snapshot, spec, workload
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, MemoryLimit, Value
 from nodeagent.policy.base import Decision, DeviceDecision, Output, Policy, PolicyInput, Skip
@@ -49,7 +49,7 @@ def test_later_policy_overrides_earlier_on_the_same_attribute_and_says_so() -> N
         Fixed("second", Attribute.CPU_WEIGHT, CpuWeight(500)),
         Fixed("third", Attribute.MEMORY_MAX, MemoryLimit(4096)),
     ]
-    cg = by_path(make_plan(SNAP, spec({"a": 1}), {}, policies))["nodeagent.slice/a-1"]
+    cg = by_path(plan_claimed(SNAP, spec({"a": 1}), {}, policies))["nodeagent.slice/a-1"]
     assert cg.targets[Attribute.CPU_WEIGHT].value == CpuWeight(500)
     assert cg.targets[Attribute.CPU_WEIGHT].policy == "second"
     assert cg.targets[Attribute.CPU_WEIGHT].reason == "second says so"
@@ -71,13 +71,13 @@ def test_no_override_line_between_different_attributes() -> None:
         Fixed("first", Attribute.CPU_WEIGHT, CpuWeight(100)),
         Fixed("second", Attribute.CPU_MAX, CpuMax(50_000)),
     ]
-    cg = by_path(make_plan(SNAP, spec({"a": 1}), {}, policies))["nodeagent.slice/a-1"]
+    cg = by_path(plan_claimed(SNAP, spec({"a": 1}), {}, policies))["nodeagent.slice/a-1"]
     assert not any("overrides" in line for line in cg.trace)
     assert set(cg.targets) == {Attribute.CPU_WEIGHT, Attribute.CPU_MAX}
 
 
 def test_unmatched_workloads_get_no_targets() -> None:
-    plan = make_plan(SNAP, spec({"a": 1}), {})
+    plan = plan_claimed(SNAP, spec({"a": 1}), {})
     cron = by_path(plan)["system.slice/cron.service"]
     assert cron.assignment is None
     assert cron.targets == {}
@@ -86,7 +86,7 @@ def test_unmatched_workloads_get_no_targets() -> None:
 
 
 def test_default_policies_give_weight_and_assignment() -> None:
-    plan = make_plan(SNAP, spec({"a": 1}), {})
+    plan = plan_claimed(SNAP, spec({"a": 1}), {})
     cg = by_path(plan)["nodeagent.slice/a-1"]
     assert cg.assignment is not None
     assert (cg.assignment.rule, cg.assignment.tenant) == ("a-jobs", "a")
@@ -101,7 +101,7 @@ def test_default_policies_give_weight_and_assignment() -> None:
 
 def test_plan_carries_the_advanced_usage() -> None:
     snap = snapshot([workload("nodeagent.slice/a-1", cpu_rate=2.0)], elapsed=10.0)
-    plan = make_plan(snap, spec({"a": 1, "b": 1}, half_life="10s"), {"a": 40.0, "b": 8.0})
+    plan = plan_claimed(snap, spec({"a": 1, "b": 1}, half_life="10s"), {"a": 40.0, "b": 8.0})
     assert plan.tenant_usage == {"a": pytest.approx(20.0 + 20.0), "b": pytest.approx(4.0)}
 
 
@@ -156,7 +156,7 @@ def test_static_limits(
     limits: dict[str, object], page: int, expected: dict[Attribute, Value]
 ) -> None:
     snap = snapshot([workload(docker()), workload(service("cron.service"))], page_size=page)
-    plan = make_plan(snap, limits_spec(**limits), {})
+    plan = plan_claimed(snap, limits_spec(**limits), {})
     cg = by_path(plan)[docker().path]
     got = {a: t.value for a, t in cg.targets.items() if a is not Attribute.CPU_WEIGHT}
     assert got == expected
@@ -171,7 +171,7 @@ def test_static_limits(
 
 def test_static_limit_reasons() -> None:
     snap = snapshot([workload(docker())])
-    plan = make_plan(snap, limits_spec(cpu_max=1.5, memory_max="4Gi"), {})
+    plan = plan_claimed(snap, limits_spec(cpu_max=1.5, memory_max="4Gi"), {})
     targets = by_path(plan)[docker().path].targets
     assert targets[Attribute.CPU_MAX].reason == "rule docker: cpu_max 1.5 cores"
     assert targets[Attribute.MEMORY_MAX].reason == f"rule docker: memory_max {4 << 30}"
@@ -193,7 +193,7 @@ def test_memory_high_is_planned_with_memory_max(
     """The plan owns memory.high whenever it sets memory.max, so a lowered high is undone."""
     w = workload(docker())
     w = WorkloadState(w.identity, CgroupSample(populated=True, memory_current=usage), 1.0)
-    cg = by_path(make_plan(snapshot([w]), limits_spec(**limits), {}))[docker().path]
+    cg = by_path(plan_claimed(snapshot([w]), limits_spec(**limits), {}))[docker().path]
     assert cg.targets[Attribute.MEMORY_HIGH].value == MemoryLimit(high, 4096)
 
 
@@ -236,7 +236,7 @@ class SkipsOne(Policy):
 
 
 def test_a_policy_that_fails_is_left_out_and_the_others_still_plan() -> None:
-    plan = make_plan(
+    plan = plan_claimed(
         SNAP, spec({"a": 1}), {}, [Broken(), Fixed("ok", Attribute.CPU_MAX, CpuMax(50_000))]
     )
     cg = by_path(plan)["nodeagent.slice/a-1"]
@@ -263,7 +263,7 @@ class Overreaches(Policy):
 
 
 def test_a_decision_on_what_its_policy_does_not_declare_is_refused() -> None:
-    plan = make_plan(SNAP, spec({"a": 1}), {}, [Overreaches()])
+    plan = plan_claimed(SNAP, spec({"a": 1}), {}, [Overreaches()])
     cg = by_path(plan)["nodeagent.slice/a-1"]
     assert cg.targets[Attribute.CPU_WEIGHT].value == CpuWeight(300), "the declared one stands"
     assert Attribute.CPU_MAX not in cg.targets
@@ -294,7 +294,7 @@ def test_every_shipped_policy_declares_what_it_writes() -> None:
 def test_a_cgroup_a_policy_cannot_plan_is_skipped_alone() -> None:
     snap = snapshot([workload("nodeagent.slice/a-1"), workload("nodeagent.slice/a-2")])
     policies = [SkipsOne("nodeagent.slice/a-2"), Fixed("cap", Attribute.CPU_MAX, CpuMax(50_000))]
-    plan = by_path(make_plan(snap, spec({"a": 1}), {}, policies))
+    plan = by_path(plan_claimed(snap, spec({"a": 1}), {}, policies))
     assert plan["nodeagent.slice/a-2"].skipped == "picky: value out of range"
     assert plan["nodeagent.slice/a-2"].targets == {}, "no partial plan for a skipped cgroup"
     assert plan["nodeagent.slice/a-1"].skipped is None
@@ -316,7 +316,7 @@ def test_memory_request_sets_protection_by_class_and_kubelet_memory_high() -> No
             "limits": {"memory_max": "1Gi", "memory_request": "256Mi"},
         }
     ]
-    cg = by_path(make_plan(SNAP, spec({"a": 1}, rules), {}))["nodeagent.slice/a-1"]
+    cg = by_path(plan_claimed(SNAP, spec({"a": 1}, rules), {}))["nodeagent.slice/a-1"]
     mib = 1 << 20
     high = (256 * mib + int(0.9 * (768 * mib))) // 4096 * 4096
     assert cg.targets[Attribute.MEMORY_HIGH].value == MemoryLimit(high)
@@ -328,7 +328,7 @@ def test_memory_request_sets_protection_by_class_and_kubelet_memory_high() -> No
 def test_training_protects_its_request_with_memory_low() -> None:
     rules = [{"name": "t", "match": {}, "tenant": "a", "class": "training",
               "limits": {"memory_request": "1Gi"}}]  # fmt: skip
-    cg = by_path(make_plan(SNAP, spec({"a": 1}, rules), {}))["nodeagent.slice/a-1"]
+    cg = by_path(plan_claimed(SNAP, spec({"a": 1}, rules), {}))["nodeagent.slice/a-1"]
     assert cg.targets[Attribute.MEMORY_LOW].value == MemoryLimit(1 << 30)
     assert cg.targets[Attribute.MEMORY_MIN].value == MemoryLimit(0)
     assert Attribute.MEMORY_HIGH not in cg.targets, "no limit: memory.high is not planned"
@@ -351,7 +351,7 @@ def test_cpu_targets_are_computed_once_and_reported_as_cpu_weights_said(
     monkeypatch.setattr(weights, "cpu_targets", counted)
     monkeypatch.setattr(plan_module, "cpu_targets", counted, raising=False)  # where it was
     snap = snapshot([workload("nodeagent.slice/a-1"), workload("nodeagent.slice/b-1")])
-    plan = make_plan(snap, spec({"a": 1, "b": 3}), {})
+    plan = plan_claimed(snap, spec({"a": 1, "b": 3}), {})
     assert len(calls) == 1
     (given,) = calls
     assert {p: (t.cores, t.active) for p, t in plan.cpu_targets.items()} == {

@@ -12,6 +12,7 @@ from builders import (
     docker,
     job,
     k8s_container,
+    plan_claimed,
     service,
     snapshot,
     spec,
@@ -26,7 +27,7 @@ from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.meta import ContainerMeta, PodMeta
 from nodeagent.ownership import WriteMode
 from nodeagent.policy.base import Assignment
-from nodeagent.policy.plan import CgroupPlan, Plan, make_plan
+from nodeagent.policy.plan import CgroupPlan, Plan
 from nodeagent.policyfile.model import WorkloadClass
 from nodeagent.report import TickRecord, allocations, describe, explain, find, identities
 from nodeagent.snapshot import CgroupSample, WorkloadState
@@ -260,7 +261,7 @@ def ticked(busy: bool = True, deadline: bool = False) -> TickRecord:
              **({"deadline": "2030-01-01T00:00:00Z", "work": "1h"} if deadline else {})},
         ],
     )  # fmt: skip
-    plan = make_plan(snap, policy, {})
+    plan = plan_claimed(snap, policy, {})
     return TickRecord(snap, plan, (), 0.01, True)
 
 

@@ -7,12 +7,11 @@ import math
 import re
 
 import pytest
-from builders import policy_input, snapshot, workload
+from builders import plan_claimed, policy_input, snapshot, workload
 
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.policy.base import Share
 from nodeagent.policy.fairshare import FairShare
-from nodeagent.policy.plan import make_plan
 from nodeagent.policyfile.load import parse_policy
 from nodeagent.policyfile.model import HALF_LIFE_MAX, SHARES_MAX, SHARES_MIN, PolicySpec
 from nodeagent.policyfile.units import MAX_SIZE, parse_size
@@ -90,7 +89,7 @@ def test_the_extreme_shares_are_accepted_and_keep_fair_share_defined(
         assert min(parts.values()) == 5e-324, parts
     weights = [
         t.value.value
-        for cg in make_plan(snap, spec, usage).cgroups
+        for cg in plan_claimed(snap, spec, usage).cgroups
         if (t := cg.targets.get(Attribute.CPU_WEIGHT)) is not None
         and isinstance(t.value, CpuWeight)
     ]

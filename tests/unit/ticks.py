@@ -7,7 +7,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from builders import CID2, job, k8s_container, snapshot
+from builders import CID2, job, k8s_container, plan_claimed, snapshot
 
 from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.parse import Psi, PsiLine
@@ -15,7 +15,7 @@ from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, Memo
 from nodeagent.gpu.model import GpuState
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.policy.classify import assign
-from nodeagent.policy.plan import Target, make_plan
+from nodeagent.policy.plan import Target
 from nodeagent.policyfile.model import PolicySpec, Rule
 from nodeagent.report import TickRecord
 from nodeagent.snapshot import CgroupSample, Skipped, WorkloadState
@@ -97,7 +97,7 @@ def record(
     except those to `failing` attributes (with written=False, every one fails)."""
     snap = snapshot(states, seq=seq, wall_time=wall_time)
     snap = replace(snap, skipped=tuple(skipped), gpus=gpus)
-    plan = make_plan(snap, policy, {"a": 30.0})
+    plan = plan_claimed(snap, policy, {"a": 30.0})
     current = {w.path: w.sample.settings for w in snap.workloads}
 
     def result(path: str, attribute: Attribute, target: Target) -> WriteResult:
