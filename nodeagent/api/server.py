@@ -6,19 +6,19 @@ again by its peer credentials, so a socket whose mode was loosened by hand still
 root, the daemon's own user and members of `group`. Routes get those credentials too, so a
 write endpoint can check, say, that a pid belongs to its caller.
 
-No caller can take the API away from the others. Every connection is accepted at once and
-its peer credentials read before any byte of its request; it is then served, made to wait,
-or told no (429) by who holds the slots (`slots.Pool`): at most `max_connections` are
-served at once, of which `reserved_connections` are kept for root and the daemon's own
-user, and any other uid is served on at most `per_uid_connections` at once, with up to
-`per_uid_waiting` more waiting their turn in the daemon (the waiting room has the same
-shape). A waiting connection that gets no slot within `timeout` is told the daemon is busy
-(503). A served one has `header_timeout` seconds for its request line and headers, the
-whole request `timeout` seconds, and its answer `timeout` seconds to leave. A refused
-connection is answered at once and then kept, briefly and a bounded number per uid, until
-its client has sent its request and hung up: closed earlier, a client still sending gets
-EPIPE instead of its answer. An accept() that fails for want of file descriptors backs off
-instead of spinning, so the reconcile loop keeps the descriptors it needs.
+No caller can take the API away from the others. The HTTP core (nodeagent.api.httpcore)
+accepts every connection at once and reads its peer credentials before any byte of its
+request; this server then serves it, makes it wait, or tells it no (429) by who holds the
+slots (`httpcore.Pool`, the one per-peer scheme the metrics endpoint shares): at most
+`max_connections` are served at once, of which `reserved_connections` are kept for root and
+the daemon's own user, and any other uid is served on at most `per_uid_connections` at once,
+with up to `per_uid_waiting` more waiting their turn in the daemon (the waiting room has the
+same shape). A waiting connection that gets no slot within `timeout` is told the daemon is
+busy (503). A served one gets a thread of its own, for a route may block: it has
+`header_timeout` seconds for its request line and headers, the whole request `timeout`
+seconds, and its answer `timeout` seconds to leave. The core keeps a refused connection,
+briefly and a bounded number per uid, until its client has sent its request and hung up,
+and backs off an accept() short of file descriptors.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import selectors
 import socket
 import threading
 import time
@@ -39,8 +38,8 @@ from typing import Any, cast
 
 import structlog
 
-from nodeagent.api.peer import Peer, peer_allowed, read_peer
-from nodeagent.api.slots import Pool
+from nodeagent.api.httpcore import Caller, HttpCore, Pool, one_line, response
+from nodeagent.api.peer import Peer, peer_allowed
 from nodeagent.api.unixsocket import Identity, listen_unix, resolve_group, unlink_if_ours
 from nodeagent.api.wire import (
     MAX_BODY,
@@ -66,11 +65,7 @@ log = structlog.get_logger("nodeagent.api")
 METHODS = ("GET", "POST", "DELETE")
 """The methods a route may declare, in the order an Allow header lists them."""
 _WITH_BODY = frozenset({"POST", "DELETE"})
-_BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0  # seconds, for an accept() short of resources
-_ACCEPT_BATCH = 64  # connections taken in per wake-up before the waiting room is looked at
-_REFUSAL_LOG_EVERY = 10.0  # seconds: one api.refused line per uid and reason, then a count
-_LINGER = 2.0  # seconds a refused connection is kept open to take in what its client sends
-_LINGER_MAX, _LINGER_PER_UID = 32, 8  # refused connections kept so, in all and per uid
+_JSON = "application/json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,11 +100,6 @@ STATUS: tuple[tuple[type[Refused], int], ...] = (
 
 def status_of(exc: Refused) -> int:
     return next((code for kind, code in STATUS if isinstance(exc, kind)), 400)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -189,7 +179,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         except Exception as exc:
             log.error("api.route_failed", method=self.command, path=path, exc_info=True)
-            self._send_json(500, {"error": f"internal error: {_one_line(exc)}"})
+            self._send_json(500, {"error": f"internal error: {one_line(exc)}"})
             return
         self._send_body(200, answer)
 
@@ -232,7 +222,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_body(self, code: int, body: bytes, allow: str | None = None) -> None:
         self._io.deadline = Deadline(self._api.timeout)  # the answer gets its own time to leave
         self.send_response(code)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", _JSON)
         self.send_header("Content-Length", str(len(body)))
         if allow is not None:
             self.send_header("Allow", allow)
@@ -271,15 +261,14 @@ def _check_routes(routes: Routes) -> dict[str, dict[str, Handler]]:
 
 @dataclass(slots=True)
 class _Waiting:
-    """A connection accepted, its peer known, waiting for a slot until `until`."""
+    """A connection accepted, its caller known, waiting for a slot until `until`."""
 
     conn: socket.socket
-    peer: Peer
-    privileged: bool
+    caller: Caller
     until: float
 
 
-class ApiServer:
+class ApiServer(HttpCore):
     """The local API; `start()` binds and serves in a background thread, `close()` undoes it.
 
     The limits below are read at `start()`."""
@@ -303,27 +292,20 @@ class ApiServer:
     how long a connection may wait for a slot."""
 
     def __init__(self, socket_path: str, routes: Routes, group: str | None = None) -> None:
+        self.routes = _check_routes(routes)
+        super().__init__("api", own_uid=os.geteuid())
         self.socket_path = socket_path
         self.group = group
-        self.group_gid: int | None = None
-        self.own_uid = os.geteuid()
-        self.routes = _check_routes(routes)
-        self.closing = False
-        self._listener: socket.socket | None = None
-        self._thread: threading.Thread | None = None
+        self._started = False
         self._identity: Identity | None = None
-        self._stop = threading.Event()
         self._slots = threading.Condition()
         self._connections: set[socket.socket] = set()
         self._serving = Pool(0, 0, 0)
         self._waiting = Pool(0, 0, 0)
         self._queue: deque[_Waiting] = deque()
-        self._refusals: dict[tuple[int, int], tuple[float, int]] = {}
-        self._selector: selectors.BaseSelector | None = None
-        self._lingering: dict[socket.socket, tuple[int, float]] = {}  # conn: (uid, until)
 
     def start(self) -> None:
-        if self._listener is not None or self.closing:
+        if self._started or self.closing:
             raise NodeagentError(f"the API server on {self.socket_path} is already started")
         gid = None if self.group is None else resolve_group(self.group, "the API socket")
         listener, self._identity = listen_unix(self.socket_path, gid, "the API socket")
@@ -332,237 +314,105 @@ class ApiServer:
             self.max_connections, self.reserved_connections, self.per_uid_connections
         )
         self._waiting = Pool(self.max_waiting, self.reserved_waiting, self.per_uid_waiting)
-        self._wake_r, self._wake_w = socket.socketpair()  # pokes the accept loop
-        self._wake_w.setblocking(False)
-        self._wake_r.setblocking(False)
-        self._listener = listener
-        # Made here, not in the thread, so that it cannot fail for want of descriptors later.
-        selector = selectors.DefaultSelector()
-        selector.register(listener, selectors.EVENT_READ)
-        selector.register(self._wake_r, selectors.EVENT_READ)
-        self._selector = selector
-        self._thread = threading.Thread(
-            target=self._accept_loop, args=(listener, selector), name="nodeagent-api", daemon=True
-        )
-        self._thread.start()
+        self._started = True
+        self.serve(listener)
         log.info("api.listening", socket=self.socket_path, group=self.group)
 
-    # --- accepting ------------------------------------------------------------------------
+    # --- admitting (in the core's thread) --------------------------------------------------
 
-    def _accept_loop(self, listener: socket.socket, selector: selectors.BaseSelector) -> None:
-        failures = 0
-        with selector:
-            while not self.closing:
-                ready = {key.fileobj for key, _ in selector.select(self._until_next_expiry())}
-                if self._wake_r in ready:
-                    with contextlib.suppress(OSError):
-                        self._wake_r.recv(4096)
-                if self.closing:
-                    return
-                self._linger(ready)
-                self._admit_waiting()
-                if listener not in ready:
-                    continue
-                for _ in range(_ACCEPT_BATCH):
-                    try:
-                        conn, _ = listener.accept()
-                    except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                        break  # none left, a signal, or a client that gave up
-                    except OSError as exc:
-                        # EMFILE, ENFILE, ENOBUFS, ENOMEM: the listener stays readable, so
-                        # retrying at once would spin; wait, longer each time, and retry.
-                        if failures == 0:
-                            log.error(
-                                "api.accept_failed", error=_one_line(exc), action="backing off"
-                            )
-                        failures += 1
-                        if self._stop.wait(min(_BACKOFF_FIRST * 2 ** (failures - 1), _BACKOFF_MAX)):
-                            return
-                        break
-                    if failures:
-                        log.info("api.accept_recovered", failures=failures)
-                        failures = 0
-                    self._admit(conn)
-
-    def _admit(self, conn: socket.socket) -> None:
+    def admit(self, conn: socket.socket, caller: Caller) -> None:
         """Serve `conn`, make it wait, or refuse it: by who is on the other end."""
-        try:
-            peer = read_peer(conn)
-        except OSError as exc:
-            log.warning("api.peercred_failed", error=_one_line(exc))
-            conn.close()
-            return
-        privileged = peer.uid in (0, self.own_uid)
         with self._slots:
             if self.closing:
                 conn.close()
                 return
-            if self._serving.fits(peer.uid, privileged):
-                self._serve_in_thread(conn, peer, privileged)
+            if self._serving.fits(caller.uid, caller.uncapped):
+                self._serve_in_thread(conn, caller)
                 return
-            if self._waiting.fits(peer.uid, privileged):
-                self._waiting.take(peer.uid, privileged)
-                until = time.monotonic() + self.timeout
-                self._queue.append(_Waiting(conn, peer, privileged, until))
+            if self._waiting.fits(caller.uid, caller.uncapped):
+                self._waiting.take(caller.uid, caller.uncapped)
+                self._queue.append(_Waiting(conn, caller, time.monotonic() + self.timeout))
                 return
-        if privileged:
+        if caller.uncapped:
             why = f"{self.max_connections} served and {self.max_waiting} waiting"
             message = f"too many connections: {why} at once"
         else:
             why = f"at most {self.per_uid_connections} served and {self.per_uid_waiting} waiting"
-            message = f"too many connections from uid {peer.uid}: {why} at once"
-        self._refuse(conn, peer, 429, message)
+            message = f"too many connections from uid {caller.uid}: {why} at once"
+        self._refuse(conn, caller, 429, message)
 
-    def _admit_waiting(self) -> None:
+    def wakes(self, now: float) -> list[float]:
+        with self._slots:
+            return [w.until for w in self._queue]
+
+    def due(self, now: float) -> None:
         """Serve the waiting connections that now have a slot, in the order they came;
         tell those whose time ran out that the daemon is busy."""
-        now = time.monotonic()
         expired: list[_Waiting] = []
         with self._slots:
             left: deque[_Waiting] = deque()
             for w in self._queue:
-                if self._serving.fits(w.peer.uid, w.privileged):
-                    self._waiting.give(w.peer.uid, w.privileged)
-                    self._serve_in_thread(w.conn, w.peer, w.privileged)
+                if self._serving.fits(w.caller.uid, w.caller.uncapped):
+                    self._waiting.give(w.caller.uid, w.caller.uncapped)
+                    self._serve_in_thread(w.conn, w.caller)
                 elif now >= w.until:
-                    self._waiting.give(w.peer.uid, w.privileged)
+                    self._waiting.give(w.caller.uid, w.caller.uncapped)
                     expired.append(w)
                 else:
                     left.append(w)
             self._queue = left
         for w in expired:
-            message = f"no connection slot for uid {w.peer.uid} within {self.timeout:g}s"
-            self._refuse(w.conn, w.peer, 503, f"the daemon is busy: {message}")
+            message = f"no connection slot for uid {w.caller.uid} within {self.timeout:g}s"
+            self._refuse(w.conn, w.caller, 503, f"the daemon is busy: {message}")
 
-    def _until_next_expiry(self) -> float | None:
-        with self._slots:
-            ends = [w.until for w in self._queue]
-        ends += [until for _, until in self._lingering.values()]
-        return max(0.0, min(ends) - time.monotonic()) if ends else None
+    def _refuse(self, conn: socket.socket, caller: Caller, status: int, message: str) -> None:
+        answer = response(status, encode({"error": message}), _JSON, version="HTTP/1.0")
+        self.refuse(conn, caller, status, answer, message)
 
-    def _refuse(self, conn: socket.socket, peer: Peer, status: int, message: str) -> None:
-        """Answer `status` without reading the request and end our side; never blocks. The
-        connection lingers until its client hangs up (`_linger`)."""
-        body = encode({"error": message})
-        reason = BaseHTTPRequestHandler.responses.get(status, ("error", ""))[0]
-        head = (
-            f"HTTP/1.0 {status} {reason}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-        )
-        conn.setblocking(False)
-        with contextlib.suppress(OSError):
-            conn.send(head.encode() + body)
-            conn.shutdown(socket.SHUT_WR)
-        self._log_refusal(peer, status, message)
-        if self._drained(conn) or self._selector is None:
-            conn.close()
-            return
-        # Closed now, a client that has not sent its request yet gets EPIPE when it does, and
-        # one whose request we have not read gets a reset instead of the answer (af_unix):
-        # keep it until it hangs up, within bounds, making room by closing the oldest of the
-        # same uid, else the oldest of all.
-        mine = [c for c, (uid, _) in self._lingering.items() if uid == peer.uid]
-        if len(mine) >= _LINGER_PER_UID:
-            self._stop_lingering(mine[0])
-        elif len(self._lingering) >= _LINGER_MAX:
-            self._stop_lingering(next(iter(self._lingering)))
-        self._lingering[conn] = (peer.uid, time.monotonic() + _LINGER)
-        self._selector.register(conn, selectors.EVENT_READ)
+    # --- serving (a thread per connection) -------------------------------------------------
 
-    @staticmethod
-    def _drained(conn: socket.socket) -> bool:
-        """Read and drop what the client has sent so far; whether it has hung up."""
-        try:
-            while True:
-                if not conn.recv(MAX_BODY):
-                    return True
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
-
-    def _linger(self, ready: set[Any]) -> None:
-        """Close the refused connections whose client hung up, or whose time is up."""
-        now = time.monotonic()
-        for conn, (_, until) in list(self._lingering.items()):
-            if now >= until or (conn in ready and self._drained(conn)):
-                self._stop_lingering(conn)
-
-    def _stop_lingering(self, conn: socket.socket) -> None:
-        del self._lingering[conn]
-        if self._selector is not None:
-            with contextlib.suppress(KeyError, ValueError, OSError):  # closed with the loop
-                self._selector.unregister(conn)
-        conn.close()
-
-    def _log_refusal(self, peer: Peer, status: int, message: str) -> None:
-        """One api.refused line per uid and status every few seconds, with how many more."""
-        now = time.monotonic()
-        last, since = self._refusals.get((peer.uid, status), (-_REFUSAL_LOG_EVERY, 0))
-        if now - last < _REFUSAL_LOG_EVERY:
-            self._refusals[(peer.uid, status)] = (last, since + 1)
-            return
-        self._refusals[(peer.uid, status)] = (now, 0)
-        log.warning(
-            "api.refused", uid=peer.uid, pid=peer.pid, status=status, error=message, more=since
-        )
-
-    def _serve_in_thread(self, conn: socket.socket, peer: Peer, privileged: bool) -> None:
+    def _serve_in_thread(self, conn: socket.socket, caller: Caller) -> None:
         """With the lock held: take a slot and start the connection's thread."""
-        self._serving.take(peer.uid, privileged)
+        self._serving.take(caller.uid, caller.uncapped)
         self._connections.add(conn)
         try:
             threading.Thread(
-                target=self._serve,
-                args=(conn, peer, privileged),
-                name="nodeagent-api-conn",
-                daemon=True,
+                target=self._serve, args=(conn, caller), name="nodeagent-api-conn", daemon=True
             ).start()
         except RuntimeError as exc:  # no thread to be had: drop this one, keep accepting
-            log.error("api.thread_failed", error=_one_line(exc))
+            log.error("api.thread_failed", error=one_line(exc))
             conn.close()
             self._connections.discard(conn)
-            self._serving.give(peer.uid, privileged)
+            self._serving.give(caller.uid, caller.uncapped)
 
-    def _serve(self, conn: socket.socket, peer: Peer, privileged: bool) -> None:
+    def _serve(self, conn: socket.socket, caller: Caller) -> None:
         try:
-            _Handler(conn, peer, cast(Any, self))
+            _Handler(conn, caller.peer, cast(Any, self))
         except OSError as exc:
             # The client went away, or close() shut the connection down.
-            log.debug("api.connection_lost", error=_one_line(exc))
+            log.debug("api.connection_lost", error=one_line(exc))
         except Exception:
             log.error("api.handler_failed", exc_info=True)
         finally:
             conn.close()
             with self._slots:
                 self._connections.discard(conn)
-                self._serving.give(peer.uid, privileged)
+                self._serving.give(caller.uid, caller.uncapped)
                 self._slots.notify_all()
-            with contextlib.suppress(OSError):  # full: the loop is awake already
-                self._wake_w.send(b"x")
+            self.wake()
 
     # --- closing --------------------------------------------------------------------------
 
     def close(self) -> None:
         """Stop accepting, end every open connection unanswered, and remove the socket file
         (unless someone else has replaced it)."""
-        listener, thread = self._listener, self._thread
-        if listener is None:
+        if not self._started or self.closing:
             return
-        self._listener = self._thread = None
         with self._slots:
             self.closing = True
             self._slots.notify_all()
             connections = list(self._connections)
-        self._stop.set()
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
-        if thread is not None:
-            thread.join(timeout=5)
-        for conn in list(self._lingering):  # the accept loop has ended: no one else has them
-            self._stop_lingering(conn)
-        self._selector = None
-        listener.close()
+        self.stop()
         with self._slots:
             waiting, self._queue = list(self._queue), deque()
         for w in waiting:
@@ -572,8 +422,6 @@ class ApiServer:
                 conn.shutdown(socket.SHUT_RDWR)
         with self._slots:
             self._slots.wait_for(lambda: not self._connections, timeout=5)
-        self._wake_r.close()
-        self._wake_w.close()
         unlink_if_ours(self.socket_path, self._identity)
 
     def __enter__(self) -> ApiServer:

@@ -5,23 +5,25 @@ while ticks come, 503 once none has for nodeagent.staleness' window), anything e
 and HEAD.
 
 Any local user can connect to a loopback port, so the endpoint is built to cost the daemon
-little whoever connects. One thread serves every connection without blocking (a selector),
-so a connection costs a descriptor and a buffer, never a thread. At most `max_connections`
-are open at once. A newcomer beyond that takes the place of the oldest connection that has
-gone `idle_grace` without sending its request (a scraper sends it at once); while there is
-none, newcomers wait in the kernel's listen queue, costing the daemon nothing. So idle
-connections never lock a scrape out and never touch the descriptors the loop needs. A
-request has `request_timeout` seconds to arrive whole, an answer `answer_timeout` seconds
-to leave.
+little whoever connects. It is a thin user of the HTTP core (nodeagent.api.httpcore), whose
+one thread accepts, learns who is on the other end and serves every connection here without
+blocking (a selector), so a connection costs a descriptor and a buffer, never a thread. At
+most `max_connections` are open at once. A newcomer beyond that takes the place of the
+oldest connection that has gone `idle_grace` without sending its request (a scraper sends
+it at once); while there is none, newcomers wait in the kernel's listen queue, costing the
+daemon nothing. So idle connections never lock a scrape out and never touch the descriptors
+the loop needs. A request has `request_timeout` seconds to arrive whole, an answer
+`answer_timeout` seconds to leave.
 
-Who holds a connection is known at accept for every local peer: over a Unix socket
-(`unix:PATH`, mode 0660, group `socket_group`) from its peer credentials, over TCP from the
-kernel's socket table (`LoopbackPeers`, for a peer on this host). Each local uid other than
-root and the daemon's own holds at most `per_uid_connections` (a newcomer of its own makes
-room among its own, or is closed), and a newcomer that needs room takes it from such a uid
-before anyone else: so one local user's idle connections delay neither root's scrape nor
-another user's. Remote peers, and root's, share the rest of the cap. Over a Unix socket a
-peer outside root, the daemon's user and the group is answered 403, whatever the mode.
+Connections are counted by the core's per-peer scheme (`httpcore.Pool`, the API's too): a
+peer is the uid holding the other end, from its peer credentials over a Unix socket
+(`unix:PATH`, mode 0660, group `socket_group`) or the kernel's socket table over TCP from
+this host. Each local uid other than root and the daemon's own holds at most
+`per_uid_connections` (a newcomer of its own makes room among its own, or is closed), and
+a newcomer that needs room takes it from such a uid before anyone else: so one local
+user's idle connections delay neither root's scrape nor another user's. Remote peers, and
+root's, share the rest of the cap. Over a Unix socket a peer outside root, the daemon's
+user and the group is answered 403, whatever the mode.
 
 A scrape is rendered from the latest tick at most once per `cache_seconds`, whoever asks,
 so a flood of requests costs sends, not renders (and the workloads' series, nearly all of
@@ -40,11 +42,10 @@ import hmac
 import os
 import selectors
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from http import HTTPStatus
+from typing import Any
 
 import structlog
 from prometheus_client.exposition import choose_encoder
@@ -53,7 +54,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from nodeagent.api.peer import LoopbackPeers, peer_allowed, read_peer
+from nodeagent.api.httpcore import Caller, HttpCore, Pool, drained, readable, response
 from nodeagent.api.unixsocket import Identity, listen_unix, resolve_group, unlink_if_ours
 from nodeagent.errors import NodeagentError
 from nodeagent.metrics.collector import TickCollector
@@ -66,8 +67,6 @@ from nodeagent.staleness import STALE_MIN
 log = structlog.get_logger("nodeagent.metrics")
 
 TOKEN_MAX = 4096  # bytes
-_ACCEPT_BATCH = 64
-_BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0  # seconds, for an accept() short of resources
 _DROPPED_LOG_EVERY = 300.0  # seconds between metrics.samples_dropped lines for one family
 _NOT_FOUND = b"not found: try /metrics or /healthz\n"
 _TEXT = "text/plain; charset=utf-8"
@@ -76,13 +75,9 @@ _TEXT = "text/plain; charset=utf-8"
 @dataclass(eq=False, slots=True)
 class _Conn:
     sock: socket.socket
-    uid: int | None
-    """The uid holding the other end, if it is not root or the daemon's and is known (a
-    Unix socket, or TCP from this host); None otherwise."""
+    caller: Caller
     since: float
     until: float
-    denied: bool = False
-    """A peer outside root, the daemon's user and the socket's group: answered 403."""
     request: bytearray = field(default_factory=bytearray)
     answer: memoryview | None = None
     """What is left to send, once the request is in."""
@@ -99,10 +94,11 @@ class _Families(Collector):
 Encoder = Callable[[Collector], bytes]
 
 
-class MetricsServer:
+class MetricsServer(HttpCore):
     """Started by `start()`; told of every tick through `observe()`; `close()` undoes it.
 
-    The limits below are read when a connection comes."""
+    The limits below are read when the server starts, the timeouts when a connection
+    comes."""
 
     max_connections = 64
     """Connections open at once, whoever holds them."""
@@ -131,37 +127,21 @@ class MetricsServer:
         group_gid: int | None = None,
         identity: Identity | None = None,
     ) -> None:
+        super().__init__("metrics", own_uid=os.geteuid(), group_gid=group_gid)
         self.listen = listen
         self.collector = collector
         self.stale_after = stale_after
-        self._listener = listener
         self._token = token
-        self._group_gid = group_gid
         self._identity = identity
         self._unix = listener.family == socket.AF_UNIX
-        self._peers = None if self._unix else LoopbackPeers.open()
-        if not self._unix and self._peers is None:
-            log.warning(
-                "metrics.peer_uids_unknown",
-                listen=listen,
-                why="no AF_NETLINK socket (sock_diag): local users share one connection cap",
-            )
-        self._own_uid = os.geteuid()
         self._sources: tuple[Collector, ...] = (collector, ProcessCollector(registry=None))
         self._started = time.monotonic()
         self._last_tick: float | None = None
         self._cache: dict[str, tuple[float, bytes]] = {}
         self._dropped_logged: dict[str, float] = {}
         self._conns: list[_Conn] = []  # in the order they came
-        self._closing = False
-        self._failures, self._paused_until = 0, 0.0
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_w.setblocking(False)
-        self._selector = selectors.DefaultSelector()
-        self._listening = False
-        self._selector.register(self._wake_r, selectors.EVENT_READ)
-        self._thread = threading.Thread(target=self._loop, name="nodeagent-metrics", daemon=True)
-        self._thread.start()
+        self._pool = Pool(self.max_connections, 0, self.per_uid_connections)
+        self.serve(listener)
 
     @classmethod
     def start(
@@ -199,7 +179,7 @@ class MetricsServer:
     @property
     def port(self) -> int:
         """The TCP port (0 on a Unix socket)."""
-        return 0 if self._unix else int(self._listener.getsockname()[1])
+        return 0 if self._unix else int(self.address[1])
 
     def observe(self, record: TickRecord | None) -> None:
         """Count one tick (its record, or None when it failed) for the scrape and the health."""
@@ -208,80 +188,31 @@ class MetricsServer:
             self._last_tick = time.monotonic()
 
     def close(self) -> None:
-        self._closing = True
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
-        self._thread.join(timeout=5)
+        self.stop()
         for conn in self._conns:
             conn.sock.close()
         self._conns.clear()
-        self._selector.close()
-        self._listener.close()
-        self._wake_r.close()
-        self._wake_w.close()
-        if self._peers is not None:
-            self._peers.close()
         if self._unix:
             unlink_if_ours(self.listen.removeprefix("unix:"), self._identity)
 
-    # --- the loop --------------------------------------------------------------------------
+    # --- what the core asks ----------------------------------------------------------------
 
-    def _loop(self) -> None:
-        while not self._closing:
-            try:
-                self._step()
-            except Exception:  # a bug: log it, and keep the endpoint up
-                log.exception("metrics.loop_failed")
-                time.sleep(0.1)
+    def room(self, now: float) -> bool:
+        return not self._pool.full or self._spare(now)
 
-    def _step(self) -> None:
-        now = time.monotonic()
-        if self._paused_until and now >= self._paused_until:
-            self._paused_until = 0.0
-        full = len(self._conns) >= self.max_connections
-        self._listen_for_more(not self._paused_until and (not full or self._spare(now)))
+    def wakes(self, now: float) -> list[float]:
         wakes = [c.until for c in self._conns]
-        if full:  # the oldest idle one may be closed to make room once it is old enough
+        if self._pool.full:  # the oldest idle one may be closed to make room
             wakes += [c.since + self.idle_grace for c in self._conns if c.answer is None]
-        if self._paused_until:
-            wakes.append(self._paused_until)
-        wake = min(wakes, default=now + 1.0)
-        for key, events in self._selector.select(max(0.0, min(wake - now, 1.0))):
-            if key.fileobj is self._wake_r:
-                with contextlib.suppress(OSError):
-                    self._wake_r.recv(4096)
-            elif key.fileobj is self._listener:
-                self._accept_some()
-            else:
-                self._guarded(key.data, events)
-        now = time.monotonic()
+        return wakes
+
+    def due(self, now: float) -> None:
         for conn in [c for c in self._conns if c.until <= now]:
             self._drop(conn)  # its request or its answer took too long
 
-    def _listen_for_more(self, listen: bool) -> None:
-        """Take new connections in or leave them in the kernel's listen queue."""
-        if listen and not self._listening:
-            self._selector.register(self._listener, selectors.EVENT_READ)
-        elif self._listening and not listen:
-            self._selector.unregister(self._listener)
-        self._listening = listen
-
-    def _accept_some(self) -> None:
-        try:
-            self._accept()
-        except OSError as exc:  # EMFILE and the like: stop accepting a while, longer each time
-            if self._failures == 0:
-                log.error("metrics.accept_failed", error=str(exc), action="backing off")
-            self._failures += 1
-            self._listen_for_more(False)
-            backoff = min(_BACKOFF_FIRST * 2 ** (self._failures - 1), _BACKOFF_MAX)
-            self._paused_until = time.monotonic() + backoff
-            return
-        if self._failures:
-            log.info("metrics.accept_recovered", failures=self._failures)
-            self._failures = 0
-
-    def _guarded(self, conn: _Conn, events: int) -> None:
+    def ready(self, data: Any, events: int) -> None:
+        conn = data
+        assert isinstance(conn, _Conn)
         try:
             if events & selectors.EVENT_READ and conn.answer is None:
                 self._read(conn)
@@ -293,48 +224,24 @@ class MetricsServer:
             log.exception("metrics.handler_failed")
             self._drop(conn)
 
-    # --- connections -----------------------------------------------------------------------
-
-    def _accept(self) -> None:
-        for _ in range(_ACCEPT_BATCH):
-            now = time.monotonic()
-            if len(self._conns) >= self.max_connections and not self._spare(now):
-                return  # the rest wait in the listen queue
-            try:
-                sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+    def admit(self, sock: socket.socket, caller: Caller) -> None:
+        """Take the connection in, making room by closing the oldest connection that has
+        waited `idle_grace` for its request: one of its own peer's when that peer holds all
+        it may, else anyone's (another peer's before root's); with none to close, it goes."""
+        now = time.monotonic()
+        uid, uncapped = caller.uid, caller.uncapped
+        while not self._pool.fits(uid, uncapped):
+            capped = self._pool.capped(uid, uncapped)
+            among = [c for c in self._conns if c.caller.uid == uid] if capped else self._conns
+            if not self._make_room(among, now):
+                sock.close()
                 return
-            sock.setblocking(False)
-            uid: int | None = None
-            denied = False
-            if self._unix:
-                try:
-                    peer = read_peer(sock)
-                except OSError:
-                    sock.close()
-                    continue
-                uid = peer.uid
-                denied = not peer_allowed(peer, self._own_uid, self._group_gid)
-            elif self._peers is not None:
-                uid = self._peers.uid(sock)  # None: a peer on another host
-            if uid in (0, self._own_uid):
-                uid = None
-            self._admit(_Conn(sock, uid, now, now + self.request_timeout, denied), now)
-
-    def _admit(self, conn: _Conn, now: float) -> None:
-        """Take `conn` in, making room by closing the oldest connection that has waited
-        `idle_grace` for its request: one of its own uid's when that uid is at its cap,
-        else anyone's (another uid's before root's); with none to close, `conn` goes."""
-        if conn.uid is not None:
-            mine = [c for c in self._conns if c.uid == conn.uid]
-            if len(mine) >= self.per_uid_connections and not self._make_room(mine, now):
-                conn.sock.close()
-                return
-        if len(self._conns) >= self.max_connections and not self._make_room(self._conns, now):
-            conn.sock.close()
-            return
+        self._pool.take(uid, uncapped)
+        conn = _Conn(sock, caller, now, now + self.request_timeout)
         self._conns.append(conn)
-        self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+        self.selector.register(sock, selectors.EVENT_READ, conn)
+
+    # --- connections -----------------------------------------------------------------------
 
     def _spare(self, now: float) -> bool:
         """Whether some connection could be closed to make room now."""
@@ -345,7 +252,7 @@ class MetricsServer:
 
     def _make_room(self, among: list[_Conn], now: float) -> bool:
         idle = [c for c in among if self._idle(c, now)]
-        for victim in sorted(idle, key=lambda c: c.uid is None):  # stable: oldest first
+        for victim in sorted(idle, key=lambda c: c.caller.uncapped):  # stable: oldest first
             self._catch_up(victim)
             if victim.answer is None and victim in self._conns:
                 self._drop(victim)
@@ -358,14 +265,16 @@ class MetricsServer:
         """Read what `conn` sent that this loop has not yet seen: under load the loop can fall
         `idle_grace` behind a scraper whose request sits whole in the kernel, which is no
         idle connection (a flood's churn once cut root's scrape so)."""
-        while conn.answer is None and conn in self._conns and _readable(conn.sock):
-            self._guarded(conn, selectors.EVENT_READ)
+        while conn.answer is None and conn in self._conns and readable(conn.sock):
+            self.ready(conn, selectors.EVENT_READ)
 
     def _drop(self, conn: _Conn) -> None:
+        if conn not in self._conns:
+            return
+        self._conns.remove(conn)
+        self._pool.give(conn.caller.uid, conn.caller.uncapped)
         with contextlib.suppress(KeyError, ValueError):
-            self._selector.unregister(conn.sock)
-        with contextlib.suppress(ValueError):
-            self._conns.remove(conn)
+            self.selector.unregister(conn.sock)
         conn.sock.close()
 
     def _read(self, conn: _Conn) -> None:
@@ -377,21 +286,21 @@ class MetricsServer:
         end = conn.request.find(b"\r\n\r\n")
         if end < 0:
             if len(conn.request) > self.max_request:
-                self._answer(conn, _response(431, b"request header fields too large\n"))
+                self._answer(conn, _text(431, b"request header fields too large\n"))
             return
-        if conn.denied:
-            self._answer(conn, _response(403, f"permission denied: {self._who(conn)}\n".encode()))
+        if not conn.caller.allowed:
+            self._answer(conn, _text(403, f"permission denied: {self._who(conn)}\n".encode()))
             return
         self._answer(conn, self._respond(bytes(conn.request[:end])))
 
     def _who(self, conn: _Conn) -> str:
-        group = "" if self._group_gid is None else f" or in group {self._group_gid}"
-        return f"uid {conn.uid} is not root{group}"
+        group = "" if self.group_gid is None else f" or in group {self.group_gid}"
+        return f"uid {conn.caller.uid} is not root{group}"
 
     def _answer(self, conn: _Conn, response: bytes) -> None:
         conn.answer = memoryview(response)
         conn.until = time.monotonic() + self.answer_timeout
-        self._selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+        self.selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
         self._send(conn)
 
     def _send(self, conn: _Conn) -> None:
@@ -400,7 +309,7 @@ class MetricsServer:
             sent = conn.sock.send(conn.answer)
             conn.answer = conn.answer[sent:]
         if not conn.answer:
-            _drain(conn.sock)
+            drained(conn.sock)
             self._drop(conn)
 
     # --- requests --------------------------------------------------------------------------
@@ -409,28 +318,28 @@ class MetricsServer:
         lines = head.decode("latin-1").split("\r\n")
         parts = lines[0].split(" ")
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-            return _response(400, b"bad request line\n")
+            return _text(400, b"bad request line\n")
         method, target, _ = parts
         headers: dict[str, str] = {}
         for line in lines[1:]:
             name, sep, value = line.partition(":")
             if not sep:
-                return _response(400, b"bad header line\n")
+                return _text(400, b"bad header line\n")
             headers.setdefault(name.strip().lower(), value.strip())
         if method not in ("GET", "HEAD"):
-            return _response(405, b"use GET or HEAD\n", [("Allow", "GET, HEAD")])
+            return _text(405, b"use GET or HEAD\n", [("Allow", "GET, HEAD")])
         head_only = method == "HEAD"
         path = target.partition("?")[0]
         if path == "/healthz":
             status, text = self._health()
-            return _response(status, text.encode(), head_only=head_only)
+            return _text(status, text.encode(), head_only=head_only)
         if path != "/metrics":
-            return _response(404, _NOT_FOUND, head_only=head_only)
+            return _text(404, _NOT_FOUND, head_only=head_only)
         if not self._authorized(headers.get("authorization", "")):
             challenge = [("WWW-Authenticate", 'Bearer realm="nodeagent"')]
-            return _response(401, b"a bearer token is needed\n", challenge, head_only)
+            return _text(401, b"a bearer token is needed\n", challenge, head_only)
         content_type, body = self._scrape(headers.get("accept", ""))
-        return _response(200, body, content_type=content_type, head_only=head_only)
+        return _text(200, body, content_type=content_type, head_only=head_only)
 
     def _authorized(self, authorization: str) -> bool:
         if self._token is None:
@@ -519,40 +428,14 @@ def _encodes(encoder: Encoder, family: Metric) -> bool:
     return True
 
 
-def _response(
+def _text(
     status: int,
     body: bytes,
     headers: Iterable[tuple[str, str]] = (),
     head_only: bool = False,
     content_type: str = _TEXT,
 ) -> bytes:
-    lines = [
-        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
-        f"Content-Type: {content_type}",
-        f"Content-Length: {len(body)}",
-        "Connection: close",
-        *(f"{k}: {v}" for k, v in headers),
-    ]
-    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-    return head if head_only else head + body
-
-
-def _readable(sock: socket.socket) -> bool:
-    """Whether a recv() would not block: data, an end or an error waits."""
-    try:
-        sock.recv(1, socket.MSG_PEEK)
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
-def _drain(sock: socket.socket) -> None:
-    """Read what the client sent beyond its request, so that closing does not reset the
-    connection before it has read the answer."""
-    with contextlib.suppress(OSError):
-        sock.recv(65536)
+    return response(status, body, content_type, headers, head_only=head_only)
 
 
 def _read_token(path: str) -> bytes:

@@ -21,8 +21,7 @@ from descriptors import accept_tries_while_out_of_fds
 from peers import as_user, held_as
 from waits import asleep_on, counted, wait_for
 
-from nodeagent.api import client
-from nodeagent.api import server as api_server
+from nodeagent.api import client, httpcore
 from nodeagent.api.peer import LoopbackPeers, Peer, peer_allowed, read_peer
 from nodeagent.api.server import ApiServer, Handler, Request, Routes
 from nodeagent.api.wire import MAX_BODY
@@ -947,7 +946,7 @@ def test_close_ends_connections_accepted_before_it(serve: Callable[..., ApiServe
 def admitted(monkeypatch: pytest.MonkeyPatch) -> Callable[[], int]:
     """How many connections the server has taken in so far (served, made to wait or
     refused): what a flood test waits for before it looks at what the flood left."""
-    return counted(monkeypatch, ApiServer, "_admit")  # called by the accept loop alone
+    return counted(monkeypatch, ApiServer, "admit")  # called by the accept loop alone
 
 
 def timed_get(path: str) -> float:
@@ -1059,7 +1058,7 @@ def test_refused_connections_are_kept_only_until_their_clients_hang_up(
 ) -> None:
     # Kept open for a late sender, but bounded: a uid that never hangs up holds a few.
     # Kept for a minute rather than 2 s, so that only the hang-up can end them here.
-    monkeypatch.setattr(api_server, "_LINGER", 60.0)
+    monkeypatch.setattr(httpcore, "LINGER", 60.0)
     server = serve({"/v1/echo": {"GET": echo}}, group="nogroup")
     caps = server.per_uid_connections + server.per_uid_waiting
     with held_as(NOBODY, NOGROUP, server.socket_path, caps + 50) as held:

@@ -27,7 +27,7 @@ from nodeagent.daemon import Agent, open_agent, serve_metrics
 from nodeagent.errors import NodeagentError
 from nodeagent.metrics.collector import TickCollector
 from nodeagent.metrics.server import MetricsServer
-from nodeagent.policyfile.load import check_text, load_policy
+from nodeagent.policyfile.load import load_policy, parse_policy
 from nodeagent.report import TickRecord
 
 
@@ -132,7 +132,7 @@ def test_the_daemon_counts_its_ticks_on_the_endpoint(tmp_path: Path) -> None:
 
 
 def test_off_unless_listen_is_set(tmp_path: Path) -> None:
-    spec = check_text("version: 1\ntenants: {a: {shares: 1}}\n", "p.yaml").spec
+    spec = parse_policy("version: 1\ntenants: {a: {shares: 1}}\n", "p.yaml")
     agent = open_agent(spec, CgroupTree(str(tmp_path)), dry_run=True)
     assert serve_metrics(agent) is None
     assert agent.observers == []
@@ -185,7 +185,7 @@ def http(
 @pytest.fixture
 def admitted(monkeypatch: pytest.MonkeyPatch) -> Callable[[], int]:
     """How many connections the server has taken in so far (kept, or closed at its cap)."""
-    return counted(monkeypatch, MetricsServer, "_admit")  # called by the server's loop alone
+    return counted(monkeypatch, MetricsServer, "admit")  # called by the server's loop alone
 
 
 def open_fds() -> int:
@@ -441,18 +441,18 @@ def test_a_request_the_loop_has_not_read_yet_is_answered_not_cut_for_a_newcomer(
 ) -> None:
     """CI's flood under the real systemd: the loop fell idle_grace behind a scrape whose
     request sat whole in the kernel, and cut it to make room as if it were idle."""
-    monkeypatch.setattr(served, "max_connections", 2)
+    monkeypatch.setattr(served._pool, "size", 2)  # its limits are read at start
     where = ("127.0.0.1", served.port)
 
     def held() -> int:
         return len(served._conns)
 
-    select = served._selector.select
+    select = served.selector.select
 
     def behind(timeout: float | None = None) -> list[tuple[SelectorKey, int]]:
         return [(key, events) for key, events in select(timeout) if key.data is None]
 
-    monkeypatch.setattr(served._selector, "select", behind)  # the loop sees no request come
+    monkeypatch.setattr(served.selector, "select", behind)  # the loop sees no request come
     scrape = socket.create_connection(where, timeout=10)
     scrape.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
     idle = socket.create_connection(where, timeout=10)
