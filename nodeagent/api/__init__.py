@@ -14,8 +14,8 @@ attribute through the same model; or raises one of nodeagent.errors' refusals
 (BadRequest, Forbidden, NotFound, Conflict, TryLater: 400, 403, 404, 409, 503, as
 `server.STATUS` maps them) with a message for the user; the domain code raises them without
 knowing of HTTP. The CLI calls
-`client.get_as`, `client.post_as` or `client.delete_as` with the answer's model (or
-`client.get`, `post`, `delete` for the raw JSON); every failure is one line (ApiRefused, with
+`client.get_as` or `client.post_as` with the answer's model (or `client.get`, `post`,
+`delete` for the raw JSON); every failure is one line (ApiRefused, with
 the status, when the daemon said no; an answer that does not fit its model names the socket
 and the path).
 """

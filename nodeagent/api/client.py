@@ -158,19 +158,6 @@ def post_as(
     return fit(model, socket_path, path, post(socket_path, path, body, params, timeout))
 
 
-def delete_as(
-    model: type[A],
-    socket_path: str,
-    path: str,
-    body: Mapping[str, object] | None = None,
-    *,
-    params: Mapping[str, str] | None = None,
-    timeout: float = 5.0,
-) -> A:
-    """`delete`, its answer validated as `model` (see `fit`)."""
-    return fit(model, socket_path, path, delete(socket_path, path, body, params, timeout))
-
-
 def fit(model: type[A], socket_path: str, path: str, answer: object) -> A:
     """A 200 answer as `model`; one NodeagentError naming the socket, the path and the first
     thing that does not fit when it is not one (a daemon of another version, or something

@@ -38,16 +38,20 @@ lapsed, the GPUs changed, a request waiting for a better set): otherwise every w
 request was tried against the holds as they are, and only a new request can fit. Times
 are the monotonic clock's, so a step of the wall clock lapses nothing; the state file keeps
 Unix times, converted at dump and load.
+
+Only the loop's thread changes the ledger (the API's commands run there too), so it has no
+lock: each tick's step is decided as a value (`decide`, on a copy) and made (`commit`), and
+the API's reads answer from a frozen `LedgerView` the loop publishes after each change.
 """
 
 from __future__ import annotations
 
 import bisect
 import secrets
-import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Annotated, Any
 
 import structlog
@@ -87,6 +91,10 @@ def new_id() -> str:
     return secrets.token_urlsafe(16)
 
 
+QueueKey = tuple[int, float, float, float, str]
+"""A waiting request's place in the queue (sorted ascending); it ends in its id."""
+
+
 @dataclass(frozen=True, slots=True)
 class Waiting:
     id: str
@@ -100,14 +108,13 @@ class Waiting:
     """Lower goes first: the tenant's decayed usage per share."""
     workload_class: str
     asked: float
-    seen: float
     reason: str = ""
     expected: float | None = None
     """Seconds its job is expected to hold the GPUs; None: unknown."""
     held_back: float | None = None
     """When it first passed over a set to wait for a better one."""
 
-    def key(self) -> tuple[int, float, float, float, str]:
+    def key(self) -> QueueKey:
         """Its place in the queue (sorted ascending)."""
         deadline = self.deadline if self.deadline is not None else float("inf")
         return (-self.priority, deadline, self.fairness, self.asked, self.id)
@@ -132,6 +139,85 @@ class Answer:
         if self.placement is not None:
             out |= {"score": self.placement.score, "fraction": self.placement.fraction}
         return out
+
+
+Queued = tuple[QueueKey, Waiting]
+"""A waiting request in the queue, after its key."""
+
+
+def waiting_answer(w: Waiting, position: int) -> Answer:
+    return Answer(w.id, "waiting", position=position, reason=w.reason)
+
+
+def check_uid(rid: str, uid: int, owner: int) -> None:
+    if not _mine(uid, owner):
+        raise Forbidden(f"GPU request {rid!r} belongs to uid {owner}")
+
+
+@dataclass(frozen=True)
+class LedgerView:
+    """The ledger as the loop last published it (`GpuLedger.view`): what the API's reads
+    answer from, on their own threads, while the loop goes on changing the ledger. Its
+    tuples and map are its own, which nothing changes once it is made (so that making one
+    after each command costs a copy of the queue, not of an index by request id: that is
+    made on the first status read of the view)."""
+
+    holds: tuple[Hold, ...]
+    queued: tuple[Queued, ...]
+    """The queue, in order."""
+    granted: Mapping[str, Answer]
+    """By request id."""
+
+    @cached_property
+    def _positions(self) -> dict[str, int]:
+        return {w.id: i for i, (_, w) in enumerate(self.queued)}
+
+    def queue(self) -> list[Waiting]:
+        return [w for _, w in self.queued]
+
+    def status(self, rid: str, uid: int) -> Answer:
+        """What request `rid` has, for its asker (or root) only."""
+        if rid in self.granted:
+            answer = self.granted[rid]
+            assert answer.hold is not None, "a grant holds GPUs"
+            check_uid(rid, uid, answer.hold.uid)
+            return answer
+        i = self._positions.get(rid)
+        if i is None:
+            raise NotFound(f"no GPU request {rid!r} (lapsed or unknown)")
+        w = self.queued[i][1]
+        check_uid(rid, uid, w.uid)
+        return waiting_answer(w, i + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerChanges:
+    """One step of the loop for the ledger, decided (`GpuLedger.decide`) and not yet made
+    (`GpuLedger.commit`): what it binds, drops, lapses, forgets and grants."""
+
+    bound: tuple[tuple[Hold, str], ...]
+    """Reservations that follow their workload now: each with its cgroup."""
+    dropped: tuple[Hold, ...]
+    """Reservations whose workload is gone."""
+    lapsed: tuple[Hold, ...]
+    """Holds not claimed (or reservations not bound) in time."""
+    granted: tuple[Answer, ...]
+    """Waiting requests granted, by request id, each with its new hold."""
+    forgotten: tuple[str, ...]
+    """Waiting requests nobody asked about for STALE_AFTER."""
+    settled: tuple[str, ...]
+    """Grants whose hold is gone (claimed, released or lapsed)."""
+    waiting: tuple[Waiting, ...]
+    """Waiting requests with a new reason or time held back."""
+    asked: Mapping[str, float]
+    """Waiting requests asked about: request id -> when."""
+    holds: tuple[Hold, ...]
+    """The ledger's holds once the step is made."""
+    bounds: UserBounds
+    served: NodeGpus | None
+    stale: bool
+    freed: int
+    """The ledger's count of frees when decided."""
 
 
 def closest_cpus(node: NodeGpus, indices: Iterable[int]) -> tuple[int, ...]:
@@ -232,8 +318,11 @@ class GpuLedger:
         """By hold id."""
         self._waiting: dict[str, Waiting] = {}
         """By request id."""
-        self._order: list[tuple[int, float, float, float, str]] = []
-        """The waiting requests' keys, sorted: the queue."""
+        self._order: list[Queued] = []
+        """The waiting requests after their keys, sorted: the queue."""
+        self._seen: dict[str, float] = {}
+        """By request id: when each waiting request was last asked about (asked, or by its
+        asker's status call)."""
         self._waiting_names: dict[str, str] = {}
         self._waiting_uids: Counter[int] = Counter()
         self._granted: dict[str, Answer] = {}
@@ -245,7 +334,9 @@ class GpuLedger:
         """Per class: how long its last jobs held their GPUs, oldest first."""
         self._bounds = UNBOUNDED
         """Each uid's but root's, as the last ask or step was given them."""
-        self._lock = threading.Lock()
+        self._freed = 0
+        """How many times something was freed: a step worked out before a free (`decide`)
+        is committed with the queue still to serve again."""
 
     # --- asking -----------------------------------------------------------------------
 
@@ -271,87 +362,71 @@ class GpuLedger:
         """A request for GPUs: granted now if a set fits, else waiting. `declared`: what its
         job declared of its duration (else its class's recent holds say); `patience`:
         gpu.patience, for it and the others waiting; `bounds`: each uid's (root has none)."""
-        with self._lock:
-            self._bounds = bounds
-            self._check_name(owner)
-            if bounds.never_granted(uid, request.count):
-                raise Conflict(
-                    f"request {owner!r} asks for {request.count} GPUs; one uid may hold"
-                    f" {bounds.gpus} at once (gpu.max_gpus_per_user), so it could never be"
-                    " granted"
-                )
-            if uid != 0 and self._waiting_uids[uid] >= max_waiting:
-                raise Conflict(
-                    f"uid {uid} has {self._waiting_uids[uid]} GPU requests waiting, the most"
-                    " gpu.max_waiting_per_user allows; cancel one or wait"
-                )
-            rid = new_id()
-            expected = durations.expected_duration(declared, self._history.get(workload_class, []))
-            w = Waiting(
-                rid, owner, uid, tenant, request, priority, deadline, fairness,
-                workload_class, now, now, expected=expected,
-            )  # fmt: skip
-            self._add(w)
-            if self._stale or node != self._served:
-                self._serve(node, now, claim_timeout, patience)
-            else:  # every other waiter was tried against these holds: only this one can fit
-                self._try([w], node, now, claim_timeout, patience)
-            answer = self._answer(rid)
-            assert answer is not None, "just asked: granted or waiting"
-            return answer
-
-    def status(self, rid: str, uid: int, now: float) -> Answer:
-        with self._lock:
-            w = self._waiting.get(rid)
-            if w is not None:
-                self._check_uid(rid, uid, w.uid)
-                self._waiting[rid] = replace(w, seen=now)
-            answer = self._answer(rid)
-            if answer is None:
-                raise NotFound(f"no GPU request {rid!r} (lapsed or unknown)")
-            if answer.hold is not None:
-                self._check_uid(rid, uid, answer.hold.uid)
-            return answer
+        self._bounds = bounds
+        self._check_name(owner)
+        if bounds.never_granted(uid, request.count):
+            raise Conflict(
+                f"request {owner!r} asks for {request.count} GPUs; one uid may hold"
+                f" {bounds.gpus} at once (gpu.max_gpus_per_user), so it could never be"
+                " granted"
+            )
+        if uid != 0 and self._waiting_uids[uid] >= max_waiting:
+            raise Conflict(
+                f"uid {uid} has {self._waiting_uids[uid]} GPU requests waiting, the most"
+                " gpu.max_waiting_per_user allows; cancel one or wait"
+            )
+        rid = new_id()
+        expected = durations.expected_duration(declared, self._history.get(workload_class, []))
+        w = Waiting(
+            rid, owner, uid, tenant, request, priority, deadline, fairness,
+            workload_class, now, expected=expected,
+        )  # fmt: skip
+        self._add(w)
+        if self._stale or node != self._served:
+            self._serve(node, now, claim_timeout, patience)
+        else:  # every other waiter was tried against these holds: only this one can fit
+            self._try([w], node, now, claim_timeout, patience)
+        answer = self._answer(rid)
+        assert answer is not None, "just asked: granted or waiting"
+        return answer
 
     def cancel(self, rid: str, uid: int) -> None:
-        with self._lock:
-            w = self._waiting.get(rid)
-            if w is not None:
-                self._check_uid(rid, uid, w.uid)
-                self._drop(rid)
-                return
-            answer = self._granted.get(rid)
-            if answer is None or answer.hold is None:
-                raise NotFound(f"no GPU request {rid!r} (lapsed or unknown)")
-            self._check_uid(rid, uid, answer.hold.uid)
-            del self._granted[rid]
-            held = self._holds.get(answer.hold.id)
-            if held is not None and held.kind is HoldKind.REQUEST:
-                self._pop(held.id)
+        w = self._waiting.get(rid)
+        if w is not None:
+            check_uid(rid, uid, w.uid)
+            self._drop(rid)
+            return
+        answer = self._granted.get(rid)
+        if answer is None or answer.hold is None:
+            raise NotFound(f"no GPU request {rid!r} (lapsed or unknown)")
+        check_uid(rid, uid, answer.hold.uid)
+        del self._granted[rid]
+        held = self._holds.get(answer.hold.id)
+        if held is not None and held.kind is HoldKind.REQUEST:
+            self._pop(held.id)
 
     def claim(
         self, rid: str, *, uid: int, owner: str, cgroup: str, tenant: str, workload_class: str
     ) -> Hold:
         """A job takes the GPUs granted to its request; they are its own until it ends."""
-        with self._lock:
-            answer = self._granted.get(rid)
-            held = None if answer is None or answer.hold is None else answer.hold
-            if held is None or self._holds.get(held.id) != held:
-                raise NotFound(f"no GPUs are granted to request {rid!r} (lapsed or unknown)")
-            self._check_uid(rid, uid, held.uid)
-            if (held.tenant, held.workload_class) != (tenant, workload_class):
-                raise Conflict(
-                    f"GPU request {rid!r} was granted for tenant {held.tenant!r} and class"
-                    f" {held.workload_class}; the job asks for tenant {tenant!r} and class"
-                    f" {workload_class}"
-                )
-            if owner != held.owner:
-                self._check_name(owner)
-            del self._granted[rid]
-            hold = replace(held, owner=owner, kind=HoldKind.JOB, cgroup=cgroup, until=None, uid=uid)
-            self._holds[hold.id] = hold
-            self._stale = True  # a request its uid's bounds held back may be granted now
-            return hold
+        answer = self._granted.get(rid)
+        held = None if answer is None or answer.hold is None else answer.hold
+        if held is None or self._holds.get(held.id) != held:
+            raise NotFound(f"no GPUs are granted to request {rid!r} (lapsed or unknown)")
+        check_uid(rid, uid, held.uid)
+        if (held.tenant, held.workload_class) != (tenant, workload_class):
+            raise Conflict(
+                f"GPU request {rid!r} was granted for tenant {held.tenant!r} and class"
+                f" {held.workload_class}; the job asks for tenant {tenant!r} and class"
+                f" {workload_class}"
+            )
+        if owner != held.owner:
+            self._check_name(owner)
+        del self._granted[rid]
+        hold = replace(held, owner=owner, kind=HoldKind.JOB, cgroup=cgroup, until=None, uid=uid)
+        self._holds[hold.id] = hold
+        self._free()  # a request its uid's bounds held back may be granted now
+        return hold
 
     def reserve(
         self,
@@ -370,118 +445,167 @@ class GpuLedger:
         """Place and hold GPUs for a container, in one step (two callers never get the same
         GPUs); a Refusal when none fit now, Conflict past the uid's `bounds` (root has
         none)."""
-        with self._lock:
-            self._check_name(owner)
-            hours = request.count * max(until - now, 0.0) / 3600.0
-            over = self._over(uid, request.count, hours, now, bounds)
-            if over is not None:
-                raise Conflict(f"reservation {owner!r} refused: {over}")
-            result = place(request, node, holdings(self._holds.values()))
-            if isinstance(result, Refusal):
-                return result
-            hold = Hold(
-                owner,
-                HoldKind.RESERVATION,
-                result.uuids,
-                result.indices,
-                (request.memory or 0) if request.shared else None,
-                workload_class=workload_class,
-                until=until,
-                cpus=closest_cpus(node, result.indices),
-                id=new_id(),
-                uid=uid,
-                tenant=tenant,
-                container=container,
-                named_by=None if container is None else uid,
-            )
-            self._holds[hold.id] = hold
-            return hold, result
+        self._check_name(owner)
+        hours = request.count * max(until - now, 0.0) / 3600.0
+        over = self._over(uid, request.count, hours, now, bounds)
+        if over is not None:
+            raise Conflict(f"reservation {owner!r} refused: {over}")
+        result = place(request, node, holdings(self._holds.values()))
+        if isinstance(result, Refusal):
+            return result
+        hold = Hold(
+            owner,
+            HoldKind.RESERVATION,
+            result.uuids,
+            result.indices,
+            (request.memory or 0) if request.shared else None,
+            workload_class=workload_class,
+            until=until,
+            cpus=closest_cpus(node, result.indices),
+            id=new_id(),
+            uid=uid,
+            tenant=tenant,
+            container=container,
+            named_by=None if container is None else uid,
+        )
+        self._holds[hold.id] = hold
+        return hold, result
 
     def attach(self, owner: str, uid: int, container: str) -> Hold:
         """Name the container of a reservation made without one (its id known only once the
         runtime created it). Named by root (the operator), it may bind to a workload of any
         owner; named by its uid, only to one of that uid's (GpuService)."""
-        with self._lock:
-            hold = self._reservation(owner, uid)
-            if hold.cgroup is not None:
-                raise Conflict(f"reservation {owner!r} is bound to {hold.cgroup} already")
-            hold = replace(hold, container=container, named_by=uid)
-            self._holds[hold.id] = hold
-            return hold
+        hold = self._reservation(owner, uid)
+        if hold.cgroup is not None:
+            raise Conflict(f"reservation {owner!r} is bound to {hold.cgroup} already")
+        hold = replace(hold, container=container, named_by=uid)
+        self._holds[hold.id] = hold
+        return hold
 
     # --- releasing --------------------------------------------------------------------
 
     def release_reservation(self, owner: str, uid: int) -> Hold:
-        with self._lock:
-            return self._pop(self._reservation(owner, uid).id)
+        return self._pop(self._reservation(owner, uid).id)
 
     def release_job(self, hold_id: str, uid: int, now: float | None = None) -> Hold | None:
         """A job's end: exactly its own hold, never another kind or another uid's. With
         `now`, how long it held the GPUs joins its class's history."""
-        with self._lock:
-            hold = self._holds.get(hold_id)
-            if hold is None or hold.kind is not HoldKind.JOB or hold.uid != uid:
-                return None
-            if now is not None and hold.since is not None and hold.workload_class is not None:
-                recent = self._history.setdefault(hold.workload_class, [])
-                recent.append(max(now - hold.since, 1e-3))
-                del recent[: -durations.HISTORY]
-            return self._pop(hold_id)
-
-    def drop(self, hold_id: str) -> Hold | None:
-        """The daemon's own release (a reservation whose workload is gone)."""
-        with self._lock:
-            return self._pop(hold_id) if hold_id in self._holds else None
+        hold = self._holds.get(hold_id)
+        if hold is None or hold.kind is not HoldKind.JOB or hold.uid != uid:
+            return None
+        if now is not None and hold.since is not None and hold.workload_class is not None:
+            recent = self._history.setdefault(hold.workload_class, [])
+            recent.append(max(now - hold.since, 1e-3))
+            del recent[: -durations.HISTORY]
+        return self._pop(hold_id)
 
     # --- the loop ---------------------------------------------------------------------
 
-    def step(
+    def decide(
         self,
         node: NodeGpus | None,
         now: float,
         claim_timeout: float,
         patience: float = durations.PATIENCE,
         bounds: UserBounds = UNBOUNDED,
-    ) -> list[Hold]:
-        """Lapse unclaimed holds and stale waiters, then serve the queue if that can change
-        anything; the lapsed holds."""
-        with self._lock:
-            if bounds != self._bounds:  # a reload changed them: who may be granted changed
-                self._bounds, self._stale = bounds, True
-            lapsed = [h for h in self._holds.values() if h.until is not None and h.until <= now]
-            for h in lapsed:
-                self._pop(h.id)
-            for rid in [r for r, w in self._waiting.items() if now - w.seen > STALE_AFTER]:
-                self._drop(rid)
-            for rid in [
-                r for r, a in self._granted.items() if a.hold and a.hold.id not in self._holds
-            ]:
-                del self._granted[rid]
-            if node is not None and self._waiting and (self._stale or node != self._served):
-                self._serve(node, now, claim_timeout, patience)
-            return lapsed
+        *,
+        bind: Iterable[tuple[Hold, str]] = (),
+        drop: Iterable[Hold] = (),
+        asked: Mapping[str, float] | None = None,
+    ) -> LedgerChanges:
+        """One step of the loop as a value, the ledger left as it is (`commit` makes it
+        so). First reservations follow the workloads they name (`bind`: each with its
+        cgroup), those whose workload is gone go (`drop`), and the waiting requests asked
+        about since the last step (`asked`: request id -> when) are kept; then unclaimed
+        holds lapse, waiters nobody asks about are dropped, and the queue is served if that
+        can change anything. Worked out on a copy, so that each grant sees those before."""
+        bind, drop = tuple(bind), tuple(drop)
+        scratch = self._copy()
+        for hold, cgroup in bind:
+            scratch._bind(hold.id, cgroup)
+        for hold in drop:
+            if hold.id in scratch._holds:
+                scratch._pop(hold.id)
+        asked = {r: t for r, t in (asked or {}).items() if r in scratch._seen}
+        scratch._seen.update(asked)
+        if bounds != scratch._bounds:  # a reload changed them: who may be granted changed
+            scratch._bounds = bounds
+            scratch._free()
+        lapsed = [h for h in scratch._holds.values() if h.until is not None and h.until <= now]
+        for h in lapsed:
+            scratch._pop(h.id)
+        for rid in [r for r, t in scratch._seen.items() if now - t > STALE_AFTER]:
+            scratch._drop(rid)
+        held = scratch._holds
+        for rid in [r for r, a in scratch._granted.items() if a.hold and a.hold.id not in held]:
+            del scratch._granted[rid]
+        if node is not None and scratch._waiting and (scratch._stale or node != scratch._served):
+            scratch._serve(node, now, claim_timeout, patience)
+        return LedgerChanges(
+            bound=tuple((h, c) for h, c in bind if h.id in self._holds),
+            dropped=tuple(h for h in drop if h.id in self._holds),
+            lapsed=tuple(lapsed),
+            granted=tuple(a for r, a in scratch._granted.items() if r not in self._granted),
+            forgotten=tuple(
+                r for r in self._waiting if r not in scratch._waiting and r not in scratch._granted
+            ),
+            settled=tuple(r for r in self._granted if r not in scratch._granted),
+            waiting=tuple(w for r, w in scratch._waiting.items() if self._waiting.get(r) is not w),
+            holds=tuple(scratch._holds.values()),
+            bounds=scratch._bounds,
+            served=scratch._served,
+            stale=scratch._stale,
+            freed=self._freed,
+            asked=asked,
+        )
 
-    def bind(self, hold_id: str, cgroup: str) -> None:
-        with self._lock:
-            h = self._holds.get(hold_id)
-            if h is not None and h.cgroup is None:
-                self._holds[hold_id] = replace(h, cgroup=cgroup, until=None)
+    def commit(self, changes: LedgerChanges) -> None:
+        """Make a step that `decide` worked out so. Only the loop changes the ledger, and
+        nothing it does between the two adds a hold: no GPU it grants was taken since; a
+        hold freed since (a job that ended) leaves the queue to serve again next step."""
+        freed_since = self._freed != changes.freed
+        for hold, cgroup in changes.bound:
+            self._bind(hold.id, cgroup)
+        for h in (*changes.dropped, *changes.lapsed):
+            if h.id in self._holds:
+                self._pop(h.id)
+        for rid in changes.forgotten:
+            if rid in self._waiting:
+                self._drop(rid)
+        for rid in changes.settled:
+            self._granted.pop(rid, None)
+        self._seen.update({r: t for r, t in changes.asked.items() if r in self._seen})
+        for w in changes.waiting:
+            if w.id in self._waiting:
+                self._update(w)
+        for a in changes.granted:
+            assert a.hold is not None, "a grant holds GPUs"
+            if a.id in self._waiting:
+                self._drop(a.id)
+            self._holds[a.hold.id] = a.hold
+            self._granted[a.id] = a
+        self._bounds, self._served = changes.bounds, changes.served
+        self._stale = changes.stale or freed_since
+
+    def view(self) -> LedgerView:
+        """The ledger as it is now, for the API's reads on their own threads: the view's
+        own copies, which nothing changes."""
+        return LedgerView(
+            tuple(self._holds.values()), tuple(self._order), dict(self._granted),
+        )  # fmt: skip
 
     def holds(self) -> tuple[Hold, ...]:
-        with self._lock:
-            return tuple(self._holds.values())
+        return tuple(self._holds.values())
 
     def queue(self) -> list[Waiting]:
-        with self._lock:
-            return [self._waiting[k[-1]] for k in self._order]
+        return [w for _, w in self._order]
 
     # --- the state file ---------------------------------------------------------------
 
     def dump(self, now: float, wall: float) -> list[dict[str, Any]]:
         """Jobs' and reservations' holds, with Unix times (`now` is the monotonic clock
         read at `wall`)."""
-        with self._lock:
-            holds = [h for h in self._holds.values() if h.kind is not HoldKind.REQUEST]
+        holds = [h for h in self._holds.values() if h.kind is not HoldKind.REQUEST]
         out = []
         for h in holds:
             record = {
@@ -507,8 +631,7 @@ class GpuLedger:
 
     def history(self) -> dict[str, list[float]]:
         """Per class, how long its last jobs held their GPUs (for the state file)."""
-        with self._lock:
-            return {c: list(v) for c, v in self._history.items()}
+        return {c: list(v) for c, v in self._history.items()}
 
     def load_history(self, saved: Mapping[str, Any]) -> None:
         """Restore the classes' hold durations; a malformed history is dropped with a
@@ -518,8 +641,7 @@ class GpuLedger:
         except ValidationError as e:
             log.warning("state.gpu_history_dropped", error=problem(e))
             return
-        with self._lock:
-            self._history = {str(c): list(v) for c, v in checked.items()}
+        self._history = {str(c): list(v) for c, v in checked.items()}
 
     def load(
         self,
@@ -564,22 +686,21 @@ class GpuLedger:
             kept = keep(hold)
             if kept is None:
                 continue
-            with self._lock:
-                if self._holds.get(kept.id) == kept:
-                    log.warning("state.hold_duplicate", record=i, owner=kept.owner, id=kept.id,
-                                action="restored once")  # fmt: skip
-                    continue
-                restorable = self._restorable(kept)
-                if isinstance(restorable, str):
-                    log.error("state.hold_dropped", record=i, owner=kept.owner, id=kept.id,
-                              kind=str(kept.kind), uuids=list(kept.uuids), error=restorable,
-                              action="its GPUs are not held for it: free them, or reserve"
-                              " them again")  # fmt: skip
-                    continue
-                if restorable.id != kept.id:
-                    log.warning("state.hold_renamed", record=i, owner=kept.owner, was=kept.id,
-                                id=restorable.id, error="its id is another hold's")  # fmt: skip
-                self._holds[restorable.id] = restorable
+            if self._holds.get(kept.id) == kept:
+                log.warning("state.hold_duplicate", record=i, owner=kept.owner, id=kept.id,
+                            action="restored once")  # fmt: skip
+                continue
+            restorable = self._restorable(kept)
+            if isinstance(restorable, str):
+                log.error("state.hold_dropped", record=i, owner=kept.owner, id=kept.id,
+                          kind=str(kept.kind), uuids=list(kept.uuids), error=restorable,
+                          action="its GPUs are not held for it: free them, or reserve"
+                          " them again")  # fmt: skip
+                continue
+            if restorable.id != kept.id:
+                log.warning("state.hold_renamed", record=i, owner=kept.owner, was=kept.id,
+                            id=restorable.id, error="its id is another hold's")  # fmt: skip
+            self._holds[restorable.id] = restorable
 
     # --- inside the lock --------------------------------------------------------------
 
@@ -659,11 +780,6 @@ class GpuLedger:
         if self._name_taken(owner):
             raise Conflict(f"the name {owner!r} is taken by another GPU hold or request")
 
-    @staticmethod
-    def _check_uid(rid: str, uid: int, owner: int) -> None:
-        if not _mine(uid, owner):
-            raise Forbidden(f"GPU request {rid!r} belongs to uid {owner}")
-
     def _reservation(self, owner: str, uid: int) -> Hold:
         hold = next((h for h in self._holds.values() if h.owner == owner), None)
         if hold is None:
@@ -677,28 +793,50 @@ class GpuLedger:
             raise Forbidden(f"reservation {owner!r} belongs to uid {hold.uid}")
         return hold
 
-    def _pop(self, hold_id: str) -> Hold:
+    def _free(self) -> None:
         self._stale = True
+        self._freed += 1
+
+    def _pop(self, hold_id: str) -> Hold:
+        self._free()
         return self._holds.pop(hold_id)
+
+    def _bind(self, hold_id: str, cgroup: str) -> None:
+        h = self._holds.get(hold_id)
+        if h is not None and h.cgroup is None:
+            self._holds[hold_id] = replace(h, cgroup=cgroup, until=None)
+
+    def _copy(self) -> GpuLedger:
+        """A copy to work a step out on: its own maps (the holds, requests and answers in
+        them are frozen), and the history, which a step never changes, shared."""
+        c = GpuLedger()
+        c._holds, c._waiting, c._order = dict(self._holds), dict(self._waiting), list(self._order)
+        c._waiting_names, c._waiting_uids = dict(self._waiting_names), Counter(self._waiting_uids)
+        c._seen = dict(self._seen)
+        c._granted, c._history, c._bounds = dict(self._granted), self._history, self._bounds
+        c._stale, c._served, c._freed = self._stale, self._served, self._freed
+        return c
 
     def _add(self, w: Waiting) -> None:
         self._waiting[w.id] = w
+        self._seen[w.id] = w.asked
         self._waiting_names[w.owner] = w.id
         self._waiting_uids[w.uid] += 1
-        bisect.insort(self._order, w.key())
+        bisect.insort(self._order, (w.key(), w))
 
     def _drop(self, rid: str) -> Waiting:
         w = self._waiting.pop(rid)
+        del self._seen[rid]
         del self._waiting_names[w.owner]
         self._waiting_uids[w.uid] -= 1
         if not self._waiting_uids[w.uid]:
             del self._waiting_uids[w.uid]
-        del self._order[bisect.bisect_left(self._order, w.key())]
+        del self._order[self._place_of(w)]
         return w
 
     def _serve(self, node: NodeGpus, now: float, claim_timeout: float, patience: float) -> None:
         self._stale, self._served = False, node
-        self._try([self._waiting[k[-1]] for k in self._order], node, now, claim_timeout, patience)
+        self._try(self.queue(), node, now, claim_timeout, patience)
 
     def _try(
         self, waiting: list[Waiting], node: NodeGpus, now: float, timeout: float, patience: float
@@ -714,7 +852,7 @@ class GpuLedger:
             over = self._over(w.uid, w.request.count, hours, now, self._bounds)
             if over is not None:  # its uid's own bound: others' requests of its shape may fit
                 if w.reason != over:
-                    self._waiting[w.id] = replace(w, reason=over)
+                    self._update(replace(w, reason=over))
                 continue
             request = self._told(w, now, patience)
             result = refused.get(request) or place(request, node, held)
@@ -725,10 +863,10 @@ class GpuLedger:
                 continue
             refused[request] = result
             if result.better_in is not None:
-                self._stale = True
+                self._stale = True  # nothing freed: tried again at the next step
             held_back = now if result.better_in is not None and w.held_back is None else w.held_back
             if (w.reason, w.held_back) != (result.reason, held_back):
-                self._waiting[w.id] = replace(w, reason=result.reason, held_back=held_back)
+                self._update(replace(w, reason=result.reason, held_back=held_back))
 
     @staticmethod
     def _told(w: Waiting, now: float, patience: float) -> GpuRequest:
@@ -764,7 +902,14 @@ class GpuLedger:
         if rid in self._granted:
             return self._granted[rid]
         w = self._waiting.get(rid)
-        if w is None:
-            return None
-        position = bisect.bisect_left(self._order, w.key()) + 1
-        return Answer(rid, "waiting", position=position, reason=w.reason)
+        return None if w is None else waiting_answer(w, self._place_of(w) + 1)
+
+    def _place_of(self, w: Waiting) -> int:
+        """Where `w` is in the queue (its key is unique: it ends in its id)."""
+        return bisect.bisect_left(self._order, (w.key(),))
+
+    def _update(self, w: Waiting) -> None:
+        """A waiting request's new reason or time held back (its key, and so its place,
+        stays)."""
+        self._waiting[w.id] = w
+        self._order[self._place_of(w)] = (w.key(), w)

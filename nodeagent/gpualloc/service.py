@@ -1,18 +1,24 @@
 """The daemon's GPU side: one backend for its life, the sensor and the ledger of holds.
 
-The loop calls `sense` before planning (the GPU state goes into the snapshot, with the
-holds as they were) and, after it, `executor.apply` (`nodeagent.actgpu`, the act layer's:
-the power limits the plan decides, on the same backend). The /v1/gpus routes are the
-API's (`nodeagent.routes.gpus`), over this service: `exec` asks through them and claims
-its grant when its job starts.
+Each tick the loop calls `read` (I/O only: the GPUs, the holds outside the ledger, whose
+the workloads reservations name are), `decide` (pure: binds, drops, lapses and grants, as a
+value, and the GPU state with the holds as decided, which goes into the snapshot), then
+`apply` (the ledger's changes and their audit events, and a new view); `sense` is the
+three in one. After the plan, `executor.apply` (`nodeagent.actgpu`, the act layer's) sets
+the power limits the plan decides, on the same backend. The /v1/gpus routes are the API's
+(`nodeagent.routes.gpus`), over this service: its commands change the ledger on the loop's
+thread; its reads answer from `view`, which `publish` replaces whole after each change.
+`exec` asks through them and claims its grant when its job starts.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import structlog
@@ -20,7 +26,13 @@ import structlog
 from nodeagent.actgpu import GpuExecutor
 from nodeagent.gpu.backend import GpuBackend
 from nodeagent.gpu.model import GpuState, Hold, HoldKind
-from nodeagent.gpualloc.ledger import UNBOUNDED, GpuLedger, UserBounds
+from nodeagent.gpualloc.ledger import (
+    UNBOUNDED,
+    GpuLedger,
+    LedgerChanges,
+    LedgerView,
+    UserBounds,
+)
 from nodeagent.gpualloc.placement import NodeGpus, node_gpus
 from nodeagent.identity import Kind, WorkloadIdentity
 from nodeagent.logs import audit_event
@@ -61,11 +73,15 @@ def names(container: str, w: WorkloadIdentity) -> bool:
     return container == w.name
 
 
+def _in_user_slice(path: str) -> bool:
+    return path == "user.slice" or path.startswith("user.slice/")
+
+
 def may_bind(path: str, uid: int) -> bool:
     """Whether a reservation made by `uid` may follow the cgroup at `path`: anywhere outside
     user.slice (what users cannot make), and inside it only that uid's own user manager's
     subtree; never a login session's scope, never another user's delegated cgroups."""
-    if path != "user.slice" and not path.startswith("user.slice/"):
+    if not _in_user_slice(path):
         return True
     m = _USER_MANAGER.fullmatch(path)
     return m is not None and int(m.group(1)) == uid
@@ -109,7 +125,7 @@ def owner_of(path: str, uids: Callable[[str], frozenset[int] | None]) -> int | N
     m = _USER_MANAGER.fullmatch(path)
     if m is not None:
         return int(m.group(1))
-    if path == "user.slice" or path.startswith("user.slice/"):
+    if _in_user_slice(path):
         return None
     running = uids(path)
     return next(iter(running)) if running is not None and len(running) == 1 else None
@@ -125,6 +141,80 @@ def may_own(hold: Hold, path: str, uids: Callable[[str], frozenset[int] | None])
     if 0 in (hold.uid, hold.named_by):
         return True
     return owner_of(path, uids) == hold.uid
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReading:
+    """What `GpuService.read` found this tick (I/O only, nothing changed)."""
+
+    state: GpuState | None
+    """The GPUs as read, with the ledger's holds; None: none the agent can use."""
+    outside: tuple[Hold, ...]
+    """The holds outside the ledger on them (the pods', Docker containers', Slurm jobs')."""
+    gone: frozenset[str]
+    """The cgroups of bound reservations that no longer exist."""
+    named: Mapping[str, tuple[str, ...]]
+    """Per reservation waiting to bind (by hold id): the workloads its container names."""
+    uids: Mapping[str, frozenset[int] | None]
+    """Per such workload outside user.slice: the uids its processes run as (process_uids)."""
+    asked: Mapping[str, float]
+    """Waiting requests asked about since the last read: request id -> when."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuDecisions:
+    """What `GpuService.decide` decided (pure), for `apply` to make so."""
+
+    ledger: LedgerChanges
+    state: GpuState | None
+    """The GPUs with the holds as decided (the grants of this step included, and the
+    holds outside the ledger): what the policies see this tick."""
+    outside: tuple[Hold, ...]
+    unowned: tuple[tuple[Hold, tuple[str, ...]], ...]
+    """Reservations whose container names only other users' workloads: those."""
+    ambiguous: tuple[tuple[Hold, tuple[str, ...]], ...]
+    """Reservations whose container names several workloads they may bind to: those."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuView:
+    """What the /v1/gpus reads answer from, on the API's threads (`GpuService.view`):
+    the ledger as last published, and the GPUs and outside holds of the last tick."""
+
+    ledger: LedgerView
+    state: GpuState | None
+    outside: tuple[Hold, ...]
+
+    def holds(self) -> tuple[Hold, ...]:
+        return self.ledger.holds + self.outside
+
+
+def binds(
+    holds: Iterable[Hold], reading: GpuReading
+) -> tuple[
+    tuple[tuple[Hold, str], ...],
+    tuple[tuple[Hold, tuple[str, ...]], ...],
+    tuple[tuple[Hold, tuple[str, ...]], ...],
+]:
+    """Each reservation that names a container follows that container's cgroup once
+    discovery shows exactly one workload of that name that its uid owns (or, named by root,
+    any); one of that name that is another user's is never bound. The binds, then the
+    reservations that name only others' workloads, and those that name several."""
+    bound, unowned, ambiguous = [], [], []
+    uids = reading.uids.get
+    for h in holds:
+        named = reading.named.get(h.id)
+        if named is None:
+            continue
+        found = tuple(p for p in named if may_own(h, p, uids))
+        theirs = tuple(p for p in named if p not in found)
+        if not found and theirs:
+            unowned.append((h, theirs))
+        if len(found) == 1:
+            bound.append((h, found[0]))
+        elif len(found) > 1:
+            ambiguous.append((h, found))
+    return tuple(bound), tuple(unowned), tuple(ambiguous)
 
 
 class GpuService:
@@ -147,75 +237,103 @@ class GpuService:
         self._exists = exists
         self._workloads = workloads
         self._uids = uids
+        self._asked: queue.SimpleQueue[tuple[str, float]] = queue.SimpleQueue()
+        """Status calls, from the API's threads, for the loop's next read."""
         self._not_owned: dict[str, tuple[str, ...]] = {}
-        self.state: GpuState | None = None
         self._ambiguous: dict[str, tuple[str, ...]] = {}
+        self.state: GpuState | None = None
         self.outside_holds: tuple[Hold, ...] = ()
         """The holds read each tick outside the ledger: in Kubernetes mode the GPUs the
         device plugin gave each container (kind pod), from the kubelet (the ledger then
         stays empty); on any node the GPUs dockerd gave a container (kind runtime)."""
+        self.view = GpuView(self.ledger.view(), None, ())
+        """What the API's reads answer from; `publish` replaces it whole."""
 
     # --- the loop ---------------------------------------------------------------------
-
-    def holds(self) -> tuple[Hold, ...]:
-        return self.ledger.holds() + self.outside_holds
 
     def sense(
         self, now: float, pods: Callable[[GpuState], tuple[Hold, ...]] | None = None
     ) -> GpuState | None:
-        """Read the GPUs; bind reservations to their containers, release those whose
-        container is gone; lapse and grant. `now` is the monotonic clock. `pods`: the holds
-        outside the ledger on the GPUs just read (Kubernetes pods', Docker containers'), given
-        the state with the ledger's holds; they are not weighed when the ledger grants."""
-        state = self.sensor.read(self.ledger.holds())
-        self.outside_holds = () if state is None or pods is None else pods(state)
-        self._bind()
-        for h in self.ledger.holds():
-            gone = h.kind is HoldKind.RESERVATION and h.cgroup and not self._exists(h.cgroup)
-            if gone and self.ledger.drop(h.id) is not None:
-                audit_event(
-                    "gpu.released",
-                    owner=h.owner,
-                    uuids=list(h.uuids),
-                    reason=f"its workload {h.cgroup} is gone",
-                )
-        gpu = self._spec().gpu
-        lapsed = self.ledger.step(node_of(state), now, gpu.claim_timeout, gpu.patience, bounds(gpu))
-        for h in lapsed:
+        """`read`, `decide` and `apply` in one: the GPUs with the holds as decided. `now`
+        is the monotonic clock."""
+        decided = self.decide(self.read(pods), self._spec().gpu, now)
+        self.apply(decided)
+        return decided.state
+
+    def read(self, pods: Callable[[GpuState], tuple[Hold, ...]] | None = None) -> GpuReading:
+        """Read the GPUs, and what the ledger's step needs to know of the rest: the holds
+        outside the ledger on the GPUs just read (`pods`: the Kubernetes pods', Docker
+        containers', Slurm jobs', given the state with the ledger's holds; never weighed
+        when the ledger grants), which bound reservations' cgroups are gone, which
+        workloads the unbound ones name and whose those are, and the status calls since
+        the last read. Changes nothing."""
+        held = self.ledger.holds()
+        state = self.sensor.read(held)
+        outside = () if state is None or pods is None else pods(state)
+        gone = frozenset(
+            h.cgroup for h in held
+            if h.kind is HoldKind.RESERVATION and h.cgroup and not self._exists(h.cgroup)
+        )  # fmt: skip
+        waiting = [
+            h for h in held
+            if h.kind is HoldKind.RESERVATION and h.cgroup is None and h.container is not None
+        ]  # fmt: skip
+        named: dict[str, tuple[str, ...]] = {}
+        if waiting:
+            workloads = [w for w in self._workloads() if w.kind in _BINDABLE]
+            for h in waiting:
+                assert h.container is not None
+                named[h.id] = tuple(w.path for w in workloads if names(h.container, w))
+        paths = {p for found in named.values() for p in found if not _in_user_slice(p)}
+        asked: dict[str, float] = {}
+        while True:
+            try:
+                rid, when = self._asked.get_nowait()
+            except queue.Empty:
+                break
+            asked[rid] = max(when, asked.get(rid, when))
+        return GpuReading(state, outside, gone, named, {p: self._uids(p) for p in paths}, asked)
+
+    def decide(self, reading: GpuReading, gpu: GpuSettings, now: float) -> GpuDecisions:
+        """This tick's decisions for the ledger, as a value (no I/O, no clock, nothing
+        changed): reservations bound to their workloads or dropped with them, unclaimed
+        holds lapsed, the queue served under the policy's `gpu` settings."""
+        held = self.ledger.holds()
+        bound, unowned, ambiguous = binds(held, reading)
+        dropped = [
+            h for h in held
+            if h.kind is HoldKind.RESERVATION and h.cgroup and h.cgroup in reading.gone
+        ]  # fmt: skip
+        changes = self.ledger.decide(
+            node_of(reading.state), now, gpu.claim_timeout, gpu.patience, bounds(gpu),
+            bind=bound, drop=dropped, asked=reading.asked,
+        )  # fmt: skip
+        state = reading.state
+        if state is not None:
+            state = replace(state, holds=changes.holds + reading.outside)
+        return GpuDecisions(changes, state, reading.outside, unowned, ambiguous)
+
+    def apply(self, decided: GpuDecisions) -> None:
+        """Make the decisions so: the ledger's changes, their audit events and log lines
+        (a reservation that names another user's workload, or several, said once until
+        that changes); then publish the view the API reads."""
+        changes = decided.ledger
+        self.ledger.commit(changes)
+        for h, cgroup in changes.bound:
+            log.info("gpu.reservation_bound", reservation=h.owner, cgroup=cgroup)
+        for h in changes.dropped:
+            audit_event(
+                "gpu.released",
+                owner=h.owner,
+                uuids=list(h.uuids),
+                reason=f"its workload {h.cgroup} is gone",
+            )
+        for h in changes.lapsed:
             audit_event(
                 "gpu.released", owner=h.owner, uuids=list(h.uuids), reason="not claimed in time"
             )
-        if state is not None:
-            state = GpuState(
-                state.devices,
-                state.topology,
-                state.telemetry,
-                state.processes,
-                self.holds(),
-                state.source,
-                state.simulated,
-            )
-        self.state = state
-        return state
-
-    def _bind(self) -> None:
-        """Each reservation that names a container follows that container's cgroup once
-        discovery shows exactly one workload of that name that its uid owns (or, named by
-        root, any); one of that name that is another user's is never bound, and said once."""
-        waiting = [
-            h
-            for h in self.ledger.holds()
-            if h.kind is HoldKind.RESERVATION and h.cgroup is None and h.container is not None
-        ]
-        if not waiting:
-            return
-        workloads = [w for w in self._workloads() if w.kind in _BINDABLE]
-        for h in waiting:
-            assert h.container is not None
-            named = [w.path for w in workloads if names(h.container, w)]
-            found = tuple(p for p in named if may_own(h, p, self._uids))
-            theirs = tuple(p for p in named if p not in found)
-            if not found and theirs and self._not_owned.get(h.id) != theirs:
+        for h, theirs in decided.unowned:
+            if self._not_owned.get(h.id) != theirs:
                 self._not_owned[h.id] = theirs
                 log.warning(
                     "gpu.reservation_not_owned",
@@ -226,10 +344,8 @@ class GpuService:
                     action="not bound: a reservation binds only to its uid's own workload,"
                     " or to one root names (gpus attach as root)",
                 )
-            if len(found) == 1:
-                self.ledger.bind(h.id, found[0])
-                log.info("gpu.reservation_bound", reservation=h.owner, cgroup=found[0])
-            elif len(found) > 1 and self._ambiguous.get(h.id) != found:
+        for h, found in decided.ambiguous:
+            if self._ambiguous.get(h.id) != found:
                 self._ambiguous[h.id] = found
                 log.warning(
                     "gpu.reservation_ambiguous",
@@ -238,13 +354,27 @@ class GpuService:
                     matches=list(found[:10]),
                     action="bound to none until exactly one workload has that name",
                 )
+        self.state, self.outside_holds = decided.state, decided.outside
+        self.publish()
+
+    def publish(self) -> GpuView:
+        """A new view for the API's reads, made on the loop's thread after each tick and
+        each change of the ledger, and swapped in whole."""
+        self.view = GpuView(self.ledger.view(), self.state, self.outside_holds)
+        return self.view
+
+    def seen(self, rid: str, now: float) -> None:
+        """Request `rid`'s asker asked about it (`exec` does while it waits; one nobody
+        asks about for ledger.STALE_AFTER is dropped). On an API thread: the loop's next
+        read takes it."""
+        self._asked.put((rid, now))
 
     # --- jobs -------------------------------------------------------------------------
 
     def claim(self, request_id: str, job: Job) -> Hold:
         """The job's own hold, from the grant its request got: the same uid (or root), the
         tenant and class the grant was for, and a name no other hold has."""
-        return self.ledger.claim(
+        hold = self.ledger.claim(
             request_id,
             uid=job.uid,
             owner=job.name,
@@ -252,6 +382,8 @@ class GpuService:
             tenant=job.tenant,
             workload_class=str(job.workload_class),
         )
+        self.publish()
+        return hold
 
     def release_job(self, job: Job) -> None:
         """A job has ended: its own hold goes back, and nothing else."""
@@ -262,3 +394,4 @@ class GpuService:
             audit_event(
                 "gpu.released", owner=hold.owner, uuids=list(hold.uuids), reason="its job ended"
             )
+            self.publish()

@@ -16,11 +16,11 @@ policies before it said this tick (`earlier`), plus what it handed itself last t
 `CpuWeights` turns shares and floors into cpu.weight at the end.
 
 A policy declares what it writes (`writes`, `device_settings`): the plan refuses any
-other decision of it. It also says what the loop must do for it, so that the loop knows no
-policy by name: which files it reads of a workload every tick (`needs`), and when its carried
-state or what was sensed means the plan must be made again next tick (`stale`,
-`stale_sensed`). Policies subclass `Policy` for the defaults (nothing every tick, never
-stale) and declare only what they need.
+other decision of it; and what it reads (`reads`, nodeagent.policy.reads): the plan cache
+keys the last plan by that, so a policy never keeps a key by hand. It also says what the
+loop must read for it, so that the loop knows no policy by name: which files of a workload
+every tick (`needs`). Policies subclass `Policy` for the defaults (nothing read but the
+workloads and their claims, nothing every tick) and declare only what they need.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Protocol
 
 from nodeagent.cgroupfs.values import Attribute, Value, is_looser
 from nodeagent.policy.notes import NoteKind, NotePayload
+from nodeagent.policy.reads import Reads, Window
 from nodeagent.policyfile.model import DeadlineGrant, Limits, PolicySpec, WorkloadClass
 from nodeagent.snapshot import NO_NEEDS, Needs, NodeSnapshot, WorkloadState
 
@@ -260,6 +261,9 @@ class Policy(Protocol):
     checked, not found in its code."""
     device_settings: frozenset[str] = frozenset()
     """The device settings it decides (`DeviceDecision.setting`), refused alike."""
+    reads: Reads = Reads()
+    """What it reads of its input (nodeagent.policy.reads): the plan cache's key is made of
+    what the policies in use declare here, and the unit suite refuses any other read."""
 
     def decide(self, given: PolicyInput) -> Sequence[Output]: ...
 
@@ -269,11 +273,11 @@ class Policy(Protocol):
         reads the union over the policies in use."""
         return NO_NEEDS
 
-    def stale(self, carried: Mapping[str, object], assignments: Mapping[str, Assignment]) -> bool:
-        """Whether the plan must be made again next tick whatever else is unchanged: this
-        policy's own carried state (`carried`, its last Carry) says it is at work, or a
-        workload it plans moves every tick."""
-        return False
+    def windows(self, spec: PolicySpec) -> tuple[Window, ...]:
+        """The daily windows it reads the local time against (`reads`: local_seconds),
+        from the policy file, which its class cannot know: the plan is made anew when the
+        local time enters or leaves one."""
+        return ()
 
     def stale_sensed(
         self,
@@ -281,8 +285,10 @@ class Policy(Protocol):
         spec: PolicySpec,
         assignments: Mapping[str, Assignment],
     ) -> bool:
-        """Whether what was sensed of any of the workloads means the plan must be made
-        again next tick; asked of each workload whose state changed (or all, when the
-        policy file changes), one at a time: say it of the workload alone. `assignments`:
-        the last plan's, by path (a workload not in it is new, and planned anew anyway)."""
+        """Whether a figure it reads of a workload (`reads`: figures are not keyed) crossed
+        a threshold that means the plan must be made again next tick: what no declaration
+        says (a threshold from its settings, say of it only where it acts). Asked of each
+        workload whose state changed (or all, when the policy file changes), one at a
+        time: say it of the workload alone. `assignments`: the last plan's, by path (a
+        workload not in it is new, and planned anew anyway)."""
         return False

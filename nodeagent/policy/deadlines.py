@@ -66,6 +66,7 @@ from nodeagent.policy.edf import Demand, admit, allot_late, rank
 from nodeagent.policy.fairshare import is_active
 from nodeagent.policy.notes import DeadlineGrantNote, DeadlineProgress
 from nodeagent.policy.notes import DeadlineStatus as Status
+from nodeagent.policy.reads import Reads
 from nodeagent.policyfile.model import DeadlineGrant, PolicySpec
 from nodeagent.snapshot import NO_NEEDS, Needs, WorkloadState
 
@@ -125,6 +126,16 @@ class _Job:
 class Deadlines(Policy):
     name = "deadlines"
     writes = frozenset({Attribute.CPU_MAX})
+    reads = Reads(
+        settings=frozenset({"deadlines", "agent", "classes", "fair_share", "node"}),
+        snapshot=frozenset({"wall_time", "node"}),
+        workload=frozenset(
+            {"cpu_usage_us", "populated", "cpu_rate", "threads", "cpu_stall", "settings"}
+        ),
+        carry=True,
+    )
+    """The wall clock against each job's deadline: a new plan every tick while it has a
+    job it reads every tick (`needs`)."""
 
     def needs(self, assignment: Assignment, spec: PolicySpec) -> Needs:
         """A deadline job's processes and threads, every tick: one that starts or ends is
@@ -132,10 +143,6 @@ class Deadlines(Policy):
         if assignment.deadline_grant(spec) in (None, DeadlineGrant.REFUSED):
             return NO_NEEDS
         return Needs(events=True, threads=True)
-
-    def stale(self, carried: Mapping[str, object], assignments: Mapping[str, Assignment]) -> bool:
-        """A deadline job's rate moves every tick (its work left over its time left)."""
-        return any(a.deadline is not None for a in assignments.values())
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         settings = given.spec.deadlines

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 
 from nodeagent.policy.base import Output, Policy, PolicyInput, Share
 from nodeagent.policy.classify import outer_claims
+from nodeagent.policy.reads import Reads
 from nodeagent.policyfile.model import FairShareSettings
 from nodeagent.snapshot import WorkloadState
 
@@ -54,6 +55,11 @@ def _parts(
 
 class FairShare(Policy):
     name = "fair-share"
+    reads = Reads(
+        settings=frozenset({"fair_share", "tenants"}),
+        workload=frozenset({"cpu_rate", "populated"}),
+        usage=True,
+    )
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         settings = given.spec.fair_share

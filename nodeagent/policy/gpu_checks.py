@@ -25,6 +25,7 @@ from nodeagent.cgroupfs.values import Attribute, Frozen
 from nodeagent.gpu.model import GpuProcess, GpuState, Hold, HoldKind, holders, within
 from nodeagent.policy.base import Carry, Decision, Note, Output, Policy, PolicyInput
 from nodeagent.policy.notes import GpuViolation, ViolationKind
+from nodeagent.policy.reads import Reads
 from nodeagent.policyfile.model import ViolationAction
 
 
@@ -56,6 +57,12 @@ def _workload(cgroup: str, paths: Sequence[str]) -> str | None:
 class GpuChecks(Policy):
     name = "gpu-checks"
     writes = frozenset({Attribute.FREEZE})
+    reads = Reads(
+        settings=frozenset({"gpu"}),
+        snapshot=frozenset({"gpus", "skipped", "vanished"}),
+        workload=frozenset({"settings"}),
+        carry=True,
+    )
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         gpus = given.snapshot.gpus

@@ -9,25 +9,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nodeagent.policy.base import POWER_LIMIT_MW, DeviceDecision, Output, Policy, PolicyInput
-from nodeagent.policyfile.model import PowerCap
-
-DAY = 86_400
+from nodeagent.policy.reads import Reads, Window, inside
+from nodeagent.policyfile.model import PolicySpec, PowerCap
 
 
 def in_force(cap: PowerCap, local_seconds: float | None) -> bool:
     if cap.start is None or cap.end is None:
         return True
-    if local_seconds is None:
-        return False
-    now = local_seconds % DAY
-    if cap.start <= cap.end:
-        return cap.start <= now < cap.end
-    return now >= cap.start or now < cap.end  # e.g. 22:00 to 06:00
+    return inside((cap.start, cap.end), local_seconds)
 
 
 class GpuPower(Policy):
     name = "gpu-power"
     device_settings = frozenset({POWER_LIMIT_MW})
+    reads = Reads(settings=frozenset({"gpu"}), snapshot=frozenset({"gpus", "local_seconds"}))
+
+    def windows(self, spec: PolicySpec) -> tuple[Window, ...]:
+        """The caps' windows: a cap comes into force or ends at its edge."""
+        return tuple(
+            (c.start, c.end) for c in spec.gpu.power if c.start is not None and c.end is not None
+        )
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         gpus, caps = given.snapshot.gpus, given.spec.gpu.power

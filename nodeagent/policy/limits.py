@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuSet, MemoryLimit, PidsMax, Value
 from nodeagent.policy.base import Decision, Output, Policy, PolicyInput
+from nodeagent.policy.reads import Reads
 from nodeagent.policyfile.model import MAX, ClassSettings, Limits, MemoryProtection
 from nodeagent.snapshot import WorkloadState
 
@@ -31,6 +32,11 @@ def _bytes(size: int | str) -> int | None:
 
 class StaticLimits(Policy):
     name = "static-limits"
+    reads = Reads(
+        settings=frozenset({"classes"}),
+        snapshot=frozenset({"node"}),
+        workload=frozenset({"memory_current"}),
+    )
     writes = frozenset(
         {
             Attribute.CPU_MAX,

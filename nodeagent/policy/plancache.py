@@ -1,15 +1,18 @@
 """When the loop plans anew and when it makes the last plan again.
 
 Planning is the tick's dearest pure step, and on a steady node its answer does not change:
-the cache keeps the last plan's key (what a plan depends on) and makes that plan again,
-with the usage history advanced, until the key changes, `agent.replan_interval` passes, or
-something that moves every tick asks for a new one (a policy's own staleness, a memory.max
-the executor holds back). Pure: the caller passes the clock, the last plan and the feedback.
+the cache keeps the last plan's key and makes that plan again, with the usage history
+advanced, until the key changes, `agent.replan_interval` passes, or something that moves
+every tick asks for a new one (a memory.max the executor holds back, a policy at work).
+The key is not kept by hand: it is made of what the policies in use declare they read
+(`Policy.reads`), each part as nodeagent.policy.reads says, so a policy that reads
+something new declares it and is keyed on it, and the unit suite refuses a read it did not
+declare. Pure: the caller passes the clock, the last plan and the feedback.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field, replace
 
 from nodeagent.policy import history
@@ -17,8 +20,9 @@ from nodeagent.policy.base import Assignment, Policy
 from nodeagent.policy.classify import outer_claims
 from nodeagent.policy.fairshare import is_active
 from nodeagent.policy.plan import Plan, make_plan
+from nodeagent.policy.reads import ACTIVITY, MOVING, PIPELINE, WINDOWED, Reads, inside
 from nodeagent.policyfile.model import PolicySpec
-from nodeagent.snapshot import NodeSnapshot, WorkloadState
+from nodeagent.snapshot import NO_NEEDS, NodeSnapshot, WorkloadState
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,17 +65,16 @@ class PlanCache:
         """A new plan when something it depends on changed, or `agent.replan_interval`
         has passed (`now` on the monotonic clock); otherwise the last one again, with the
         usage history advanced; and whether it is the last one. What a plan depends on:
-        which workloads there are and which are busy, what could not be read, the GPUs'
-        holders, each tenant's part of the usage history (to the percent), and anything
-        that moves every tick: a memory.max waiting for usage to fit, or what a policy says
-        makes its plan stale (`Policy.stale`, `Policy.stale_sensed`: deadline jobs, a
-        protected cgroup under pressure, the protection controller at work); and which rule
-        claims each workload, as what (a container renamed or relabelled)."""
+        which workloads there are and which rule claims each, as what (a container renamed
+        or relabelled), and what the policies in use declare they read (`Policy.reads`,
+        each part keyed as nodeagent.policy.reads says); and what moves every tick: a
+        memory.max waiting for usage to fit, a policy at work (its carried `at_work` keys),
+        the wall clock while a policy that reads it has a workload it reads every tick,
+        or a figure past a policy's threshold (`Policy.stale_sensed`)."""
         snapshot, spec, last = given.snapshot, given.spec, given.last
-        version, stalled = self._sensed(snapshot.workloads, spec, policies, given.assignments)
+        version, moving = self._sensed(snapshot.workloads, spec, policies, given.assignments)
         key = self.key(given, version)
-        moving = given.held_back or stalled
-        moving = moving or stale(policies, given.carry, given.assignments)
+        moving = moving or given.held_back or at_work(policies, given.carry)
         if last is not None and key == self._key and now < self._replan_at and not moving:
             if self._assigned[0] is not last.cgroups:  # kept by every plan made again
                 assigned = last.assignments()
@@ -95,18 +98,19 @@ class PlanCache:
         )
         return plan, False
 
-    def key(self, given: PlanInputs, version: int) -> object:
-        """What a plan depends on, besides what moves every tick; `version`: the
-        workloads' (`_sensed`)."""
-        snapshot, gpus = given.snapshot, given.snapshot.gpus
+    def key(self, given: PlanInputs, version: int) -> Hashable:
+        """What a plan depends on, besides what moves every tick, for the policies
+        `_sensed` last saw; `version`: the workloads' and the settings' (`_sensed`)."""
+        snapshot, declared = given.snapshot, self._seen.declared
         return (
             version,
-            frozenset(s.path for s in snapshot.skipped),
-            frozenset(w.path for w in snapshot.levels),
-            None
-            if gpus is None
-            else (gpus.holds, tuple((p.pid, p.device_uuid) for p in gpus.processes)),
-            usage_shares(given.usage),
+            tuple(KEYS[part](snapshot) for part in declared.keyed),
+            tuple(
+                inside(w, snapshot.local_seconds)
+                for p in declared.windowed
+                for w in p.windows(given.spec)
+            ),
+            usage_shares(given.usage) if declared.reads.usage else None,
         )
 
     def _sensed(
@@ -116,20 +120,34 @@ class PlanCache:
         policies: tuple[Policy, ...],
         assignments: Mapping[str, Assignment],
     ) -> tuple[int, bool]:
-        """What the plan's key and its staleness take from the workloads: a version that
-        moves when a workload comes or goes or turns active or idle, and whether a policy
-        finds one stale (`Policy.stale_sensed`: one stalls). Each workload is looked at
-        again only when its state is a new object (the sensor keeps an unchanged one), so
-        a steady node costs one identity check per workload, not sets of them all."""
+        """What the plan's key and its moving take from the workloads and the policy file:
+        a version that moves when a workload comes or goes, is claimed anew, turns active
+        or idle (where a policy reads what says so), or a section of the policy file a
+        policy reads is reloaded; and whether the plan moves every tick (a workload past a
+        policy's `stale_sensed` threshold, or one a policy that reads the wall clock reads
+        every tick). Each workload is looked at again only when its state is a new object
+        (the sensor keeps an unchanged one), so a steady node costs one identity check per
+        workload, not sets of them all."""
         seen = self._seen
-        if seen.spec is not spec or seen.policies != policies:
-            seen = self._seen = _Seen(spec, policies, seen.version + 1)
+        if seen.policies != policies:
+            seen = self._seen = _Seen(policies, _Declared.of(policies), seen.version + 1)
+        declared = seen.declared
+        sections = tuple(getattr(spec, s) for s in declared.settings)
+        if len(sections) != len(seen.sections) or any(
+            a is not b for a, b in zip(sections, seen.sections, strict=True)
+        ):  # a reload: every workload is looked at again under the new settings
+            seen = self._seen = _Seen(policies, declared, seen.version + 1, sections)
         # which rule claims each workload, with what tenant, class and limits: a container
         # renamed or relabelled (or a pod's edit through the API watch) is claimed anew at
         # once, not at the next replan_interval; the same mapping (a steady tick) costs one
         # identity check
         changed = assignments is not seen.claims and assignments != seen.claims
+        if changed or seen.claims is None:
+            seen.clocked = any(
+                p.needs(a, spec) != NO_NEEDS for p in declared.clocked for a in assignments.values()
+            )
         seen.claims = assignments
+        fair_share = spec.fair_share
         for w in workloads:
             path = w.identity.path
             last = seen.states.get(path)
@@ -137,10 +155,10 @@ class PlanCache:
                 continue
             seen.states[path] = w
             changed |= last is None
-            if is_active(w, spec.fair_share) != (path in seen.active):
+            if declared.activity and is_active(w, fair_share) != (path in seen.active):
                 seen.active ^= {path}
                 changed = True
-            if any(p.stale_sensed((w,), spec, assignments) for p in policies):
+            if any(p.stale_sensed((w,), spec, assignments) for p in declared.sensing):
                 seen.stale.add(path)
             else:
                 seen.stale.discard(path)
@@ -152,30 +170,81 @@ class PlanCache:
             changed = True
         if changed:
             seen.version += 1
-        return seen.version, bool(seen.stale)
+        return seen.version, bool(seen.stale) or seen.clocked
+
+
+@dataclass(frozen=True, slots=True)
+class _Declared:
+    """What a set of policies declares it reads, as the key takes it (nodeagent.policy.reads):
+    worked out once for the policies in use, not at every tick."""
+
+    reads: Reads = PIPELINE
+    """All of it, with the plan's own."""
+    settings: tuple[str, ...] = tuple(sorted(PIPELINE.settings))
+    keyed: tuple[str, ...] = ()
+    """The parts of the snapshot keyed by value (`KEYS`)."""
+    activity: bool = False
+    windowed: tuple[Policy, ...] = ()
+    """Those that read the local time against daily windows."""
+    clocked: tuple[Policy, ...] = ()
+    """Those that read the wall clock (`reads.MOVING`)."""
+    sensing: tuple[Policy, ...] = ()
+    """Those with a threshold of their own (`Policy.stale_sensed`)."""
+
+    @staticmethod
+    def of(policies: tuple[Policy, ...]) -> _Declared:
+        reads = Reads.union((PIPELINE, *(p.reads for p in policies)))
+        return _Declared(
+            reads,
+            tuple(sorted(reads.settings)),
+            tuple(sorted(KEYS.keys() & reads.snapshot)),
+            bool(ACTIVITY & reads.workload),
+            tuple(p for p in policies if WINDOWED & p.reads.snapshot),
+            tuple(p for p in policies if MOVING & p.reads.snapshot),
+            tuple(p for p in policies if type(p).stale_sensed is not Policy.stale_sensed),
+        )
 
 
 @dataclass
 class _Seen:
-    """The workloads as `PlanCache._sensed` last saw them, under one policy."""
+    """The workloads and the settings as `PlanCache._sensed` last saw them, under one set
+    of policies."""
 
-    spec: PolicySpec | None = None
     policies: tuple[Policy, ...] = ()
+    declared: _Declared = field(default_factory=_Declared)
     version: int = 0
+    sections: tuple[object, ...] = ()
+    """The sections of the policy file they read, by identity."""
     states: dict[str, WorkloadState] = field(default_factory=dict)
     active: set[str] = field(default_factory=set)
     stale: set[str] = field(default_factory=set)
-    claims: Mapping[str, Assignment] = field(default_factory=dict)
+    claims: Mapping[str, Assignment] | None = None
+    """None before the first tick under these policies and settings."""
+    clocked: bool = False
+    """A policy that reads the wall clock reads some workload every tick."""
 
 
-def stale(
-    policies: tuple[Policy, ...],
-    carry: Mapping[str, Mapping[str, object]],
-    assignments: Mapping[str, Assignment],
-) -> bool:
-    """A policy says its carried state or the workloads it plans need a new plan next
-    tick (the protection controller at work, deadline jobs)."""
-    return any(p.stale(carry.get(p.name, {}), assignments) for p in policies)
+def _gpus(snapshot: NodeSnapshot) -> Hashable:
+    gpus = snapshot.gpus
+    if gpus is None:
+        return None
+    return gpus.holds, tuple((p.pid, p.device_uuid) for p in gpus.processes)
+
+
+KEYS: Mapping[str, Callable[[NodeSnapshot], Hashable]] = {
+    "gpus": _gpus,
+    "skipped": lambda s: frozenset(x.path for x in s.skipped),
+    "levels": lambda s: frozenset(w.path for w in s.levels),
+}
+"""How the key holds each part of the snapshot it keys by value (`reads.KEYED`): which
+GPUs are held and which processes run on which; which cgroups were skipped; which levels
+there are."""
+
+
+def at_work(policies: tuple[Policy, ...], carry: Mapping[str, Mapping[str, object]]) -> bool:
+    """A policy's carried state says it is at work (`Reads.at_work`: the protection
+    controller capping or freezing, or giving back): a new plan every tick."""
+    return any(carry.get(p.name, {}).get(k) for p in policies for k in p.reads.at_work)
 
 
 def usage_shares(usage: Mapping[str, float]) -> tuple[tuple[str, float], ...]:

@@ -58,6 +58,7 @@ from nodeagent.policy.classify import outer_claims
 from nodeagent.policy.cpu import usable
 from nodeagent.policy.fairshare import is_active
 from nodeagent.policy.notes import ProtectionPhase, ProtectionState
+from nodeagent.policy.reads import Reads
 from nodeagent.policyfile.model import MAX, DeadlineGrant, PolicySpec, WorkloadClass
 from nodeagent.snapshot import NO_NEEDS, Needs, WorkloadState
 
@@ -223,6 +224,14 @@ def _who(stalling: Mapping[str, float]) -> str:
 class Protection(Policy):
     name = "protection"
     writes = frozenset({Attribute.CPU_MAX, Attribute.FREEZE})
+    reads = Reads(
+        settings=frozenset({"protection", "classes", "fair_share", "node"}),
+        snapshot=frozenset({"node", "skipped", "vanished"}),
+        workload=frozenset({"cpu_stall", "cpu_psi", "settings", "cpu_rate", "populated"}),
+        carry=True,
+        at_work=frozenset({"caps", "frozen", "uncap", "thaw"}),
+    )
+    """At work while a class is capped or a cgroup frozen, or one is still to give back."""
 
     def needs(self, assignment: Assignment, spec: PolicySpec) -> Needs:
         """cpu.pressure, every tick, of the cgroups it watches: a protected class's, and
@@ -231,15 +240,6 @@ class Protection(Policy):
         defended = assignment.deadline_grant(spec) is DeadlineGrant.DEFENDED
         watched = cls.protect or cls.reserved_cpu is not None or defended
         return Needs(pressure=True) if watched else NO_NEEDS
-
-    def stale(self, carried: Mapping[str, object], assignments: Mapping[str, Assignment]) -> bool:
-        """At work: a class capped or a cgroup frozen, or one still to give back."""
-        return bool(
-            carried.get("caps")
-            or carried.get("frozen")
-            or carried.get("uncap")
-            or carried.get("thaw")
-        )
 
     def stale_sensed(
         self,

@@ -15,10 +15,16 @@ from nodeagent.policy.base import Floor, Output, Policy, PolicyInput
 from nodeagent.policy.classify import outer_claims
 from nodeagent.policy.cpu import reserved
 from nodeagent.policy.fairshare import is_active
+from nodeagent.policy.reads import Reads
 
 
 class Reservations(Policy):
     name = "reservations"
+    reads = Reads(
+        settings=frozenset({"classes", "fair_share", "node"}),
+        snapshot=frozenset({"node"}),
+        workload=frozenset({"cpu_rate", "populated"}),
+    )
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         out: list[Output] = []

@@ -48,6 +48,7 @@ from nodeagent.policy.base import (
 from nodeagent.policy.classify import outer_claims
 from nodeagent.policy.cpu import usable
 from nodeagent.policy.notes import Hierarchy
+from nodeagent.policy.reads import Reads
 from nodeagent.snapshot import WorkloadState
 
 
@@ -71,6 +72,11 @@ class _Node:
 class CpuWeights(Policy):
     name = "cpu-weights"
     writes = frozenset({Attribute.CPU_WEIGHT})
+    reads = Reads(
+        settings=frozenset({"fair_share", "node", "agent"}),
+        snapshot=frozenset({"levels", "node"}),
+        workload=frozenset({"settings"}),
+    )
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         targets = cpu_targets(given)

@@ -101,11 +101,6 @@ def check_policy(path: str | os.PathLike[str]) -> Checked:
     return check_text(read_text(path, "a policy"), os.fspath(path))
 
 
-def parse_policy(text: str, filename: str) -> PolicySpec:
-    """Parse policy YAML held in memory; `filename` is only used in messages."""
-    return check_text(text, filename).spec
-
-
 def check_text(text: str, filename: str) -> Checked:
     """Parse policy YAML held in memory and find every problem in one pass: when fields
     have type errors, the checks across fields still run on every field that is valid

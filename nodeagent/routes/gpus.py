@@ -2,6 +2,10 @@
 and the `nodeagent gpus` report, over the daemon's GPU service (its ledger, its last GPU
 state, its backend). The request bodies are here, as strict models; the ledger refuses with
 nodeagent.errors' kinds, which the API server answers as HTTP statuses.
+
+The reads (GET) answer on the API's threads from the service's frozen view (GpuView), which
+the loop replaces whole; the handlers that change the ledger run on the loop's thread (the
+daemon posts every POST and DELETE to it, nodeagent.commands) and publish a new view.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from nodeagent.api.bodies import (
     check_future,
     parse,
 )
-from nodeagent.api.server import Request, Routes
+from nodeagent.api.server import Handler, Request, Routes
 from nodeagent.errors import BadRequest, Conflict, NotFound
+from nodeagent.gpu.model import GpuState
 from nodeagent.gpu.report import read_report
 from nodeagent.gpualloc.ledger import holdings
 from nodeagent.gpualloc.placement import GpuRequest, NodeGpus, Refusal, impossible
@@ -99,7 +104,8 @@ class NameBody(Body):
 class GpuRoutes:
     """The handlers of /v1/gpus over `gpus`; `spec` is the policy in force, `fairness` how
     far a tenant is ahead of its share (a waiting request's place among equal priorities
-    and deadlines: lower first)."""
+    and deadlines: lower first). The POST and DELETE handlers change the ledger, which has
+    no lock: they run on the loop's thread (the daemon posts them there), one at a time."""
 
     def __init__(
         self,
@@ -112,23 +118,41 @@ class GpuRoutes:
         self._fairness = fairness
 
     def routes(self) -> Routes:
+        changes = self._changes
         return {
             "/v1/gpus": {"GET": self._report},
-            "/v1/gpus/requests": {"POST": self._ask, "GET": self._status, "DELETE": self._cancel},
-            "/v1/gpus/reservations": {"POST": self._reserve, "DELETE": self._unreserve},
+            "/v1/gpus/requests": {
+                "POST": changes(self._ask),
+                "GET": self._status,
+                "DELETE": changes(self._cancel),
+            },
+            "/v1/gpus/reservations": {
+                "POST": changes(self._reserve),
+                "DELETE": changes(self._unreserve),
+            },
             "/v1/gpus/place": {"GET": self._place},
-            "/v1/gpus/reservations/container": {"POST": self._attach},
+            "/v1/gpus/reservations/container": {"POST": changes(self._attach)},
         }
 
+    def _changes(self, handler: Handler) -> Handler:
+        """`handler`, then a new view of the ledger it may have changed, for the next read."""
+
+        def run(request: Request) -> object:
+            try:
+                return handler(request)
+            finally:
+                self._gpus.publish()
+
+        return run
+
     def _place(self, request: Request) -> answers.Placement:
-        """`gpus place` against the live holds: read-only, nothing reserved."""
-        node = self._node()
-        held = holdings(self._gpus.holds())
+        """`gpus place` against the holds as last published: read-only, nothing reserved."""
+        view = self._gpus.view
         try:
             placed = answer(
                 from_query(request.query),
-                node,
-                held,
+                self._node(view.state),
+                holdings(view.holds()),
                 source=self._gpus.backend.source,
                 simulated=self._gpus.backend.simulated,
                 holds_considered=True,
@@ -137,8 +161,8 @@ class GpuRoutes:
             raise BadRequest(str(e)) from None
         return answers.Placement.model_validate(placed)
 
-    def _node(self) -> NodeGpus:
-        node = node_of(self._gpus.state)
+    def _node(self, state: GpuState | None) -> NodeGpus:
+        node = node_of(state)
         if node is None:
             why = self._gpus.backend.reason or "none read yet"
             raise NotFound(f"this node has no GPUs the agent can use ({why})")
@@ -156,7 +180,8 @@ class GpuRoutes:
         body = parse(AskBody, request.body)
         spec = self._spec()
         want = body.request()
-        refuse_impossible(want, self._node())
+        node = self._node(self._gpus.state)
+        refuse_impossible(want, node)
         tenant, cls = tenant_and_class(spec, request.peer, body.tenant, body.workload_class)
         wall = time.time()
         check_future(body.deadline, wall)
@@ -172,7 +197,7 @@ class GpuRoutes:
             deadline=body.deadline,
             fairness=self._fairness(tenant),
             workload_class=str(cls),
-            node=self._node(),
+            node=node,
             now=time.monotonic(),
             claim_timeout=spec.gpu.claim_timeout,
             max_waiting=spec.gpu.max_waiting_per_user,
@@ -192,7 +217,9 @@ class GpuRoutes:
 
     def _status(self, request: Request) -> answers.GpuGrant:
         rid = request.query.get("id", "")
-        got = self._gpus.ledger.status(rid, request.peer.uid, time.monotonic())
+        got = self._gpus.view.ledger.status(rid, request.peer.uid)
+        if got.status == "waiting":  # its exec still waits: keep it in the queue
+            self._gpus.seen(rid, time.monotonic())
         return answers.GpuGrant.model_validate(got.to_json())
 
     def _cancel(self, request: Request) -> answers.Cancelled:
@@ -204,7 +231,8 @@ class GpuRoutes:
         self._refuse_in_kubernetes("nodeagent gpus reserve")
         body = parse(ReserveBody, request.body)
         want = body.request()
-        refuse_impossible(want, self._node())
+        node = self._node(self._gpus.state)
+        refuse_impossible(want, node)
         spec = self._spec()
         tenant, cls = tenant_and_class(spec, request.peer, body.tenant, body.workload_class)
         now = time.monotonic()
@@ -215,7 +243,7 @@ class GpuRoutes:
             tenant=tenant,
             workload_class=str(cls),
             container=body.container,
-            node=self._node(),
+            node=node,
             now=now,
             until=now + body.ttl,
             bounds=bounds(spec.gpu),
@@ -260,9 +288,10 @@ class GpuRoutes:
         return answers.Released(released=hold.owner)
 
     def _report(self, request: Request) -> answers.GpuList:
-        state = self._gpus.state
+        view = self._gpus.view
+        state = view.state
         report = read_report(self._gpus.backend)
-        holds = self._gpus.holds()
+        holds = view.holds()
         found = violations(state) if state is not None else []
         for gpu in report["gpus"]:
             gpu["assigned"] = [
@@ -303,6 +332,6 @@ class GpuRoutes:
                 "class": w.workload_class,
                 "reason": w.reason,
             }
-            for w in self._gpus.ledger.queue()
+            for w in view.ledger.queue()
         ]
         return answers.GpuList.model_validate(report)

@@ -12,8 +12,11 @@ from typing import Any
 import pytest
 from hypothesis import settings
 from policy_fuzz import COUNTS
+from readguard import Guarded
 
 from nodeagent.cgroupfs.tree import CgroupDir
+from nodeagent.policy import plan
+from nodeagent.policy.base import Output, Policy, PolicyInput
 
 # Speed goals live in the benchmarks: on a loaded host one example can take longer than
 # hypothesis's default 200 ms deadline (a "flaky" failure that says nothing of the code).
@@ -25,6 +28,22 @@ settings.load_profile("nodeagent")
 # fitted tables sets COLUMNS itself).
 os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
+
+
+@pytest.fixture(autouse=True)
+def reads_declared(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every plan a test makes runs its policies on views that refuse what a policy did
+    not declare it reads (readguard.py): an undeclared read would let the plan cache keep
+    a stale plan, so it fails the test that planned it."""
+    refused: list[str] = []
+    isolated = plan.decide_isolated
+
+    def decide(policy: Policy, given: PolicyInput) -> tuple[list[Output], Exception | None]:
+        return isolated(Guarded(policy, refused), given)
+
+    monkeypatch.setattr(plan, "decide_isolated", decide)
+    yield
+    assert not refused, f"read but not declared in Policy.reads: {sorted(set(refused))}"
 
 
 @pytest.fixture

@@ -42,7 +42,7 @@ SEED_LINES = SEED.splitlines(keepends=True)
 SEED_DATA: dict[str, Any] = yaml.safe_load(SEED)
 
 COUNTS: Counter[tuple[str, str]] = Counter()
-"""Inputs run, by check (parse_policy, nodeagent validate, reload) and outcome."""
+"""Inputs run, by check (check_text, nodeagent validate, reload) and outcome."""
 
 
 def count(check: str, outcome: str) -> None:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from nodeagent.access import Caller, refusal
-from nodeagent.policyfile.load import parse_policy
+from nodeagent.policyfile.load import check_text
 from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 from nodeagent.policyfile.yamlfile import PolicyError
 
 HEAD = "version: 1\ntenants:\n  research: {shares: 2}\n  prod: {shares: 1}\n"
-POLICY = parse_policy(
+POLICY = check_text(
     HEAD
     + """\
 jobs:
@@ -26,7 +26,7 @@ jobs:
       classes: ["*"]
 """,
     "p.yaml",
-)
+).spec
 INF, T, B = WorkloadClass.INFERENCE, WorkloadClass.TRAINING, WorkloadClass.BATCH
 
 
@@ -77,7 +77,7 @@ def test_without_entries_non_root_gets_the_defaults_only() -> None:
 
 def problems(text: str) -> list[str]:
     with pytest.raises(PolicyError) as info:
-        parse_policy(text, "p.yaml")
+        check_text(text, "p.yaml")
     return [str(p) for p in info.value.problems]
 
 

@@ -10,7 +10,7 @@ import pytest
 from nodeagent.identity import Kind, Owner, QosTier, Runtime, WorkloadIdentity
 from nodeagent.meta import ContainerMeta, PodMeta, labels
 from nodeagent.policy.classify import assign, unmatched_for_metadata
-from nodeagent.policyfile.load import parse_policy
+from nodeagent.policyfile.load import check_text
 from nodeagent.policyfile.matching import matches
 from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 from nodeagent.policyfile.nesting import nesting_warnings
@@ -224,7 +224,7 @@ rules:
 
 def test_validate_knows_the_new_keys() -> None:
     with pytest.raises(PolicyError) as e:
-        parse_policy(POLICY, "p.yaml")
+        check_text(POLICY, "p.yaml")
     assert [str(p) for p in e.value.problems] == [
         "p.yaml:9:7: unknown key 'pod_lables' in rules[0].match; did you mean 'pod_labels'?",
         "p.yaml:11:51: rules[0].tenant_from.allowed[1]: unknown tenant 'nobody'; tenants are"

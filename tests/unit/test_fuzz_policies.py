@@ -24,7 +24,7 @@ from policy_fuzz import SEED, SEED_DATA, check_rejection, count, policies, seede
 
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import open_agent
-from nodeagent.policyfile.load import parse_policy
+from nodeagent.policyfile.load import check_text
 from nodeagent.policyfile.model import PolicySpec
 from nodeagent.policyfile.yamlfile import PolicyError, Problem
 
@@ -45,22 +45,22 @@ def fuzz(examples: int) -> settings:
 
 
 def parsed(text: str) -> None:
-    """parse_policy gives a spec, or a PolicyError whose every line is located."""
+    """check_text gives a spec, or a PolicyError whose every line is located."""
     try:
-        spec = parse_policy(text, "fuzz.yaml")
+        spec = check_text(text, "fuzz.yaml").spec
     except PolicyError as e:
         check_rejection(str(e), "fuzz.yaml", text)
-        count("parse_policy", "rejected")
+        count("check_text", "rejected")
     else:
         assert isinstance(spec, PolicySpec)
-        count("parse_policy", "accepted")
+        count("check_text", "accepted")
 
 
 @pytest.mark.fuzz
 def test_the_loader_accepts_or_locates_every_drawn_problem() -> None:
-    before = total("parse_policy")
+    before = total("check_text")
     fuzz(DRAWN)(given(policies)(parsed))()
-    assert total("parse_policy") - before >= DRAWN
+    assert total("check_text") - before >= DRAWN
 
 
 # The seeded batches in four parts, one test each: a single 2.5-minute test ran last in one
@@ -72,7 +72,7 @@ PARTS = 4
 @pytest.mark.fuzz
 @pytest.mark.parametrize("part", range(PARTS))
 def test_the_loader_accepts_or_locates_every_seeded_problem(part: int) -> None:
-    before = total("parse_policy")
+    before = total("check_text")
 
     @fuzz(BATCHES // PARTS)
     @given(st.integers(0, 2**63 - 1))
@@ -86,7 +86,7 @@ def test_the_loader_accepts_or_locates_every_seeded_problem(part: int) -> None:
                 raise
 
     batch()
-    assert total("parse_policy") - before >= BATCHES // PARTS * PER_BATCH
+    assert total("check_text") - before >= BATCHES // PARTS * PER_BATCH
 
 
 @pytest.mark.fuzz
@@ -175,7 +175,7 @@ def expected_reload(
     if "\0" in text:
         return PolicyError([Problem(filename, 1, 1, "not a text file: it contains NUL bytes")])
     try:
-        spec = parse_policy(text.removeprefix("\ufeff"), filename)
+        spec = check_text(text.removeprefix("\ufeff"), filename).spec
     except PolicyError as e:
         return e
     agent = spec.agent.model_copy(update={"state_file": good.agent.state_file})
@@ -194,7 +194,7 @@ def test_a_reload_does_what_each_file_calls_for(tmp_path: Path) -> None:
     cgroups.mkdir()
     config = tmp_path / "policy.yaml"
     config.write_text(SEED)
-    good = parse_policy(SEED, str(config))
+    good = check_text(SEED, str(config)).spec
     agent = open_agent(
         good,
         CgroupTree(str(cgroups)),
@@ -240,4 +240,4 @@ def test_a_reload_does_what_each_file_calls_for(tmp_path: Path) -> None:
 def test_the_seed_is_the_shipped_example_and_valid() -> None:
     """The mutations start from a valid policy, so that those which keep it valid exercise
     acceptance too."""
-    assert isinstance(parse_policy(SEED, "seed.yaml"), PolicySpec)
+    assert isinstance(check_text(SEED, "seed.yaml").spec, PolicySpec)

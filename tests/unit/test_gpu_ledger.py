@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -44,6 +45,16 @@ def answer(ledger: GpuLedger, node: NodeGpus, owner: str, count: int, **kw: obje
 
 def ask(ledger: GpuLedger, node: NodeGpus, owner: str, count: int, **kw: object) -> str:
     return answer(ledger, node, owner, count, **kw).status
+
+
+def step(
+    ledger: GpuLedger, node: NodeGpus | None, now: float, claim_timeout: float, **kw: Any
+) -> tuple[Hold, ...]:
+    """One step of the loop, decided then made, as the daemon's GPU service takes it; the
+    holds that lapsed."""
+    changes = ledger.decide(node, now, claim_timeout, **kw)
+    ledger.commit(changes)
+    return changes.lapsed
 
 
 def release(ledger: GpuLedger, owner: str) -> None:
@@ -87,23 +98,23 @@ def test_more_gpus_than_one_uid_may_hold_is_refused_when_asked_and_waits_when_lo
     assert ledger.queue() == [] and ledger.holds() == ()
     assert ask(ledger, node, "ops", 3, uid=0, bounds=two) == "granted"
     assert ask(ledger, node, "pair", 2, bounds=two) == "waiting"  # one GPU is free
-    ledger.step(node, 1.0, 30, bounds=one)
+    step(ledger, node, 1.0, 30, bounds=one)
     (waiting,) = ledger.queue()
     assert waiting.reason == (
         "2 GPUs are more than gpu.max_gpus_per_user (1) lets one uid hold at once; ask for fewer"
     )
     (ops,) = ledger.holds()
-    assert ledger.drop(ops.id) is not None
-    ledger.step(node, 2.0, 30, bounds=one)
+    assert step(ledger, node, 2.0, 30, bounds=one, drop=[ops]) == ()
+    assert ledger.holds() == ()
     assert [w.owner for w in ledger.queue()] == ["pair"], "still past the bound"
-    ledger.step(node, 3.0, 30, bounds=two)
+    step(ledger, node, 3.0, 30, bounds=two)
     assert ledger.queue() == [] and [h.owner for h in ledger.holds()] == ["pair"]
 
 
 def test_an_unclaimed_grant_lapses(node: NodeGpus) -> None:
     ledger = GpuLedger()
     assert ask(ledger, node, "a", 4) == "granted"
-    lapsed = ledger.step(node, now=31.0, claim_timeout=30)
+    lapsed = step(ledger, node, now=31.0, claim_timeout=30)
     assert [h.owner for h in lapsed] == ["a"]
     assert ledger.holds() == ()
 
@@ -119,7 +130,7 @@ def test_waiting_requests_go_by_priority_then_deadline_then_fair_share(node: Nod
     order = [w.owner for w in ledger.queue()]
     assert order == ["training", "batch-early", "batch-late", "batch-light", "batch-heavy"]
     release(ledger, "all")
-    ledger.step(node, now=1.0, claim_timeout=30)
+    step(ledger, node, now=1.0, claim_timeout=30)
     assert [h.owner for h in ledger.holds()] == ["training"]
 
 
@@ -134,7 +145,7 @@ def test_a_waiter_nobody_asks_about_is_dropped(node: NodeGpus) -> None:
     ledger = GpuLedger()
     ask(ledger, node, "all", 4)
     ask(ledger, node, "late", 1)
-    ledger.step(node, now=20.0, claim_timeout=60)
+    step(ledger, node, now=20.0, claim_timeout=60)
     assert ledger.queue() == []
 
 
@@ -202,7 +213,7 @@ def test_a_waiting_request_waits_within_its_patience_for_a_better_set(node: Node
         assert asked.status == "waiting"
         for name in ("j0", "j2"):
             ledger.release_job(jobs[name].id, 1000, now=3.0)
-        ledger.step(node, now=3.0, claim_timeout=30, patience=patience)
+        step(ledger, node, now=3.0, claim_timeout=30, patience=patience)
         return ledger, jobs, asked.id
 
     def granted(ledger: GpuLedger) -> tuple[int, ...] | None:
@@ -215,17 +226,17 @@ def test_a_waiting_request_waits_within_its_patience_for_a_better_set(node: Node
     (w,) = ledger.queue()
     assert w.held_back == 3.0
     assert w.reason.startswith("waits for GPUs 0, 1: expected free within 2s")
-    assert ledger.status(rid, 1000, now=4.0).status == "waiting"
-    ledger.step(node, now=4.0, claim_timeout=30, patience=1.0)  # nothing was released
+    assert ledger.view().status(rid, 1000).status == "waiting"
+    step(ledger, node, now=4.0, claim_timeout=30, patience=1.0, asked={rid: 4.0})  # none freed
     assert granted(ledger) is None
     ledger.release_job(jobs["j1"].id, 1000, now=5.0)
-    ledger.step(node, now=5.0, claim_timeout=30, patience=1.0)
+    step(ledger, node, now=5.0, claim_timeout=30, patience=1.0)
     assert granted(ledger) == (0, 1)
     # GPU 1's job runs late: past its expected end nobody knows when it ends, so the
     # request stops waiting for it at the next step and takes what is free
     ledger, jobs, rid = scene(patience=1.0)
-    assert ledger.status(rid, 1000, now=6.0).status == "waiting"
-    ledger.step(node, now=6.0, claim_timeout=30, patience=1.0)
+    assert ledger.view().status(rid, 1000).status == "waiting"
+    step(ledger, node, now=6.0, claim_timeout=30, patience=1.0, asked={rid: 6.0})
     assert granted(ledger) == (0, 2)
 
 

@@ -227,7 +227,7 @@ def test_a_record_from_before_jobs_had_pids_loads_without_them() -> None:
 
 
 def test_the_per_user_limits_are_checked_where_they_are_written() -> None:
-    from nodeagent.policyfile.load import parse_policy
+    from nodeagent.policyfile.load import check_text
     from nodeagent.policyfile.yamlfile import PolicyError
 
     text = (
@@ -235,7 +235,7 @@ def test_the_per_user_limits_are_checked_where_they_are_written() -> None:
         "  per_user_limits: {pids_max: 0, memory_max: 4096, cpu_max: 0.001}\n"
     )
     with pytest.raises(PolicyError) as info:
-        parse_policy(text, "p.yaml")
+        check_text(text, "p.yaml")
     assert [str(p) for p in info.value.problems] == [
         "p.yaml:4:31: jobs.per_user_limits.pids_max: 0 is outside 1..4194304: at least the one"
         " process a workload starts with, at most the kernel's PID_MAX_LIMIT",
@@ -246,9 +246,9 @@ def test_the_per_user_limits_are_checked_where_they_are_written() -> None:
     ]
     unknown = text.replace("pids_max: 0, memory_max: 4096, cpu_max: 0.001", "tasks: 5")
     with pytest.raises(PolicyError) as info:
-        parse_policy(unknown, "p.yaml")
+        check_text(unknown, "p.yaml")
     [problem] = [str(p) for p in info.value.problems]
     assert problem.startswith("p.yaml:4:21: unknown key 'tasks' in jobs.per_user_limits"), problem
-    spec = parse_policy("version: 1\ntenants: {a: {shares: 1}}\n", "p.yaml")
+    spec = check_text("version: 1\ntenants: {a: {shares: 1}}\n", "p.yaml").spec
     defaults = spec.jobs.per_user_limits
     assert (defaults.pids_max, defaults.memory_max, defaults.cpu_max) == (4096, None, None)

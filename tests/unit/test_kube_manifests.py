@@ -22,7 +22,7 @@ from kube_schemas import ROOT, kustomize, problems
 
 from nodeagent.metrics.families import WORKLOAD
 from nodeagent.policyfile.listen import parse_listen
-from nodeagent.policyfile.load import parse_policy
+from nodeagent.policyfile.load import check_text
 from nodeagent.policyfile.model import AgentMode, PolicySpec
 from nodeagent.sdbus import SYSTEM_BUS_ADDRESS
 
@@ -262,7 +262,7 @@ def policy(rendered: list[dict[str, Any]], pod: Pod) -> PolicySpec:
     assert "subPath" not in mount, "a subPath mount is never updated: no reload on change"
     configmap = one(rendered, "ConfigMap", volume["configMap"]["name"])
     key = posixpath.relpath(config, mount["mountPath"])
-    return parse_policy(configmap["data"][key], f"ConfigMap {configmap['metadata']['name']}")
+    return check_text(configmap["data"][key], f"ConfigMap {configmap['metadata']['name']}").spec
 
 
 def test_the_configmap_policy_is_valid_and_reloads_on_change(policy: PolicySpec) -> None:
@@ -318,7 +318,7 @@ def test_each_runtimes_layout_mounts_its_cri_socket_where_the_policy_looks(
     docs = kustomize(directory)
     laid_out = Pod(one(docs, "DaemonSet"))
     configmap = one(docs, "ConfigMap")
-    policy = parse_policy(configmap["data"]["policy.yaml"], directory)
+    policy = check_text(configmap["data"]["policy.yaml"], directory).spec
     assert laid_out.host_path(getattr(policy.agent.runtimes, runtime)) == (host, True)
     base = kustomize("deploy/kubernetes")
     assert configmap == one(base, "ConfigMap")

@@ -16,7 +16,7 @@ from nodeagent.kube.owners import PodView, pod_class, pod_tenant
 from nodeagent.kube.pods import Pod, PodDirectory
 from nodeagent.meta import ContainerMeta, PodMeta, labels
 from nodeagent.policy.classify import assign
-from nodeagent.policyfile.load import parse_policy
+from nodeagent.policyfile.load import check_text
 from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 from nodeagent.policyfile.yamlfile import PolicyError
 
@@ -238,7 +238,7 @@ def test_a_namespaces_classes_are_checked_each_naming_its_line() -> None:
         "tenants: {prod: {shares: 1}, research: {shares: 1}}\n"
     )
     with pytest.raises(PolicyError) as e:
-        parse_policy(text, "p.yaml")
+        check_text(text, "p.yaml")
     assert [str(p) for p in e.value.problems] == [
         "p.yaml:5:40: kubernetes.namespaces['prod-*'].classes[0]: must be 'inference',"
         " 'training', 'batch' or 'besteffort', got 'inferense'; did you mean 'inference'?",

@@ -274,7 +274,7 @@ def test_no_cuda_visible_devices_is_ever_made_for_a_pod(
     for _ in range(3):
         a.tick()
     assert a.gpus.ledger.holds() == ()
-    assert {h.kind for h in a.gpus.holds()} == {"pod"}
+    assert {h.kind for h in a.rec.gpus.view.holds()} == {"pod"}
     root = Request("GET", "/v1/gpus", {}, Peer(pid=1, uid=0, gid=0, groups=frozenset()))
     report = a.routes()["/v1/gpus"]["GET"](root)
     assert "CUDA_VISIBLE_DEVICES" not in str(report)

@@ -16,7 +16,7 @@ import pytest
 from kube_schemas import ROOT, kustomize, problems
 from test_kube_manifests import Pod, one, without
 
-from nodeagent.policyfile.load import digest, parse_policy
+from nodeagent.policyfile.load import check_text, digest
 from nodeagent.policyfile.model import AgentMode
 
 POOL = "nodeagent.io/pool"
@@ -92,13 +92,13 @@ def test_each_pool_runs_the_agent_of_kubernetes_with_its_own_policy(
     ConfigMap's policy is valid, reloads on change and, as shipped, says what
     ../kubernetes's does (a rollout starts from there)."""
     shipped = one(base, "ConfigMap", "nodeagent-policy")["data"]["policy.yaml"]
-    base_digest = digest(parse_policy(shipped, "deploy/kubernetes"))
+    base_digest = digest(check_text(shipped, "deploy/kubernetes").spec)
     unchanged = one(base, "DaemonSet")
     for name, daemonset in daemonsets(rendered).items():
         configmap, gpu = DAEMONSETS[name]
         pod = Pod(daemonset)
         assert pod.volumes["policy"]["configMap"]["name"] == configmap
-        policy = parse_policy(one(rendered, "ConfigMap", configmap)["data"]["policy.yaml"], name)
+        policy = check_text(one(rendered, "ConfigMap", configmap)["data"]["policy.yaml"], name).spec
         assert policy.agent.mode is AgentMode.KUBERNETES and policy.agent.reload_on_change
         assert digest(policy) == base_digest, f"{configmap} is not deploy/kubernetes's policy"
         assert ("runtimeClassName" in pod.spec) is gpu

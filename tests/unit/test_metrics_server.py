@@ -27,7 +27,7 @@ from nodeagent.daemon import Agent, open_agent, serve_metrics
 from nodeagent.errors import NodeagentError
 from nodeagent.metrics.collector import TickCollector
 from nodeagent.metrics.server import MetricsServer
-from nodeagent.policyfile.load import load_policy, parse_policy
+from nodeagent.policyfile.load import check_text, load_policy
 from nodeagent.report import TickRecord
 
 
@@ -132,7 +132,7 @@ def test_the_daemon_counts_its_ticks_on_the_endpoint(tmp_path: Path) -> None:
 
 
 def test_off_unless_listen_is_set(tmp_path: Path) -> None:
-    spec = parse_policy("version: 1\ntenants: {a: {shares: 1}}\n", "p.yaml")
+    spec = check_text("version: 1\ntenants: {a: {shares: 1}}\n", "p.yaml").spec
     agent = open_agent(spec, CgroupTree(str(tmp_path)), dry_run=True)
     assert serve_metrics(agent) is None
     assert agent.observers == []

@@ -25,6 +25,7 @@ from nodeagent.policy.classify import assign
 from nodeagent.policy.plan import CgroupPlan, Plan, Target, make_plan
 from nodeagent.policy.plan import node_critical as plan_node_critical
 from nodeagent.policy.protection import Protection
+from nodeagent.policy.reads import Reads
 from nodeagent.policyfile.load import check_text
 from nodeagent.policyfile.model import NodeCriticalSettings, PolicySpec
 from nodeagent.report import describe
@@ -155,6 +156,7 @@ class Tighten:
     name = "tighten"
     writes = frozenset({Attribute.CPU_MAX, Attribute.CPU_WEIGHT, Attribute.FREEZE})
     device_settings: frozenset[str] = frozenset()
+    reads = Reads(snapshot=frozenset({"levels"}), workload=frozenset({"settings"}))
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         out: list[Output] = []
@@ -177,6 +179,7 @@ class KeepFrozen:
     name = "keep"
     writes = frozenset({Attribute.FREEZE})
     device_settings: frozenset[str] = frozenset()
+    reads = Reads()
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         return [Decision(PROXY.path, Attribute.FREEZE, Frozen(True), self.name, "frozen")]

@@ -23,7 +23,7 @@ from nodeagent.errors import InvalidValue
 from nodeagent.originals import Original
 from nodeagent.ownership import WriteMode
 from nodeagent.policy.base import binds
-from nodeagent.policyfile.load import parse_policy
+from nodeagent.policyfile.load import check_text
 from nodeagent.policyfile.model import PolicySpec
 from nodeagent.policyfile.yamlfile import PolicyError
 from nodeagent.release import Releaser
@@ -172,11 +172,11 @@ HEAD = "version: 1\ntenants: {a: {shares: 1}}\nrules:\n"
 def test_a_rules_pids_max_is_checked_where_it_is_written(value: str, message: str) -> None:
     text = HEAD + f"  - {{name: r, match: {{}}, tenant: a, limits: {{pids_max: {value}}}}}\n"
     with pytest.raises(PolicyError) as info:
-        parse_policy(text, "p.yaml")
+        check_text(text, "p.yaml")
     [problem] = [str(p) for p in info.value.problems]
     assert problem.startswith("p.yaml:4:56: rules[0].limits.pids_max: " + message), problem
 
 
 def test_a_rules_pids_max_loads() -> None:
     text = HEAD + "  - {name: r, match: {}, tenant: a, limits: {pids_max: 512}}\n"
-    assert parse_policy(text, "p.yaml").rules[0].limits.pids_max == 512
+    assert check_text(text, "p.yaml").spec.rules[0].limits.pids_max == 512

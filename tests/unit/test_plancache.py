@@ -14,6 +14,7 @@ from nodeagent.policy.base import Assignment, Output, Policy, PolicyInput
 from nodeagent.policy.classify import assign
 from nodeagent.policy.plan import DEFAULT_POLICIES, Plan
 from nodeagent.policy.plancache import PlanCache, PlanInputs, usage_shares
+from nodeagent.policy.reads import Reads
 from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 from nodeagent.snapshot import NodeSnapshot, WorkloadState
 
@@ -22,9 +23,17 @@ SPEC = SPEC.model_copy(update={"agent": SPEC.agent.model_copy(update={"replan_in
 
 
 class Counting(Policy):
-    """Decides nothing; counts how often a plan is made, and is stale when told."""
+    """Decides nothing; counts how often a plan is made, and is stale when told. Declares
+    the reads the cache keys, as a policy that reads them does."""
 
     name = "counting"
+    reads = Reads(
+        snapshot=frozenset({"gpus", "skipped", "levels"}),
+        workload=frozenset({"cpu_rate"}),
+        usage=True,
+        carry=True,
+        at_work=frozenset({"again"}),
+    )
 
     def __init__(self) -> None:
         self.calls = 0
@@ -33,9 +42,6 @@ class Counting(Policy):
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         self.calls += 1
         return ()
-
-    def stale(self, carried: Mapping[str, object], assignments: Mapping[str, Assignment]) -> bool:
-        return bool(carried.get("again"))
 
     def stale_sensed(
         self,

@@ -20,8 +20,9 @@ from nodeagent.jobs import Job
 from nodeagent.policy.base import Assignment, Output, Policy, PolicyInput
 from nodeagent.policy.deadlines import Deadlines
 from nodeagent.policy.plan import DEFAULT_POLICIES
-from nodeagent.policy.plancache import PlanCache, stale
+from nodeagent.policy.plancache import PlanCache, at_work
 from nodeagent.policy.protection import Protection
+from nodeagent.policy.reads import Reads
 from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 from nodeagent.reconcile import Reconciler
 from nodeagent.sense.node import NodeSensor
@@ -217,15 +218,13 @@ class Wants(Policy):
     and is stale while its carry says so or a workload uses a CPU."""
 
     name = "wants"
+    reads = Reads(carry=True, at_work=frozenset({"busy"}))
 
     def decide(self, given: PolicyInput) -> Sequence[Output]:
         return ()
 
     def needs(self, assignment: Assignment, spec: PolicySpec) -> Needs:
         return Needs(memory=assignment.workload_class is WorkloadClass.BATCH)
-
-    def stale(self, carried: Mapping[str, object], assignments: Mapping[str, Assignment]) -> bool:
-        return bool(carried.get("busy"))
 
     def stale_sensed(
         self,
@@ -243,16 +242,16 @@ def test_the_loop_knows_no_policy_by_name(agent: Agent) -> None:
     agent.carry = {"protection": {"caps": {"batch": 1.0}, "frozen": ["x"]}, "wants": {}}
     agent.policies = ()
     assert by_name(agent.rec.needs(assignments, managed)) == REAPER
-    assert not stale(agent.policies, agent.carry, assignments)
+    assert not at_work(agent.policies, agent.carry)
 
     agent.policies = (Wants(),)
     agent.rec.forget_derived()
     assert by_name(agent.rec.needs(assignments, managed)) == union(
         REAPER, {n: Needs(memory=True) for n in ("deadline-a", "batch-a", "job-a")}
     )
-    assert not stale(agent.policies, agent.carry, assignments)
+    assert not at_work(agent.policies, agent.carry)
     agent.carry["wants"] = {"busy": True}
-    assert stale(agent.policies, agent.carry, assignments)
+    assert at_work(agent.policies, agent.carry)
     busy = WorkloadState(managed[0], CgroupSample(), cpu_rate=2.0)
     assert PlanCache()._sensed((busy,), agent.spec, agent.policies, assignments)[1]
     assert not PlanCache()._sensed(
@@ -264,7 +263,7 @@ def test_the_loop_knows_no_policy_by_name(agent: Agent) -> None:
 
     agent.policies = (Protection(), Deadlines())
     agent.carry = {"protection": {"caps": {"batch": 1.0}}}
-    assert stale(agent.policies, agent.carry, assignments)
+    assert at_work(agent.policies, agent.carry)
 
 
 FORBIDDEN_NAMES = {"stall", "deadline", "protect", "reserved_cpu", "protection", "startswith"}
@@ -273,7 +272,7 @@ FORBIDDEN_STRINGS = {"protection", "caps", "frozen", "uncap", "thaw", "deadlines
 
 @pytest.mark.parametrize(
     "code",
-    [Reconciler.needs, Reconciler.tick, stale, PlanCache._sensed, PlanCache.plan, PlanCache.key],
+    [Reconciler.needs, Reconciler.tick, at_work, PlanCache._sensed, PlanCache.plan, PlanCache.key],
     ids=lambda f: f.__qualname__,
 )
 def test_the_loop_holds_no_policy_specific_code(code: Callable[..., object]) -> None:
@@ -331,9 +330,9 @@ def test_a_stall_the_controller_does_not_watch_keeps_the_plan(agent: Agent, name
 @pytest.mark.parametrize("key", ["caps", "frozen", "uncap", "thaw"])
 def test_the_protection_controller_at_work_makes_the_plan_stale(key: str) -> None:
     carried: dict[str, object] = {"caps": {}, "frozen": [], "uncap": [], "thaw": [], "calm": 3}
-    assert not Protection().stale(carried, {})
+    assert not at_work((Protection(),), {"protection": carried})
     carried[key] = {"batch": 1.0} if key == "caps" else ["x"]
-    assert Protection().stale(carried, {})
+    assert at_work((Protection(),), {"protection": carried})
 
 
 @pytest.mark.parametrize("policy", DEFAULT_POLICIES, ids=lambda p: p.name)
@@ -341,11 +340,14 @@ def test_a_policy_at_rest_keeps_the_plan(agent: Agent, policy: Policy) -> None:
     """No deadline job, nothing carried, nothing stalling: no policy asks for a new plan."""
     assignments, _ = claimed(agent)
     plain = {p: a for p, a in assignments.items() if a.deadline is None}
-    assert not policy.stale({}, plain)
-    assert not policy.stale_sensed((), agent.spec, plain)
+    assert not at_work((policy,), {})
+    assert not PlanCache()._sensed((), agent.spec, (policy,), plain)[1]
 
 
 def test_a_deadline_job_makes_the_plan_stale(agent: Agent) -> None:
+    """Deadlines reads the wall clock (`Reads`: wall_time) against the jobs it reads every
+    tick (`needs`): a new plan every tick while there is one."""
     assignments, _ = claimed(agent)
-    assert Deadlines().stale({}, assignments)
-    assert not Deadlines().stale({}, {p: a for p, a in assignments.items() if a.deadline is None})
+    spec, plain = agent.spec, {p: a for p, a in assignments.items() if a.deadline is None}
+    assert PlanCache()._sensed((), spec, (Deadlines(),), assignments)[1]
+    assert not PlanCache()._sensed((), spec, (Deadlines(),), plain)[1]

@@ -29,7 +29,7 @@ from nodeagent.identity import Kind, Owner, Runtime, WorkloadIdentity
 from nodeagent.ownership import WriteMode, classify_level, write_mode
 from nodeagent.policy.classify import assign
 from nodeagent.policy.plan import Target
-from nodeagent.policyfile.load import parse_policy
+from nodeagent.policyfile.load import check_text
 from nodeagent.policyfile.model import AgentSettings, PolicySpec, SlurmSettings
 from nodeagent.policyfile.yamlfile import PolicyError
 from nodeagent.slurm import Answer, SlurmJobs, SlurmUnavailable, parse_jobs, run_command
@@ -254,7 +254,7 @@ def test_a_rule_for_slurm_jobs_takes_no_limits() -> None:
         "    limits: {memory_max: 1Gi}\n"
     )
     with pytest.raises(PolicyError) as e:
-        parse_policy(text, "p.yaml")
+        check_text(text, "p.yaml")
     assert [str(p) for p in e.value.problems] == [
         "p.yaml:7:13: rules[0].limits: Slurm's jobs take no limits from nodeagent: slurmd sets"
         " their cpu.max, memory and cpuset; nodeagent writes at most their cpu.weight"
@@ -263,9 +263,9 @@ def test_a_rule_for_slurm_jobs_takes_no_limits() -> None:
 
 
 def test_an_account_glob_matches_only_jobs_slurm_answered_for() -> None:
-    spec = parse_policy(
+    spec = check_text(
         BASE + "  - {name: p, match: {account: 'phys*'}, tenant: physics}\n", "p.yaml"
-    )
+    ).spec
     got = assign([slurm_job("1", "physics"), slurm_job("2", "bio"), slurm_job("3")], spec)
     assert set(got) == {f"{SCOPE}/job_1"}
 

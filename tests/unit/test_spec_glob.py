@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from nodeagent.cli import main
 from nodeagent.policyfile.glob import MAX_GLOB, compile_glob, glob_matches
-from nodeagent.policyfile.load import parse_policy
+from nodeagent.policyfile.load import check_text
 from nodeagent.policyfile.matching import matches
 from nodeagent.policyfile.model import Match
 from nodeagent.policyfile.yamlfile import PolicyError
@@ -63,7 +63,7 @@ def test_a_pattern_too_long_is_refused_at_load() -> None:
         HEAD + "rules:\n  - name: r\n    match: {path: '" + "[" * 300_000 + "'}\n    tenant: prod\n"
     )
     with pytest.raises(PolicyError) as info:
-        parse_policy(text, "p.yaml")
+        check_text(text, "p.yaml")
     assert [str(p) for p in info.value.problems] == [
         "p.yaml:7:19: rules[0].match.path: a glob is at most 1024 characters, got one of"
         " 300000 characters"
@@ -74,10 +74,10 @@ def test_a_pattern_too_long_is_refused_at_load() -> None:
 def test_the_longest_glob_is_accepted_and_one_more_is_not(key: str) -> None:
     rule = "rules:\n  - {{name: r, match: {{{key}: '{glob}'}}, tenant: prod}}\n"
     longest = "[" * MAX_GLOB
-    spec = parse_policy(HEAD + rule.format(key=key, glob=longest), "p.yaml")
+    spec = check_text(HEAD + rule.format(key=key, glob=longest), "p.yaml").spec
     assert getattr(spec.rules[0].match, key) == longest
     with pytest.raises(PolicyError, match=f"rules\\[0\\].match.{key}: a glob is at most 1024"):
-        parse_policy(HEAD + rule.format(key=key, glob=longest + "["), "p.yaml")
+        check_text(HEAD + rule.format(key=key, glob=longest + "["), "p.yaml")
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nodeagent.policyfile.listen import parse_listen
-from nodeagent.policyfile.load import parse_policy
+from nodeagent.policyfile.load import check_text
 from nodeagent.policyfile.yamlfile import PolicyError
 
 HEAD = "version: 1\ntenants: {a: {shares: 1}}\nagent:\n  metrics:\n    listen: "
@@ -53,28 +53,28 @@ def test_bad_addresses(text: str, message: str) -> None:
 
 def test_the_loader_names_the_file_line_and_column() -> None:
     with pytest.raises(PolicyError) as info:
-        parse_policy(HEAD + '"[::1]:99999"\n', "p.yaml")
+        check_text(HEAD + '"[::1]:99999"\n', "p.yaml")
     assert [str(p) for p in info.value.problems] == [
         "p.yaml:5:13: agent.metrics.listen: the port must be a number from 1 to 65535,"
         " got '99999' in '[::1]:99999'"
     ]
     with pytest.raises(PolicyError) as info:
-        parse_policy(HEAD + "9464\n", "p.yaml")
+        check_text(HEAD + "9464\n", "p.yaml")
     assert [str(p) for p in info.value.problems] == [
         "p.yaml:5:13: agent.metrics.listen: must be a string, got 9464"
     ]
 
 
 def test_off_by_default_and_kept_when_set() -> None:
-    assert parse_policy(HEAD + "null\n", "p.yaml").agent.metrics.listen is None
-    spec = parse_policy(HEAD + '"[::1]:9464"\n', "p.yaml")
+    assert check_text(HEAD + "null\n", "p.yaml").spec.agent.metrics.listen is None
+    spec = check_text(HEAD + '"[::1]:9464"\n', "p.yaml").spec
     assert spec.agent.metrics.listen == "[::1]:9464"
 
 
 def test_a_unix_socket_with_its_group_and_a_token_file() -> None:
     text = HEAD + "unix:/run/nodeagent-metrics/metrics.sock\n"
     text += "    socket_group: prometheus\n    bearer_token_file: /etc/nodeagent/metrics.token\n"
-    metrics = parse_policy(text, "p.yaml").agent.metrics
+    metrics = check_text(text, "p.yaml").spec.agent.metrics
     assert metrics.listen == "unix:/run/nodeagent-metrics/metrics.sock"
     assert metrics.socket_group == "prometheus"
     assert metrics.bearer_token_file == "/etc/nodeagent/metrics.token"
@@ -111,5 +111,5 @@ def test_a_unix_socket_with_its_group_and_a_token_file() -> None:
 )
 def test_bad_unix_sockets_groups_and_token_files(tail: str, message: str) -> None:
     with pytest.raises(PolicyError) as info:
-        parse_policy(HEAD + tail, "p.yaml")
+        check_text(HEAD + tail, "p.yaml")
     assert [str(p) for p in info.value.problems] == [message]

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from nodeagent.errors import NodeagentError
 from nodeagent.identity import QosTier, Runtime
-from nodeagent.policyfile.load import check_text, load_policy, parse_policy
+from nodeagent.policyfile.load import check_text, load_policy
 from nodeagent.policyfile.model import PolicySpec, WorkloadClass
 from nodeagent.policyfile.yamlfile import MAX_BYTES, MAX_SHOWN, PolicyError, Problem
 
@@ -28,7 +28,7 @@ HEAD = "version: 1\ntenants:\n  research: {shares: 2}\n  prod: {shares: 1}\n"
 def problems(text: str) -> list[str]:
     """The loader's report for `text`, one string per problem."""
     with pytest.raises(PolicyError) as info:
-        parse_policy(text, "p.yaml")
+        check_text(text, "p.yaml")
     return [str(p) for p in info.value.problems]
 
 
@@ -82,7 +82,7 @@ def test_shipped_example_loads() -> None:
 def test_shipped_example_states_the_defaults() -> None:
     """The example documents each default by spelling it out; they must stay true."""
     example = load_policy(REPO / "config" / "policy.yaml")
-    defaults = parse_policy("version: 1\ntenants: {a: {shares: 1}}\n", "d.yaml")
+    defaults = check_text("version: 1\ntenants: {a: {shares: 1}}\n", "d.yaml").spec
     # but one: the packaged units' managed root, which it names (issue 36 item 2)
     assert example.agent.managed_root == "system.slice/nodeagent-workloads.service/workloads"
     assert defaults.agent.managed_root == "nodeagent.slice"
@@ -209,7 +209,7 @@ def test_good_cpu_max(value: str, cores: object) -> None:
     text = (
         HEAD + f"rules:\n  - {{name: r, match: {{}}, tenant: prod, limits: {{cpu_max: {value}}}}}\n"
     )
-    assert parse_policy(text, "p.yaml").rules[0].limits.cpu_max == cores
+    assert check_text(text, "p.yaml").spec.rules[0].limits.cpu_max == cores
 
 
 # Checks after the schema
@@ -275,7 +275,7 @@ def test_managed_root_must_be_a_clean_relative_path(root: str) -> None:
 
 
 def test_nested_managed_root_is_fine() -> None:
-    spec = parse_policy(HEAD + "agent: {managed_root: nodeagent.slice/gpu.slice}\n", "p.yaml")
+    spec = check_text(HEAD + "agent: {managed_root: nodeagent.slice/gpu.slice}\n", "p.yaml").spec
     assert spec.agent.managed_root == "nodeagent.slice/gpu.slice"
 
 
@@ -300,7 +300,7 @@ def test_memory_high_above_memory_max() -> None:
 def test_memory_high_not_above_memory_max(high: str, cap: str, expected: int) -> None:
     text = HEAD + "rules:\n  - name: r\n    match: {}\n    tenant: prod\n"
     text += f"    limits: {{memory_max: {cap}, memory_high: {high}}}\n"
-    assert parse_policy(text, "p.yaml").rules[0].limits.memory_high == expected
+    assert check_text(text, "p.yaml").spec.rules[0].limits.memory_high == expected
 
 
 def test_memory_high_max_with_a_finite_memory_max_is_refused() -> None:
@@ -332,7 +332,7 @@ def test_a_managed_root_inside_another_owners_tree_is_refused(root: str) -> None
 def test_a_managed_root_below_our_own_service_is_allowed() -> None:
     root = "system.slice/nodeagent.service/workloads"
     text = HEAD.replace("version: 1\n", f"version: 1\nagent: {{managed_root: {root}}}\n", 1)
-    assert parse_policy(text, "p.yaml").agent.managed_root == root
+    assert check_text(text, "p.yaml").spec.agent.managed_root == root
 
 
 def test_cpu_quota_below_kernel_minimum() -> None:
@@ -342,7 +342,7 @@ def test_cpu_quota_below_kernel_minimum() -> None:
         "quota of 1000us per 100000us period"
     ]
     ok = text.replace("0.005}", "0.005, cpu_period_us: 1000000}")
-    assert parse_policy(ok, "p.yaml").rules[0].limits.cpu_max == 0.005
+    assert check_text(ok, "p.yaml").spec.rules[0].limits.cpu_max == 0.005
 
 
 # YAML-level problems
@@ -368,7 +368,7 @@ def test_merge_keys_are_not_duplicates() -> None:
         "    tenant: prod\n"
         "    limits: {<<: *small, cpu_max: 2}\n"
     )
-    spec = parse_policy(text, "p.yaml")
+    spec = check_text(text, "p.yaml").spec
     assert spec.rules[1].limits.cpu_max == 2
     assert spec.rules[1].limits.memory_max == 1024**3
 
@@ -526,7 +526,7 @@ def check_outcome(load: object, filename: str) -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.text())
 def test_any_text_gives_a_spec_or_policy_error(text: str) -> None:
-    check_outcome(lambda: parse_policy(text, "t.yaml"), "t.yaml")
+    check_outcome(lambda: check_text(text, "t.yaml").spec, "t.yaml")
 
 
 @settings(max_examples=100, deadline=None)
@@ -568,7 +568,7 @@ DATA = st.recursive(
 @given(st.dictionaries(KEYS, DATA, max_size=6))
 def test_any_yaml_mapping_gives_a_spec_or_policy_error(data: dict[str, object]) -> None:
     text = yaml.safe_dump(data)
-    check_outcome(lambda: parse_policy(text, "t.yaml"), "t.yaml")
+    check_outcome(lambda: check_text(text, "t.yaml").spec, "t.yaml")
 
 
 YAML_PIECES = st.sampled_from(
@@ -583,7 +583,7 @@ YAML_PIECES = st.sampled_from(
 @settings(max_examples=500, deadline=None)
 @given(st.lists(YAML_PIECES, max_size=40).map("".join))
 def test_yaml_like_text_gives_a_spec_or_policy_error(text: str) -> None:
-    check_outcome(lambda: parse_policy(text, "t.yaml"), "t.yaml")
+    check_outcome(lambda: check_text(text, "t.yaml").spec, "t.yaml")
 
 
 # Files that are not regular files (issue 5, item 5)
@@ -654,7 +654,7 @@ def test_many_problems_are_counted_and_the_first_are_shown(
     make: Callable[[int], str], first: str, last_shown: str
 ) -> None:
     with pytest.raises(PolicyError) as info:
-        parse_policy(make(2000), "p.yaml")
+        check_text(make(2000), "p.yaml")
     error = info.value
     assert len(error.problems) == MAX_SHOWN == 100
     assert error.omitted == 1900
@@ -665,7 +665,7 @@ def test_many_problems_are_counted_and_the_first_are_shown(
 
 def test_few_problems_are_all_shown() -> None:
     with pytest.raises(PolicyError) as info:
-        parse_policy(bad_tenants(MAX_SHOWN), "p.yaml")
+        check_text(bad_tenants(MAX_SHOWN), "p.yaml")
     assert len(info.value.problems) == MAX_SHOWN
     assert info.value.omitted == 0
     assert "more problems" not in str(info.value)
@@ -676,7 +676,7 @@ def test_unknown_tenants_among_very_many_are_each_reported_with_a_short_list() -
     tenants = "".join(f"  team{i}: {{shares: 1}}\n" for i in range(1200))
     rules = "".join(f"  - {{name: r{i}, match: {{}}, tenant: teem{i}}}\n" for i in range(300))
     with pytest.raises(PolicyError) as info:
-        parse_policy(f"version: 1\ntenants:\n{tenants}rules:\n{rules}", "p.yaml")
+        check_text(f"version: 1\ntenants:\n{tenants}rules:\n{rules}", "p.yaml")
     assert info.value.omitted == 200
     assert str(info.value.problems[0]) == (
         "p.yaml:1204:35: rules[0].tenant: unknown tenant 'teem0'; tenants are 'team0',"
@@ -692,7 +692,7 @@ def test_an_unknown_tenant_among_few_gets_a_suggestion() -> None:
         + "".join(f"  - {{name: r{i}, match: {{}}, tenant: prd}}\n" for i in range(300))
     )
     with pytest.raises(PolicyError) as info:
-        parse_policy(text, "p.yaml")
+        check_text(text, "p.yaml")
     assert all(p.message.endswith("did you mean 'prod'?") for p in info.value.problems)
 
 
@@ -785,7 +785,7 @@ def test_a_socket_path_too_long_for_the_kernel_is_refused() -> None:
         "p.yaml:6:11: agent.socket: a socket path is at most 107 bytes (the kernel's limit),"
         " got 108 bytes"
     ]
-    assert parse_policy(HEAD + f"agent:\n  socket: {path[:-1]}\n", "p.yaml").agent.socket
+    assert check_text(HEAD + f"agent:\n  socket: {path[:-1]}\n", "p.yaml").spec.agent.socket
 
 
 def test_the_state_file_and_the_socket_must_differ() -> None:
@@ -921,12 +921,12 @@ def test_a_rule_an_earlier_one_shadows_is_warned_about(
 def test_a_bad_declared_deadlines_is_named_with_its_line() -> None:
     """Issue 34 item 9: classes.<c>.declared_deadlines, checked as every key is."""
     with pytest.raises(PolicyError) as info:
-        parse_policy(HEAD + "classes:\n  training: {declared_deadlines: yes}\n", "p.yaml")
+        check_text(HEAD + "classes:\n  training: {declared_deadlines: yes}\n", "p.yaml")
     assert [str(p) for p in info.value.problems] == [
         "p.yaml:6:34: classes.training.declared_deadlines: must be 'defended', 'scheduled' or"
         " 'refused', got true"
     ]
-    spec = parse_policy(HEAD + "classes:\n  training: {declared_deadlines: defended}\n", "p")
+    spec = check_text(HEAD + "classes:\n  training: {declared_deadlines: defended}\n", "p").spec
     assert str(spec.classes[WorkloadClass.TRAINING].declared_deadlines) == "defended"
     assert str(spec.classes[WorkloadClass.BATCH].declared_deadlines) == "refused", "default"
 
@@ -972,7 +972,7 @@ def test_a_rejected_policy_carries_its_warnings_too() -> None:
         "  - {name: jobs, match: {kind: job}, tenant: prod}\n"
     )
     with pytest.raises(PolicyError) as info:
-        parse_policy(text, "p.yaml")
+        check_text(text, "p.yaml")
     assert [str(p) for p in info.value.problems] == [
         "p.yaml:4:18: tenants.prod.shares: must be a number, got 'x'"
     ]

@@ -12,7 +12,7 @@ from builders import plan_claimed, policy_input, snapshot, workload
 from nodeagent.cgroupfs.values import Attribute, CpuWeight
 from nodeagent.policy.base import Share
 from nodeagent.policy.fairshare import FairShare
-from nodeagent.policyfile.load import parse_policy
+from nodeagent.policyfile.load import check_text
 from nodeagent.policyfile.model import HALF_LIFE_MAX, SHARES_MAX, SHARES_MIN, PolicySpec
 from nodeagent.policyfile.units import MAX_SIZE, parse_size
 from nodeagent.policyfile.yamlfile import PolicyError
@@ -24,7 +24,7 @@ BINARY = "!!binary cHJvZA=="  # b"prod"
 
 def problems(text: str) -> list[str]:
     with pytest.raises(PolicyError) as info:
-        parse_policy(text, "p.yaml")
+        check_text(text, "p.yaml")
     return [p.message for p in info.value.problems]
 
 
@@ -67,7 +67,7 @@ def test_the_extreme_shares_are_accepted_and_keep_fair_share_defined(
     """At the bounds, whatever the usage history, fair share's parts are defined: finite,
     summing to 1, and in the ratio s*F : s*F of Slurm's factor F = 2^(-u/s), computed here
     in log space (where the floats would underflow, the smaller part is the least one above 0)."""
-    spec = parse_policy(EXTREMES, "p.yaml")
+    spec = check_text(EXTREMES, "p.yaml").spec
     assert pytest.approx(1e9) == SHARES_MAX / SHARES_MIN
     assert (spec.tenants["big"].shares, spec.tenants["tiny"].shares) == (SHARES_MAX, SHARES_MIN)
     snap = snapshot([workload("nodeagent.slice/big-1"), workload("nodeagent.slice/tiny-1")])
@@ -160,12 +160,12 @@ def test_loose_types_are_refused(text: str, message: str) -> None:
 
 @pytest.mark.parametrize(("text", "shares"), [("1e6", 1e6), ("2.5E-3", 0.0025), ("'2'", 2.0)])
 def test_a_number_spelled_as_a_yaml_string_is_read_as_the_number(text: str, shares: float) -> None:
-    spec = parse_policy(f"version: 1\ntenants: {{a: {{shares: {text}}}}}\n", "p.yaml")
+    spec = check_text(f"version: 1\ntenants: {{a: {{shares: {text}}}}}\n", "p.yaml").spec
     assert spec.tenants["a"].shares == shares
 
 
 def test_a_half_life_of_a_year_is_accepted() -> None:
-    spec = parse_policy(HEAD + "fair_share: {half_life: 365d}\n", "p.yaml")
+    spec = check_text(HEAD + "fair_share: {half_life: 365d}\n", "p.yaml").spec
     assert spec.fair_share.half_life == HALF_LIFE_MAX
 
 
@@ -226,7 +226,7 @@ def test_the_stated_maximum_size_is_accepted() -> None:
         HEAD
         + f"rules:\n  - {{name: r, match: {{}}, tenant: prod, limits: {{memory_max: {stated}}}}}\n"
     )
-    assert parse_policy(text, "p.yaml").rules[0].limits.memory_max == MAX_SIZE
+    assert check_text(text, "p.yaml").spec.rules[0].limits.memory_max == MAX_SIZE
     assert parse_size("8191Pi") < MAX_SIZE
 
 

@@ -19,7 +19,7 @@ from nodeagent import state
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.daemon import Agent, open_agent
 from nodeagent.errors import NodeagentError
-from nodeagent.policyfile.load import parse_policy
+from nodeagent.policyfile.load import check_text
 from nodeagent.state import SavedState
 
 OLD = SavedState(1_700_000_000.0, {"research": 1234.5, "prod": 0.0})
@@ -315,9 +315,9 @@ def test_any_content_gives_state_or_a_nodeagent_error(content: bytes) -> None:
 def _agent(tmp_path: Path, state_file: Path, tenants: str = "a: {shares: 1}") -> Agent:
     cgroups = tmp_path / "cgroup"
     cgroups.mkdir(exist_ok=True)
-    spec = parse_policy(
+    spec = check_text(
         f"version: 1\nagent: {{state_file: {state_file}}}\ntenants: {{{tenants}}}\n", "p.yaml"
-    )
+    ).spec
     return open_agent(spec, CgroupTree(str(cgroups)))
 
 
@@ -465,7 +465,7 @@ def test_a_dry_run_leaves_a_file_it_cannot_read_where_it_is(tmp_path: Path) -> N
     body = _file_of_another_version(path)
     (tmp_path / "cgroup").mkdir()
     text = f"version: 1\nagent: {{state_file: {path}}}\ntenants: {{a: {{shares: 1}}}}\n"
-    spec = parse_policy(text, "p.yaml")
+    spec = check_text(text, "p.yaml").spec
     open_agent(spec, CgroupTree(str(tmp_path / "cgroup")), dry_run=True)
     assert path.read_text() == body
     assert sorted(p.name for p in tmp_path.iterdir()) == [
