@@ -8,13 +8,13 @@ is the only thread that changes state (docs/architecture.md, "Threads").
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import select
 import signal
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from types import FrameType
 from typing import TYPE_CHECKING, TypeVar
 
@@ -25,7 +25,6 @@ from nodeagent import running, sdnotify, state
 from nodeagent.act import Executor, Outcome
 from nodeagent.api.server import ApiServer, Handler, Request, Routes
 from nodeagent.cgroupfs.tree import CgroupTree
-from nodeagent.changes import NoteLog, ProblemLog
 from nodeagent.commands import Commands
 from nodeagent.discovery.registry import Registry
 from nodeagent.errors import NodeagentError, one_line
@@ -33,12 +32,10 @@ from nodeagent.gpu.choice import open_backend
 from nodeagent.gpualloc.service import GpuService, process_uids
 from nodeagent.jobs import Jobs
 from nodeagent.logs import audit_write
-from nodeagent.originals import Originals
-from nodeagent.persistence import StateSaver
-from nodeagent.policy.base import Policy
 from nodeagent.policyfile.filewatch import FileWatch
 from nodeagent.policyfile.load import digest, load_policy
 from nodeagent.policyfile.model import AgentMode, AgentSettings, PolicySpec
+from nodeagent.policyfile.source import PolicySource
 from nodeagent.policyfile.yamlfile import PolicyError
 from nodeagent.reconcile import Reconciler
 from nodeagent.reloads import Reload
@@ -75,6 +72,7 @@ def open_agent(
     in the constructors. `overrides`: command-line settings, which win over the file's."""
     overrides = dict(overrides or {})
     spec = with_overrides(spec, overrides)
+    policy = PolicySource(spec)  # a reload replaces its spec; the parts below read it there
     registry = Registry(tree, spec.agent.managed_root)
     # rates over shorter windows than half a tick are noise (cpu.stat moves in scheduler ticks)
     sensor = Sensor(
@@ -88,11 +86,19 @@ def open_agent(
         audit_write,
         dry_run,
         Systemd(),  # systemd's D-Bus API, for the cgroups it owns; connected at the first write
-        lambda: rec.spec.agent.systemd.without_bus,
+        lambda: policy.spec.agent.systemd.without_bus,
         guard=SelfGuard(tree, proc_root),  # the agent's cgroup and those above: never tightened
     )
+    gpus = GpuService(
+        open_backend(spec.gpu.simulate, proc_root),
+        lambda: policy.spec,
+        tree.exists,
+        lambda: registry.workloads.values(),  # noqa: PLW0108 - a resync replaces the dict
+        # whose a workload is (a reservation binds only to its uid's own): the jobs' /proc
+        functools.partial(process_uids, tree.root, proc_root=proc_root),
+    )
     rec = Reconciler(
-        spec,
+        policy,
         tree,
         proc_root=proc_root,
         dry_run=dry_run,
@@ -103,17 +109,9 @@ def open_agent(
         runtimes=RuntimeMetadata.from_settings(spec.agent.runtimes),
         slurm=SlurmJobs(),  # Slurm's accounts, asked only when discovery finds Slurm jobs
         kube=_kubernetes(spec),  # the kubelet's PodResources and the API server's watch
+        gpus=gpus,
+        jobs=Jobs(tree, audit_write, proc_root, on_end=gpus.release_job),
     )
-    gpus = GpuService(
-        open_backend(spec.gpu.simulate, proc_root),
-        lambda: rec.spec,
-        rec.exists,
-        lambda: registry.workloads.values(),  # noqa: PLW0108 - a resync replaces the dict
-        # whose a workload is (a reservation binds only to its uid's own): jobs' /proc
-        lambda path: process_uids(tree.root, path, jobs.proc_root),
-    )
-    jobs = Jobs(tree, audit_write, proc_root, on_end=gpus.release_job, write_limits=rec.new_job)
-    rec.wire(gpus, jobs, StateSaver(lambda: rec.spec.agent.state_file, rec.gather))
     saved = _saved_state(spec, dry_run)
     if saved is not None:
         rec.restore(saved)
@@ -196,96 +194,6 @@ class Agent:
         """What the last reload did, its problems included (/v1/status); None before any."""
         self._digest: tuple[PolicySpec | None, str] = (None, "")
 
-    # --- the reconciler's parts, as callers and tests reach them ------------------------
-
-    @property
-    def spec(self) -> PolicySpec:
-        return self.rec.spec
-
-    @spec.setter
-    def spec(self, spec: PolicySpec) -> None:
-        self.rec.spec = spec
-
-    @property
-    def usage(self) -> Mapping[str, float]:
-        return self.rec.feedback.usage
-
-    @usage.setter
-    def usage(self, usage: Mapping[str, float]) -> None:
-        self.rec.feedback = replace(self.rec.feedback, usage=usage)
-
-    @property
-    def carry(self) -> Mapping[str, Mapping[str, object]]:
-        return self.rec.feedback.carry
-
-    @carry.setter
-    def carry(self, carry: Mapping[str, Mapping[str, object]]) -> None:
-        self.rec.feedback = replace(self.rec.feedback, carry=carry)
-
-    @property
-    def policies(self) -> tuple[Policy, ...]:
-        return self.rec.policies
-
-    @policies.setter
-    def policies(self, policies: tuple[Policy, ...]) -> None:
-        self.rec.policies = policies
-
-    @property
-    def last(self) -> TickRecord | None:
-        return self.rec.last
-
-    @property
-    def tree(self) -> CgroupTree:
-        return self.rec.tree
-
-    @property
-    def dry_run(self) -> bool:
-        return self.rec.dry_run
-
-    @property
-    def registry(self) -> Registry:
-        return self.rec.registry
-
-    @property
-    def sensor(self) -> Sensor:
-        return self.rec.sensor
-
-    @property
-    def executor(self) -> Executor:
-        return self.rec.executor
-
-    @property
-    def runtimes(self) -> RuntimeMetadata:
-        return self.rec.runtimes
-
-    @property
-    def slurm(self) -> SlurmJobs:
-        return self.rec.slurm
-
-    @property
-    def kube(self) -> KubernetesNode | None:
-        return self.rec.kube
-
-    @property
-    def gpus(self) -> GpuService:
-        return self.rec.gpus
-
-    @property
-    def jobs(self) -> Jobs:
-        return self.rec.jobs
-
-    @property
-    def originals(self) -> Originals:
-        return self.rec.originals
-
-    @property
-    def problems(self) -> ProblemLog:
-        return self.rec.problems
-
-    @property
-    def notes(self) -> NoteLog:
-        return self.rec.notes
-
     def prepare(self) -> None:
         """Create and enable the managed subtree, then discover. Writes nothing in dry-run."""
         self.rec.prepare()
@@ -348,7 +256,7 @@ class Agent:
         except NodeagentError as e:  # a command-line override the new file's values refuse
             log.error("policy.reload_failed", error=str(e))
             return Reload(path, False, time.time(), (f"{path}: {e}",))
-        changed = needs_restart(self.spec, spec)
+        changed = needs_restart(self.rec.spec, spec)
         if changed:
             log.error(
                 "policy.needs_restart",
@@ -361,7 +269,7 @@ class Agent:
                 " (systemctl restart nodeagent)"
             )
             return Reload(path, False, time.time(), (said,))
-        if spec.agent.runtimes != self.spec.agent.runtimes:
+        if spec.agent.runtimes != self.rec.spec.agent.runtimes:
             self.rec.runtimes.close()
             self.rec.runtimes = RuntimeMetadata.from_settings(spec.agent.runtimes)
         self.rec.reloaded(spec)
@@ -374,7 +282,7 @@ class Agent:
         """The API's routes; reads answer on the API's threads from the view the loop last
         published (report.AgentView); whatever changes state is posted to the loop and runs
         on its thread, which publishes a new view after it."""
-        gpus = GpuRoutes(self.gpus, lambda: self.rec.spec, self.rec.fairness)
+        gpus = GpuRoutes(self.rec.gpus, lambda: self.rec.spec, self.rec.fairness)
         routes: Routes = {
             **gpus.routes(),
             **agent_routes(self.rec, self.config_path, self),
@@ -415,7 +323,7 @@ class Agent:
         if not once:
             self.commands.bind()
         # while the loop runs, `nodeagent release` is refused (nodeagent.running says why)
-        mark = None if once or self.dry_run else running.hold(self.spec.agent.state_file)
+        mark = None if once or self.rec.dry_run else running.hold(self.rec.spec.agent.state_file)
         try:
             try:
                 ok = self._loop(once, on_tick)
@@ -431,9 +339,9 @@ class Agent:
         if self._stop_signal is not None:
             log.info("stopping", signal=signal.Signals(self._stop_signal).name)
         sdnotify.stopping()
-        if self.kube is not None:
-            self.kube.close()
-        if not self.dry_run:
+        if self.rec.kube is not None:
+            self.rec.kube.close()
+        if not self.rec.dry_run:
             self.save_state()
         return ok
 
@@ -442,7 +350,7 @@ class Agent:
         watchdog_sec = sdnotify.watchdog_interval()
         pinger = None
         if watchdog_sec is not None and not once:
-            pinger = sdnotify.Pinger(watchdog_sec, lambda: self.spec.agent.interval)
+            pinger = sdnotify.Pinger(watchdog_sec, lambda: self.rec.spec.agent.interval)
         try:
             return self._ticks(once, on_tick, pinger)
         finally:
@@ -456,7 +364,7 @@ class Agent:
         pinger: sdnotify.Pinger | None,
     ) -> bool:
         """The ticks and the waits between them; commands from the API run in the waits."""
-        next_resync = time.monotonic() + self.spec.agent.resync_interval
+        next_resync = time.monotonic() + self.rec.spec.agent.resync_interval
         ok = False
         while not self.stop.is_set():
             record = _guarded("tick.failed", self.tick)
@@ -474,7 +382,7 @@ class Agent:
                     on_tick(record)
                 if record.snapshot.seq == 1:
                     sdnotify.ready()
-                    backend = self.gpus.backend
+                    backend = self.rec.gpus.backend
                     log.info(  # the journal's line for "started and converged"
                         "agent.ready",
                         workloads=len(record.snapshot.workloads),
@@ -488,7 +396,7 @@ class Agent:
                     pinger.beat()
             if once:
                 break
-            deadline = time.monotonic() + self.spec.agent.interval
+            deadline = time.monotonic() + self.rec.spec.agent.interval
             while not self.stop.is_set():
                 self.commands.run_pending()
                 now = time.monotonic()
@@ -496,8 +404,8 @@ class Agent:
                     self.reload_requested.clear()
                     _guarded("policy.reload_failed", self.reload)
                 if now >= next_resync:
-                    _guarded("resync.failed", self.registry.resync)
-                    next_resync = now + self.spec.agent.resync_interval
+                    _guarded("resync.failed", self.rec.registry.resync)
+                    next_resync = now + self.rec.spec.agent.resync_interval
                 now = time.monotonic()
                 left = deadline - now
                 if left <= 0:
@@ -520,7 +428,7 @@ class Agent:
         """With `agent.reload_on_change`, whether the policy file is a new one since the
         last look (a ConfigMap's update swaps it in whole)."""
         watch = self.policy_file
-        return self.spec.agent.reload_on_change and watch is not None and watch.changed()
+        return self.rec.spec.agent.reload_on_change and watch is not None and watch.changed()
 
     def _wait_for_cgroup_events(self, timeout: float) -> bool:
         """Sleep until timeout, a wake-up (a signal, a stop from another thread), or until
@@ -528,7 +436,7 @@ class Agent:
         come. New workloads get their plan at once through the fast path;
         True only when events were lost (a resync), so that a full tick follows now."""
         fds = [self.wakeup.fileno()]
-        inotify = self.registry.fileno()
+        inotify = self.rec.registry.fileno()
         if inotify is not None:
             fds.append(inotify)
         streams = _guarded("runtime.streams_failed", self.rec.runtimes.streams) or []
@@ -540,11 +448,11 @@ class Agent:
                 _guarded("runtime.created_failed", self.rec.runtimes.created, stream)
         if inotify is None or inotify not in readable:
             return False
-        self.registry.poll()
-        new, self.registry.new = self.registry.new, []
+        self.rec.registry.poll()
+        new, self.rec.registry.new = self.rec.registry.new, []
         if new:
             _guarded("fastpath.failed", self.fast_path, new)
-        resynced, self.registry.resynced = self.registry.resynced, False
+        resynced, self.rec.registry.resynced = self.rec.registry.resynced, False
         return resynced
 
     def install_signal_handlers(self) -> None:
@@ -620,7 +528,7 @@ def _guarded(event: str, fn: Callable[..., T], *args: object) -> T | None:
 
 def serve_metrics(agent: Agent) -> MetricsServer | None:
     """The Prometheus endpoint, when `agent.metrics.listen` is set."""
-    listen = agent.spec.agent.metrics.listen
+    listen = agent.rec.spec.agent.metrics.listen
     if listen is None:
         return None
     # imported only when metrics are on: prometheus_client is slow to import on a cold disk
@@ -631,23 +539,25 @@ def serve_metrics(agent: Agent) -> MetricsServer | None:
         lambda: agent.rec.view.deadline_misses,
         reload=lambda: agent.last_reload,
         policy=lambda: agent.policy_sha256,
-        interval=lambda: agent.spec.agent.interval,
+        interval=lambda: agent.rec.spec.agent.interval,
     )
-    if agent.gpus.backend.inventory():
-        collector.watch_gpus(agent.gpus.backend)
-    settings = agent.spec.agent.metrics
+    if agent.rec.gpus.backend.inventory():
+        collector.watch_gpus(agent.rec.gpus.backend)
+    settings = agent.rec.spec.agent.metrics
     server = MetricsServer.start(
         listen,
         collector,
         bearer_token_file=settings.bearer_token_file,
         socket_group=settings.socket_group,
-        stale_after=lambda: stale_window(agent.spec.agent.interval),
+        stale_after=lambda: stale_window(agent.rec.spec.agent.interval),
     )
     agent.observers.append(server.observe)  # the collector's, and /healthz's
     return server
 
 
 def serve(agent: Agent) -> ApiServer:
-    server = ApiServer(agent.spec.agent.socket, agent.routes(), agent.spec.agent.socket_group)
+    server = ApiServer(
+        agent.rec.spec.agent.socket, agent.routes(), agent.rec.spec.agent.socket_group
+    )
     server.start()
     return server

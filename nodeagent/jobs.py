@@ -11,7 +11,7 @@ the daemon ever writes cgroup files.
 The limits are not this module's: the job's cgroup is planned as the fast path plans any
 new workload (policy.newcomer: StaticLimits on the job's assignment, its caps and the CPUs
 it is pinned to) and written by the executor, audited and recorded as every write is, by
-the `write_limits` the daemon gives; every tick's plan then holds them too.
+the `write_limits` the start is given; every tick's plan then holds them too.
 
 A job is managed whether or not a rule matches its path: its tenant, class, deadline and
 work come from the request. Its limits do too, but for a caller other than root each of
@@ -284,16 +284,12 @@ class Jobs:
         audit: AuditFn,
         proc_root: str = "/proc",
         on_end: Callable[[Job], None] = lambda _: None,
-        *,
-        write_limits: WriteLimits,
     ) -> None:
         self.tree = tree
         self.audit = audit
         self.proc_root = proc_root
         self.on_end = on_end
         """Called exactly once when a job is gone (its GPUs go back)."""
-        self.write_limits = write_limits
-        """Writes a new job's limits, through the executor (see WriteLimits)."""
         self.open_process: Callable[[int], Process] = Pidfd
         self._jobs: dict[str, Job] = {}
         self._said: set[tuple[int, str]] = set()
@@ -307,10 +303,13 @@ class Jobs:
         peer: Peer,
         spec: PolicySpec,
         now: float,
+        *,
+        write_limits: WriteLimits,
         claim_gpus: Callable[[str, Job], Hold] | None = None,
     ) -> Job:
-        """Check a request, make the job's cgroup with its limits, move its process in.
-        With `gpu_request` in the body, `claim_gpus` turns that grant into the job's own."""
+        """Check a request, make the job's cgroup with its limits (`write_limits`: through
+        the executor), move its process in. With `gpu_request` in the body, `claim_gpus`
+        turns that grant into the job's own."""
         job, process = self._check(request, peer, spec, now)
         try:
             self._admit(job, spec)
@@ -321,7 +320,7 @@ class Jobs:
                 hold = claim_gpus(request.gpu_request, job)
                 job = replace(job, gpus=hold.uuids, gpu_hold=hold.id)
             try:
-                job = self._make_cgroup(job, spec, hold, process)
+                job = self._make_cgroup(job, spec, hold, process, write_limits)
             except BaseException:
                 if hold is not None:
                     self.on_end(job)
@@ -473,7 +472,14 @@ class Jobs:
             )
         return {}
 
-    def _make_cgroup(self, job: Job, spec: PolicySpec, hold: Hold | None, process: Process) -> Job:
+    def _make_cgroup(
+        self,
+        job: Job,
+        spec: PolicySpec,
+        hold: Hold | None,
+        process: Process,
+        write_limits: WriteLimits,
+    ) -> Job:
         """Make the job's cgroup, have its limits written, then move its process in; the job
         as recorded (with the CPUs it is pinned to). Refused, its cgroup removed, if any
         of it fails: the command never runs outside its cgroup or without its limits."""
@@ -493,7 +499,7 @@ class Jobs:
             identity = classify(job.cgroup, spec.agent.managed_root)
             if identity is None:  # cannot be: a checked name right under the managed root
                 raise BadRequest(f"cgroup {job.cgroup} is not a job's")
-            missed = self.write_limits(identity, job.assignment())
+            missed = write_limits(identity, job.assignment())
             if missed:
                 raise BadRequest(
                     f"cannot start job {job.name!r}: its limits are not in place: "
@@ -556,21 +562,23 @@ class Jobs:
         cgroup is removed as soon as it is empty."""
         return Needs(events=True) if assignment.exec_job else NO_NEEDS
 
-    def reap(self, snapshot: NodeSnapshot) -> list[Job]:
-        """Forget jobs whose cgroup is gone or empty, removing the empty cgroups."""
+    def ended(self, snapshot: NodeSnapshot) -> list[Job]:
+        """The jobs whose cgroup the snapshot found gone or empty (no I/O: the tick decides
+        with it, and `reap` acts on it)."""
         running = self.running()
         if not running:
             return []  # the usual node: no exec jobs, nothing to look up
         states = {w.path: w for w in snapshot.workloads}
-        gone = []
-        for job in running:
-            w = states.get(job.cgroup)
-            empty = job.cgroup in snapshot.vanished or (
-                w is not None and w.sample.populated is False
-            )
-            if empty and self._remove_if_empty(job, None):
-                gone.append(job)
-        return gone
+        return [
+            job
+            for job in running
+            if job.cgroup in snapshot.vanished
+            or ((w := states.get(job.cgroup)) is not None and w.sample.populated is False)
+        ]
+
+    def reap(self, ended: Iterable[Job]) -> list[Job]:
+        """Forget the `ended` jobs, removing their empty cgroups; those gone."""
+        return [job for job in ended if self._remove_if_empty(job, None)]
 
     def _remove_if_empty(self, job: Job, exit_status: object) -> bool:
         """Remove `job` if it is still the record of its name (not a successor of the same

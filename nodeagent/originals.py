@@ -15,7 +15,6 @@ loop wrote over them later (a throttle, a freeze) is, with the job's own limit a
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 from typing import Any
@@ -44,12 +43,12 @@ class Original:
 
 
 class Originals:
-    """cgroup path -> attribute -> Original. The loop notes its writes; the state file's save
-    dumps it, from an API thread too (a job's start saves at once): one lock covers both."""
+    """cgroup path -> attribute -> Original. Touched by the loop's thread alone: it notes its
+    writes, hands values back, and dumps it at each save (a job's start, which saves at once,
+    is a command the loop runs), so it has no lock."""
 
     def __init__(self) -> None:
         self._by_path: dict[str, dict[Attribute, Original]] = {}
-        self._lock = threading.Lock()
         self._fresh: list[tuple[str, Attribute, Original]] = []
         """First records since the last dump or `take_fresh`: the journal's next lines."""
 
@@ -59,24 +58,22 @@ class Originals:
         """One write the agent made (old: what it found there, None when unknown)."""
         if via is WriteMode.READ_ONLY:
             return
-        with self._lock:
-            mine = self._by_path.get(path, {})
-            known = mine.get(attribute)
-            if known is None:
-                if old is not None and old != new:
-                    original = Original(old, new, via)
-                    self._by_path[path] = {**mine, attribute: original}
-                    self._fresh.append((path, attribute, original))
-            elif new == known.was:
-                self._drop(path, attribute)  # handed back by the agent itself
-            else:
-                mine[attribute] = Original(known.was, new, via)
+        mine = self._by_path.get(path, {})
+        known = mine.get(attribute)
+        if known is None:
+            if old is not None and old != new:
+                original = Original(old, new, via)
+                self._by_path[path] = {**mine, attribute: original}
+                self._fresh.append((path, attribute, original))
+        elif new == known.was:
+            self.drop(path, attribute)  # handed back by the agent itself
+        else:
+            mine[attribute] = Original(known.was, new, via)
 
     def forget(self, paths: Iterable[str]) -> None:
         """Cgroups that are gone: nothing of theirs can be handed back."""
-        with self._lock:
-            for path in paths:
-                self._by_path.pop(path, None)
+        for path in paths:
+            self._by_path.pop(path, None)
 
     def forget_below(self, roots: Iterable[str]) -> None:
         """Cgroups removed with everything below them (a pod's directory takes its
@@ -87,54 +84,45 @@ class Originals:
         gone = set(roots)
         if not gone:
             return
-        with self._lock:
-            for path in [p for p in self._by_path if _below(p, gone)]:
-                kept = {
-                    a: o
-                    for a, o in self._by_path[path].items()
-                    if o.via is WriteMode.SYSTEMD and path.endswith(".service")
-                }
-                if kept:
-                    self._by_path[path] = kept
-                else:
-                    del self._by_path[path]
+        for path in [p for p in self._by_path if _below(p, gone)]:
+            kept = {
+                a: o
+                for a, o in self._by_path[path].items()
+                if o.via is WriteMode.SYSTEMD and path.endswith(".service")
+            }
+            if kept:
+                self._by_path[path] = kept
+            else:
+                del self._by_path[path]
 
     def items(self, among: Set[str] | None = None) -> list[tuple[str, Attribute, Original]]:
         """Every record, by path; `among`: those of these paths only (a lookup per path the
         agent holds records of, not a sort of all of them: the loop asks every tick)."""
-        with self._lock:
-            paths = sorted(self._by_path if among is None else self._by_path.keys() & among)
-            return [(p, a, o) for p in paths for a, o in self._by_path[p].items()]
+        paths = sorted(self._by_path if among is None else self._by_path.keys() & among)
+        return [(p, a, o) for p in paths for a, o in self._by_path[p].items()]
 
     def drop(self, path: str, attribute: Attribute) -> None:
-        with self._lock:
-            self._drop(path, attribute)
-
-    def _drop(self, path: str, attribute: Attribute) -> None:
         mine = self._by_path.get(path, {})
         mine.pop(attribute, None)
         if not mine:
             self._by_path.pop(path, None)
 
     def __len__(self) -> int:
-        with self._lock:
-            return sum(len(a) for a in self._by_path.values())
+        return sum(len(a) for a in self._by_path.values())
 
     def take_fresh(self) -> list[tuple[str, Attribute, Original]]:
         """The first records noted since the last dump or take, for the state's journal."""
-        with self._lock:
-            fresh, self._fresh = self._fresh, []
-            return fresh
+        fresh, self._fresh = self._fresh, []
+        return fresh
 
     def dump(self) -> dict[str, dict[str, dict[str, str]]]:
         """Made anew at each save (every 10 s): 0.2 us an original, where keeping the last
         dump cost about 1 MB at 1,000 workloads."""
-        with self._lock:
-            self._fresh = []  # the dump holds them: the save that follows clears the journal
-            return {
-                path: {str(a): o.to_json() for a, o in attrs.items()}
-                for path, attrs in sorted(self._by_path.items())
-            }
+        self._fresh = []  # the dump holds them: the save that follows clears the journal
+        return {
+            path: {str(a): o.to_json() for a, o in attrs.items()}
+            for path, attrs in sorted(self._by_path.items())
+        }
 
     @classmethod
     def load(cls, raw: Mapping[str, Any]) -> Originals:

@@ -13,6 +13,7 @@ import structlog
 
 from nodeagent import state
 from nodeagent.errors import one_line
+from nodeagent.policyfile.source import PolicySource
 
 log = structlog.get_logger("nodeagent")
 
@@ -24,13 +25,13 @@ Journalled = Sequence[tuple[str, str, Mapping[str, str]]]
 
 
 class StateSaver:
-    """Writes what `gather(monotonic, wall)` collects to the file `file()` names (a reload
-    may name another)."""
+    """Writes what `gather(monotonic, wall)` collects to the file the policy in force names
+    (a reload may name another)."""
 
     def __init__(
-        self, file: Callable[[], str], gather: Callable[[float, float], state.SavedState]
+        self, policy: PolicySource, gather: Callable[[float, float], state.SavedState]
     ) -> None:
-        self.file = file
+        self.policy = policy
         self.gather = gather
         self.saved_at = 0.0
         """When (monotonic) the last save was tried: a failed one counts."""
@@ -61,6 +62,9 @@ class StateSaver:
                 state.append_originals(self.file(), fresh)
             except OSError:
                 self._save()
+
+    def file(self) -> str:
+        return self.policy.spec.agent.state_file
 
     def _save(self) -> None:
         now = time.monotonic()

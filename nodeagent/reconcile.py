@@ -18,15 +18,14 @@ import structlog
 
 from nodeagent.act import Executor, Outcome, WriteResult, not_in_place
 from nodeagent.cgroupfs.subtree import ensure_managed_root, leave_managed_path
-from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
+from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.cgroupfs.values import Attribute
 from nodeagent.changes import NoteLog, ProblemLog
 from nodeagent.discovery.registry import Registry
-from nodeagent.errors import NodeagentError
 from nodeagent.gpu.model import GpuState, Hold, HoldKind
-from nodeagent.gpualloc.service import GpuService
+from nodeagent.gpualloc.service import GpuDecisions, GpuReading, GpuService
 from nodeagent.identity import WorkloadIdentity
-from nodeagent.jobs import Jobs
+from nodeagent.jobs import Job, Jobs
 from nodeagent.kube.pods import EMPTY, PodDirectory
 from nodeagent.logs import audit_write
 from nodeagent.originals import Originals
@@ -40,6 +39,7 @@ from nodeagent.policy.plan import DEFAULT_POLICIES, Plan
 from nodeagent.policy.plancache import PlanCache, PlanInputs
 from nodeagent.policy.weights import ancestors
 from nodeagent.policyfile.model import PolicySpec
+from nodeagent.policyfile.source import PolicySource
 from nodeagent.reach import Reach
 from nodeagent.release import Releaser, in_release_order
 from nodeagent.report import AgentView, TickRecord
@@ -48,7 +48,7 @@ from nodeagent.runtimes.gpus import DockerGpus, RuntimeGpus
 from nodeagent.runtimes.metadata import RuntimeMetadata
 from nodeagent.sense.sensor import Sensor
 from nodeagent.slurm import SlurmJobs
-from nodeagent.snapshot import NO_NEEDS, Needs
+from nodeagent.snapshot import NO_NEEDS, Needs, NodeSnapshot
 from nodeagent.state import SavedState
 
 if TYPE_CHECKING:
@@ -77,13 +77,43 @@ class Feedback:
     """Read every file of every workload (at start, after a reload)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Sensed:
+    """What a tick's sense found: the snapshot, the GPUs, who is claimed and how each is
+    written, and what discovery lost or no longer sees claimed."""
+
+    snapshot: NodeSnapshot
+    """The workloads and the node as read; its GPUs are decide's (`Decided.snapshot`)."""
+    gpus: GpuReading
+    assignments: Mapping[str, Assignment]
+    modes: Mapping[str, WriteMode]
+    gone: tuple[str, ...]
+    """Cgroups discovery saw removed since the last tick."""
+    unclaimed: frozenset[str]
+    """Workloads found that no rule, job or hierarchy claims (what the agent set on them
+    goes back)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    """What a tick's decide made of it: the snapshot the policies saw (the GPUs with the
+    holds as decided), the GPU ledger's decisions, the plan, whether it is the last one
+    unchanged, and the jobs that ended."""
+
+    snapshot: NodeSnapshot
+    gpus: GpuDecisions
+    plan: Plan
+    same: bool
+    ended: tuple[Job, ...]
+
+
 class Reconciler:
     """The tick and the fast path, over the collaborators the daemon wires in; with no
     I/O of its own until it is asked to act."""
 
     def __init__(
         self,
-        spec: PolicySpec,
+        policy: PolicySource,
         tree: CgroupTree,
         *,
         proc_root: str,
@@ -94,9 +124,12 @@ class Reconciler:
         runtimes: RuntimeMetadata,
         slurm: SlurmJobs,
         kube: KubernetesNode | None,
+        gpus: GpuService,
+        jobs: Jobs,
         policies: tuple[Policy, ...] = DEFAULT_POLICIES,
     ) -> None:
-        self.spec = spec
+        self.policy = policy
+        """The policy in force, shared with the parts that read it (a reload replaces it)."""
         self.tree = tree
         self.proc_root = proc_root
         self.dry_run = dry_run
@@ -110,6 +143,9 @@ class Reconciler:
         """The GPUs (GRES) Slurm gave its jobs on this node, as holds."""
         self.slurm = slurm
         self.kube = kube
+        self.gpus = gpus
+        self.jobs = jobs
+        self.saver = StateSaver(policy, self.gather)
         self.policies = policies
         """The policies a full tick runs, in order; what they need read every tick and when
         their plan is stale they say themselves (`Policy.needs`, `Policy.stale`): the loop
@@ -135,13 +171,14 @@ class Reconciler:
         runtimes' clock) it can be asked again: they go through the fast path again then,
         unless a tick (which asks for them itself) comes first."""
         self.forget_derived()
-        # set by `wire`: they and the reconciler call each other
-        self.gpus: GpuService
-        self.jobs: Jobs
-        self.saver: StateSaver
 
-    def wire(self, gpus: GpuService, jobs: Jobs, saver: StateSaver) -> None:
-        self.gpus, self.jobs, self.saver = gpus, jobs, saver
+    @property
+    def spec(self) -> PolicySpec:
+        return self.policy.spec
+
+    @spec.setter
+    def spec(self, spec: PolicySpec) -> None:
+        self.policy.spec = spec
 
     def forget_derived(self) -> None:
         """Empty the caches of what each tick derives from the last (what to read, who is
@@ -168,7 +205,7 @@ class Reconciler:
         self.gpus.ledger.load(saved.gpus, self._kept_hold, time.monotonic(), time.time())
         self.gpus.ledger.load_history(saved.gpu_history)
         self.originals = Originals.load(saved.originals)
-        self.originals.forget([p for p, _, _ in self.originals.items() if not self.exists(p)])
+        self.originals.forget([p for p, _, _ in self.originals.items() if not self.tree.exists(p)])
         elapsed = time.time() - saved.saved_at
         usage = decay(saved.tenant_usage, elapsed, self.spec.fair_share.half_life)
         carry = {k: dict(v) for k, v in saved.carry.items()}
@@ -215,12 +252,23 @@ class Reconciler:
             self.kube.start()
 
     def tick(self) -> TickRecord:
+        """One tick, as four calls: what is there, what to do about it, doing it, and what
+        it leaves the API and the next tick (docs/architecture.md, "One tick")."""
         started = time.monotonic()
+        sensed = self.sense(started)
+        decided = self.decide(sensed, started)
+        applied = self.act(sensed, decided)
+        return self.record(sensed, decided, applied, started)
+
+    def sense(self, started: float) -> Sensed:
+        """What is there: the workloads discovery knows (and the jobs, tracked even before
+        inotify says), who the rules claim, and their files and the GPUs, read. Nothing
+        outside the agent changes; only the sensors' own memory does (the registry's lists,
+        the runtimes' and Slurm's answers, the sensor's kept reads)."""
         fed = self.feedback
         self.registry.poll()
         self.registry.new.clear()  # this tick plans them in full
         gone, self.registry.gone = self.registry.gone, []
-        self.originals.forget_below(p for p in gone if not self.exists(p))  # not made again
         jobs = self.jobs.assignments()  # exec's jobs, managed whatever the rules say
         for path in jobs.keys() - self.registry.workloads.keys():
             self.registry.track(path)  # started since inotify last spoke
@@ -239,36 +287,62 @@ class Reconciler:
         )
         for path in snapshot.vanished:  # inotify may have missed it (a failed watch)
             self.registry.forget(path)
-        if not self.dry_run:
-            self.jobs.reap(snapshot)
-        kube = self.kube
-        outside = self._outside(assignments, identities)
-        snapshot = replace(
-            snapshot,
-            gpus=self.gpus.sense(time.monotonic(), outside),
-            local_seconds=_local_seconds(snapshot.wall_time),
-        )
-        if kube is not None:
-            kube.publish(snapshot.gpus, self.spec)
-        last = self.last
+        gpus = self.gpus.read(self._outside(assignments, identities))
+        snapshot = replace(snapshot, local_seconds=_local_seconds(snapshot.wall_time))
+        unclaimed = {i.path for i in identities} - {*assignments, *(i.path for i in levels)}
+        return Sensed(snapshot, gpus, assignments, modes, tuple(gone), frozenset(unclaimed))
+
+    def decide(self, sensed: Sensed, started: float) -> Decided:
+        """What to do about it, with no I/O: the GPU ledger's binds, drops, lapses and grants
+        (the GPUs as they decide them go into the snapshot the policies see), the jobs that
+        ended, and the plan (every policy's decisions, merged; an unchanged one reused,
+        policy.plancache). `started`, the tick's monotonic start, is its clock."""
+        fed, last = self.feedback, self.last
+        gpus = self.gpus.decide(sensed.gpus, self.spec.gpu, started)
+        snapshot = replace(sensed.snapshot, gpus=gpus.state)
         given = PlanInputs(
             snapshot,
             self.spec,
             fed.usage,
             fed.carry,
-            assignments,
+            sensed.assignments,
             None if last is None else last.plan,
             held_back=bool(fed.held_back),
         )
         plan, same = self.plans.plan(given, self.policies, started)
+        return Decided(snapshot, gpus, plan, same, tuple(self.jobs.ended(snapshot)))
+
+    def act(self, sensed: Sensed, decided: Decided) -> tuple[WriteResult, ...]:
+        """Every effect of the tick, in one place: the GPU ledger's decisions made so, the
+        ended jobs reaped (their GPUs go back, for the next tick's grants), the GPUs
+        published to the API server, their power limits, then the cgroup writes, and what is
+        no longer claimed handed back. The cgroup writes come last so that their originals
+        are recorded right after them (record), with nothing that may hang between. Dry-run
+        reaps and hands back nothing (its executors write nothing either)."""
+        snapshot, plan = decided.snapshot, decided.plan
+        self.gpus.apply(decided.gpus)  # first: on the ledger it was decided on
+        if not self.dry_run:
+            self.jobs.reap(decided.ended)
+        if self.kube is not None:
+            self.kube.publish(snapshot.gpus, self.spec)
+        self.gpus.executor.apply(plan, snapshot, self.dry_run)
         # an unchanged plan was applied already: only what was read afresh can differ, and
         # what failed to be written last time is tried again
-        only = self.sensor.fresh | fed.retry if same else None
-        applied = self.executor.apply(plan, snapshot, only)
-        self.record_originals(applied, plan, snapshot.vanished, tick=True)
+        only = self.sensor.fresh | self.feedback.retry if decided.same else None
+        applied = tuple(self.executor.apply(plan, snapshot, only))
         if not self.dry_run:
-            claimed = {*assignments, *(i.path for i in levels)}
-            self.hand_back({i.path for i in identities} - claimed)
+            self.hand_back(set(sensed.unclaimed))
+        return applied
+
+    def record(
+        self, sensed: Sensed, decided: Decided, applied: Sequence[WriteResult], started: float
+    ) -> TickRecord:
+        """What the tick leaves: the originals of its writes (journalled, or the whole state
+        saved when due), what the sensor now knows it wrote, the next tick's feedback, the
+        problems and notes, and the frozen record and view the API reads."""
+        snapshot, plan = decided.snapshot, decided.plan
+        self.originals.forget_below(p for p in sensed.gone if not self.tree.exists(p))
+        self.record_originals(applied, plan, snapshot.vanished, tick=True)
         results = (*self._fast_results, *applied)  # the fast path's since the last tick too
         self._fast_results = []
         # what this plan wrote is known from now on (a newcomer the fast path wrote is read
@@ -286,12 +360,11 @@ class Reconciler:
             retry=frozenset(r.path for r in results if r.outcome is Outcome.FAILED),
             read_all=False,
         )
-        self.gpus.executor.apply(plan, snapshot, self.dry_run)
         self.problems.update(snapshot, plan, results)
         self.notes.update(plan.notes)
         self.last = TickRecord(
-            snapshot, plan, results, time.monotonic() - started, self.dry_run, assignments, modes,
-            self.peers(),
+            snapshot, plan, results, time.monotonic() - started, self.dry_run,
+            sensed.assignments, sensed.modes, self.peers(),
         )  # fmt: skip
         self._siblings = None
         self._lookups.clear()  # this tick asked the runtimes for whom it could
@@ -422,13 +495,6 @@ class Reconciler:
         share = self.spec.tenants[tenant].shares if tenant in self.spec.tenants else 1.0
         return self.feedback.usage.get(tenant, 0.0) / share
 
-    def exists(self, cgroup: str) -> bool:
-        try:
-            with self.tree.open(cgroup):
-                return True
-        except (CgroupVanished, NodeagentError):
-            return False
-
     # --- what was written ---------------------------------------------------------------
 
     def record_originals(
@@ -439,7 +505,8 @@ class Reconciler:
         tick: bool = False,
     ) -> None:
         """Note the writes just made with what they replaced, right after the executor made
-        them (before GPUs, observers or anything else that may hang); a first change of an
+        them (a tick's cgroup writes are the last of its act: no GPU call, observer or
+        anything else that may hang comes between); a first change of an
         attribute goes to the state's journal at once (nodeagent.state), so that release
         finds it after a crash. tuned records an old value before it sets the new one: here a
         kill between a write and this append loses that one original, which the next agent

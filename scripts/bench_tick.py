@@ -256,7 +256,7 @@ def bench_ticks(bench: Bench, state_dir: str, mode: str, sizes: list[int]) -> No
             agent.tick()  # rates now known; fair share settles
             with Counted() as counted:
                 ticks = steady_ticks(agent, REPS, busy)
-            workloads = [str(ROOT / w.path) for w in agent.last.snapshot.workloads]  # type: ignore[union-attr]
+            workloads = [str(ROOT / w.path) for w in agent.rec.last.snapshot.workloads]  # type: ignore[union-attr]
             reps = max(5, 2000 // n)
             stats = [f"{w}/cpu.stat" for w in workloads]
             cpu_stat, kept = floor_ms(stats, reps), kept_floor_ms(stats, reps)
@@ -297,7 +297,7 @@ def bench_ticks(bench: Bench, state_dir: str, mode: str, sizes: list[int]) -> No
             if bench.args.profile and n == max(sizes):
                 profiled(bench, agent, mode, n)
         finally:
-            agent.sensor.close()
+            agent.rec.sensor.close()
             clear(ROOT / MANAGED, procs)
 
 

@@ -215,6 +215,14 @@ class CgroupTree:
             raise NodeagentError(f"cannot open cgroup {path}: {e.strerror}") from e
         return fd
 
+    def exists(self, path: str) -> bool:
+        """Whether the cgroup at `path` is there now (one that cannot be opened is not)."""
+        try:
+            os.close(self.open_fd(path))
+        except (CgroupVanished, NodeagentError):
+            return False
+        return True
+
     def mkdir(self, path: str) -> bool:
         """Create one cgroup whose parent exists; False when it already existed."""
         parts = split_path(path)

@@ -236,7 +236,8 @@ class GpuService:
         self._spec = spec
         self._exists = exists
         self._workloads = workloads
-        self._uids = uids
+        self.uids = uids
+        """Whose a workload's processes are: `process_uids` over the host's /proc."""
         self._asked: queue.SimpleQueue[tuple[str, float]] = queue.SimpleQueue()
         """Status calls, from the API's threads, for the loop's next read."""
         self._not_owned: dict[str, tuple[str, ...]] = {}
@@ -292,7 +293,7 @@ class GpuService:
             except queue.Empty:
                 break
             asked[rid] = max(when, asked.get(rid, when))
-        return GpuReading(state, outside, gone, named, {p: self._uids(p) for p in paths}, asked)
+        return GpuReading(state, outside, gone, named, {p: self.uids(p) for p in paths}, asked)
 
     def decide(self, reading: GpuReading, gpu: GpuSettings, now: float) -> GpuDecisions:
         """This tick's decisions for the ledger, as a value (no I/O, no clock, nothing

@@ -184,7 +184,14 @@ def agent_routes(rec: Reconciler, config_path: str | None, agent: Lifecycle) -> 
                 " the node's workloads and counts what they use; run it as a pod instead"
             )
         body = parse(StartBody, request.body)
-        job = rec.jobs.start(body, request.peer, rec.spec, time.time(), rec.gpus.claim)
+        job = rec.jobs.start(
+            body,
+            request.peer,
+            rec.spec,
+            time.time(),
+            write_limits=rec.new_job,
+            claim_gpus=rec.gpus.claim,
+        )
         rec.saver.save()  # a restart must know the job before its next periodic save
         mine = next((h for h in rec.gpus.ledger.holds() if h.id == job.gpu_hold), None)
         env = {} if mine is None else environment(mine)

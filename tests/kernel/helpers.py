@@ -131,7 +131,7 @@ def running(policy: PolicySpec) -> Iterator[Agent]:
     loop = threading.Thread(target=a.run, daemon=True)
     loop.start()
     try:
-        assert wait_for(lambda: a.last is not None, timeout=60), "no first tick"
+        assert wait_for(lambda: a.rec.last is not None, timeout=60), "no first tick"
         yield a
     finally:
         a.stop.set()

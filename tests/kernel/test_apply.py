@@ -56,7 +56,7 @@ def test_weights_cpu_max_and_memory_limits_are_applied(
     a = agent(spec(managed, tmp_path, **TWO_TENANTS))
     a1, b1, b2 = _jobs(managed, "a-1", "b-1", "b-2")
     procs.extend(sleeper(p) for p in (a1, b1, b2))
-    a.registry.resync()
+    a.rec.registry.resync()
     record = a.tick()
 
     # budget 100 x 3 active = 300; a gets 2/3 on one cgroup, b 1/3 split over two
@@ -78,7 +78,7 @@ def test_an_unchanged_plan_writes_nothing(
     a = agent(spec(managed, tmp_path, **CAPPED))
     jobs = _jobs(managed, "x-1", "x-2")
     procs.extend(sleeper(p) for p in jobs)
-    a.registry.resync()
+    a.rec.registry.resync()
     first = a.tick()
     assert {(r.attribute, r.outcome) for r in first.results} == {
         (Attribute.CPU_MAX, Outcome.WRITTEN)
@@ -95,7 +95,7 @@ def test_drift_is_repaired(
     a = agent(spec(managed, tmp_path, agent={"resync_interval": 1}, **TWO_TENANTS))
     (a1,) = _jobs(managed, "a-1")
     procs.append(sleeper(a1))
-    a.registry.resync()
+    a.rec.registry.resync()
     a.tick()
     Path(a1, "cpu.max").write_text("max 100000")
     time.sleep(1.1)  # a resync interval: every workload's turn has come
@@ -110,14 +110,14 @@ def test_a_cgroup_that_vanishes_mid_tick_does_not_break_the_loop(
 ) -> None:
     a = agent(spec(managed, tmp_path, **CAPPED))
     a1, b1 = _jobs(managed, "a-1", "b-1")
-    a.registry.resync()
-    real_apply = a.executor.apply
+    a.rec.registry.resync()
+    real_apply = a.rec.executor.apply
 
     def apply_after_rmdir(*args: Any) -> list[WriteResult]:
         b1.rmdir()  # gone after it was sensed, before it is written
         return real_apply(*args)
 
-    monkeypatch.setattr(a.executor, "apply", apply_after_rmdir)
+    monkeypatch.setattr(a.rec.executor, "apply", apply_after_rmdir)
     record = a.tick()
     outcomes = {r.path.rsplit("/", 1)[1]: r.outcome for r in record.results}
     assert outcomes["b-1"] is Outcome.VANISHED
@@ -150,7 +150,7 @@ def test_memory_max_is_never_set_below_usage(
     hog = hog_memory(job, 64)
     procs.append(hog)
     assert wait_for(lambda: int(read(job, "memory.current")) > 60 * MiB, timeout=60)
-    a.registry.resync()
+    a.rec.registry.resync()
 
     record = a.tick()
     assert read(job, "memory.max") == "max", "memory.max must not go below usage"
@@ -181,7 +181,7 @@ def test_a_new_cgroup_gets_its_policy_without_waiting_for_the_resync(
     loop = threading.Thread(target=a.run, daemon=True)
     loop.start()
     try:
-        assert wait_for(lambda: a.last is not None, timeout=30)
+        assert wait_for(lambda: a.rec.last is not None, timeout=30)
         new = Path(ROOT, managed, "late-arrival")
         new.mkdir()
         assert wait_for(lambda: read(new, "cpu.max") == "50000 100000", timeout=10), (

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 from helpers import ROOT, running, spawn, spec, usage_us, wait_for
 
-from nodeagent.cgroupfs.values import Attribute
+from nodeagent.cgroupfs.values import Attribute, CpuWeight
+from nodeagent.daemon import Agent
 
 BURN = str(Path(__file__).parents[2] / "scripts" / "burn")
 # At a steady pace the set needs 0.71 + 0.71 + 0.55 = 1.96 of the 2 CPUs, and of what the
@@ -77,7 +78,7 @@ def test_three_jobs_only_strict_ordering_meets_are_all_met(
         for w in waiters:
             w.start()
         # the agent has planned them: c, due last, has the least weight
-        assert wait_for(lambda: agent.last is not None and _ranked(agent, managed), timeout=10)
+        assert wait_for(lambda: agent.rec.last is not None and _ranked(agent, managed), timeout=10)
         c_before, c_at = usage_us(paths["c"]), time.time()
         assert wait_for(lambda: bool(ends), timeout=60), "neither a nor b finished in 60 s"
         c_rate = (usage_us(paths["c"]) - c_before) / 1e6 / (time.time() - c_at)
@@ -94,12 +95,15 @@ def test_three_jobs_only_strict_ordering_meets_are_all_met(
         assert ends[n] <= due, f"job {n} finished at {ends[n]:.1f} s, deadline {due:.0f} s"
 
 
-def _ranked(agent: Any, managed: str) -> bool:
+def _ranked(agent: Agent, managed: str) -> bool:
     """The last tick planned the three jobs, c with the least weight."""
+    last = agent.rec.last
+    assert last is not None
     weights = {}
-    for cg in agent.last.plan.cgroups:
+    for cg in last.plan.cgroups:
         name = cg.path.rsplit("/", 1)[-1]
         target = cg.targets.get(Attribute.CPU_WEIGHT)
         if cg.path.startswith(managed) and name.startswith("d-") and target is not None:
+            assert isinstance(target.value, CpuWeight)
             weights[name] = target.value.value
     return len(weights) == 3 and weights["d-c"] < min(weights["d-a"], weights["d-b"])

@@ -81,7 +81,7 @@ def test_a_members_deadline_is_refused_where_its_class_takes_none(
     status, out = start_as_nobody(sock, due, SLEEP)  # batch, the default class
     assert status == 403, out
     assert "uid 65534" in out and "may not declare a deadline in class batch" in out, out
-    assert not (managed / "due").exists() and a.jobs.dump() == []
+    assert not (managed / "due").exists() and a.rec.jobs.dump() == []
     status, out = start_as_nobody(sock, {"name": "plain"}, SLEEP)
     assert status == 200, out  # without a deadline, as before
     # root's is the operator's word, through the real CLI
@@ -93,14 +93,14 @@ def test_a_members_deadline_is_refused_where_its_class_takes_none(
     try:
 
         def names() -> set[str]:
-            return {str(j["name"]) for j in a.jobs.dump()}
+            return {str(j["name"]) for j in a.rec.jobs.dump()}
 
         assert wait_for(lambda: "roots" in names(), timeout=120), root.stderr
         assert names() == {"plain", "roots"}
     finally:
         root.send_signal(signal.SIGTERM)
         root.communicate(timeout=60)
-        for job in a.jobs.dump():
+        for job in a.rec.jobs.dump():
             if job["name"] == "plain":
                 os.kill(int(job["pid"]), signal.SIGKILL)
 
@@ -115,12 +115,12 @@ def test_a_deadline_the_policy_schedules_throttles_and_freezes_nobody(
     body = {"name": "due", "class": "training", "deadline": time.time() + 60, "work": 1000}
     status, out = start_as_nobody(sock, body, SPIN)
     assert status == 200, out
-    (job,) = a.jobs.dump()
+    (job,) = a.rec.jobs.dump()
     try:
         cgroup = rel(managed / "due")
 
         def planned() -> bool:
-            last = a.last
+            last = a.rec.last
             return last is not None and any(
                 n.kind == "deadline-grant" and n.path == cgroup for n in last.plan.notes
             )
@@ -129,7 +129,7 @@ def test_a_deadline_the_policy_schedules_throttles_and_freezes_nobody(
         seen = []
         end = time.monotonic() + 15  # 30 ticks: enough for protection to freeze, if it would
         while time.monotonic() < end:
-            last = a.last
+            last = a.rec.last
             assert last is not None
             (note,) = [n for n in last.plan.notes if n.kind == "protection"]
             grants = [n for n in last.plan.notes if n.kind == "deadline-grant"]

@@ -62,7 +62,7 @@ def test_the_command_runs_in_its_cgroup_under_its_limits_from_the_start(
     )
     assert code == 0, err
     cgroup, cpu_max, memory_max = out.split("\n")[:3]
-    assert cgroup == "/" + a.spec.agent.managed_root + "/probe"
+    assert cgroup == "/" + a.rec.spec.agent.managed_root + "/probe"
     assert cpu_max == "50000 100000"
     assert memory_max == str(64 << 20)
     assert wait_for(lambda: not Path(ROOT + cgroup).exists(), timeout=90), "cgroup left behind"
@@ -74,7 +74,7 @@ def test_exit_status_and_signals_pass_through(daemon: tuple[Agent, str]) -> None
     assert finish(nodeagent_exec(sock, "--", "sh", "-c", "exit 7"))[0] == 7
     assert finish(nodeagent_exec(sock, "--", "sh", "-c", "kill -9 $$"))[0] == 128 + 9
     p = nodeagent_exec(sock, "--name", "sleeper", "--", "sleep", "300")
-    cgroup = Path(ROOT, daemon[0].spec.agent.managed_root, "sleeper")
+    cgroup = Path(ROOT, daemon[0].rec.spec.agent.managed_root, "sleeper")
     assert wait_for(lambda: cgroup.exists() and read(cgroup, "cgroup.procs") != "", timeout=180)
     p.send_signal(signal.SIGTERM)  # to exec: it passes it on
     code, _, err = finish(p)
@@ -103,7 +103,7 @@ def test_a_refused_job_never_runs(
     daemon: tuple[Agent, str], tmp_path: Path, args: list[str], message: str
 ) -> None:
     a, sock = daemon
-    Path(ROOT, a.spec.agent.managed_root, "taken").mkdir(exist_ok=True)
+    Path(ROOT, a.rec.spec.agent.managed_root, "taken").mkdir(exist_ok=True)
     marker = tmp_path / "ran"
     code, _, err = finish(nodeagent_exec(sock, *args, "--", "touch", str(marker)))
     assert code != 0
@@ -128,7 +128,7 @@ def test_a_deadline_job_is_planned_and_shown(daemon: tuple[Agent, str]) -> None:
         "--", "sh", "-c", "while :; do :; done",
     )  # fmt: skip
     try:
-        path = a.spec.agent.managed_root + "/due"
+        path = a.rec.spec.agent.managed_root + "/due"
 
         def shown() -> bool:
             data = client.get(sock, "/v1/allocations")
@@ -182,7 +182,7 @@ def test_a_restarted_daemon_keeps_managing_a_running_job(
         with running(policy) as again:
 
             def managed_as_the_job() -> bool:
-                last = again.last
+                last = again.rec.last
                 return last is not None and any(
                     cg.assignment is not None and cg.assignment.rule == "exec:long"
                     for cg in last.plan.cgroups

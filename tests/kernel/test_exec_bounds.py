@@ -45,7 +45,7 @@ class Node:
     """A directory uid 65534 may write to."""
 
     def job(self, name: str) -> Path:
-        return CGROUP_ROOT / self.agent.spec.agent.managed_root / name
+        return CGROUP_ROOT / self.agent.rec.spec.agent.managed_root / name
 
 
 @pytest.fixture(scope="module")

@@ -68,23 +68,25 @@ def test_the_child_sees_exactly_its_gpus(daemon: tuple[Agent, str]) -> None:
     assert p.returncode == 0, err
     env = dict(line.split("=", 1) for line in out.split())
     uuids = env["CUDA_VISIBLE_DEVICES"].split(",")
-    devices = {d.uuid: d for d in a.gpus.backend.inventory()}
+    devices = {d.uuid: d for d in a.rec.gpus.backend.inventory()}
     assert len(uuids) == 2 and all(u in devices for u in uuids)
-    nvlinked = a.gpus.backend.topology().link(devices[uuids[0]].index, devices[uuids[1]].index)
+    nvlinked = a.rec.gpus.backend.topology().link(devices[uuids[0]].index, devices[uuids[1]].index)
     assert nvlinked.nvlinks > 0, "two GPUs of one NVLink pair"
     assert env == {
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "CUDA_VISIBLE_DEVICES": ",".join(uuids),
         "NVIDIA_VISIBLE_DEVICES": ",".join(uuids),
     }
-    assert wait_for(lambda: not a.gpus.ledger.holds(), timeout=30), "given back at the end"
+    assert wait_for(lambda: not a.rec.gpus.ledger.holds(), timeout=30), "given back at the end"
 
 
 def test_a_request_that_does_not_fit_waits_and_says_so(daemon: tuple[Agent, str]) -> None:
     a, sock = daemon
     holder = exec_(sock, "--name", "all", "--gpus", "4", "--", "sleep", "300")
     try:
-        assert wait_for(lambda: any(h.kind == "job" for h in a.gpus.ledger.holds()), timeout=120)
+        assert wait_for(
+            lambda: any(h.kind == "job" for h in a.rec.gpus.ledger.holds()), timeout=120
+        )
         waiter = exec_(sock, "--name", "more", "--gpus", "1", "--gpu-timeout", "3s", "--", "true")
         _, err = waiter.communicate(timeout=120)
         assert waiter.returncode == 1
@@ -111,7 +113,7 @@ def test_a_gpu_other_processes_use_is_never_handed_out(
         p = exec_(sock, "--name", "one", "--gpus", "1", "--", "sh", "-c", show)
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
-        devices = {d.uuid: d.index for d in a.gpus.backend.inventory()}
+        devices = {d.uuid: d.index for d in a.rec.gpus.backend.inventory()}
         assert [devices[u] for u in out.strip().split(",")] == [1]
         five = exec_(sock, "--name", "five", "--gpus", "5", "--", "true")
         _, err = five.communicate(timeout=120)
@@ -131,9 +133,10 @@ def test_holds_survive_a_restart(cgroup_sandbox: Path, tmp_path: Path) -> None:
     sock = str(tmp_path / "api.sock")
     with running(policy) as a:
         p = exec_(sock, "--name", "keep", "--gpus", "1", "--", "sleep", "300")
-        claimed = lambda: any(h.owner == "keep" and h.kind == "job" for h in a.gpus.ledger.holds())  # noqa: E731
+        ledger = a.rec.gpus.ledger
+        claimed = lambda: any(h.owner == "keep" and h.kind == "job" for h in ledger.holds())  # noqa: E731
         assert wait_for(claimed, timeout=120)
-        before = a.gpus.ledger.holds()
+        before = a.rec.gpus.ledger.holds()
         a.save_state()
     saved = json.loads((tmp_path / "state.json").read_text())
     assert [g["owner"] for g in saved["gpus"]] == ["keep"]
@@ -141,17 +144,17 @@ def test_holds_survive_a_restart(cgroup_sandbox: Path, tmp_path: Path) -> None:
         with running(policy) as again:
             # the same holds; their times went through Unix time in the state file and back
             # to a new monotonic clock, so they agree to the clocks' difference, not exactly
-            assert [_timeless(h) for h in again.gpus.ledger.holds()] == [
+            assert [_timeless(h) for h in again.rec.gpus.ledger.holds()] == [
                 _timeless(h) for h in before
             ]
-            for h, was in zip(again.gpus.ledger.holds(), before, strict=True):
+            for h, was in zip(again.rec.gpus.ledger.holds(), before, strict=True):
                 for field in ("until", "since", "expected_end"):
                     now, then = getattr(h, field), getattr(was, field)
                     assert (now is None) == (then is None)
                     assert now is None or now == pytest.approx(then, abs=0.5)
             p.send_signal(signal.SIGTERM)
             p.communicate(timeout=60)
-            assert wait_for(lambda: not again.gpus.ledger.holds(), timeout=30)
+            assert wait_for(lambda: not again.rec.gpus.ledger.holds(), timeout=30)
             assert not Path(ROOT, managed, "keep").exists()
     finally:
         if p.poll() is None:

@@ -72,7 +72,7 @@ def test_cpu_split_follows_shares_not_cgroup_count(
     loop = threading.Thread(target=a.run, daemon=True)
     loop.start()
     try:
-        assert wait_for(lambda: a.last is not None and a.last.snapshot.seq >= 3, timeout=30)
+        assert wait_for(lambda: a.rec.last is not None and a.rec.last.snapshot.seq >= 3, timeout=30)
         with_agent = split(cgroups, WINDOW)
     finally:
         a.stop.set()

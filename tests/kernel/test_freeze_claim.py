@@ -60,7 +60,7 @@ class Agent:
         self.agent = open_agent(
             load_policy(str(self.policy)), CgroupTree(ROOT), config_path=str(self.policy)
         )
-        self.agent.executor.audit = self.audit
+        self.agent.rec.executor.audit = self.audit
         self.agent.prepare()
         self.loop = threading.Thread(target=self.agent.run, daemon=True)
         self.loop.start()
@@ -199,8 +199,8 @@ def test_a_workload_frozen_for_a_gpu_violation_is_thawed_when_its_rule_is_remove
     a = Agent(tmp_path, managed, base)
     agents.append(a)
     a.wait("v-1 frozen for its GPU violation", lambda: read(job, "cgroup.freeze") == "1")
-    a.wait("the tick's record", lambda: a.agent.last is not None)  # made after its writes
-    last = a.agent.last
+    a.wait("the tick's record", lambda: a.agent.rec.last is not None)  # made after its writes
+    last = a.agent.rec.last
     assert last is not None
     assert [n.fields["pid"] for n in last.plan.notes if n.kind == "gpu-violation"] == [stray.pid]
 
@@ -235,9 +235,9 @@ def test_a_container_scope_frozen_for_a_gpu_violation_is_thawed_through_systemd(
                         gpu=gpu)  # fmt: skip
 
         agent = open_agent(policy(docker), CgroupTree(str(host.cgroup)))
-        agent.executor.units = Systemd(bus_address=host.system_bus_address, timeout=30)
+        agent.rec.executor.units = Systemd(bus_address=host.system_bus_address, timeout=30)
         writes: list[tuple[str, str | None, str, str]] = []
-        agent.executor.audit = lambda path, attr, old, new, why: writes.append(
+        agent.rec.executor.audit = lambda path, attr, old, new, why: writes.append(
             (attr, old, new, why)
         )
         agent.prepare()

@@ -85,7 +85,7 @@ def test_another_uid_can_neither_release_nor_claim_roots_gpus(daemon: tuple[Agen
     try:
 
         def holds() -> set[tuple[str, str]]:
-            return {(h.owner, str(h.kind)) for h in a.gpus.ledger.holds()}
+            return {(h.owner, str(h.kind)) for h in a.rec.gpus.ledger.holds()}
 
         assert wait_for(lambda: ("train", "job") in holds(), timeout=120), job.stderr
         granted = client.post(str(sock), "/v1/gpus/requests", {"name": "held", "count": 1})
@@ -110,8 +110,8 @@ def test_another_uid_can_neither_release_nor_claim_roots_gpus(daemon: tuple[Agen
         assert status == 403 and "belongs to uid 0" in out, out
 
         assert {("train", "job"), ("held", "request")} <= holds()
-        assert {h.uid for h in a.gpus.ledger.holds() if h.owner in ("train", "held")} == {0}
-        assert not any(j["name"] == "steal" for j in a.jobs.dump())
+        assert {h.uid for h in a.rec.gpus.ledger.holds() if h.owner in ("train", "held")} == {0}
+        assert not any(j["name"] == "steal" for j in a.rec.jobs.dump())
     finally:
         job.send_signal(signal.SIGTERM)
         job.communicate(timeout=60)
@@ -141,7 +141,7 @@ def test_a_member_cannot_bind_a_reservation_to_another_users_container(
         assert status == 200, out
 
         def bound() -> dict[str, str | None]:
-            return {h.owner: h.cgroup for h in a.gpus.ledger.holds()}
+            return {h.owner: h.cgroup for h in a.rec.gpus.ledger.holds()}
 
         wait_until(lambda: bound().get("alice-web") == f"docker/{cid}", 120,
                    f"alice's reservation bound to docker/{cid}: {bound()}")  # fmt: skip

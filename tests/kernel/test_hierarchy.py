@@ -107,9 +107,9 @@ def test_tenant_split_holds_across_parents(
     loop = threading.Thread(target=agent.run, daemon=True)
     loop.start()
     try:
-        assert wait_for(lambda: agent.last is not None and agent.last.snapshot.seq >= 3, 60)
+        assert wait_for(lambda: agent.rec.last is not None and agent.rec.last.snapshot.seq >= 3, 60)
         with_agent = split({**cgroups, "other": [other]}, WINDOW) if measure else {}
-        record = agent.last
+        record = agent.rec.last
     finally:
         agent.stop.set()
         loop.join(timeout=10)

@@ -92,7 +92,7 @@ def test_names_the_kernel_allows_are_managed_and_logged_on_one_line(
         (base / name).mkdir()
     for raw in NOT_UTF8:
         os.mkdir(os.fsencode(base) + b"/" + raw)
-    a.registry.resync()
+    a.rec.registry.resync()
 
     records: list[TickRecord] = []
     lines = json_log_lines(lambda: records.append(a.tick()))
@@ -139,7 +139,7 @@ def test_the_kernel_refuses_a_newline_and_a_tree_with_one_is_still_managed(
         }.items():
             (d / f).write_text(text)
     a = open_agent(spec("managed", tmp_path, **capped("managed")), CgroupTree(str(root)))
-    a.registry.resync()
+    a.rec.registry.resync()
     records: list[TickRecord] = []
     lines = json_log_lines(lambda: records.append(a.tick()))
     for name in ("ok", "job\nx", "\n"):
@@ -176,7 +176,7 @@ def test_symlinks_planted_in_a_cgroup_are_never_followed(
     (planted / "cgroup.procs").write_text("")
     for f in ("cgroup.events", "cpu.stat", "cpu.max", "cpu.weight", "memory.max", "memory.high"):
         (planted / f).symlink_to(victim / f)
-    a.registry.resync()
+    a.rec.registry.resync()
 
     with structlog.testing.capture_logs() as events:
         record = a.tick()
@@ -261,7 +261,7 @@ def test_interface_files_with_unexpected_content_skip_only_their_cgroup(
         garbage = tmp_path / f"garbage-{n}"
         garbage.write_bytes(content)
         bind(garbage, job / name, mounts)
-    a.registry.resync()
+    a.rec.registry.resync()
 
     with structlog.testing.capture_logs() as events:
         record = a.tick()

@@ -49,7 +49,7 @@ def test_an_idle_workload_gets_its_limits_and_keeps_its_idleness(
         p.mkdir()
         procs.append(sleeper(p))
     (idle / "cpu.idle").write_text("1")
-    a.registry.resync()
+    a.rec.registry.resync()
     record = a.tick()
     assert not record.snapshot.skipped, record.snapshot.skipped
     assert read(idle, "memory.max") == str(64 * MiB)
@@ -68,7 +68,7 @@ def test_an_idle_workload_gets_its_limits_and_keeps_its_idleness(
         record.snapshot,
         workloads=tuple(replace(w, sample=CgroupSample()) for w in record.snapshot.workloads),
     )
-    results = a.executor.apply(record.plan, unread)
+    results = a.rec.executor.apply(record.plan, unread)
     (weight,) = [r for r in results if r.attribute is Attribute.CPU_WEIGHT and r.path == rel(hi)]
     assert weight.outcome is Outcome.READ_ONLY and weight.detail == IDLE
     assert read(hi, "cpu.weight") == "0" and read(hi, "cpu.idle") == "1"

@@ -51,14 +51,14 @@ def test_a_cgroup_removed_between_discovery_and_sensing(
 ) -> None:
     a = agent(spec(managed, tmp_path, **CAPPED))
     _, gone, _ = jobs(managed, "j-1", "j-2", "j-3")
-    a.registry.resync()
-    real = a.sensor.snapshot
+    a.rec.registry.resync()
+    real = a.rec.sensor.snapshot
 
     def remove_then_sense(*args: Any, **kwargs: Any) -> NodeSnapshot:
         gone.rmdir()  # discovered, then gone before it is read
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(a.sensor, "snapshot", remove_then_sense)
+    monkeypatch.setattr(a.rec.sensor, "snapshot", remove_then_sense)
     record = a.tick()
     assert record.snapshot.vanished == (rel(gone),)
     assert (
@@ -70,7 +70,9 @@ def test_a_cgroup_removed_between_discovery_and_sensing(
         }
     )
     assert Path(ROOT, managed, "j-1", "cpu.max").read_text().strip() == "100000 100000"
-    assert rel(gone) not in a.registry.workloads, "the registry forgets what the sensor found gone"
+    assert rel(gone) not in a.rec.registry.workloads, (
+        "the registry forgets what the sensor found gone"
+    )
 
 
 def test_unreadable_and_unparsable_files_skip_only_their_cgroup(
@@ -82,7 +84,7 @@ def test_unreadable_and_unparsable_files_skip_only_their_cgroup(
     # cgroup.kill is write-only: opening it for reading fails with EACCES, even for root
     bind(unreadable / "cgroup.kill", unreadable / "cpu.stat", mounts)
     bind(tmp_path / "garbage", unparsable / "memory.current", mounts)  # int("lots")
-    a.registry.resync()
+    a.rec.registry.resync()
 
     record = a.tick()
     skipped = {s.path: s.reason for s in record.snapshot.skipped}
@@ -111,16 +113,16 @@ def test_a_file_that_breaks_at_write_time_fails_that_write_only(
 ) -> None:
     a = agent(spec(managed, tmp_path, **CAPPED))
     _, bad = jobs(managed, "ok", "bad")
-    a.registry.resync()
+    a.rec.registry.resync()
     (tmp_path / "garbage").write_text("lots\n")
-    real = a.executor.apply
+    real = a.rec.executor.apply
 
     def break_then_apply(*args: Any) -> list[WriteResult]:
         # read fine when sensed; the memory guard re-reads memory.current before writing
         bind(tmp_path / "garbage", bad / "memory.current", mounts)
         return real(*args)
 
-    monkeypatch.setattr(a.executor, "apply", break_then_apply)
+    monkeypatch.setattr(a.rec.executor, "apply", break_then_apply)
     record = a.tick()
     outcomes = {(r.path.rsplit("/", 1)[1], r.attribute): r for r in record.results}
     failed = outcomes[("bad", Attribute.MEMORY_MAX)]
@@ -174,7 +176,7 @@ def test_fair_share_goes_on_for_a_tenant_with_a_skipped_cgroup(
     try:
         (tmp_path / "garbage").write_text("some x\n")
         bind(tmp_path / "garbage", a2 / "cpu.stat", mounts)
-        a.registry.resync()
+        a.rec.registry.resync()
         a.tick()
         # a-2 is skipped: a has one active workload of 3 shares against b's one of 1
         assert (a1 / "cpu.weight").read_text().strip() == "150"

@@ -123,9 +123,9 @@ def cgroup_of(policy: PolicySpec, name: str) -> Path:
 def reaped(a: Agent, policy: PolicySpec, name: str) -> bool:
     """Job `name` forgotten: no record, no cgroup, no GPU hold of its name."""
     return (
-        all(j.name != name for j in a.jobs.running())
+        all(j.name != name for j in a.rec.jobs.running())
         and not cgroup_of(policy, name).exists()
-        and all(h.owner != name for h in a.gpus.ledger.holds())
+        and all(h.owner != name for h in a.rec.gpus.ledger.holds())
     )
 
 
@@ -137,13 +137,14 @@ def test_a_job_whose_process_died_is_reaped_and_its_gpus_return(
         runs(child, "sleep")
         cgroup = cgroup_of(policy, "died")
         assert read(cgroup, "cgroup.procs") == str(child.pid)
-        assert [h.owner for h in a.gpus.ledger.holds()] == ["died"]
-        assert [h.id for h in a.gpus.ledger.holds()] == [job["gpu_hold"]]
+        assert [h.owner for h in a.rec.gpus.ledger.holds()] == ["died"]
+        assert [h.id for h in a.rec.gpus.ledger.holds()] == [job["gpu_hold"]]
         child.kill()
         assert child.wait(timeout=60) == -9
         assert wait_for(lambda: reaped(a, policy, "died"), REAPED_WITHIN_S), (
-            f"not reaped within {REAPED_WITHIN_S:.0f} s: jobs {[j.name for j in a.jobs.running()]},"
-            f" cgroup there: {cgroup.exists()}, holds {[h.owner for h in a.gpus.ledger.holds()]}"
+            f"not reaped within {REAPED_WITHIN_S:.0f} s:"
+            f" jobs {[j.name for j in a.rec.jobs.running()]}, cgroup there: {cgroup.exists()},"
+            f" holds {[h.owner for h in a.rec.gpus.ledger.holds()]}"
         )
         assert client.get(policy.agent.socket, "/v1/jobs") == {"jobs": []}
 
@@ -162,12 +163,12 @@ def test_a_job_that_ended_while_the_agent_was_down_is_reaped_at_its_first_tick(
     assert wait_for(lambda: "populated 0" in read(cgroup, "cgroup.events"), 30), "emptied"
 
     again = agent(policy)  # restored from the state file; not a tick yet
-    assert [j.name for j in again.jobs.running()] == ["away"], "restored: its cgroup is there"
-    assert [h.id for h in again.gpus.ledger.holds()] == [job["gpu_hold"]], "its hold restored"
+    assert [j.name for j in again.rec.jobs.running()] == ["away"], "restored: its cgroup is there"
+    assert [h.id for h in again.rec.gpus.ledger.holds()] == [job["gpu_hold"]], "its hold restored"
     again.tick()
     assert reaped(again, policy, "away"), (
-        f"first tick left jobs {[j.name for j in again.jobs.running()]}, cgroup there:"
-        f" {cgroup.exists()}, holds {[h.owner for h in again.gpus.ledger.holds()]}"
+        f"first tick left jobs {[j.name for j in again.rec.jobs.running()]}, cgroup there:"
+        f" {cgroup.exists()}, holds {[h.owner for h in again.rec.gpus.ledger.holds()]}"
     )
     again.save_state()
     saved = json.loads(Path(policy.agent.state_file).read_text())
@@ -192,8 +193,8 @@ def test_a_job_whose_exec_failed_is_reaped_and_holds_nothing(
         for name in ("missing", "denied"):
             assert wait_for(partial(reaped, a, policy, name), REAPED_WITHIN_S), (
                 f"{name} not reaped within {REAPED_WITHIN_S:.0f} s: jobs"
-                f" {[j.name for j in a.jobs.running()]}, cgroup there:"
+                f" {[j.name for j in a.rec.jobs.running()]}, cgroup there:"
                 f" {cgroup_of(policy, name).exists()},"
-                f" holds {[h.owner for h in a.gpus.ledger.holds()]}"
+                f" holds {[h.owner for h in a.rec.gpus.ledger.holds()]}"
             )
-        assert not a.gpus.ledger.holds() and not a.gpus.ledger.queue(), "nothing held"
+        assert not a.rec.gpus.ledger.holds() and not a.rec.gpus.ledger.queue(), "nothing held"

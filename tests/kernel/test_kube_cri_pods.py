@@ -105,7 +105,7 @@ def test_cri_pods_tenant_from_namespace_class_from_annotations_and_a_claim_refus
         ), kept
         assert (proxy.containers["kube-proxy"].cgroup / "cpu.max").read_text() == "max 100000\n"
         assert (train.containers["trainer"].cgroup / "cpu.max").read_text() == "50000 100000\n"
-        assert agent.kube is not None
-        agent.kube.close()
+        assert agent.rec.kube is not None
+        agent.rec.kube.close()
     finally:
         r.remove_pods()

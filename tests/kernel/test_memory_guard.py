@@ -74,7 +74,7 @@ def test_memory_max_of_a_systemd_scope_never_goes_below_its_usage(
                     "limits": {"memory_max": f"{TARGET // MIB}Mi"}}],
         )  # fmt: skip
         agent = open_agent(policy, CgroupTree(str(host.cgroup)))
-        agent.executor.units = Systemd(bus_address=host.system_bus_address, timeout=30)
+        agent.rec.executor.units = Systemd(bus_address=host.system_bus_address, timeout=30)
         agent.prepare()
 
         def never_below_usage(when: str) -> None:

@@ -57,7 +57,7 @@ def test_tightening_goes_bottom_up_and_loosening_top_down(
     def record(p: str, attribute: str, old: str | None, new: str, reason: str) -> None:
         order.append((str(Path(p).parent.relative_to(root)), new))
 
-    agent.executor.audit = record
+    agent.rec.executor.audit = record
     agent.tick()
     assert [o for o in order if o[1] != "100"] == [
         (CONTAINER, "150000 100000"),
@@ -65,7 +65,7 @@ def test_tightening_goes_bottom_up_and_loosening_top_down(
     ], "tightening from 'max' must write the child before the parent"
 
     order.clear()
-    agent.spec = spec("managed", tmp_path, **_limits(4, 3))
+    agent.rec.spec = spec("managed", tmp_path, **_limits(4, 3))
     agent.tick()
     assert order == [(POD, "400000 100000"), (CONTAINER, "300000 100000")], (
         "loosening must write the parent before the child"

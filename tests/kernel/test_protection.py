@@ -76,7 +76,7 @@ def test_lower_classes_are_throttled_while_inference_stalls_and_released_after(
     )
     with running(p) as a:
         what = "4 ticks with the batch cgroups busy and nothing stalling"
-        wait_until(lambda: a.last is not None and a.last.snapshot.seq >= 4, 60, what)
+        wait_until(lambda: a.rec.last is not None and a.rec.last.snapshot.seq >= 4, 60, what)
         assert all(quota(b) is None for b in batch), "no stall yet: no throttle"
         stalled = [busy(infer), busy(infer)]  # two busy threads against three: it waits
         procs += stalled
@@ -179,8 +179,8 @@ def test_the_earliest_deadline_wins(
         rules=[job("d-early", 100, 75), job("d-late", 120, 90), BATCH],
     )
     with running(p) as a:
-        assert wait_for(lambda: a.last is not None and a.last.snapshot.seq >= 3, timeout=60)
-        notes = {n.path: n for n in a.last.plan.notes if n.kind == "deadline"}  # type: ignore[union-attr]
+        assert wait_for(lambda: a.rec.last is not None and a.rec.last.snapshot.seq >= 3, timeout=60)
+        notes = {n.path: n for n in a.rec.last.plan.notes if n.kind == "deadline"}  # type: ignore[union-attr]
         assert notes[rel(early)].status == "on-track"
         assert notes[rel(late)].status == "predicted-miss"
         weights = {

@@ -166,7 +166,7 @@ def test_a_users_look_alike_of_a_rootful_podman_container_takes_nothing_of_its_i
     try:
         check(both_claimed(agent, paths), *paths)
     finally:
-        agent.runtimes.close()
+        agent.rec.runtimes.close()
     asked = [r for r in root_podman.requests if CID in r]
     assert len(asked) == 1, f"root's podman asked about the id more than once: {asked}"
 
@@ -180,4 +180,4 @@ def test_a_users_look_alike_of_a_rootful_podman_container_takes_nothing_of_its_i
     try:
         check(both_claimed(agent, paths), *paths)
     finally:
-        agent.runtimes.close()
+        agent.rec.runtimes.close()

@@ -88,7 +88,7 @@ def make_agent(
     host = getattr(r.place, "host", None)
     agent = open_agent(policy, CgroupTree(str(r.sandbox_root)))
     if host is not None:
-        agent.executor.units = Systemd(bus_address=host.system_bus_address, timeout=30)
+        agent.rec.executor.units = Systemd(bus_address=host.system_bus_address, timeout=30)
     agent.prepare()
     return agent
 
@@ -357,7 +357,7 @@ def test_dockerd_stopped_mid_run_and_restarted(
             record = later.tick()
             i = identity_of(record, r, labelled.cgroup)
             assert record.assignments[i.path].rule == "by-path", "managed by path meanwhile"
-            why = unmatched_for_metadata(i, later.spec)
+            why = unmatched_for_metadata(i, later.rec.spec)
             assert why and why[0].startswith(
                 "rule by-label needs runtime metadata: docker does not answer"
             ), why
@@ -366,7 +366,7 @@ def test_dockerd_stopped_mid_run_and_restarted(
                 later, lambda rec: rec.assignments[i.path].rule == "by-label", timeout=120,
                 what="its metadata after the restart",
             )  # fmt: skip
-            ticks_until(agent, lambda _: agent.runtimes.status()["docker"]["answering"],
+            ticks_until(agent, lambda _: agent.rec.runtimes.status()["docker"]["answering"],
                         what="the first agent to find dockerd back")  # fmt: skip
         assert read(labelled.cgroup, "cpu.max") == "50000 100000"
         said = [
@@ -497,13 +497,15 @@ def test_a_label_rule_caps_a_starting_container_from_the_fast_path_without_a_tim
     with structlog.testing.capture_logs() as logs:
         loop.start()
         try:
-            assert wait_for(lambda: agent.last is not None, timeout=120), "no first tick"
+            assert wait_for(lambda: agent.rec.last is not None, timeout=120), "no first tick"
             for n in range(3):
                 made.append(run(f"starting-{n}", "--label", "start=now"))
                 c = made[-1]
                 capped = wait_for(functools.partial(is_capped, c.cgroup), 60)
                 assert capped, f"{c.name}: cpu.max {read(c.cgroup, 'cpu.max')!r} after 60 s"
-            assert agent.last is not None and agent.last.snapshot.seq == 1, "no tick came between"
+            assert agent.rec.last is not None and agent.rec.last.snapshot.seq == 1, (
+                "no tick came between"
+            )
         finally:
             agent.stop.set()
             loop.join(60)

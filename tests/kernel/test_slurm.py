@@ -317,7 +317,7 @@ def agent_for(host: SystemdHost, slurm: Slurm, tmp_path: Path, **settings: Any) 
         rules=RULES,
     )
     agent = open_agent(policy, CgroupTree(str(host.cgroup)))
-    agent.executor.units = Systemd(bus_address=host.system_bus_address, timeout=30)
+    agent.rec.executor.units = Systemd(bus_address=host.system_bus_address, timeout=30)
     agent.rec.slurm = SlurmJobs(slurm.squeue)
     agent.prepare()
     return agent
@@ -384,7 +384,7 @@ def test_a_job_is_found_with_its_slurm_account_counted_and_left_alone(
         agent = agent_for(host, slurm, tmp_path)
         records, writes = ticks(agent, 4)
         last = records[-1]
-        found = {i.path: i for i in agent.registry.identities()}
+        found = {i.path: i for i in agent.rec.registry.identities()}
         a_path, b_path = host.inner(job_a)[1:], host.inner(job_b)[1:]
         assert found[a_path].job_id == busy and found[b_path].job_id == idle
         rows = {r["cgroup"]: r for r in allocations(last)["allocations"]}
@@ -456,7 +456,7 @@ def test_slurm_not_answering_is_one_line_and_rules_without_accounts_still_claim_
         assert said.startswith(f"/usr/bin/squeue --jobs={job}: exited 1: "), said
         assert "\n" not in str(event["error"])
         assert record.assignments[host.inner(cgroup)[1:]].tenant == "other"
-        assert agent.slurm.problem == event["error"]
+        assert agent.rec.slurm.problem == event["error"]
     finally:
         host.systemctl("start", "slurmctld.service", check=False)
         slurm.cancel(job)

@@ -45,9 +45,11 @@ def test_a_docker_scope_is_managed_through_systemd(
                     "limits": {"cpu_max": 0.333, "memory_max": "256Mi"}}],
         )  # fmt: skip
         agent = open_agent(policy, CgroupTree(str(host.cgroup)))
-        agent.executor.units = Systemd(bus_address=host.system_bus_address, timeout=30)
+        agent.rec.executor.units = Systemd(bus_address=host.system_bus_address, timeout=30)
         writes: list[tuple[str, str | None, str]] = []
-        agent.executor.audit = lambda path, attr, old, new, reason: writes.append((attr, old, new))
+        agent.rec.executor.audit = lambda path, attr, old, new, reason: writes.append(
+            (attr, old, new)
+        )
         agent.prepare()
 
         record = agent.tick()
@@ -97,7 +99,7 @@ def test_a_scope_made_idle_gets_its_limits_and_stays_idle(
                     "limits": {"memory_max": "256Mi"}}],
         )  # fmt: skip
         agent = open_agent(policy, CgroupTree(str(host.cgroup)))
-        agent.executor.units = Systemd(bus_address=host.system_bus_address, timeout=30)
+        agent.rec.executor.units = Systemd(bus_address=host.system_bus_address, timeout=30)
         agent.prepare()
         record = agent.tick()
         assert not [s for s in record.snapshot.skipped if s.path.endswith(unit)]
@@ -212,7 +214,7 @@ def test_names_in_a_users_delegated_tree_never_reach_the_system_managers_units(
             ],
         )  # fmt: skip
         agent = open_agent(policy, CgroupTree(str(host.cgroup)))
-        agent.executor.units = RecordingSystemd(bus_address=host.system_bus_address, timeout=30)
+        agent.rec.executor.units = RecordingSystemd(bus_address=host.system_bus_address, timeout=30)
         agent.prepare()
         with capture_logs() as logs:
             first = agent.tick()
@@ -221,10 +223,15 @@ def test_names_in_a_users_delegated_tree_never_reach_the_system_managers_units(
 
         claimed = {host.inner(p)[1:] for p in (rootless, user_dbus, hand_made, real)}
         assert claimed <= {cg.path for cg in first.plan.cgroups}, "all four are claimed"
-        assert not set(agent.executor.units.written) & set(victims), agent.executor.units.written
+        assert not set(agent.rec.executor.units.written) & set(victims), (
+            agent.rec.executor.units.written
+        )
         after = {u: as_it_is(host, u, cg) for u, cg in victims.items()}
         assert after == before, "their properties and files are as they were"
-        for cgroup, unit in agent.executor.units.units_given:  # levels included (user.slice, ...)
+        for (
+            cgroup,
+            unit,
+        ) in agent.rec.executor.units.units_given:  # levels included (user.slice, ...)
             owns = host.systemctl("show", unit, "-p", "ControlGroup").stdout.strip()
             assert owns == f"ControlGroup=/{cgroup}", f"{unit} was given for {cgroup}"
 
@@ -248,7 +255,7 @@ def test_names_in_a_users_delegated_tree_never_reach_the_system_managers_units(
         assert read(hand_made, "cpu.max") == "max 100000"
         # and the real docker scope, through its own unit
         assert read(real, "cpu.max") == "50000 100000"
-        assert real_docker in agent.executor.units.written
+        assert real_docker in agent.rec.executor.units.written
     finally:
         for p in procs:
             p.kill()

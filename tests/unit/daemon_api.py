@@ -11,6 +11,7 @@ the Refused (and status) the client would get, and anything else would have been
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import textwrap
@@ -26,6 +27,7 @@ from nodeagent.api.wire import encode
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree
 from nodeagent.daemon import Agent, open_agent
 from nodeagent.errors import Refused
+from nodeagent.gpualloc.service import process_uids
 from nodeagent.policyfile.model import PolicySpec
 
 ROOT = Peer(pid=3000, uid=0, gid=0, groups=frozenset())
@@ -167,7 +169,7 @@ class Daemon:
         set_populated(cgroup)
 
     def holds(self) -> list[tuple[str, str]]:
-        return sorted((str(h.owner), str(h.kind)) for h in self.agent.gpus.ledger.holds())
+        return sorted((str(h.owner), str(h.kind)) for h in self.agent.rec.gpus.ledger.holds())
 
     def jobs(self) -> list[str]:
         return sorted(j["name"] for j in self.call(ROOT, "GET", "/v1/jobs")["jobs"])
@@ -193,18 +195,21 @@ def daemon(tmp_path: Path, policy: Mapping[str, Any] | None = None, gpus: str = 
     agent = open_agent(spec, FilesTree(str(root)))
     proc = tmp_path / "proc"
     proc.mkdir(exist_ok=True)
-    agent.jobs.proc_root = str(proc)
-    agent.jobs.open_process = lambda pid: AlwaysAlive()
+    agent.rec.jobs.proc_root = str(proc)
+    agent.rec.gpus.uids = functools.partial(process_uids, agent.rec.tree.root, proc_root=str(proc))
+    agent.rec.jobs.open_process = lambda pid: AlwaysAlive()
     agent.tick()  # reads the GPUs
-    assert agent.gpus.state is not None, "the simulated GPUs were read"
+    assert agent.rec.gpus.state is not None, "the simulated GPUs were read"
     return Daemon(agent, root, proc)
 
 
 def restart(d: Daemon) -> Daemon:
     """The same daemon started again on its state file."""
-    agent = open_agent(d.agent.spec, FilesTree(str(d.root)))
-    agent.jobs.proc_root = str(d.proc)
-    agent.jobs.open_process = lambda pid: AlwaysAlive()
+    agent = open_agent(d.agent.rec.spec, FilesTree(str(d.root)))
+    agent.rec.jobs.proc_root = str(d.proc)
+    uids = functools.partial(process_uids, agent.rec.tree.root, proc_root=str(d.proc))
+    agent.rec.gpus.uids = uids
+    agent.rec.jobs.open_process = lambda pid: AlwaysAlive()
     agent.tick()
     return Daemon(agent, d.root, d.proc, d._next_pid)
 

@@ -65,7 +65,7 @@ def test_every_route_answers_its_model(tmp_path: Path) -> None:
     status = served(d, answers.Status, "GET", "/v1/status", ROOT)
     assert status.tick == 1 and status.workloads == 0
     assert status.peers == [], "nothing outside the agent asked yet"
-    assert status.policy_sha256 == digest(d.agent.spec)
+    assert status.policy_sha256 == digest(d.agent.rec.spec)
     granted = served(d, answers.GpuGrant, "POST", "/v1/gpus/requests",
                      body={"name": "train", "count": 1})  # fmt: skip
     assert granted.status == "granted" and granted.uuids and granted.position is None

@@ -25,19 +25,19 @@ def test_a_read_during_a_tick_sees_the_previous_tick_whole(
     apply = d.agent.rec.executor.apply
 
     def held_apply(*args: Any, **kwargs: Any) -> Any:
-        """Act, once the tick has sensed (and reaped the job) and planned: the test reads
+        """The writes, once the tick has sensed, planned and reaped the job: the test reads
         while the loop is here."""
         midway.set()
         assert go_on.wait(30), "the test never let the tick go on"
         return apply(*args, **kwargs)
 
     monkeypatch.setattr(d.agent.rec.executor, "apply", held_apply)
-    d.exit("a")  # its command exited: this tick's sense reaps the job
+    d.exit("a")  # its command exited: this tick's act reaps the job, before its writes
     tick = threading.Thread(target=d.agent.tick)
     tick.start()
     try:
         assert midway.wait(30), "the tick never reached its writes"
-        assert d.agent.jobs.running() == [], "the loop has already reaped the job"
+        assert d.agent.rec.jobs.running() == [], "the loop has already reaped the job"
         during = d.call(ROOT, "GET", "/v1/status")
         keys = ("tick", "tick_time", "workloads", "deadline_misses", "runtimes")
         assert {k: during[k] for k in keys} == {k: status[k] for k in keys}

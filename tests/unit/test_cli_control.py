@@ -112,7 +112,7 @@ def running(tmp_path: Path) -> Iterator[Running]:
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()
     try:
-        assert wait_for(lambda: agent.last is not None), "the loop's first tick"
+        assert wait_for(lambda: agent.rec.last is not None), "the loop's first tick"
         yield state
     finally:
         agent.stop.set()
@@ -140,7 +140,7 @@ def test_a_bad_file_fails_reload_with_its_problem_and_the_daemon_keeps_its_polic
     with the daemon's FILE:LINE:COL line, the policy in force stays, and the metric (whose
     alert is NodeagentConfigReloadFailed) reads 0."""
     agent, policy = running.agent, running.policy
-    before = agent.spec
+    before = agent.rec.spec
     policy.write_text(running.text(BAD_SHARES))
     proc = nodeagent("reload", "--socket", running.socket, "--config", str(policy))
     assert proc.returncode == 1, proc.stderr
@@ -154,7 +154,7 @@ def test_a_bad_file_fails_reload_with_its_problem_and_the_daemon_keeps_its_polic
         f"nodeagent: error: the daemon on {running.socket} refused the file (1 problem,"
         " above) and keeps its last good policy"
     )
-    assert agent.spec is before
+    assert agent.rec.spec is before
     assert agent.last_reload[0] is False
     assert reload_metric(agent) == 0
     assert agent.reload_outcome is not None and agent.reload_outcome.problems == tuple(
@@ -180,7 +180,7 @@ def test_a_good_file_is_applied_on_the_loops_thread_and_reload_exits_0(
     assert proc.stdout == (
         f"{policy}: reloaded (2 tenants, 0 rules; sha256 {agent.policy_sha256[:12]})\n"
     )
-    assert set(agent.spec.tenants) == {"research", "prod"}
+    assert set(agent.rec.spec.tenants) == {"research", "prod"}
     assert threads == running.loop, "the reload ran on the loop's thread"
     assert agent.last_reload[0] is True and reload_metric(agent) == 1
 
@@ -229,7 +229,7 @@ def test_reload_of_another_file_than_the_daemons_is_refused(running: Running) ->
         f"nodeagent: error: this daemon runs with {running.policy}, not {other}: reload its"
         f" own file, or restart it with --config {other}\n"
     )
-    assert set(running.agent.spec.tenants) == {"research"}
+    assert set(running.agent.rec.spec.tenants) == {"research"}
     assert running.agent.reload_outcome is None, "nothing was read"
 
 
@@ -242,7 +242,7 @@ def test_only_root_may_reload(running: Running) -> None:
         "nodeagent: error: only root may reload the daemon's policy (sudo nodeagent reload,"
         " or systemctl reload nodeagent)\n"
     )
-    assert set(running.agent.spec.tenants) == {"research"}
+    assert set(running.agent.rec.spec.tenants) == {"research"}
 
 
 def test_reload_without_a_daemon_is_one_line(tmp_path: Path) -> None:
@@ -330,7 +330,7 @@ def test_status_lists_a_refused_reload_and_exits_1_but_not_for_missed_deadlines(
 
     def miss() -> None:
         """On the loop's thread, as a job's end is; it publishes the count for the reads."""
-        agent.notes.missed("nodeagent.slice/late", 1.0)
+        agent.rec.notes.missed("nodeagent.slice/late", 1.0)
         agent.rec.publish()
 
     agent.commands.call(miss)

@@ -131,11 +131,11 @@ def test_the_agent_runs_what_changes_state_on_its_loop_and_reads_on_the_api_thre
     agent = open_agent(spec, CgroupTree(str(root)))
     seen: dict[str, int] = {}
 
-    def record(*_: object) -> object:
+    def record(*_: object, **__: object) -> object:
         seen["start"] = threading.get_ident()
         raise Conflict("recorded")
 
-    monkeypatch.setattr(agent.jobs, "start", record)
+    monkeypatch.setattr(agent.rec.jobs, "start", record)
     routes = agent.routes()
     loop = threading.Thread(target=agent.run)
     loop.start()

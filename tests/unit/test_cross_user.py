@@ -105,9 +105,9 @@ def test_a_waiting_request_is_cancelled_only_by_its_asker(d: Daemon) -> None:
     assert waiting["status"] == "waiting"
     e = d.refused(BOB, "DELETE", "/v1/gpus/requests", {"id": waiting["id"]})
     assert isinstance(e, Forbidden)
-    assert [w.owner for w in d.agent.gpus.ledger.queue()] == ["later"]
+    assert [w.owner for w in d.agent.rec.gpus.ledger.queue()] == ["later"]
     d.call(ALICE, "DELETE", "/v1/gpus/requests", {"id": waiting["id"]})
-    assert d.agent.gpus.ledger.queue() == []
+    assert d.agent.rec.gpus.ledger.queue() == []
 
 
 def test_the_queue_shows_request_ids_to_their_asker_and_root_only(d: Daemon) -> None:
@@ -159,11 +159,11 @@ def test_a_reservation_binds_only_to_its_named_container(tmp_path: Path) -> None
     got = reserve(d, ROOT, "web", 2, container=CID[:12])
     # then the stranger starts a CUDA process on a reserved GPU, to capture the reservation
     # (a GPU busy before the reserve would not be placed at all)
-    backend = d.agent.gpus.backend
+    backend = d.agent.rec.gpus.backend
     stranger = parse_node(textwrap.dedent(GPUS + STRANGER), "stranger.yaml")
     backend._node = stranger  # type: ignore[attr-defined]
     d.agent.tick()
-    (hold,) = d.agent.gpus.ledger.holds()
+    (hold,) = d.agent.rec.gpus.ledger.holds()
     assert hold.cgroup is None, "not captured by the first process on its GPUs"
     assert got["container"] == CID[:12]
     violations = [v for g in d.call(ROOT, "GET", "/v1/gpus")["gpus"] for v in g["violations"]]
@@ -171,18 +171,18 @@ def test_a_reservation_binds_only_to_its_named_container(tmp_path: Path) -> None
     # another user's delegated subtree holds a cgroup named like the container: not bound
     theirs = f"user.slice/user-1001.slice/user@1001.service/app.slice/libpod-{CID}.scope"
     mkdirs(d.root, theirs)
-    d.agent.registry.resync()
+    d.agent.rec.registry.resync()
     d.agent.tick()
-    assert d.agent.gpus.ledger.holds()[0].cgroup is None
+    assert d.agent.rec.gpus.ledger.holds()[0].cgroup is None
     # the container itself appears: bound to it
     real = f"system.slice/docker-{CID}.scope"
     mkdirs(d.root, real)
-    d.agent.registry.resync()
+    d.agent.rec.registry.resync()
     d.agent.tick()
-    assert d.agent.gpus.ledger.holds()[0].cgroup == real
+    assert d.agent.rec.gpus.ledger.holds()[0].cgroup == real
     # and released when it goes
     shutil.rmtree(d.root / real)
-    d.agent.registry.resync()
+    d.agent.rec.registry.resync()
     d.agent.tick()
     assert d.holds() == []
 
@@ -190,11 +190,11 @@ def test_a_reservation_binds_only_to_its_named_container(tmp_path: Path) -> None
 def test_a_users_reservation_binds_in_their_own_subtree_only(d: Daemon) -> None:
     mine = f"user.slice/user-1001.slice/user@1001.service/app.slice/libpod-{CID}.scope"
     mkdirs(d.root, mine, "user.slice/user-1001.slice/session-3.scope")
-    d.agent.registry.resync()
+    d.agent.rec.registry.resync()
     reserve(d, BOB, "pod", container=CID)
     reserve(d, ALICE, "same", container=CID)
     d.agent.tick()
-    bound = {h.owner: h.cgroup for h in d.agent.gpus.ledger.holds()}
+    bound = {h.owner: h.cgroup for h in d.agent.rec.gpus.ledger.holds()}
     assert bound == {"pod": mine, "same": None}
 
 
@@ -205,9 +205,9 @@ def test_a_reservation_without_a_container_is_named_later_by_its_uid(d: Daemon) 
     assert isinstance(e, Forbidden)
     d.call(ALICE, "POST", attach, {"name": "web", "container": CID})
     d.run_in(ALICE, f"system.slice/docker-{CID}.scope")  # alice's own container
-    d.agent.registry.resync()
+    d.agent.rec.registry.resync()
     d.agent.tick()
-    assert d.agent.gpus.ledger.holds()[0].cgroup == f"system.slice/docker-{CID}.scope"
+    assert d.agent.rec.gpus.ledger.holds()[0].cgroup == f"system.slice/docker-{CID}.scope"
 
 
 # --- 5: tenants of GPU requests -------------------------------------------------------------
@@ -225,7 +225,7 @@ def test_a_grant_is_claimed_only_for_its_tenant_and_class(d: Daemon) -> None:
         e = refused_start(d, ROOT, "t", gpu_request=grant["id"], **other)
         assert isinstance(e, Conflict) and "was granted for tenant 'research'" in str(e)
     d.start(ROOT, "t", gpu_request=grant["id"], tenant="research", **{"class": "batch"})
-    (hold,) = d.agent.gpus.ledger.holds()
+    (hold,) = d.agent.rec.gpus.ledger.holds()
     assert (hold.tenant, hold.workload_class, hold.kind) == ("research", "batch", "job")
 
 
@@ -269,21 +269,21 @@ def test_access_entries_grant_pairs_by_user_or_group(tmp_path: Path) -> None:
 
 def test_a_stale_removal_leaves_a_same_named_successor_alone(d: Daemon) -> None:
     gpu_job(d, ALICE, "train")
-    first = d.agent.jobs._jobs["train"]  # what the loop's reap looked at, before ...
+    first = d.agent.rec.jobs._jobs["train"]  # what the loop's reap looked at, before ...
     d.exit("train")
     d.call(ALICE, "DELETE", "/v1/jobs", {"name": "train", "exit_status": 0})  # ... finish won
     shutil.rmtree(d.root / "nodeagent.slice" / "train")
     gpu_job(d, ALICE, "train")  # a successor of the same name, with GPUs
     d.exit("train")  # its command has exited; its exec has not said so yet
     ended: list[str] = []
-    inner = d.agent.jobs.on_end
+    inner = d.agent.rec.jobs.on_end
 
     def on_end(job: Job) -> None:
         ended.append(job.name)
         inner(job)
 
-    d.agent.jobs.on_end = on_end
-    d.agent.jobs._remove_if_empty(first, None)  # the loop's stale removal of the first
+    d.agent.rec.jobs.on_end = on_end
+    d.agent.rec.jobs._remove_if_empty(first, None)  # the loop's stale removal of the first
     assert d.jobs() == ["train"], "the successor is still known"
     assert d.holds() == [("train", "job")], "and keeps its GPUs"
     assert ended == []
@@ -328,7 +328,7 @@ def test_an_ask_does_not_place_the_whole_queue_again(d: Daemon, monkeypatch: Any
     assert len(calls) <= 1
     d.call(ROOT, "DELETE", "/v1/gpus/requests", {"id": d.ask(ROOT, "probe")["id"]})
     calls.clear()
-    granted = d.agent.gpus.ledger._granted.items()
+    granted = d.agent.rec.gpus.ledger._granted.items()
     unclaimed = next(r for r, a in granted if a.hold and a.hold.owner == "all")
     d.call(ROOT, "DELETE", "/v1/gpus/requests", {"id": unclaimed})  # two GPUs free up
     d.agent.tick()
@@ -361,5 +361,5 @@ def test_a_class_that_schedules_declared_deadlines_takes_a_members(tmp_path: Pat
     due = {"deadline": time.time() + 60, "work": 1000}
     grant = d.ask(ALICE, "x", **due)
     d.start(ALICE, "x", gpu_request=grant["id"], **due)
-    (job,) = d.agent.jobs.running()
+    (job,) = d.agent.rec.jobs.running()
     assert job.assignment().declared == "uid 1000 through nodeagent exec"

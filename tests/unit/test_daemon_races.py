@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,8 @@ def test_a_later_save_is_never_replaced_by_an_earlier_one(
     loop = threading.Thread(target=agent.save_state)
     loop.start()
     assert writing.wait(10)
-    agent.usage = {"t": 42.0}  # what changed after the loop's save had read the state
+    # what changed after the loop's save had read the state
+    agent.rec.feedback = replace(agent.rec.feedback, usage={"t": 42.0})
     api = threading.Thread(target=agent.save_state)
     api.start()
     api.join(0.3)

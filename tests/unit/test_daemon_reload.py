@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -61,11 +62,11 @@ def make_agent(policy_file: Path, tmp_path: Path) -> Agent:
 
 def test_a_bad_file_keeps_the_last_good_policy(policy_file: Path, tmp_path: Path) -> None:
     agent = make_agent(policy_file, tmp_path)
-    before = agent.spec
+    before = agent.rec.spec
     policy_file.write_text("version: 1\ntenants:\n  research: {shares: -2}\n")
     with structlog.testing.capture_logs() as logs:
         agent.reload()
-    assert agent.spec is before
+    assert agent.rec.spec is before
     problems = [e["problem"] for e in logs if e["event"] == "policy.invalid"]
     assert problems == [
         f"{policy_file}:3:22: tenants.research.shares: must be greater than or equal to 0.001"
@@ -77,7 +78,7 @@ def test_a_good_file_replaces_the_policy(policy_file: Path, tmp_path: Path) -> N
     agent = make_agent(policy_file, tmp_path)
     policy_file.write_text(GOOD.format(state=tmp_path / "state.json") + "  prod: {shares: 1}\n")
     agent.reload()
-    assert set(agent.spec.tenants) == {"research", "prod"}
+    assert set(agent.rec.spec.tenants) == {"research", "prod"}
 
 
 def test_moving_the_managed_root_needs_a_restart(policy_file: Path, tmp_path: Path) -> None:
@@ -87,7 +88,7 @@ def test_moving_the_managed_root_needs_a_restart(policy_file: Path, tmp_path: Pa
     policy_file.write_text(text)
     with structlog.testing.capture_logs() as logs:
         agent.reload()
-    assert set(agent.spec.tenants) == {"research"}
+    assert set(agent.rec.spec.tenants) == {"research"}
     assert [e["changed"] for e in logs if e["event"] == "policy.needs_restart"] == [
         ["agent.managed_root"]
     ]
@@ -103,11 +104,11 @@ def test_command_line_overrides_survive_a_reload(policy_file: Path, tmp_path: Pa
         config_path=str(policy_file),
         overrides={"interval": 0.2},
     )
-    assert agent.spec.agent.interval == 0.2
+    assert agent.rec.spec.agent.interval == 0.2
     policy_file.write_text(policy_file.read_text() + "  prod: {shares: 1}\n")
     agent.reload()
-    assert set(agent.spec.tenants) == {"research", "prod"}
-    assert agent.spec.agent.interval == 0.2
+    assert set(agent.rec.spec.tenants) == {"research", "prod"}
+    assert agent.rec.spec.agent.interval == 0.2
 
 
 def test_run_once_reports_a_failed_tick(
@@ -140,16 +141,16 @@ def test_a_reload_that_drops_a_tenant_drops_its_history(policy_file: Path, tmp_p
     history and from the saved state, while the other tenant's history stays."""
     policy_file.write_text(policy_file.read_text() + "  gone: {shares: 1}\n")
     agent = make_agent(policy_file, tmp_path)
-    agent.usage = {"research": 5.0, "gone": 7.0}
+    agent.rec.feedback = replace(agent.rec.feedback, usage={"research": 5.0, "gone": 7.0})
     agent.tick()
-    assert agent.usage == pytest.approx({"research": 5.0, "gone": 7.0}, rel=1e-3)
+    assert agent.rec.feedback.usage == pytest.approx({"research": 5.0, "gone": 7.0}, rel=1e-3)
     policy_file.write_text(GOOD.format(state=tmp_path / "state.json"))
     agent.reload()
     agent.tick()
-    assert agent.usage == pytest.approx({"research": 5.0}, rel=1e-3)
+    assert agent.rec.feedback.usage == pytest.approx({"research": 5.0}, rel=1e-3)
     agent.save_state()
     saved = state.load(str(tmp_path / "state.json"))
-    assert saved is not None and saved.tenant_usage == agent.usage
+    assert saved is not None and saved.tenant_usage == agent.rec.feedback.usage
 
 
 def test_a_fast_path_write_to_a_cgroup_gone_by_the_tick_is_reported_not_fatal(
@@ -202,7 +203,7 @@ def test_a_first_change_is_saved_with_its_original_at_once_and_restored(
     again = open_agent(
         load_policy(policy_file), CgroupTree(str(cgroups)), config_path=str(policy_file)
     )
-    assert [(p, str(a)) for p, a, _ in again.originals.items()] == [
+    assert [(p, str(a)) for p, a, _ in again.rec.originals.items()] == [
         ("system.slice/x.scope", "cgroup.freeze")
     ]
     again.save_state()
@@ -252,7 +253,7 @@ def test_a_tick_due_to_save_saves_its_first_changes_whole_and_journals_none(
     monkeypatch.setattr(state, "append_originals", counting)
     file = tmp_path / "state.json"
     journal = Path(state.journal_path(str(file)))
-    agent.registry.resync()  # what prepare() does but make the managed root
+    agent.rec.registry.resync()  # what prepare() does but make the managed root
     record = agent.tick()
     capped = sorted(r.path for r in record.results if r.attribute is Attribute.CPU_MAX)
     assert capped == ["nodeagent.slice/a", "nodeagent.slice/b", "nodeagent.slice/c"]
@@ -268,7 +269,7 @@ def test_a_tick_due_to_save_saves_its_first_changes_whole_and_journals_none(
     assert appended == [1]  # not due: journalled
     assert len(journal.read_text().splitlines()) == 1
     again = open_agent(load_policy(policy), CgroupTree(str(cgroups)), config_path=str(policy))
-    assert sorted((p, str(a)) for p, a, _ in again.originals.items()) == [
+    assert sorted((p, str(a)) for p, a, _ in again.rec.originals.items()) == [
         ("nodeagent.slice/a", "cpu.max"),
         ("nodeagent.slice/b", "cpu.max"),
         ("nodeagent.slice/c", "cpu.max"),
@@ -360,19 +361,19 @@ def test_a_reload_that_changes_what_is_read_at_start_is_refused_whole(
     nothing of the file applies (not even its other, reloadable changes: the new tenant);
     the metrics say the last reload failed, and when the policy in force was loaded."""
     agent = make_agent(policy_file, tmp_path)
-    before, loaded_at = agent.spec, agent.last_reload[1]
+    before, loaded_at = agent.rec.spec, agent.last_reload[1]
     assert reload_metric(agent) == 1
     policy_file.write_text(with_setting(tmp_path, *RESTART_ONLY[field]))
     with structlog.testing.capture_logs() as logs:
         agent.reload()
     assert [(e["event"], e.get("changed")) for e in logs] == [("policy.needs_restart", [field])]
-    assert agent.spec is before
+    assert agent.rec.spec is before
     assert agent.last_reload == (False, loaded_at)
     assert reload_metric(agent) == 0
     # the file put back as it was loaded: the next reload applies again
     policy_file.write_text(GOOD.format(state=tmp_path / "state.json") + "  prod: {shares: 1}\n")
     agent.reload()
-    assert set(agent.spec.tenants) == {"research", "prod"} and reload_metric(agent) == 1
+    assert set(agent.rec.spec.tenants) == {"research", "prod"} and reload_metric(agent) == 1
 
 
 def test_turning_on_the_topology_publisher_needs_a_restart(
@@ -384,14 +385,14 @@ def test_turning_on_the_topology_publisher_needs_a_restart(
     node = with_setting(tmp_path, "agent", "mode: kubernetes") + "kubernetes:\n  node_name: n1\n"
     policy_file.write_text(node)
     agent = make_agent(policy_file, tmp_path)
-    before = agent.spec
+    before = agent.rec.spec
     policy_file.write_text(node + "publish:\n  node_resource_topology: true\n")
     with structlog.testing.capture_logs() as logs:
         agent.reload()
     assert [(e["event"], e.get("changed")) for e in logs] == [
         ("policy.needs_restart", ["publish.node_resource_topology"])
     ]
-    assert agent.spec is before
+    assert agent.rec.spec is before
 
 
 def test_a_reload_that_moves_a_runtime_s_socket_reopens_the_runtimes(
@@ -401,7 +402,7 @@ def test_a_reload_that_moves_a_runtime_s_socket_reopens_the_runtimes(
     and asks the new sockets from then on; one that leaves the runtimes' settings alone
     keeps the adapters (and what they learned) as they are."""
     agent = make_agent(policy_file, tmp_path)
-    old = agent.runtimes
+    old = agent.rec.runtimes
     closed: list[str] = []
 
     def closing(name: str) -> Callable[[], None]:
@@ -411,12 +412,12 @@ def test_a_reload_that_moves_a_runtime_s_socket_reopens_the_runtimes(
         adapter.close = closing(name)  # type: ignore[method-assign]
     policy_file.write_text(with_setting(tmp_path, "agent", "reload_on_change: true"))
     agent.reload()
-    assert agent.spec.agent.reload_on_change and agent.runtimes is old and closed == []
+    assert agent.rec.spec.agent.reload_on_change and agent.rec.runtimes is old and closed == []
     moved = "runtimes: {{docker: {tmp}/docker.sock, containerd: null, timeout: 1}}"
     policy_file.write_text(with_setting(tmp_path, "agent", moved))
     agent.reload()
     assert sorted(closed) == sorted(old.adapters)
-    new = agent.runtimes
+    new = agent.rec.runtimes
     assert new is not old and agent.rec.runtimes is new
     assert sorted(new.adapters) == ["crio", "docker", "podman"]
     docker = new.adapters["docker"]

@@ -378,7 +378,7 @@ def test_the_agents_tick_holds_a_docker_containers_gpus_and_judges_only_the_othe
         {CID: "trainer", CID2: "plain", CID3: "everything"},
     )
     a.rec.runtimes.adapters["docker"] = docker
-    a.registry.resync()
+    a.rec.registry.resync()
     record = a.tick()
     assert record.snapshot.gpus is not None
     gpu = [d.uuid for d in record.snapshot.gpus.devices]
@@ -400,8 +400,8 @@ def test_the_agents_tick_holds_a_docker_containers_gpus_and_judges_only_the_othe
     a.tick()
     a.tick()
     assert sorted(docker.asked) == sorted([CID, CID2, CID3])
-    assert a.gpus.ledger.holds() == ()
-    assert a.gpus.ledger.dump(0.0, 0.0) == []
+    assert a.rec.gpus.ledger.holds() == ()
+    assert a.rec.gpus.ledger.dump(0.0, 0.0) == []
 
 
 def test_the_tick_goes_on_with_dockerd_down(tmp_path: Path) -> None:
@@ -424,7 +424,7 @@ def test_the_tick_goes_on_with_dockerd_down(tmp_path: Path) -> None:
     docker = StandInDocker({CID: inspect([request(ids=["1"])])}, {CID: "trainer"})
     docker.down = True
     a.rec.runtimes.adapters["docker"] = docker
-    a.registry.resync()
+    a.rec.registry.resync()
     with structlog.testing.capture_logs() as logs:
         first, second = a.tick(), a.tick()
     for record in (first, second):

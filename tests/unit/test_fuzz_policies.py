@@ -202,13 +202,13 @@ def test_a_reload_does_what_each_file_calls_for(tmp_path: Path) -> None:
         config_path=str(config),
         overrides={"state_file": str(tmp_path / "state.json")},
     )
-    good, runtimes = agent.spec, agent.runtimes
+    good, runtimes = agent.rec.spec, agent.rec.runtimes
     before = total("reload")
 
     @fuzz(THROUGH_RELOAD)
     @given(policies | _set())
     def check(text: str) -> None:
-        agent.spec, agent.rec.runtimes = good, runtimes
+        agent.rec.spec, agent.rec.runtimes = good, runtimes
         config.write_bytes(text.encode())
         expected = expected_reload(text, str(config), good)
         with structlog.testing.capture_logs() as logs:
@@ -216,12 +216,14 @@ def test_a_reload_does_what_each_file_calls_for(tmp_path: Path) -> None:
         events = [e["event"] for e in logs]
         if isinstance(expected, PolicySpec):
             assert events == ["policy.reloaded"]
-            assert agent.spec == expected
+            assert agent.rec.spec == expected
             reopened = expected.agent.runtimes != good.agent.runtimes
-            assert (agent.runtimes is not runtimes) == reopened
+            assert (agent.rec.runtimes is not runtimes) == reopened
             count("reload", "accepted")
             return
-        assert agent.spec is good and agent.runtimes is runtimes, f"the policy changed on {events}"
+        assert agent.rec.spec is good and agent.rec.runtimes is runtimes, (
+            f"the policy changed on {events}"
+        )
         if isinstance(expected, list):
             assert [(e["event"], e.get("changed")) for e in logs] == [
                 ("policy.needs_restart", expected)

@@ -50,7 +50,7 @@ def powered(tmp_path: Path, **agent: Any) -> Daemon:
 
 def limits(d: Daemon) -> dict[str, int | None]:
     """Each GPU's power limit as the backend reads it now."""
-    return {t.uuid: t.power_limit_mw for t in d.agent.gpus.backend.telemetry()}
+    return {t.uuid: t.power_limit_mw for t in d.agent.rec.gpus.backend.telemetry()}
 
 
 def reserve(d: Daemon, name: str, cls: str) -> str:
@@ -167,7 +167,7 @@ def test_a_class_cap_is_set_read_back_audited_once_and_undone_when_the_hold_goes
 def test_what_the_card_applies_is_what_is_audited(d: Daemon, monkeypatch: Any) -> None:
     """The audit says the limit read back from the card, beside the one asked for."""
     gpu = reserve(d, "web", "inference")  # 50 W: the policy clamps it to the card's 200 W
-    backend = d.agent.gpus.backend
+    backend = d.agent.rec.gpus.backend
     real = backend.set_power_limit
 
     def firmware(uuid: str, mw: int) -> PowerLimit:  # a card that applies 5 W more
@@ -196,7 +196,7 @@ def test_a_failure_is_logged_once_and_again_only_when_it_changes_or_returns(
     d: Daemon, monkeypatch: Any
 ) -> None:
     gpu = reserve(d, "train", "training")
-    backend = d.agent.gpus.backend
+    backend = d.agent.rec.gpus.backend
     real = backend.set_power_limit
     failing: list[str] = ["GPU 0: setting the power limit: Insufficient Permissions"]
 

@@ -59,8 +59,8 @@ def test_a_reservation_holds_its_gpus_from_requests_until_released(d: Daemon) ->
     assert before + 600 <= got["until"] <= time.time() + 600
     (event,) = audited(logs, "gpu.reserved")
     assert [event[k] for k in ("owner", "uid", "uuids", "ttl")] == ["web", 1000, [held], 600]
-    (hold,) = d.agent.gpus.ledger.holds()
-    spec = d.agent.spec.jobs
+    (hold,) = d.agent.rec.gpus.ledger.holds()
+    spec = d.agent.rec.spec.jobs
     assert (hold.kind, hold.uid, hold.tenant, hold.workload_class) == (
         HoldKind.RESERVATION,
         1000,
@@ -90,22 +90,22 @@ def test_an_unbound_reservation_lapses_after_its_ttl_and_a_bound_one_does_not(d:
     reserve(d, ALICE, "soon", ttl=30)
     reserve(d, ALICE, "web", container=CID, ttl=30)
     d.run_in(ALICE, f"system.slice/docker-{CID}.scope")  # alice's container
-    d.agent.registry.resync()
+    d.agent.rec.registry.resync()
     d.agent.tick()  # binds "web" to its container: it follows the cgroup from now on
-    assert {h.owner: h.cgroup for h in d.agent.gpus.ledger.holds()} == {
+    assert {h.owner: h.cgroup for h in d.agent.rec.gpus.ledger.holds()} == {
         "soon": None,
         "web": f"system.slice/docker-{CID}.scope",
     }
     now = time.monotonic()
-    d.agent.gpus.sense(now + 25)
+    d.agent.rec.gpus.sense(now + 25)
     assert d.holds() == [("soon", "reservation"), ("web", "reservation")], "not yet"
     with capture_logs() as logs:
-        d.agent.gpus.sense(now + 31)
+        d.agent.rec.gpus.sense(now + 31)
     assert d.holds() == [("web", "reservation")]
     assert [(e["owner"], e["reason"]) for e in audited(logs, "gpu.released")] == [
         ("soon", "not claimed in time")
     ]
-    d.agent.gpus.sense(now + 10 * 24 * 3600)
+    d.agent.rec.gpus.sense(now + 10 * 24 * 3600)
     assert d.holds() == [("web", "reservation")], "a bound reservation has no ttl"
 
 
@@ -125,7 +125,7 @@ def test_a_reservation_and_its_time_left_survive_a_restart(d: Daemon) -> None:
     got = reserve(d, ALICE, "web", ttl=600)
     d.agent.save_state()
     again = restart(d)
-    (hold,) = again.agent.gpus.ledger.holds()
+    (hold,) = again.agent.rec.gpus.ledger.holds()
     assert (hold.owner, hold.kind, hold.uid, list(hold.uuids)) == (
         "web",
         HoldKind.RESERVATION,
@@ -148,11 +148,11 @@ def test_a_reservation_that_could_bind_to_two_containers_binds_to_neither_until_
     reserve(d, ALICE, "web", container=CID[:12], ttl=600)
     reserve(d, ALICE, "exact", container=twin, ttl=600)
     d.run_in(ALICE, f"system.slice/docker-{CID}.scope", f"system.slice/docker-{twin}.scope")
-    d.agent.registry.resync()
+    d.agent.rec.registry.resync()
     with capture_logs() as logs:
         d.agent.tick()
         d.agent.tick()
-    bound = {h.owner: h.cgroup for h in d.agent.gpus.ledger.holds()}
+    bound = {h.owner: h.cgroup for h in d.agent.rec.gpus.ledger.holds()}
     assert bound == {"web": None, "exact": f"system.slice/docker-{twin}.scope"}
     (warned,) = audited(logs, "gpu.reservation_ambiguous")
     assert (warned["reservation"], sorted(warned["matches"])) == (
@@ -160,7 +160,7 @@ def test_a_reservation_that_could_bind_to_two_containers_binds_to_neither_until_
         sorted([f"system.slice/docker-{CID}.scope", f"system.slice/docker-{twin}.scope"]),
     )
     shutil.rmtree(d.root / f"system.slice/docker-{twin}.scope")
-    d.agent.registry.resync()
+    d.agent.rec.registry.resync()
     d.agent.tick()
-    bound = {h.owner: h.cgroup for h in d.agent.gpus.ledger.holds()}
+    bound = {h.owner: h.cgroup for h in d.agent.rec.gpus.ledger.holds()}
     assert bound == {"web": f"system.slice/docker-{CID}.scope"}  # "exact" went with its own

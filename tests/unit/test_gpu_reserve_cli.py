@@ -46,7 +46,7 @@ def test_reserve_names_its_container_and_release_gives_it_back(
     got = json.loads(out)
     assert (got["apiVersion"], got["kind"]) == ("nodeagent/v1", "GpuReservation")
     assert got["container"] == CID[:12] and len(got["uuids"]) == 1
-    (hold,) = d.agent.gpus.ledger.holds()
+    (hold,) = d.agent.rec.gpus.ledger.holds()
     assert (hold.container, hold.workload_class, hold.tenant) == (CID[:12], "inference", "research")
     assert cli("gpus", "release", "--socket", sock, "web") == "released web\n"
     assert d.holds() == []
@@ -57,9 +57,9 @@ def test_attach_names_the_container_later(served: tuple[Daemon, str]) -> None:
     cli("gpus", "reserve", "--socket", sock, "--name", "web", "--format", "env")
     assert cli("gpus", "attach", "--socket", sock, "web", CID) == f"reservation web is for {CID}\n"
     mkdirs(d.root, f"system.slice/docker-{CID}.scope")
-    d.agent.registry.resync()
+    d.agent.rec.registry.resync()
     d.agent.tick()
-    assert d.agent.gpus.ledger.holds()[0].cgroup == f"system.slice/docker-{CID}.scope"
+    assert d.agent.rec.gpus.ledger.holds()[0].cgroup == f"system.slice/docker-{CID}.scope"
     out = cli("gpus", "attach", "--socket", sock, "web", CID, code=1)
     assert "is bound to system.slice/docker-" in out
 
@@ -78,12 +78,12 @@ def test_reserve_prints_docker_arguments_or_an_env_file_for_the_held_gpus(
 ) -> None:
     d, sock = served
     out = cli("gpus", "reserve", "--socket", sock, "--name", "web", "--count", "2")
-    (hold,) = d.agent.gpus.ledger.holds()
+    (hold,) = d.agent.rec.gpus.ledger.holds()
     assert len(hold.uuids) == 2
     assert out == f'--gpus "device={",".join(hold.uuids)}"\n'  # quoted: one word for docker
     cli("gpus", "release", "--socket", sock, "web")
     out = cli("gpus", "reserve", "--socket", sock, "--name", "infer", "--format", "env")
-    (hold,) = d.agent.gpus.ledger.holds()
+    (hold,) = d.agent.rec.gpus.ledger.holds()
     (gpu,) = hold.uuids
     assert out == (
         f"CUDA_VISIBLE_DEVICES={gpu}\nNVIDIA_VISIBLE_DEVICES={gpu}\nCUDA_DEVICE_ORDER=PCI_BUS_ID\n"

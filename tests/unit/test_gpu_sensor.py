@@ -144,9 +144,9 @@ def test_the_daemon_ticks_on_without_gpu_state_while_the_backend_fails(
     def broken() -> tuple[Telemetry, ...]:
         raise GpuError("NVML: Driver/library version mismatch")
 
-    monkeypatch.setattr(d.agent.gpus.backend, "telemetry", broken)
+    monkeypatch.setattr(d.agent.rec.gpus.backend, "telemetry", broken)
     record = d.agent.tick()
-    assert record.snapshot.gpus is None and d.agent.gpus.state is None
+    assert record.snapshot.gpus is None and d.agent.rec.gpus.state is None
     planned = {c.path: c.targets for c in record.plan.cgroups}
     assert planned["nodeagent.slice/train"][Attribute.CPU_MAX].render() == "50000 100000"
     e = d.refused(ROOT, "GET", "/v1/gpus/place", query={"count": "1"})

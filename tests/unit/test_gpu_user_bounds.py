@@ -42,7 +42,7 @@ def d(tmp_path: Path) -> Daemon:
 
 
 def bound(d: Daemon) -> dict[str, str | None]:
-    return {h.owner: h.cgroup for h in d.agent.gpus.ledger.holds()}
+    return {h.owner: h.cgroup for h in d.agent.rec.gpus.ledger.holds()}
 
 
 # --- 5: per-uid bounds on reservations and grants -------------------------------------------
@@ -98,7 +98,7 @@ def test_a_members_unclaimed_grants_are_counted_and_the_next_request_waits(d: Da
     )
     assert d.ask(ALICE, "a0", 1, **shared)["status"] == "granted"  # the same shape fits her
     assert d.ask(ROOT, "ops", 1, **shared)["status"] == "granted"
-    first = d.agent.gpus.ledger.queue()[0]
+    first = d.agent.rec.gpus.ledger.queue()[0]
     assert first.owner == "g4"
     # one of bob's grants goes back: his waiting request is granted at the next step
     granted = d.agent.rec.gpus.view.ledger.granted.values()
@@ -169,7 +169,7 @@ def test_with_max_gpus_per_user_jobs_reservations_and_grants_share_one_bound(
 def processes(d: Daemon, *lines: str) -> None:
     """The simulated GPUs' compute processes from now on (a labelled fake)."""
     yaml = GPUS + "processes:\n" + "".join(f"  - {line}\n" for line in lines)
-    d.agent.gpus.backend._node = parse_node(textwrap.dedent(yaml), "procs.yaml")  # type: ignore[attr-defined]
+    d.agent.rec.gpus.backend._node = parse_node(textwrap.dedent(yaml), "procs.yaml")  # type: ignore[attr-defined]
 
 
 def test_a_member_cannot_bind_a_reservation_to_another_users_container(d: Daemon) -> None:
@@ -179,7 +179,7 @@ def test_a_member_cannot_bind_a_reservation_to_another_users_container(d: Daemon
     bob = reserve(d, BOB, "bob-early")
     alice = reserve(d, ALICE, "alice-web", container=CID)
     d.run_in(ALICE, ALICES)
-    d.agent.registry.resync()
+    d.agent.rec.registry.resync()
     d.call(BOB, "POST", ATTACH, {"name": "bob-early", "container": CID})
     (gpu,) = alice["indices"]
     processes(d, f"{{pid: 8101, gpu: {gpu}, memory: 1Gi, cgroup: {ALICES}}}")
@@ -201,7 +201,7 @@ def test_only_root_names_a_container_that_is_not_the_members_own(d: Daemon) -> N
     reserve(d, ALICE, "web")
     d.call(ALICE, "POST", ATTACH, {"name": "web", "container": CID})
     d.run_in(ROOT, ALICES)
-    d.agent.registry.resync()
+    d.agent.rec.registry.resync()
     d.agent.tick()
     assert bound(d) == {"web": None}
     d.call(ROOT, "POST", ATTACH, {"name": "web", "container": CID})

@@ -42,18 +42,18 @@ def spec(tmp_path: Path, *containers: str) -> PolicySpec:
 def agent(tmp_path: Path) -> Agent:
     tree = pod_tree(tmp_path / "cgroup", POD, KEPT, DROPPED)
     a = open_agent(spec(tmp_path, KEPT, DROPPED), tree)
-    a.registry.resync()
+    a.rec.registry.resync()
     a.tick()
     assert cpu_max(a, KEPT) == cpu_max(a, DROPPED) == "100000 100000"
     return a
 
 
 def cpu_max(a: Agent, path: str) -> str:
-    return Path(a.tree.root, path, "cpu.max").read_text().strip()
+    return Path(a.rec.tree.root, path, "cpu.max").read_text().strip()
 
 
 def recorded(a: Agent) -> set[str]:
-    return {p for p, attribute, _ in a.originals.items() if attribute is Attribute.CPU_MAX}
+    return {p for p, attribute, _ in a.rec.originals.items() if attribute is Attribute.CPU_MAX}
 
 
 def reload(a: Agent, tmp_path: Path, *containers: str) -> None:
@@ -77,7 +77,7 @@ def test_a_reload_that_drops_a_rule_hands_its_cap_back_at_the_next_tick(
 
 
 def test_a_value_someone_changed_since_is_theirs(agent: Agent, tmp_path: Path) -> None:
-    Path(agent.tree.root, DROPPED, "cpu.max").write_text("50000 100000\n")  # the operator's
+    Path(agent.rec.tree.root, DROPPED, "cpu.max").write_text("50000 100000\n")  # the operator's
     reload(agent, tmp_path, KEPT)
     agent.tick()
     assert cpu_max(agent, DROPPED) == "50000 100000"
@@ -87,7 +87,7 @@ def test_a_value_someone_changed_since_is_theirs(agent: Agent, tmp_path: Path) -
 def test_a_workload_the_scan_missed_keeps_its_cap_and_its_record(agent: Agent) -> None:
     """Not found this tick (a scan's budget, an unreadable directory) is not unclaimed:
     handing its cap back would undo and redo it tick after tick."""
-    agent.registry.gone.append(DROPPED)
+    agent.rec.registry.gone.append(DROPPED)
     agent.tick()
     assert cpu_max(agent, DROPPED) == "100000 100000"
     assert DROPPED in recorded(agent)
@@ -96,7 +96,7 @@ def test_a_workload_the_scan_missed_keeps_its_cap_and_its_record(agent: Agent) -
 def test_a_hand_back_that_fails_is_logged_once_and_tried_again(
     agent: Agent, tmp_path: Path
 ) -> None:
-    path = Path(agent.tree.root, DROPPED, "cpu.max")
+    path = Path(agent.rec.tree.root, DROPPED, "cpu.max")
     path.unlink()
     path.mkdir()  # unreadable as a value: the hand-back of this one attribute fails
     reload(agent, tmp_path, KEPT)

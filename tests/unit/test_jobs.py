@@ -44,7 +44,7 @@ def jobs(tmp_path: Path) -> Jobs:
         (proc / str(pid) / "status").write_text(
             f"Name:\tsh\nPPid:\t{ppid}\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n"
         )
-    jobs = Jobs(CgroupTree(str(tmp_path)), lambda *a: None, str(proc), write_limits=lambda *a: [])
+    jobs = Jobs(CgroupTree(str(tmp_path)), lambda *a: None, str(proc))
     jobs.open_process = lambda pid: AlwaysAlive()
     return jobs
 
@@ -153,8 +153,11 @@ def test_a_record_the_previous_version_wrote_loads_and_is_written_back_the_same(
     record = JobRecord.from_json(PREVIOUS)
     job = Job.from_record(record)
     assert job.limits_from == (("cpus", "the request"), ("pids", "jobs.per_user_limits"))
-    assert (job.workload_class, job.gpus) == (WorkloadClass.TRAINING, ("GPU-1",))
-    assert job.pinned_cpus == (0, 1)
+    assert (job.workload_class, job.gpus, job.pinned_cpus) == (
+        WorkloadClass.TRAINING,
+        ("GPU-1",),
+        (0, 1),
+    )
     assert job.record().to_json() == PREVIOUS
 
 
@@ -221,7 +224,7 @@ class EndsDuringTheMove:
 def test_a_pid_reused_during_the_move_is_not_left_in_the_job(tmp_path: Path) -> None:
     d = daemon(tmp_path)
     (d.root / "cgroup.procs").write_text("")
-    d.agent.jobs.open_process = lambda pid: EndsDuringTheMove()
+    d.agent.rec.jobs.open_process = lambda pid: EndsDuringTheMove()
     pid = d.child(ALICE)
     e = d.refused(ALICE, "POST", "/v1/jobs", {"name": "j", "pid": pid})
     assert isinstance(e, Forbidden) and str(e) == f"process {pid} ended while it was being moved"
@@ -233,7 +236,7 @@ def test_a_pid_that_ends_before_the_move_is_never_written(tmp_path: Path) -> Non
     d = daemon(tmp_path)
     gone = EndsDuringTheMove()
     gone.asked = 1  # alive when checked, gone before the write
-    d.agent.jobs.open_process = lambda pid: gone
+    d.agent.rec.jobs.open_process = lambda pid: gone
     e = d.refused(ALICE, "POST", "/v1/jobs", {"name": "j", "pid": d.child(ALICE)})
     assert isinstance(e, Forbidden) and "ended before it could be moved" in str(e)
     assert d.jobs() == []

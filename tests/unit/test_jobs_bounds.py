@@ -40,7 +40,7 @@ def session(
     """`peer` runs in the cgroup `at` of a session's chain (each a cgroup, as the kernel
     makes one: its cgroup.procs); `files` ({"user.slice/pids.max": "16"}) are written below
     the cgroup root."""
-    for cgroup in ("", SLICE.split("/")[0], SLICE, SESSION):
+    for cgroup in ("", SLICE.split("/", maxsplit=1)[0], SLICE, SESSION):
         (d.root / cgroup).mkdir(exist_ok=True)
         (d.root / cgroup / "cgroup.procs").touch()
     for where, text in (files or {}).items():
@@ -213,7 +213,7 @@ def test_the_limits_and_where_they_came_from_survive_a_restart(tmp_path: Path) -
     again = restart(d)
     [kept] = again.call(ROOT, "GET", "/v1/jobs")["jobs"]
     assert kept == started
-    assert again.agent.jobs.assignments()[JOB].limits.pids_max == 16, "planned every tick"
+    assert again.agent.rec.jobs.assignments()[JOB].limits.pids_max == 16, "planned every tick"
 
 
 def test_a_record_from_before_jobs_had_pids_loads_without_them() -> None:

@@ -48,13 +48,13 @@ def d(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ApiDaemon:
 def record_ends(d: ApiDaemon) -> list[str]:
     """The names of the jobs whose end (their GPUs' return) runs from now on, in order."""
     ended: list[str] = []
-    inner = d.agent.jobs.on_end
+    inner = d.agent.rec.jobs.on_end
 
     def on_end(job: Job) -> None:
         ended.append(job.name)
         inner(job)
 
-    d.agent.jobs.on_end = on_end
+    d.agent.rec.jobs.on_end = on_end
     return ended
 
 
@@ -89,19 +89,21 @@ def test_a_job_that_ended_while_the_agent_was_down_is_reaped_at_its_first_tick(
     d: ApiDaemon,
 ) -> None:
     gpu_job(d, "train")
-    (hold,) = d.agent.gpus.ledger.holds()
+    (hold,) = d.agent.rec.gpus.ledger.holds()
     d.agent.save_state()  # the agent stops here ...
     d.exit("train")  # ... its job ends meanwhile
-    again = open_agent(d.agent.spec, FilesTree(str(d.root)))  # started again: no tick yet
-    assert [j.name for j in again.jobs.running()] == ["train"], "restored: its cgroup is there"
-    assert [h.id for h in again.gpus.ledger.holds()] == [hold.id], "and its hold"
+    again = open_agent(d.agent.rec.spec, FilesTree(str(d.root)))  # started again: no tick yet
+    assert [j.name for j in again.rec.jobs.running()] == ["train"], "restored: its cgroup is there"
+    assert [h.id for h in again.rec.gpus.ledger.holds()] == [hold.id], "and its hold"
     after = ApiDaemon(again, d.root, d.proc)
     ended = record_ends(after)
     again.tick()
     assert (after.jobs(), after.holds(), ended) == ([], [], ["train"])
     assert not cgroup(d, "train").exists()
     again.save_state()
-    assert open_agent(d.agent.spec, FilesTree(str(d.root))).jobs.running() == [], "forgotten"
+    assert open_agent(d.agent.rec.spec, FilesTree(str(d.root))).rec.jobs.running() == [], (
+        "forgotten"
+    )
 
 
 def test_a_job_whose_exec_failed_is_reaped_and_holds_nothing(d: ApiDaemon) -> None:
@@ -115,7 +117,7 @@ def test_a_job_whose_exec_failed_is_reaped_and_holds_nothing(d: ApiDaemon) -> No
     d.agent.tick()
     assert (d.jobs(), d.holds(), sorted(ended)) == ([], [], ["plain", "typo"])
     assert not cgroup(d, "typo").exists() and not cgroup(d, "plain").exists()
-    assert d.agent.gpus.ledger.queue() == []
+    assert d.agent.rec.gpus.ledger.queue() == []
 
 
 def test_a_job_whose_cgroup_still_holds_a_process_is_not_reaped(d: ApiDaemon) -> None:

@@ -46,7 +46,7 @@ def test_a_jobs_limits_are_executor_writes_audited_and_made_before_it_runs(
     assert (d.root / JOB / "cpu.max").read_text() == "200000 100000"
     assert (d.root / JOB / "memory.max").read_text() == str(1 << 30)
     # the job's own terms, not a change release hands back (a stop leaves jobs running)
-    assert not [(p, a) for p, a, _ in d.agent.originals.items() if p == JOB]
+    assert not [(p, a) for p, a, _ in d.agent.rec.originals.items() if p == JOB]
 
 
 def test_a_job_whose_cpu_max_write_fails_is_refused_and_its_cgroup_removed(
@@ -54,14 +54,14 @@ def test_a_job_whose_cpu_max_write_fails_is_refused_and_its_cgroup_removed(
 ) -> None:
     d = daemon(tmp_path)
     monkeypatch.delitem(daemon_api.FILES, "cpu.max")  # its controller is off: no cpu.max
-    rmdir = d.agent.jobs._rmdir
+    rmdir = d.agent.rec.jobs._rmdir
 
     def kernel_rmdir(job: Job) -> None:  # the kernel's rmdir takes the interface files too
         for f in (d.root / job.cgroup).iterdir():
             f.unlink()
         rmdir(job)
 
-    monkeypatch.setattr(d.agent.jobs, "_rmdir", kernel_rmdir)
+    monkeypatch.setattr(d.agent.rec.jobs, "_rmdir", kernel_rmdir)
     grant = d.ask(ALICE, "j", 1)
     e = d.refused(
         ALICE, "POST", "/v1/jobs", {"name": "j", "pid": d.child(ALICE), "cpus": 1,

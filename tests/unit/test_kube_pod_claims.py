@@ -84,8 +84,8 @@ def edit_train_pod(
     daemon's watch has them."""
     api.put("pods", pod("train-llm-0", "research-nlp", TRAIN_UID, TRAIN, labels=labels,
                         annotations=annotations), "MODIFIED")  # fmt: skip
-    assert a.kube is not None
-    kube = a.kube
+    assert a.rec.kube is not None
+    kube = a.rec.kube
     seen = "the watch to see the pod's edit"
     wait_for(
         lambda: (
@@ -142,7 +142,7 @@ def test_a_pod_may_lower_its_class_and_take_one_its_namespace_lists(
         edit_train_pod(a, api, annotations={"nodeagent.io/class": "training"})
         api.put("pods", pod("infer-7d9f5c-qz8mw", "prod-serving", INFER_UID, {"server": SERVER},
                             labels={"nodeagent.io/class": "besteffort"}), "MODIFIED")  # fmt: skip
-        kube = a.kube
+        kube = a.rec.kube
         assert kube is not None
         wait_for(lambda: kube.pods().pods[INFER_UID].labels, 20, "the server pod's label")
         record = a.tick()

@@ -192,14 +192,14 @@ def kube_agent(
     with KubeletStandIn(str(tmp_path / "kubelet.sock"), load("podresources.json")) as k:
         spec = make(tmp_path, k.socket)
         a = open_agent(spec, CgroupTree(str(root)), dry_run=True)
-        assert a.kube is not None
-        a.kube.close()
+        assert a.rec.kube is not None
+        a.rec.kube.close()
         a.rec.kube = watching(spec, api)
-        a.registry.resync()
+        a.rec.registry.resync()
         try:
             yield a, k
         finally:
-            a.kube.close()
+            a.rec.kube.close()
 
 
 def test_gpu_uuids_are_joined_to_the_right_containers(agent: tuple[Agent, Any]) -> None:
@@ -273,7 +273,7 @@ def test_no_cuda_visible_devices_is_ever_made_for_a_pod(
     monkeypatch.setattr("nodeagent.routes.agent.environment", refuse)
     for _ in range(3):
         a.tick()
-    assert a.gpus.ledger.holds() == ()
+    assert a.rec.gpus.ledger.holds() == ()
     assert {h.kind for h in a.rec.gpus.view.holds()} == {"pod"}
     root = Request("GET", "/v1/gpus", {}, Peer(pid=1, uid=0, gid=0, groups=frozenset()))
     report = a.routes()["/v1/gpus"]["GET"](root)
@@ -294,8 +294,8 @@ def test_gpus_the_kubelet_cannot_tie_to_a_cgroup_are_not_checked_and_said_once(
             m.setattr("nodeagent.kube.node.audit_warning",
                       lambda event, **f: events.append({"event": event, **f}))  # fmt: skip
             first, second = a.tick(), a.tick()
-        assert a.kube is not None
-        a.kube.close()
+        assert a.rec.kube is not None
+        a.rec.kube.close()
     assert first.snapshot.gpus is not None
     assert {h.cgroup for h in first.snapshot.gpus.holds} == {None}
     assert [n for n in second.plan.notes if n.kind == "gpu-violation" and
@@ -359,9 +359,9 @@ def test_a_pod_claiming_a_tenant_its_namespace_may_not_use_is_refused_and_report
     api.put("pods", pod("infer-7d9f5c-qz8mw", "prod-serving", INFER_UID, {"server": SERVER},
                         qos="Guaranteed", labels={"nodeagent.io/class": "inference"},
                         annotations={"nodeagent.io/tenant": "research"}), "MODIFIED")  # fmt: skip
-    assert a.kube is not None
+    assert a.rec.kube is not None
     deadline = time.monotonic() + 20
-    while not a.kube.pods().pods[INFER_UID].annotations:
+    while not a.rec.kube.pods().pods[INFER_UID].annotations:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     with structlog.testing.capture_logs() as logs:

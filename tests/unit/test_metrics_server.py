@@ -143,7 +143,7 @@ def test_moving_the_endpoint_needs_a_restart(tmp_path: Path) -> None:
     agent_for(tmp_path, 9465)  # rewrites the policy file
     with structlog.testing.capture_logs() as logs:
         agent.reload()
-    assert agent.spec.agent.metrics.listen == "127.0.0.1:9464"
+    assert agent.rec.spec.agent.metrics.listen == "127.0.0.1:9464"
     assert [e["changed"] for e in logs if e["event"] == "policy.needs_restart"] == [
         ["agent.metrics"]
     ]
@@ -287,8 +287,8 @@ def test_healthz_is_503_once_no_tick_came_within_the_window(tmp_path: Path) -> N
 def test_the_daemons_health_window_is_three_ticks_or_30_s(tmp_path: Path) -> None:
     with daemon_serving(tmp_path, free_port()) as (agent, server):
         assert server.stale_after() == 30.0  # interval 1 s
-        agent.spec = agent.spec.model_copy(
-            update={"agent": agent.spec.agent.model_copy(update={"interval": 20.0})}
+        agent.rec.spec = agent.rec.spec.model_copy(
+            update={"agent": agent.rec.spec.agent.model_copy(update={"interval": 20.0})}
         )
         assert server.stale_after() == 60.0
 

@@ -34,12 +34,12 @@ def agent(tmp_path: Path) -> Agent:
     tree = pod_tree(tmp_path / "cgroup", POD, POD2, *CONTAINERS, OTHER)
     rule = {"name": "cap", "match": {"kind": "container"}, "tenant": "a", "limits": {"cpu_max": 1}}
     a = open_agent(one_tenant(tmp_path, [rule]), tree)
-    a.registry.resync()
+    a.rec.registry.resync()
     return a
 
 
 def recorded(a: Agent) -> set[str]:
-    return {p for p, attribute, _ in a.originals.items() if attribute is Attribute.CPU_MAX}
+    return {p for p, attribute, _ in a.rec.originals.items() if attribute is Attribute.CPU_MAX}
 
 
 def saved(tmp_path: Path) -> set[str]:
@@ -51,8 +51,8 @@ def saved(tmp_path: Path) -> set[str]:
 def test_a_container_removed_between_ticks_is_forgotten(agent: Agent, tmp_path: Path) -> None:
     agent.tick()
     assert recorded(agent) == {*CONTAINERS, OTHER}
-    shutil.rmtree(Path(agent.tree.root, CONTAINERS[1]))  # the runtime removed it
-    agent.registry.resync()  # as inotify's event or the periodic rescan tells the loop
+    shutil.rmtree(Path(agent.rec.tree.root, CONTAINERS[1]))  # the runtime removed it
+    agent.rec.registry.resync()  # as inotify's event or the periodic rescan tells the loop
     agent.tick()
     assert recorded(agent) == {CONTAINERS[0], OTHER}
     agent.rec.saver.save()
@@ -61,8 +61,8 @@ def test_a_container_removed_between_ticks_is_forgotten(agent: Agent, tmp_path: 
 
 def test_a_removed_pod_takes_its_containers_with_it(agent: Agent, tmp_path: Path) -> None:
     agent.tick()
-    shutil.rmtree(Path(agent.tree.root, POD))
-    agent.registry._deleted(POD)  # the one event inotify gives for the pod's directory
+    shutil.rmtree(Path(agent.rec.tree.root, POD))
+    agent.rec.registry._deleted(POD)  # the one event inotify gives for the pod's directory
     agent.tick()
     assert recorded(agent) == {OTHER}
 
@@ -73,7 +73,7 @@ def test_a_workload_a_scan_misses_but_that_is_still_there_keeps_its_record(
     """A scan can leave out a cgroup that still exists (a budget reached, a directory it
     could not read): what the agent changed there must still be handed back."""
     agent.tick()
-    agent.registry.gone.append(OTHER)
+    agent.rec.registry.gone.append(OTHER)
     agent.tick()
     assert OTHER in recorded(agent)
 

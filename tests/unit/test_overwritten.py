@@ -65,7 +65,7 @@ def agent(tree: CgroupTree, tmp_path: Path) -> Agent:
         }
     )  # fmt: skip
     a = open_agent(spec, tree)
-    a.registry.resync()
+    a.rec.registry.resync()
     return a
 
 
@@ -73,7 +73,7 @@ def tick(a: Agent) -> TickRecord:
     """A tick with the pod's containers busy: their usage moves (an idle workload takes no
     part in the split, and its pod then has no weight to keep)."""
     for path in CONTAINERS:
-        stat = Path(a.tree.root, path, "cpu.stat")
+        stat = Path(a.rec.tree.root, path, "cpu.stat")
         usage = int(stat.read_text().split()[1]) + 10_000_000
         stat.write_text(f"usage_usec {usage}\nuser_usec {usage}\nsystem_usec 0\n")
     return a.tick()
@@ -155,11 +155,11 @@ def test_the_originals_are_recorded_even_when_the_gpu_step_after_the_writes_fail
     def broken(*_: object) -> None:
         raise RuntimeError("NVML: the driver stopped answering")
 
-    monkeypatch.setattr(a.gpus.executor, "apply", broken)
+    monkeypatch.setattr(a.rec.gpus.executor, "apply", broken)
     with pytest.raises(RuntimeError, match="NVML"):
         tick(a)
-    assert Path(a.tree.root, CONTAINERS[0], "cpu.max").read_text().strip() == "100000 100000"
-    recorded = {(p, str(at)): o.was for p, at, o in a.originals.items()}
+    assert Path(a.rec.tree.root, CONTAINERS[0], "cpu.max").read_text().strip() == "100000 100000"
+    recorded = {(p, str(at)): o.was for p, at, o in a.rec.originals.items()}
     assert recorded[(CONTAINERS[0], "cpu.max")] == "max 100000"
     saved = state.load(str(tmp_path / "state.json"))
     assert saved is not None and CONTAINERS[0] in saved.originals

@@ -51,12 +51,12 @@ def agent(tmp_path: Path) -> Agent:
     files = {**CGROUP_FILES, "pids.max": "max\n"}
     tree = pod_tree(tmp_path / "cgroup", POD, CAPPED, OTHER, files=files)
     a = open_agent(spec(tmp_path, 64), tree)
-    a.registry.resync()
+    a.rec.registry.resync()
     return a
 
 
 def pids_max(a: Agent, path: str = CAPPED) -> str:
-    return Path(a.tree.root, path, "pids.max").read_text().strip()
+    return Path(a.rec.tree.root, path, "pids.max").read_text().strip()
 
 
 def test_a_rules_pids_max_is_written_shown_recorded_and_handed_back(
@@ -65,9 +65,9 @@ def test_a_rules_pids_max_is_written_shown_recorded_and_handed_back(
     record = agent.tick()
     assert pids_max(agent) == "64"
     assert Attribute("pids.max") in SHOWN, "a column of allocations, a line of explain"
-    shown = explain(record, agent.registry.workloads[CAPPED])["values"]["pids.max"]
+    shown = explain(record, agent.rec.registry.workloads[CAPPED])["values"]["pids.max"]
     assert (shown["target"], shown["reason"]) == ("64", "rule cap: pids_max 64")
-    assert [(p, a.value, o.was) for p, a, o in agent.originals.items()] == [
+    assert [(p, a.value, o.was) for p, a, o in agent.rec.originals.items()] == [
         (CAPPED, "pids.max", "max")
     ], "an original, for release"
     agent.tick()
@@ -75,12 +75,12 @@ def test_a_rules_pids_max_is_written_shown_recorded_and_handed_back(
     agent.rec.reloaded(spec(tmp_path, None))
     agent.tick()
     assert pids_max(agent) == "max", "no rule claims it any more: handed back"
-    assert list(agent.originals.items()) == []
+    assert list(agent.rec.originals.items()) == []
 
 
 def test_another_writers_pids_max_is_repaired(agent: Agent, tmp_path: Path) -> None:
     agent.tick()
-    Path(agent.tree.root, CAPPED, "pids.max").write_text("9999\n")
+    Path(agent.rec.tree.root, CAPPED, "pids.max").write_text("9999\n")
     agent.rec.reloaded(spec(tmp_path, 64))  # the next tick reads every file
     agent.tick()
     assert pids_max(agent) == "64"

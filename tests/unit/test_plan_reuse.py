@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +121,7 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **policy: Any) -> Node
     agent = open_agent(PolicySpec.model_validate(body), CgroupTree(str(root)), dry_run=True)
     # a long history, the same for both: a second's use moves their parts by far less than
     # the percent that makes a new plan
-    agent.usage = {"a": 1e5, "b": 1e5}
+    agent.rec.feedback = replace(agent.rec.feedback, usage={"a": 1e5, "b": 1e5})
     n = Node(agent, root, clock, plans)
     n.mkdir("a-1")
     n.mkdir("b-1")
@@ -137,15 +137,15 @@ def n(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Node]:
 
 
 def test_an_unchanged_tick_makes_the_last_plan_again(n: Node) -> None:
-    last = n.agent.last
+    last = n.agent.rec.last
     assert last is not None
     assert n.planned(5) == 0
-    record = n.agent.last
+    record = n.agent.rec.last
     assert record is not None and record is not last
     assert record.plan.cgroups is last.plan.cgroups, "the same plan, made again"
     assert record.plan.seq == record.snapshot.seq == last.snapshot.seq + 5
     # the usage history goes on, tick by tick: U' = U * 2^(-1 s / half-life) + 1 core-second
-    kept = 0.5 ** (1 / n.agent.spec.fair_share.half_life)
+    kept = 0.5 ** (1 / n.agent.rec.spec.fair_share.half_life)
     for t in ("a", "b"):
         expected = last.plan.tenant_usage[t]
         for _ in range(5):
@@ -155,10 +155,10 @@ def test_an_unchanged_tick_makes_the_last_plan_again(n: Node) -> None:
 
 def test_a_new_workload_makes_a_new_plan_with_it(n: Node) -> None:
     n.mkdir("a-2")
-    n.agent.registry.resync()
+    n.agent.rec.registry.resync()
     assert n.planned() == 1
-    assert n.agent.last is not None
-    assert "nodeagent.slice/a-2" in {c.path for c in n.agent.last.plan.cgroups}
+    assert n.agent.rec.last is not None
+    assert "nodeagent.slice/a-2" in {c.path for c in n.agent.rec.last.plan.cgroups}
     assert n.planned(3) == 0
 
 
@@ -173,14 +173,16 @@ def test_a_workload_that_cannot_be_read_makes_a_new_plan(n: Node) -> None:
     n.busy.pop("b-1")
     stat.write_text("usage_usec lots\n")
     assert n.planned() == 1
-    assert n.agent.last is not None
-    assert [s.path for s in n.agent.last.snapshot.skipped] == ["nodeagent.slice/b-1"]
+    assert n.agent.rec.last is not None
+    assert [s.path for s in n.agent.rec.last.snapshot.skipped] == ["nodeagent.slice/b-1"]
     assert n.planned(3) == 0
 
 
 def test_a_move_of_the_usage_history_by_a_percent_makes_a_new_plan(n: Node) -> None:
-    usage = dict(n.agent.usage)
-    n.agent.usage = {"a": usage["a"] * 1.02, "b": usage["b"] * 0.98}
+    usage = dict(n.agent.rec.feedback.usage)
+    n.agent.rec.feedback = replace(
+        n.agent.rec.feedback, usage={"a": usage["a"] * 1.02, "b": usage["b"] * 0.98}
+    )
     assert n.planned() == 1
 
 
@@ -243,7 +245,7 @@ def test_a_reloaded_policy_that_takes_the_old_ones_id_still_claims_anew(
     assert {a.tenant for a in n.tick().assignments.values()} == {"a", "b"}
     swapped = {**POLICY, "rules": [{"name": "all", "match": {"path": "nodeagent.slice/*"},
                                     "tenant": "b"}]}  # fmt: skip
-    swapped["agent"] = {**POLICY["agent"], "state_file": n.agent.spec.agent.state_file}
+    swapped["agent"] = {**POLICY["agent"], "state_file": n.agent.rec.spec.agent.state_file}
     n.agent.rec.reloaded(PolicySpec.model_validate(swapped))
     assert {a.tenant for a in n.tick().assignments.values()} == {"b"}
 
@@ -256,8 +258,8 @@ def test_a_newcomer_takes_its_siblings_weight_from_the_latest_tick(n: Node) -> N
 
     def newcomer(name: str) -> str:
         n.mkdir(name)
-        n.agent.registry.poll()
-        new, n.agent.registry.new = n.agent.registry.new, []
+        n.agent.rec.registry.poll()
+        new, n.agent.rec.registry.new = n.agent.rec.registry.new, []
         n.agent.fast_path(new)
         (weight,) = [
             r for r in n.agent.rec._fast_results
@@ -265,7 +267,7 @@ def test_a_newcomer_takes_its_siblings_weight_from_the_latest_tick(n: Node) -> N
         ]  # fmt: skip
         return weight.reason
 
-    last = n.agent.last
+    last = n.agent.rec.last
     assert last is not None
     a1 = {c.path: c for c in last.plan.cgroups}["nodeagent.slice/a-1"]
     weight = a1.targets[Attribute.CPU_WEIGHT].value
@@ -275,6 +277,6 @@ def test_a_newcomer_takes_its_siblings_weight_from_the_latest_tick(n: Node) -> N
         first == f"fast path: the weight of tenant a's workloads beside it in tick {last.plan.seq}"
     )
     n.planned(2)
-    assert n.agent.last is not None
-    seq = n.agent.last.plan.seq
+    assert n.agent.rec.last is not None
+    seq = n.agent.rec.last.plan.seq
     assert newcomer("a-3").endswith(f"in tick {seq}") and seq == last.plan.seq + 2

@@ -7,6 +7,7 @@ import ast
 import inspect
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -105,7 +106,7 @@ def agent(tmp_path: Path) -> Agent:
         }
     )
     a = open_agent(spec, CgroupTree(str(root)))
-    a.registry.resync()
+    a.rec.registry.resync()
     return a
 
 
@@ -115,7 +116,7 @@ def exec_job() -> dict[str, Assignment]:
 
 
 def claimed(agent: Agent) -> tuple[dict[str, Assignment], list[WorkloadIdentity]]:
-    assignments, managed, _, _ = agent.rec.claimed(agent.registry.identities(), exec_job())
+    assignments, managed, _, _ = agent.rec.claimed(agent.rec.registry.identities(), exec_job())
     assert sorted(i.name for i in managed) == sorted(WORKLOADS)
     return assignments, managed
 
@@ -148,7 +149,7 @@ def test_a_policy_declares_what_it_reads_every_tick(agent: Agent, policy: Policy
     declared = {
         i.name: n
         for i in managed
-        if (n := policy.needs(assignments[i.path], agent.spec)) != NO_NEEDS
+        if (n := policy.needs(assignments[i.path], agent.rec.spec)) != NO_NEEDS
     }
     assert declared == EXPECTED[policy.name]
 
@@ -160,15 +161,15 @@ def test_the_sensor_reads_exactly_what_a_policy_declares(
     """With this one policy in use, a lean read of each workload reads cpu.stat and the
     files the policy (and the job reaper) declared, nothing more, and what it reads of
     them is fresh."""
-    agent.policies = (policy,)
+    agent.rec.policies = (policy,)
     assignments, managed = claimed(agent)
     needs = agent.rec.needs(assignments, managed)
     assert by_name(needs) == union(EXPECTED[policy.name], REAPER)
 
-    sensor = Sensor(agent.tree, NodeSensor(), verify_every=3600)
+    sensor = Sensor(agent.rec.tree, NodeSensor(), verify_every=3600)
     sensor.snapshot(managed, 0.0, 0.0, needs=needs)  # the first read is full
     for name in WORKLOADS:  # changed since: only a fresh read sees it
-        d = Path(agent.tree.root) / SLICE / name
+        d = Path(agent.rec.tree.root) / SLICE / name
         (d / "cgroup.events").write_text("populated 0\nfrozen 0\n")
         (d / "cgroup.threads").write_text("11\n12\n13\n")
         (d / "cpu.pressure").write_text("some avg10=9.00 avg60=0.50 avg300=0.10 total=99\n")
@@ -208,7 +209,7 @@ def test_a_deadline_job_a_rule_claims_is_read_for_its_processes_every_tick(agent
     """A rule's deadline job is 'waiting' until it holds a process: cgroup.events must be
     read every tick, or it stays waiting (and its threads uncounted) until its next full
     read, while the earlier deadlines are planned without it (seen in the VM)."""
-    assignments, managed, _, _ = agent.rec.claimed(agent.registry.identities(), {})
+    assignments, managed, _, _ = agent.rec.claimed(agent.rec.registry.identities(), {})
     needs = agent.rec.needs(assignments, managed)
     assert needs[f"{SLICE}/deadline-a"] == Needs(events=True, pressure=True, threads=True)
 
@@ -239,31 +240,35 @@ def test_the_loop_knows_no_policy_by_name(agent: Agent) -> None:
     """Without policies the loop reads only what the reaper and the executor need, and
     no carried state nor deadline makes the plan stale; a new policy is heard at once."""
     assignments, managed = claimed(agent)
-    agent.carry = {"protection": {"caps": {"batch": 1.0}, "frozen": ["x"]}, "wants": {}}
-    agent.policies = ()
+    agent.rec.feedback = replace(
+        agent.rec.feedback,
+        carry={"protection": {"caps": {"batch": 1.0}, "frozen": ["x"]}, "wants": {}},
+    )
+    agent.rec.policies = ()
     assert by_name(agent.rec.needs(assignments, managed)) == REAPER
-    assert not at_work(agent.policies, agent.carry)
+    assert not at_work(agent.rec.policies, agent.rec.feedback.carry)
 
-    agent.policies = (Wants(),)
+    agent.rec.policies = (Wants(),)
     agent.rec.forget_derived()
     assert by_name(agent.rec.needs(assignments, managed)) == union(
         REAPER, {n: Needs(memory=True) for n in ("deadline-a", "batch-a", "job-a")}
     )
-    assert not at_work(agent.policies, agent.carry)
-    agent.carry["wants"] = {"busy": True}
-    assert at_work(agent.policies, agent.carry)
+    assert not at_work(agent.rec.policies, agent.rec.feedback.carry)
+    carry = {**agent.rec.feedback.carry, "wants": {"busy": True}}
+    agent.rec.feedback = replace(agent.rec.feedback, carry=carry)
+    assert at_work(agent.rec.policies, agent.rec.feedback.carry)
     busy = WorkloadState(managed[0], CgroupSample(), cpu_rate=2.0)
-    assert PlanCache()._sensed((busy,), agent.spec, agent.policies, assignments)[1]
+    assert PlanCache()._sensed((busy,), agent.rec.spec, agent.rec.policies, assignments)[1]
     assert not PlanCache()._sensed(
         (WorkloadState(managed[0], CgroupSample(), cpu_rate=0.5),),
-        agent.spec,
-        agent.policies,
+        agent.rec.spec,
+        agent.rec.policies,
         assignments,
     )[1]
 
-    agent.policies = (Protection(), Deadlines())
-    agent.carry = {"protection": {"caps": {"batch": 1.0}}}
-    assert at_work(agent.policies, agent.carry)
+    agent.rec.policies = (Protection(), Deadlines())
+    agent.rec.feedback = replace(agent.rec.feedback, carry={"protection": {"caps": {"batch": 1.0}}})
+    assert at_work(agent.rec.policies, agent.rec.feedback.carry)
 
 
 FORBIDDEN_NAMES = {"stall", "deadline", "protect", "reserved_cpu", "protection", "startswith"}
@@ -308,7 +313,7 @@ def stalled(
 def test_a_cgroup_stalling_past_half_the_threshold_makes_the_plan_stale(agent: Agent) -> None:
     """Where the controller's calm ends (half of protection.cpu_pressure, 0.10 here), as
     the loop checked before; a cgroup whose pressure is not read does not count."""
-    spec, protection = agent.spec, Protection()
+    spec, protection = agent.rec.spec, Protection()
     assignments, _ = claimed(agent)
     assert protection.stale_sensed([stalled(5.0)], spec, assignments)
     assert protection.stale_sensed([stalled(0.0, cpu_stall=0.05)], spec, assignments)
@@ -321,7 +326,7 @@ def test_a_stall_the_controller_does_not_watch_keeps_the_plan(agent: Agent, name
     """On a node whose CPUs are all taken every cgroup stalls: only those the protection
     watches (a protected class, a floor) make the plan stale, or a busy node would plan
     anew at every tick (bench tick, busy mode)."""
-    spec, protection = agent.spec, Protection()
+    spec, protection = agent.rec.spec, Protection()
     assignments, _ = claimed(agent)
     assert protection.stale_sensed([stalled(50.0, cpu_stall=0.9)], spec, assignments)
     assert not protection.stale_sensed([stalled(50.0, cpu_stall=0.9, name=name)], spec, assignments)
@@ -341,13 +346,13 @@ def test_a_policy_at_rest_keeps_the_plan(agent: Agent, policy: Policy) -> None:
     assignments, _ = claimed(agent)
     plain = {p: a for p, a in assignments.items() if a.deadline is None}
     assert not at_work((policy,), {})
-    assert not PlanCache()._sensed((), agent.spec, (policy,), plain)[1]
+    assert not PlanCache()._sensed((), agent.rec.spec, (policy,), plain)[1]
 
 
 def test_a_deadline_job_makes_the_plan_stale(agent: Agent) -> None:
     """Deadlines reads the wall clock (`Reads`: wall_time) against the jobs it reads every
     tick (`needs`): a new plan every tick while there is one."""
     assignments, _ = claimed(agent)
-    spec, plain = agent.spec, {p: a for p, a in assignments.items() if a.deadline is None}
+    spec, plain = agent.rec.spec, {p: a for p, a in assignments.items() if a.deadline is None}
     assert PlanCache()._sensed((), spec, (Deadlines(),), assignments)[1]
     assert not PlanCache()._sensed((), spec, (Deadlines(),), plain)[1]

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from daemon_api import ROOT, daemon
 
 from nodeagent import state
 from nodeagent.cgroupfs.tree import CgroupDir, CgroupTree
@@ -338,42 +339,39 @@ def test_as_exec_stop_post_of_a_restart_it_releases_nothing(
     assert (b / "cgroup.freeze").read_text() == "1\n"
 
 
-def test_a_save_on_an_api_thread_dumps_the_originals_while_the_loop_notes_its_writes() -> None:
-    """A job's start saves the state file from its API thread while the loop notes writes and
-    hands values back: the dump never sees an attribute's record change under it (before the
-    lock: "dictionary changed size during iteration", and the save was skipped)."""
-    originals = Originals()
-    paths = [f"nodeagent.slice/j{i}" for i in range(50)]
-    attributes = [Attribute.CPU_MAX, Attribute.MEMORY_MAX, Attribute.MEMORY_HIGH]
-    stop, errors = threading.Event(), []
+def test_a_jobs_save_dumps_the_originals_on_the_loops_thread_where_it_notes_its_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's start saves the state file at once. It once did so on its API thread while
+    the loop noted writes and handed values back ("dictionary changed size during iteration",
+    and the save was skipped), and a lock made the two take turns. Now the start is a
+    command the loop runs between its ticks: every note and every dump of the originals is
+    on the loop's thread, which is why Originals has no lock."""
+    d = daemon(tmp_path, {"agent": {"interval": "1s"}})
+    threads: set[tuple[str, int]] = set()
+    for name in ("note", "dump"):
+        real = getattr(Originals, name)
 
-    def save() -> None:
-        while not stop.is_set():
-            try:
-                originals.dump()
-            except RuntimeError as e:
-                errors.append(str(e))
-                return
+        def on_thread(self: Originals, *args: Any, _real: Any = real, _name: str = name) -> Any:
+            threads.add((_name, threading.get_ident()))
+            return _real(self, *args)
 
-    saver = threading.Thread(target=save)
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    saver.start()
+        monkeypatch.setattr(Originals, name, on_thread)
+    loop = threading.Thread(target=d.agent.run)
+    loop.start()
     try:
-        for _ in range(300):
-            for p in paths:
-                for a in attributes:
-                    originals.note(p, a, "max", "10000 100000", WriteMode.DIRECT)
-            for p in paths:
-                for a in attributes[1:]:
-                    originals.note(p, a, None, "max", WriteMode.DIRECT)  # handed back: dropped
-            if errors:
-                break
+        for i in range(5):
+            d.start(ROOT, f"j{i}", memory=64 << 20)
+            (d.root / "nodeagent.slice" / f"j{i}" / "memory.max").write_text("max\n")  # drift
+        deadline = time.monotonic() + 30
+        while {n for n, _ in threads} != {"note", "dump"} and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
-        stop.set()
-        saver.join()
-        sys.setswitchinterval(switch)
-    assert errors == []
+        d.agent.stop.set()
+        loop.join(30)
+    assert not loop.is_alive()
+    assert {n for n, _ in threads} == {"note", "dump"}, "the loop noted writes and saved"
+    assert {t for _, t in threads} == {loop.ident}, "noted and dumped on the loop's thread alone"
 
 
 def test_a_broken_policy_file_does_not_keep_the_freezes_after_a_stop(tmp_path: Path) -> None:

@@ -85,10 +85,10 @@ def wait_for(check: object, seconds: float = 20.0) -> bool:
 
 def test_a_configmap_update_is_reloaded_by_the_loop(tmp_path: Path) -> None:
     with running_agent(tmp_path, policy(tmp_path, ["research"])) as (agent, volume):
-        assert wait_for(lambda: agent.last is not None)
+        assert wait_for(lambda: agent.rec.last is not None)
         with structlog.testing.capture_logs() as logs:
             write_configmap(volume, 2, policy(tmp_path, ["research", "prod"]))
-            assert wait_for(lambda: set(agent.spec.tenants) == {"research", "prod"})
+            assert wait_for(lambda: set(agent.rec.spec.tenants) == {"research", "prod"})
         assert [e["file"] for e in logs if e["event"] == "policy.reloaded"] == [
             str(volume / "policy.yaml")
         ]
@@ -98,27 +98,29 @@ def test_a_bad_update_keeps_the_last_good_policy_and_the_next_good_one_applies(
     tmp_path: Path,
 ) -> None:
     with running_agent(tmp_path, policy(tmp_path, ["research"])) as (agent, volume):
-        assert wait_for(lambda: agent.last is not None)
+        assert wait_for(lambda: agent.rec.last is not None)
         with structlog.testing.capture_logs() as logs:
             write_configmap(volume, 2, "version: 1\ntenants: {research: {shares: -1}}\n")
             assert wait_for(lambda: any(e["event"] == "policy.invalid" for e in logs))
-        assert set(agent.spec.tenants) == {"research"}
+        assert set(agent.rec.spec.tenants) == {"research"}
         assert agent.last_reload[0] is False
         write_configmap(volume, 3, policy(tmp_path, ["research", "prod"]))
-        assert wait_for(lambda: set(agent.spec.tenants) == {"research", "prod"})
+        assert wait_for(lambda: set(agent.rec.spec.tenants) == {"research", "prod"})
 
 
 def test_without_the_setting_a_changed_file_waits_for_sighup(tmp_path: Path) -> None:
     with running_agent(tmp_path, policy(tmp_path, ["research"], reload=False)) as (agent, volume):
-        first = agent.last
+        first = agent.rec.last
         write_configmap(volume, 2, policy(tmp_path, ["research", "prod"], reload=False))
         # ticks go on (a new record each), the policy stays until it is asked for
-        assert wait_for(lambda: agent.last is not None and agent.last is not first)
-        seq = agent.last.snapshot.seq if agent.last else 0
-        assert wait_for(lambda: agent.last is not None and agent.last.snapshot.seq >= seq + 3)
-        assert set(agent.spec.tenants) == {"research"}
+        assert wait_for(lambda: agent.rec.last is not None and agent.rec.last is not first)
+        seq = agent.rec.last.snapshot.seq if agent.rec.last else 0
+        assert wait_for(
+            lambda: agent.rec.last is not None and agent.rec.last.snapshot.seq >= seq + 3
+        )
+        assert set(agent.rec.spec.tenants) == {"research"}
         agent.reload_requested.set()
-        assert wait_for(lambda: set(agent.spec.tenants) == {"research", "prod"})
+        assert wait_for(lambda: set(agent.rec.spec.tenants) == {"research", "prod"})
 
 
 def test_the_watch_reports_each_change_once_and_a_missing_file_not_at_all(tmp_path: Path) -> None:

@@ -479,12 +479,12 @@ def test_a_newcomer_the_runtime_did_not_answer_for_is_taken_again_when_it_is_due
         "  - {name: team-a, match: {labels: {team: a}}, tenant: a, limits: {cpu_max: 0.5}}\n"
     )
     agent = open_agent(load_policy(policy), CgroupTree(str(root)))
-    agent.registry.resync()
+    agent.rec.registry.resync()
     docker.hang_all = True
     loop = threading.Thread(target=agent.run)
     loop.start()
     try:
-        wait_for(lambda: agent.last is not None, "the first tick")
+        wait_for(lambda: agent.rec.last is not None, "the first tick")
         new = root / "docker" / A
         new.mkdir()
         for name, text in {"cgroup.procs": "", "cpu.max": "max 100000\n", "cpu.weight": "100\n",
@@ -495,7 +495,9 @@ def test_a_newcomer_the_runtime_did_not_answer_for_is_taken_again_when_it_is_due
         docker.answers[A] = container(A, "web", "img", {"team": "a"})
         docker.hang_all = False
         wait_for(lambda: (new / "cpu.max").read_text() == "50000 100000", "the label's cap")
-        assert agent.last is not None and agent.last.snapshot.seq == 1, "no tick came between"
+        assert agent.rec.last is not None and agent.rec.last.snapshot.seq == 1, (
+            "no tick came between"
+        )
     finally:
         agent.stop.set()
         loop.join(30)

@@ -328,7 +328,7 @@ def agent_on(root: Path, tmp_path: Path, slurm: dict[str, Any] | None = None) ->
     )  # fmt: skip
     agent = open_agent(spec, CgroupTree(str(root)))
     agent.rec.slurm = SlurmJobs(Squeue(listing("11|physics", "12|bio")))
-    agent.registry.resync()
+    agent.rec.registry.resync()
     return agent
 
 
@@ -339,7 +339,9 @@ def run_ticks(agent: Agent, root: Path) -> tuple[list[Write], list[WriteResult]]
     """Two ticks with CPU used in between: the audit records of the writes, and every
     write's result."""
     writes: list[Write] = []
-    agent.executor.audit = lambda path, attr, old, new, why: writes.append((path, attr, old, new))
+    agent.rec.executor.audit = lambda path, attr, old, new, why: writes.append(
+        (path, attr, old, new)
+    )
     results = list(agent.tick().results)
     busy(root, 200_000)
     time.sleep(0.1)
@@ -353,8 +355,8 @@ def test_slurm_jobs_are_found_with_their_accounts_and_counted_in_the_split(
     root = slurm_node(tmp_path)
     agent = agent_on(root, tmp_path)
     writes, results = run_ticks(agent, root)
-    assert set(agent.registry.workloads) == {JOB_A, JOB_B}, "the jobs, not their steps"
-    record = agent.last
+    assert set(agent.rec.registry.workloads) == {JOB_A, JOB_B}, "the jobs, not their steps"
+    record = agent.rec.last
     assert record is not None
     tenants = {p: a.tenant for p, a in record.assignments.items()}
     assert tenants == {JOB_A: "physics", JOB_B: "bio"}
@@ -393,7 +395,7 @@ def test_protection_never_throttles_or_freezes_a_slurm_job(tmp_path: Path) -> No
     root = slurm_node(tmp_path)
     agent = agent_on(root, tmp_path, {"cpu_weight": "write"})
     run_ticks(agent, root)
-    record = agent.last
+    record = agent.rec.last
     assert record is not None
     cg = next(c for c in record.plan.cgroups if c.path == JOB_A)
 
@@ -403,7 +405,7 @@ def test_protection_never_throttles_or_freezes_a_slurm_job(tmp_path: Path) -> No
         Attribute.FREEZE: Target(Frozen(True), "protection", "frozen"),
     }
     plan = replace(record.plan, cgroups=(replace(cg, targets=targets),))
-    results = agent.executor.apply(plan, record.snapshot)
+    results = agent.rec.executor.apply(plan, record.snapshot)
     outcomes = {r.attribute: r.outcome for r in results}
     assert outcomes[Attribute.CPU_MAX] is Outcome.READ_ONLY
     assert outcomes[Attribute.FREEZE] is Outcome.READ_ONLY
@@ -418,7 +420,7 @@ def test_slurm_down_the_jobs_are_claimed_by_the_rules_that_need_no_account(
     agent.rec.slurm = SlurmJobs(Squeue(subprocess.TimeoutExpired("squeue", 5)))
     with structlog.testing.capture_logs() as logs:
         run_ticks(agent, root)
-    record = agent.last
+    record = agent.rec.last
     assert record is not None
     assert {p: a.tenant for p, a in record.assignments.items()} == {JOB_A: "hpc", JOB_B: "hpc"}
     unreachable = [e for e in logs if e["event"] == "slurm.unreachable"]

@@ -351,7 +351,7 @@ def test_the_agents_tick_holds_a_slurm_jobs_gres_and_judges_only_the_others(
 
     agent = open_agent(spec, CgroupTree(str(root)), dry_run=True)
     agent.rec.slurm = SlurmJobs(slurm)
-    agent.registry.resync()
+    agent.rec.registry.resync()
     record_ = agent.tick()
     assert record_.snapshot.gpus is not None
     gpu = [d.uuid for d in record_.snapshot.gpus.devices]
@@ -375,4 +375,4 @@ def test_the_agents_tick_holds_a_slurm_jobs_gres_and_judges_only_the_others(
     )
     agent.tick()
     assert sorted(calls) == ["11", "11", "12", "12"]
-    assert agent.gpus.ledger.holds() == ()
+    assert agent.rec.gpus.ledger.holds() == ()

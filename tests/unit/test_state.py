@@ -325,8 +325,8 @@ def test_the_agent_loads_only_the_tenants_of_its_policy(tmp_path: Path) -> None:
     path = tmp_path / "state.json"
     state.save(str(path), SavedState(time.time(), {"a": 10.0, "gone": 5.0}))
     agent = _agent(tmp_path, path)
-    assert set(agent.usage) == {"a"}
-    assert agent.usage["a"] == pytest.approx(10.0, rel=0.01)
+    assert set(agent.rec.feedback.usage) == {"a"}
+    assert agent.rec.feedback.usage["a"] == pytest.approx(10.0, rel=0.01)
 
 
 def test_a_failing_save_is_logged_once_per_interval_not_every_tick(tmp_path: Path) -> None:

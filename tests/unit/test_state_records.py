@@ -25,7 +25,7 @@ def d(tmp_path: Path) -> Daemon:
 
 
 def write_state(d: Daemon, jobs: list[Any] = (), gpus: list[Any] = ()) -> None:  # type: ignore[assignment]
-    path = d.agent.spec.agent.state_file
+    path = d.agent.rec.spec.agent.state_file
     body = {"version": 1, "saved_at": time.time(), "tenant_usage": {}, "jobs": jobs, "gpus": gpus}
     Path(path).write_text(json.dumps(body))
 
@@ -97,7 +97,7 @@ def test_a_job_record_out_of_range_is_dropped_and_ticks_go_on(
     d: Daemon, fields: dict[str, Any]
 ) -> None:
     for name in ("j", "k"):
-        d.agent.tree.mkdir(f"nodeagent.slice/{name}")
+        d.agent.rec.tree.mkdir(f"nodeagent.slice/{name}")
         (d.root / "nodeagent.slice" / name / "cgroup.procs").write_text("4001")
     other = {**GOOD_JOB, "name": "k", "cgroup": "nodeagent.slice/k"}
     write_state(d, jobs=[{**GOOD_JOB, **fields}, other])
@@ -108,14 +108,14 @@ def test_a_job_record_out_of_range_is_dropped_and_ticks_go_on(
     assert again.jobs() == ["k"]
     assert len(events(logs, "state.job_dropped")) == 1
     assert not events(logs, "tick.failed") and not events(logs, "state.save_failed")
-    saved = json.loads(Path(d.agent.spec.agent.state_file).read_text())
+    saved = json.loads(Path(d.agent.rec.spec.agent.state_file).read_text())
     assert [j["name"] for j in saved["jobs"]] == ["k"]
 
 
 def test_saving_never_raises_and_says_so_once_per_interval(d: Daemon, monkeypatch: Any) -> None:
     d.start(ALICE, "j")
-    bad = [{**d.agent.jobs.dump()[0], "deadline": math.nan}]  # a value the file cannot hold
-    monkeypatch.setattr(d.agent.jobs, "dump", lambda: bad)
+    bad = [{**d.agent.rec.jobs.dump()[0], "deadline": math.nan}]  # a value the file cannot hold
+    monkeypatch.setattr(d.agent.rec.jobs, "dump", lambda: bad)
     with structlog.testing.capture_logs() as logs:
         d.agent.save_state()
         d.agent.save_state()
@@ -137,7 +137,7 @@ def test_a_jobs_hold_survives_a_restart_and_goes_with_its_job(d: Daemon) -> None
     job = d.start(ALICE, "train", gpu_request=grant["id"])
     again = restart(d)
     assert again.holds() == [("train", "job")]
-    (hold,) = again.agent.gpus.ledger.holds()
+    (hold,) = again.agent.rec.gpus.ledger.holds()
     assert hold.id == job["gpu_hold"] and hold.uid == 1000
     again.exit("train")
     again.call(ALICE, "DELETE", "/v1/jobs", {"name": "train", "exit_status": 0})
@@ -145,7 +145,7 @@ def test_a_jobs_hold_survives_a_restart_and_goes_with_its_job(d: Daemon) -> None
 
 
 def test_a_file_from_before_hold_ids_keeps_its_holds(d: Daemon) -> None:
-    d.agent.tree.mkdir("nodeagent.slice/train")
+    d.agent.rec.tree.mkdir("nodeagent.slice/train")
     (d.root / "nodeagent.slice" / "train" / "cgroup.procs").write_text("4001")
     uuid = "GPU-00000000-0000-0000-0000-000000000000"
     job = {**GOOD_JOB, "name": "train", "cgroup": "nodeagent.slice/train", "gpus": [uuid]}
@@ -155,7 +155,7 @@ def test_a_file_from_before_hold_ids_keeps_its_holds(d: Daemon) -> None:
     write_state(d, jobs=[job], gpus=[old, reservation])
     again = restart(d)
     assert again.holds() == [("train", "job"), ("web", "reservation")]
-    owners = {h.owner: h.uid for h in again.agent.gpus.ledger.holds()}
+    owners = {h.owner: h.uid for h in again.agent.rec.gpus.ledger.holds()}
     assert owners == {"train": 1000, "web": 0}, "the job's uid; a reservation root's alone"
     again.exit("train")
     again.call(ALICE, "DELETE", "/v1/jobs", {"name": "train", "exit_status": 0})
@@ -188,12 +188,12 @@ def test_a_hold_s_expected_end_and_the_classes_hold_durations_survive_restarts(
     grant = d.ask(ALICE, "train", deadline=time.time() + 3600, work=1800, cpus=2)
     d.start(ALICE, "train", gpu_request=grant["id"])
     again = restart(d)
-    (hold,) = again.agent.gpus.ledger.holds()
+    (hold,) = again.agent.rec.gpus.ledger.holds()
     assert hold.since is not None and hold.expected_end is not None
     assert hold.expected_end - hold.since == pytest.approx(900.0, abs=1.0)
     again.exit("train")
     again.call(ALICE, "DELETE", "/v1/jobs", {"name": "train", "exit_status": 0})
-    history = again.agent.gpus.ledger.history()
+    history = again.agent.rec.gpus.ledger.history()
     assert list(history) == [hold.workload_class] and len(history[str(hold.workload_class)]) == 1
     again.agent.save_state()
-    assert restart(again).agent.gpus.ledger.history() == history
+    assert restart(again).agent.rec.gpus.ledger.history() == history

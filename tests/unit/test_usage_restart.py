@@ -43,21 +43,21 @@ def started(tmp_path: Path, usage: dict[str, float], away: float) -> tuple[Agent
 @pytest.mark.parametrize("away", [0.0, 600.0, HALF_LIFE, 2 * HALF_LIFE, 10 * HALF_LIFE])
 def test_the_history_loads_decayed_by_the_time_away(tmp_path: Path, away: float) -> None:
     agent, least, most = started(tmp_path, {"research": 1000.0, "prod": 40.0}, away)
-    assert set(agent.usage) == {"research", "prod"}
+    assert set(agent.rec.feedback.usage) == {"research", "prod"}
     for tenant, saved in (("research", 1000.0), ("prod", 40.0)):
-        assert saved * 0.5 ** (most / HALF_LIFE) <= agent.usage[tenant]
-        assert agent.usage[tenant] <= saved * 0.5 ** (least / HALF_LIFE)
+        assert saved * 0.5 ** (most / HALF_LIFE) <= agent.rec.feedback.usage[tenant]
+        assert agent.rec.feedback.usage[tenant] <= saved * 0.5 ** (least / HALF_LIFE)
     if away == 2 * HALF_LIFE:
-        assert agent.usage["research"] == pytest.approx(250.0, rel=1e-4), "a quarter"
+        assert agent.rec.feedback.usage["research"] == pytest.approx(250.0, rel=1e-4), "a quarter"
 
 
 def test_a_tenant_gone_from_the_policy_is_not_restored(tmp_path: Path) -> None:
     agent, _, _ = started(tmp_path, {"research": 1000.0, "gone": 500.0}, HALF_LIFE)
-    assert set(agent.usage) == {"research"}
-    assert agent.usage["research"] == pytest.approx(500.0, rel=1e-4)
+    assert set(agent.rec.feedback.usage) == {"research"}
+    assert agent.rec.feedback.usage["research"] == pytest.approx(500.0, rel=1e-4)
 
 
 def test_a_file_from_the_future_is_taken_as_saved_now(tmp_path: Path) -> None:
     """A wall clock stepped back since the save: no time away, so no decay, and no growth."""
     agent, _, _ = started(tmp_path, {"research": 1000.0}, -HALF_LIFE)
-    assert agent.usage == {"research": 1000.0}
+    assert agent.rec.feedback.usage == {"research": 1000.0}
