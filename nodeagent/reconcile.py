@@ -147,9 +147,9 @@ class Reconciler:
         self.jobs = jobs
         self.saver = StateSaver(policy, self.gather)
         self.policies = policies
-        """The policies a full tick runs, in order; what they need read every tick and when
-        their plan is stale they say themselves (`Policy.needs`, `Policy.stale`): the loop
-        knows none of them by name."""
+        """The policies a full tick runs, in order; what they need read every tick and what
+        they read of the tick's inputs they declare themselves (`Policy.needs`,
+        `Policy.reads`): the loop knows none of them by name."""
         self.feedback = Feedback()
         self.originals = Originals()
         """What the agent changed and the values before, for `nodeagent release`."""
@@ -313,36 +313,36 @@ class Reconciler:
         return Decided(snapshot, gpus, plan, same, tuple(self.jobs.ended(snapshot)))
 
     def act(self, sensed: Sensed, decided: Decided) -> tuple[WriteResult, ...]:
-        """Every effect of the tick, in one place: the GPU ledger's decisions made so, the
-        ended jobs reaped (their GPUs go back, for the next tick's grants), the GPUs
-        published to the API server, their power limits, then the cgroup writes, and what is
-        no longer claimed handed back. The cgroup writes come last so that their originals
-        are recorded right after them (record), with nothing that may hang between. Dry-run
-        reaps and hands back nothing (its executors write nothing either)."""
+        """Every effect of the tick, in one place: the GPU ledger's decisions made so (on
+        the ledger they were decided on), the ended jobs reaped (their GPUs go back, for the
+        next tick's grants), the cgroup writes and, at once, what they replaced (tuned's
+        "old value recorded": journalled, or the whole state saved when due, before any
+        later step may hang or fail), what is no longer claimed handed back, then the GPUs
+        published to the API server and their power limits. Dry-run reaps and hands back
+        nothing (its executors write nothing either)."""
         snapshot, plan = decided.snapshot, decided.plan
-        self.gpus.apply(decided.gpus)  # first: on the ledger it was decided on
+        self.gpus.apply(decided.gpus)
         if not self.dry_run:
             self.jobs.reap(decided.ended)
-        if self.kube is not None:
-            self.kube.publish(snapshot.gpus, self.spec)
-        self.gpus.executor.apply(plan, snapshot, self.dry_run)
         # an unchanged plan was applied already: only what was read afresh can differ, and
         # what failed to be written last time is tried again
         only = self.sensor.fresh | self.feedback.retry if decided.same else None
         applied = tuple(self.executor.apply(plan, snapshot, only))
+        self.originals.forget_below(p for p in sensed.gone if not self.tree.exists(p))
+        self.record_originals(applied, plan, snapshot.vanished, tick=True)
         if not self.dry_run:
             self.hand_back(set(sensed.unclaimed))
+        if self.kube is not None:
+            self.kube.publish(snapshot.gpus, self.spec)
+        self.gpus.executor.apply(plan, snapshot, self.dry_run)
         return applied
 
     def record(
         self, sensed: Sensed, decided: Decided, applied: Sequence[WriteResult], started: float
     ) -> TickRecord:
-        """What the tick leaves: the originals of its writes (journalled, or the whole state
-        saved when due), what the sensor now knows it wrote, the next tick's feedback, the
-        problems and notes, and the frozen record and view the API reads."""
+        """What the tick leaves: what the sensor now knows it wrote, the next tick's
+        feedback, the problems and notes, and the frozen record and view the API reads."""
         snapshot, plan = decided.snapshot, decided.plan
-        self.originals.forget_below(p for p in sensed.gone if not self.tree.exists(p))
-        self.record_originals(applied, plan, snapshot.vanished, tick=True)
         results = (*self._fast_results, *applied)  # the fast path's since the last tick too
         self._fast_results = []
         # what this plan wrote is known from now on (a newcomer the fast path wrote is read
@@ -505,8 +505,8 @@ class Reconciler:
         tick: bool = False,
     ) -> None:
         """Note the writes just made with what they replaced, right after the executor made
-        them (a tick's cgroup writes are the last of its act: no GPU call, observer or
-        anything else that may hang comes between); a first change of an
+        them (in the tick's act, before its GPU calls, observers or anything else that may
+        hang); a first change of an
         attribute goes to the state's journal at once (nodeagent.state), so that release
         finds it after a crash. tuned records an old value before it sets the new one: here a
         kill between a write and this append loses that one original, which the next agent
