@@ -372,8 +372,10 @@ class Reconciler:
         return self.last
 
     def publish(self) -> AgentView:
-        """A new view for the API's reads (report.AgentView), made on the loop's thread
-        after each tick and each command, and swapped in whole."""
+        """A new view for the API's reads (report.AgentView, and the GPU service's), made
+        on the loop's thread after each tick and each command, and at start once the state
+        is restored (its jobs and GPU holds), and swapped in whole."""
+        self.gpus.publish()
         self.view = AgentView(
             self.last,
             len(self.registry.workloads),

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_api import ALICE, CID, ROOT, Daemon, daemon, restart
+from daemon_api import ALICE, CID, ROOT, Daemon, FilesTree, daemon, restart
 from structlog.testing import capture_logs
 
+from nodeagent.daemon import open_agent
 from nodeagent.errors import BadRequest, Conflict
 from nodeagent.gpu.model import HoldKind
 
@@ -164,3 +165,15 @@ def test_a_reservation_that_could_bind_to_two_containers_binds_to_neither_until_
     d.agent.tick()
     bound = {h.owner: h.cgroup for h in d.agent.rec.gpus.ledger.holds()}
     assert bound == {"web": f"system.slice/docker-{CID}.scope"}  # "exact" went with its own
+
+
+def test_a_restarted_daemon_answers_with_its_restored_holds_before_its_first_tick(
+    d: Daemon,
+) -> None:
+    """The API serves before the first tick; the GPU view it reads is published once the
+    state is restored (Reconciler.publish), not at the first tick's end."""
+    reserve(d, ROOT, "kept")
+    d.agent.save_state()
+    again = open_agent(d.agent.rec.spec, FilesTree(str(d.root)))
+    held = [h.owner for h in again.rec.gpus.view.holds()]
+    assert held == ["kept"], "restored, and published before any tick"
