@@ -158,7 +158,8 @@ class RuntimeMetadata:
         """Per runtime: the wall time its events were read up to, and when (monotonic)."""
         self._probed: dict[str, float] = {}
         """Per runtime without events: when it was last asked whether it answers."""
-        self._attached: dict[str, WorkloadIdentity] = {}
+        self._attached: dict[str, tuple[WorkloadIdentity, WorkloadIdentity]] = {}
+        """Per workload: the identity last given, and what `attach` made of it."""
         self._refused: set[tuple[str, str]] = set()
         self._streams: dict[str, Creations] = {}
         self._stream_at: dict[str, float] = {}
@@ -376,17 +377,21 @@ class RuntimeMetadata:
         return self.clock() if entry is None else entry.ask_at
 
     def _identity(self, identity: WorkloadIdentity, entry: _Entry) -> WorkloadIdentity:
-        """The identity with the entry's answer: last time's object when nothing changed."""
+        """The identity with the entry's answer: last time's object when nothing changed
+        (the same identity given, most often the very object discovery keeps, and the same
+        answer), made anew otherwise. Asked of every claimed workload every tick: no copy is
+        made to find that nothing changed."""
         last = self._attached.get(identity.path)
-        if (
-            last is not None
-            and last.meta == entry.meta
-            and last.meta_problem == entry.problem
-            and replace(last, meta=identity.meta, meta_problem=identity.meta_problem) == identity
-        ):
-            return last
+        if last is not None:
+            given, made = last
+            if (
+                (given is identity or given == identity)
+                and made.meta == entry.meta
+                and made.meta_problem == entry.problem
+            ):
+                return made
         made = replace(identity, meta=entry.meta, meta_problem=entry.problem)
-        self._attached[identity.path] = made
+        self._attached[identity.path] = (identity, made)
         return made
 
     def _ask(self, target: tuple[str, str], old: _Entry | None, budget_end: float) -> _Entry:
