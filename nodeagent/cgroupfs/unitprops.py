@@ -7,6 +7,8 @@ nothing to rewrite. nodeagent.sdbus sets the properties.
 
 from __future__ import annotations
 
+import functools
+
 from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, MemoryLimit, PidsMax, Value
 from nodeagent.errors import NodeagentError
 
@@ -96,8 +98,11 @@ def unit_properties(attribute: Attribute, value: Value) -> dict[str, int]:
     raise UnitPropertyError(f"no systemd property for {attribute} = {value!r}")
 
 
+@functools.lru_cache(maxsize=4096)
 def systemd_value(attribute: Attribute, value: Value) -> Value:
-    """What systemd writes to `attribute` once :func:`unit_properties` are set: write that too."""
+    """What systemd writes to `attribute` once :func:`unit_properties` are set: write that too.
+    Kept per value (they are frozen): every plan asks it of each target of each cgroup
+    systemd owns, and a node's values are few."""
     if isinstance(value, CpuMax):
         props = unit_properties(attribute, value)
         return cpu_max_from_properties(props["CPUQuotaPerSecUSec"], props["CPUQuotaPeriodUSec"])
