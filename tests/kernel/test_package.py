@@ -254,9 +254,13 @@ def test_install_upgrade_remove_and_purge_keep_the_jobs_and_hand_back_the_caps(
                     raise AssertionError(f"nodeagent exec exited {cli.returncode}: {out}")
                 return read(job_cgroup, "cgroup.procs").split() if job_cgroup.is_dir() else []
 
+            def job_names() -> list[str]:
+                return [j["name"] for j in p.api("/v1/jobs")["jobs"]]
+
             assert wait_for(lambda: bool(job_pids()), WAIT_S, step=0.5), "the job never started"
             [job_pid] = job_pids()
-            assert [j["name"] for j in p.api("/v1/jobs")["jobs"]] == ["survivor"]
+            # its process is in before the start is answered: the API lists it by then
+            assert wait_for(lambda: job_names() == ["survivor"], WAIT_S, step=0.5), job_names()
 
             # an upgrade while they run: the agent restarted on the new files, nothing else
             old_pid, deb = p.main_pid(), newer_build(host)
@@ -270,7 +274,7 @@ def test_install_upgrade_remove_and_purge_keep_the_jobs_and_hand_back_the_caps(
             assert status == f"{NEWER} install ok installed"
             assert cli.poll() is None, f"`nodeagent exec` ended with the upgrade: {said}"
             assert read(job_cgroup, "cgroup.procs").split() == [job_pid], "the job died"
-            assert [j["name"] for j in p.api("/v1/jobs")["jobs"]] == ["survivor"]
+            assert job_names() == ["survivor"]
             assert read(scope, "cpu.max") == CAPPED, "the cap was handed back by the upgrade"
             assert host.path("/etc/nodeagent/policy.yaml").read_text() == POLICY
 

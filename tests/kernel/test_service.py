@@ -631,7 +631,8 @@ def test_a_restart_a_crash_and_a_watchdog_kill_leave_jobs_running_for_the_next_a
                 "the job's process in its cgroup",
                 lambda: started(cli, job_cgroup),
             )
-            assert [j["name"] for j in s.jobs()] == ["survivor"]
+            # its process is in before the start is answered: the API lists it by then
+            wait("the job listed", lambda: [j["name"] for j in s.jobs()] == ["survivor"])
 
             def adopted(how: str, new: int) -> None:
                 assert s.alive(int(job_pid)), f"the job died with the agent ({how})"
