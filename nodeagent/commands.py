@@ -24,7 +24,7 @@ from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
-from nodeagent.api.server import Handler, Request
+from nodeagent.api.server import Handler, Request, Routes, prepared
 from nodeagent.errors import TryLater
 from nodeagent.wakeup import Wakeup
 
@@ -103,10 +103,27 @@ class Commands:
             except BaseException as e:
                 future.set_exception(e)
 
-    def posted(self, handler: Handler) -> Handler:
-        """`handler`, run as a command."""
+    def serve(self, routes: Routes, then: Callable[[], object]) -> Routes:
+        """`routes` as the API serves them: a GET answers on the API's thread (from a view
+        the loop published); any other method is a command, its body checked first on the
+        API's thread (`Checked`: a bad one never reaches the loop), then run on the loop's,
+        and `then` after it, whatever it did (a new view: a job just started is listed by
+        the next GET, not the next tick)."""
+        return {
+            path: {m: h if m == "GET" else self._posted(h, then) for m, h in methods.items()}
+            for path, methods in routes.items()
+        }
 
+    def _posted(self, handler: Handler, then: Callable[[], object]) -> Handler:
         def run(request: Request) -> object:
-            return self.call(lambda: handler(request))
+            step = prepared(handler, request)
+
+            def command() -> object:
+                try:
+                    return step()
+                finally:
+                    then()
+
+            return self.call(command)
 
         return run

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from nodeagent import running, sdnotify, state
 from nodeagent.act import Executor, Outcome
-from nodeagent.api.server import ApiServer, Handler, Request, Routes
+from nodeagent.api.server import ApiServer, Routes
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.commands import Commands
 from nodeagent.discovery.registry import Registry
@@ -280,32 +280,14 @@ class Agent:
 
     def routes(self) -> Routes:
         """The API's routes; reads answer on the API's threads from the view the loop last
-        published (report.AgentView); whatever changes state is posted to the loop and runs
-        on its thread, which publishes a new view after it."""
+        published (report.AgentView, and the GPU service's GpuView); whatever changes state
+        is posted to the loop and runs on its thread, which publishes a new view after it."""
         gpus = GpuRoutes(self.rec.gpus, lambda: self.rec.spec, self.rec.fairness)
         routes: Routes = {
             **gpus.routes(),
             **agent_routes(self.rec, self.config_path, self),
         }
-        return {
-            path: {
-                m: h if m == "GET" else self.commands.posted(self._published(h))
-                for m, h in methods.items()
-            }
-            for path, methods in routes.items()
-        }
-
-    def _published(self, handler: Handler) -> Handler:
-        """`handler`, then a new view for the reads (on the loop's thread, as the handler
-        runs): a job just started is listed by the next GET, not the next tick."""
-
-        def run(request: Request) -> object:
-            try:
-                return handler(request)
-            finally:
-                self.rec.publish()
-
-        return run
+        return self.commands.serve(routes, then=self.rec.publish)
 
     # --- the loop -------------------------------------------------------------------------
 

@@ -26,11 +26,13 @@ from benchkit import Bench
 from nodeagent import logs
 from nodeagent.api.peer import Peer
 from nodeagent.api.server import Request
+from nodeagent.commands import Commands
 from nodeagent.gpu.choice import open_backend
 from nodeagent.gpualloc import ledger
 from nodeagent.gpualloc.service import GpuService
 from nodeagent.policyfile.model import PolicySpec
 from nodeagent.routes.gpus import GpuRoutes
+from nodeagent.wakeup import Wakeup
 
 NODE = Path(__file__).resolve().parents[1] / "config" / "gpus" / "dgx-h100-nvswitch.yaml"
 MONOTONIC = hasattr(ledger, "HoldRecord")
@@ -63,7 +65,9 @@ def main() -> None:
         )
         service = GpuService(open_backend(str(NODE)), lambda: spec, lambda c: True)
         service.sense(now())
-        routes = GpuRoutes(service, lambda: spec, lambda t: 0.0).routes()
+        routes = Commands(Wakeup()).serve(
+            GpuRoutes(service, lambda: spec, lambda t: 0.0).routes(), then=service.publish
+        )  # as the daemon serves them: a new view after each change
         holder = call(routes, "POST", "/v1/gpus/requests", 0, name="holder", count=8)
         assert holder["status"] == "granted", holder
         clock = "monotonic" if MONOTONIC else "wall"

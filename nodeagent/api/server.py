@@ -32,12 +32,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from http.server import BaseHTTPRequestHandler
 from types import TracebackType
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, cast
 
 import structlog
+from pydantic import BaseModel
 
+from nodeagent.api.bodies import parse
 from nodeagent.api.httpcore import Caller, HttpCore, Pool, one_line, response
 from nodeagent.api.peer import Peer, peer_allowed
 from nodeagent.api.unixsocket import Identity, listen_unix, resolve_group, unlink_if_ours
@@ -83,6 +86,34 @@ class Request:
 Handler = Callable[[Request], object]
 """Serves one method of one path: returns its answer (a model of nodeagent.api.answers, or
 JSON-serialisable data), or raises Refused."""
+
+B = TypeVar("B", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True)
+class Checked(Generic[B]):
+    """A handler whose request body is a `model`: `prepared` checks the body where it is
+    called, and what it returns runs `then` with the checked body. A command's body is so
+    checked at the API's edge, on the thread that read the request, and only a good one is
+    posted to the loop (nodeagent.commands); called whole, it does both in turn."""
+
+    model: type[B]
+    then: Callable[[Request, B], object]
+
+    def __call__(self, request: Request) -> object:
+        return self.prepared(request)()
+
+    def prepared(self, request: Request) -> Callable[[], object]:
+        """BadRequest naming the body's first problem, or the rest of the handler."""
+        return partial(self.then, request, parse(self.model, request.body))
+
+
+def prepared(handler: Handler, request: Request) -> Callable[[], object]:
+    """`handler` for `request`, its body checked now where it declares one (Checked)."""
+    if isinstance(handler, Checked):
+        return handler.prepared(request)
+    return partial(handler, request)
+
 
 Routes = Mapping[str, Mapping[str, Handler]]
 """Path -> method ("GET", "POST" or "DELETE") -> handler."""

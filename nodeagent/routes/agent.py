@@ -15,8 +15,8 @@ from pydantic import Field
 
 from nodeagent import __version__
 from nodeagent.api import answers
-from nodeagent.api.bodies import Body, parse
-from nodeagent.api.server import Request, Routes
+from nodeagent.api.bodies import Body
+from nodeagent.api.server import Checked, Request, Routes
 from nodeagent.errors import BadRequest, Conflict, Forbidden, NotFound
 from nodeagent.gpualloc.service import environment
 from nodeagent.jobs import FinishBody, StartBody
@@ -125,7 +125,7 @@ def agent_routes(rec: Reconciler, config_path: str | None, agent: Lifecycle) -> 
         found = problems(answer, rec.spec.agent.interval, time.time(), reload)
         return answer.model_copy(update={"problems": found})
 
-    def reload(request: Request) -> answers.Reloaded:
+    def reload(request: Request, body: _ReloadBody) -> answers.Reloaded:
         """On the loop's thread (posted, as every POST): the file read and applied or
         refused there, as SIGHUP's reload is."""
         if request.peer.uid != 0:
@@ -133,7 +133,6 @@ def agent_routes(rec: Reconciler, config_path: str | None, agent: Lifecycle) -> 
                 "only root may reload the daemon's policy (sudo nodeagent reload, or"
                 " systemctl reload nodeagent)"
             )
-        body = parse(_ReloadBody, request.body)
         if config_path is None:
             raise BadRequest("this daemon runs without a policy file (--config): nothing to reload")
         if body.file is not None and os.path.realpath(body.file) != os.path.realpath(config_path):
@@ -175,7 +174,7 @@ def agent_routes(rec: Reconciler, config_path: str | None, agent: Lifecycle) -> 
             )
         return answers.Explanation.model_validate(explain(last, found[0]))
 
-    def start_job(request: Request) -> answers.StartedJob:
+    def start_job(request: Request, body: StartBody) -> answers.StartedJob:
         if rec.dry_run:
             raise BadRequest("this daemon runs with --dry-run: it starts no jobs")
         if rec.spec.agent.mode is AgentMode.KUBERNETES:
@@ -183,7 +182,6 @@ def agent_routes(rec: Reconciler, config_path: str | None, agent: Lifecycle) -> 
                 "nodeagent exec is refused: agent.mode is kubernetes, where the kubelet runs"
                 " the node's workloads and counts what they use; run it as a pod instead"
             )
-        body = parse(StartBody, request.body)
         job = rec.jobs.start(
             body,
             request.peer,
@@ -197,8 +195,8 @@ def agent_routes(rec: Reconciler, config_path: str | None, agent: Lifecycle) -> 
         env = {} if mine is None else environment(mine)
         return answers.StartedJob.model_validate({**job.to_json(), "env": env})
 
-    def finish_job(request: Request) -> answers.Job:
-        job = rec.jobs.finish(parse(FinishBody, request.body), request.peer)
+    def finish_job(request: Request, body: FinishBody) -> answers.Job:
+        job = rec.jobs.finish(body, request.peer)
         if job.deadline is not None and time.time() > job.deadline:
             rec.notes.missed(job.cgroup, job.deadline)
         return answers.Job.model_validate(job.to_json())
@@ -207,9 +205,13 @@ def agent_routes(rec: Reconciler, config_path: str | None, agent: Lifecycle) -> 
         return answers.Jobs.model_validate({"jobs": list(rec.view.jobs)})
 
     return {
-        "/v1/jobs": {"GET": list_jobs, "POST": start_job, "DELETE": finish_job},
+        "/v1/jobs": {
+            "GET": list_jobs,
+            "POST": Checked(StartBody, start_job),
+            "DELETE": Checked(FinishBody, finish_job),
+        },
         "/v1/status": {"GET": status},
-        "/v1/reload": {"POST": reload},
+        "/v1/reload": {"POST": Checked(_ReloadBody, reload)},
         "/v1/allocations": {"GET": allocs},
         "/v1/explain": {"GET": explain_one},
     }

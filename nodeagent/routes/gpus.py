@@ -33,9 +33,8 @@ from nodeagent.api.bodies import (
     Token,
     Work,
     check_future,
-    parse,
 )
-from nodeagent.api.server import Handler, Request, Routes
+from nodeagent.api.server import Checked, Request, Routes
 from nodeagent.errors import BadRequest, Conflict, NotFound
 from nodeagent.gpu.model import GpuState
 from nodeagent.gpu.report import read_report
@@ -118,32 +117,22 @@ class GpuRoutes:
         self._fairness = fairness
 
     def routes(self) -> Routes:
-        changes = self._changes
+        """The handlers; those that change the ledger leave its view as it was: whoever
+        serves them publishes a new one after each (Commands.serve's `then`)."""
         return {
             "/v1/gpus": {"GET": self._report},
             "/v1/gpus/requests": {
-                "POST": changes(self._ask),
+                "POST": Checked(AskBody, self._ask),
                 "GET": self._status,
-                "DELETE": changes(self._cancel),
+                "DELETE": Checked(IdBody, self._cancel),
             },
             "/v1/gpus/reservations": {
-                "POST": changes(self._reserve),
-                "DELETE": changes(self._unreserve),
+                "POST": Checked(ReserveBody, self._reserve),
+                "DELETE": Checked(NameBody, self._unreserve),
             },
             "/v1/gpus/place": {"GET": self._place},
-            "/v1/gpus/reservations/container": {"POST": changes(self._attach)},
+            "/v1/gpus/reservations/container": {"POST": Checked(AttachBody, self._attach)},
         }
-
-    def _changes(self, handler: Handler) -> Handler:
-        """`handler`, then a new view of the ledger it may have changed, for the next read."""
-
-        def run(request: Request) -> object:
-            try:
-                return handler(request)
-            finally:
-                self._gpus.publish()
-
-        return run
 
     def _place(self, request: Request) -> answers.Placement:
         """`gpus place` against the holds as last published: read-only, nothing reserved."""
@@ -175,9 +164,8 @@ class GpuRoutes:
                 " plugin assigns GPUs; request nvidia.com/gpu in a pod spec instead"
             )
 
-    def _ask(self, request: Request) -> answers.GpuGrant:
+    def _ask(self, request: Request, body: AskBody) -> answers.GpuGrant:
         self._refuse_in_kubernetes("nodeagent exec --gpus")
-        body = parse(AskBody, request.body)
         spec = self._spec()
         want = body.request()
         node = self._node(self._gpus.state)
@@ -222,14 +210,12 @@ class GpuRoutes:
             self._gpus.seen(rid, time.monotonic())
         return answers.GpuGrant.model_validate(got.to_json())
 
-    def _cancel(self, request: Request) -> answers.Cancelled:
-        body = parse(IdBody, request.body)
+    def _cancel(self, request: Request, body: IdBody) -> answers.Cancelled:
         self._gpus.ledger.cancel(body.id, request.peer.uid)
         return answers.Cancelled(cancelled=True)
 
-    def _reserve(self, request: Request) -> answers.Reservation:
+    def _reserve(self, request: Request, body: ReserveBody) -> answers.Reservation:
         self._refuse_in_kubernetes("nodeagent gpus reserve")
-        body = parse(ReserveBody, request.body)
         want = body.request()
         node = self._node(self._gpus.state)
         refuse_impossible(want, node)
@@ -269,14 +255,12 @@ class GpuRoutes:
             container=hold.container,
         )
 
-    def _attach(self, request: Request) -> answers.Attached:
-        body = parse(AttachBody, request.body)
+    def _attach(self, request: Request, body: AttachBody) -> answers.Attached:
         hold = self._gpus.ledger.attach(body.name, request.peer.uid, body.container)
         audit_event("gpu.reservation_container", owner=hold.owner, container=hold.container)
         return answers.Attached(name=hold.owner, container=hold.container)
 
-    def _unreserve(self, request: Request) -> answers.Released:
-        body = parse(NameBody, request.body)
+    def _unreserve(self, request: Request, body: NameBody) -> answers.Released:
         hold = self._gpus.ledger.release_reservation(body.name, request.peer.uid)
         audit_event(
             "gpu.released",

@@ -10,11 +10,12 @@ import pytest
 
 from nodeagent.api.answers import Jobs
 from nodeagent.api.peer import Peer
-from nodeagent.api.server import Request
+from nodeagent.api.server import Checked, Request
 from nodeagent.cgroupfs.tree import CgroupTree
 from nodeagent.commands import Commands
 from nodeagent.daemon import open_agent
-from nodeagent.errors import Conflict, TryLater
+from nodeagent.errors import BadRequest, Conflict, TryLater
+from nodeagent.jobs import FinishBody
 from nodeagent.policyfile.model import PolicySpec
 from nodeagent.wakeup import Wakeup
 
@@ -152,3 +153,48 @@ def test_the_agent_runs_what_changes_state_on_its_loop_and_reads_on_the_api_thre
         agent.stop.set()
         loop.join(30)
     assert not loop.is_alive()
+
+
+def test_a_body_is_checked_on_the_api_thread_and_a_bad_one_never_reaches_the_loop() -> None:
+    """Checked: the body is parsed where the request was read; the loop, here bound and
+    busy (it runs nothing), is handed only a checked one, and `then` (a new view) runs after
+    each command it does run, whatever the command did."""
+    commands = Commands(Wakeup(), timeout=10)
+    commands.bind()  # this thread is "the loop"
+    handled: list[tuple[int, FinishBody]] = []
+    published: list[int] = []
+
+    def finish(_: Request, body: FinishBody) -> None:
+        handled.append((threading.get_ident(), body))
+        raise Conflict(f"{body.name} is taken")
+
+    routes = commands.serve(
+        {"/v1/jobs": {"DELETE": Checked(FinishBody, finish)}},
+        then=lambda: published.append(threading.get_ident()),
+    )
+    me = Peer(os.getpid(), os.getuid(), os.getgid(), frozenset())
+    answers: list[object] = []
+
+    def api(body: dict[str, object]) -> None:
+        request = Request("DELETE", "/v1/jobs", {}, me, body)
+        try:
+            answers.append(routes["/v1/jobs"]["DELETE"](request))
+        except (BadRequest, Conflict) as e:
+            answers.append(e)
+
+    bad = threading.Thread(target=api, args=({"name": "j", "pid": 1},))
+    bad.start()
+    bad.join(10)
+    assert [str(a) for a in answers] == ["unknown field 'pid'"]
+    assert commands._queue.empty() and commands.run_pending() == 0
+
+    good = threading.Thread(target=api, args=({"name": "taken"},))
+    good.start()
+    while commands._queue.empty():
+        threading.Event().wait(0.001)
+    assert commands.run_pending() == 1
+    good.join(10)
+    loop = threading.get_ident()
+    assert [(who, b.name) for who, b in handled] == [(loop, "taken")]
+    assert published == [loop], "a new view after the command, though it was refused"
+    assert [type(a) for a in answers] == [BadRequest, Conflict]

@@ -27,11 +27,13 @@ from test_cli import REPO, assert_one_line_error, nodeagent
 from nodeagent.api import client
 from nodeagent.api.client import ApiRefused
 from nodeagent.api.server import ApiServer, Routes
+from nodeagent.commands import Commands
 from nodeagent.gpu.backend import NoGpus
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.gpualloc.service import GpuService
 from nodeagent.policyfile.model import PolicySpec
 from nodeagent.routes.gpus import GpuRoutes
+from nodeagent.wakeup import Wakeup
 
 PAIRS = str(REPO / "config" / "gpus" / "4x-a100-two-nvlink-pairs.yaml")
 MIG = str(REPO / "config" / "gpus" / "h100-mig.yaml")
@@ -43,7 +45,8 @@ UUIDS = [d.uuid for d in load_simulated(PAIRS).inventory()]
 
 def routes(service: GpuService) -> Routes:
     """The /v1/gpus routes over `service`, as the daemon serves them (no fair-share usage)."""
-    return GpuRoutes(service, lambda: SPEC, lambda tenant: 0.0).routes()
+    routes = GpuRoutes(service, lambda: SPEC, lambda tenant: 0.0).routes()
+    return Commands(Wakeup()).serve(routes, then=service.publish)
 
 
 def start(node: str) -> Iterator[tuple[GpuService, str]]:

@@ -14,10 +14,12 @@ from test_gpu_ledger import REPO
 
 from nodeagent.api.peer import Peer
 from nodeagent.api.server import Request, Routes
+from nodeagent.commands import Commands
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.gpualloc.service import GpuService
 from nodeagent.policyfile.model import PolicySpec
 from nodeagent.routes.gpus import GpuRoutes
+from nodeagent.wakeup import Wakeup
 
 NODE = REPO / "config" / "gpus" / "dgx-h100-nvswitch.yaml"
 SPEC = PolicySpec.model_validate(
@@ -41,13 +43,19 @@ def call(routes: Routes, method: str, path: str, uid: int = 0, **given: Any) -> 
     return answer.model_dump()
 
 
+def served(gpus: GpuService) -> Routes:
+    """The /v1/gpus routes as the daemon serves them: a new view after each change."""
+    routes = GpuRoutes(gpus, lambda: SPEC, lambda tenant: 0.0).routes()
+    return Commands(Wakeup()).serve(routes, then=gpus.publish)
+
+
 def status(routes: Routes, rid: str) -> Any:
     return call(routes, "GET", "/v1/gpus/requests", query={"id": rid})
 
 
 def test_the_decision_is_a_value_and_a_read_before_it_is_applied_sees_the_last_view() -> None:
     gpus = service()
-    routes = GpuRoutes(gpus, lambda: SPEC, lambda tenant: 0.0).routes()
+    routes = served(gpus)
     holder = call(routes, "POST", "/v1/gpus/requests", name="all", count=8)
     waiting = call(routes, "POST", "/v1/gpus/requests", name="next", count=2)
     assert (holder["status"], waiting["status"]) == ("granted", "waiting")
@@ -75,7 +83,7 @@ def test_a_read_while_the_loop_grants_sees_one_view_whole() -> None:
     both waiting and holding its GPUs, or two holds of all eight GPUs). The loop's thread
     asks, cancels and ticks; another thread reads the report as fast as it can."""
     gpus = service()
-    routes = GpuRoutes(gpus, lambda: SPEC, lambda tenant: 0.0).routes()
+    routes = served(gpus)
     stop = threading.Event()
     seen: list[tuple[frozenset[str], frozenset[str]]] = []
 

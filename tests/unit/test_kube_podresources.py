@@ -30,6 +30,7 @@ from nodeagent.api.client import ApiRefused
 from nodeagent.api.peer import Peer
 from nodeagent.api.server import ApiServer, Request
 from nodeagent.cgroupfs.tree import CgroupTree
+from nodeagent.commands import Commands
 from nodeagent.daemon import Agent, open_agent
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.gpualloc import service as gpu_service
@@ -39,6 +40,7 @@ from nodeagent.kube.podresources import PodResourcesClient, PodResourcesError
 from nodeagent.policyfile.model import ApiServerSettings, PolicySpec
 from nodeagent.routes.gpus import GpuRoutes
 from nodeagent.sense.gpus import GpuSensor
+from nodeagent.wakeup import Wakeup
 
 PAIRS = REPO / "config/gpus/4x-a100-two-nvlink-pairs.yaml"
 GPU = [d.uuid for d in load_simulated(str(PAIRS)).inventory()]
@@ -321,7 +323,10 @@ def kube_daemon() -> Iterator[str]:
     service.sense(0.0)
     where = Path(tempfile.mkdtemp(prefix="nodeagent-kube-"))
     server = ApiServer(
-        str(where / "api.sock"), GpuRoutes(service, lambda: spec, lambda t: 0.0).routes()
+        str(where / "api.sock"),
+        Commands(Wakeup()).serve(
+            GpuRoutes(service, lambda: spec, lambda t: 0.0).routes(), then=service.publish
+        ),
     )
     server.start()
     try:
