@@ -288,7 +288,6 @@ class Reconciler:
         for path in snapshot.vanished:  # inotify may have missed it (a failed watch)
             self.registry.forget(path)
         gpus = self.gpus.read(self._outside(assignments, identities))
-        snapshot = replace(snapshot, local_seconds=_local_seconds(snapshot.wall_time))
         unclaimed = {i.path for i in identities} - {*assignments, *(i.path for i in levels)}
         return Sensed(snapshot, gpus, assignments, modes, tuple(gone), frozenset(unclaimed))
 
@@ -641,9 +640,3 @@ class Reconciler:
         # the claims' key holds the policy by id: a new policy object may take the freed
         # one's id, so what was derived from the old one goes with it
         self.forget_derived()
-
-
-def _local_seconds(wall: float) -> float:
-    """Seconds since local midnight, for the policies' daily windows."""
-    t = time.localtime(wall)
-    return t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec + wall % 1

@@ -520,6 +520,8 @@ class GpuLedger:
         holds lapse, waiters nobody asks about are dropped, and the queue is served if that
         can change anything. Worked out on a copy, so that each grant sees those before."""
         bind, drop = tuple(bind), tuple(drop)
+        if not (self._holds or self._waiting or self._granted) and bounds == self._bounds:
+            return self._unchanged()  # the usual node's step: nothing held, nothing asked
         scratch = self._copy()
         for hold, cgroup in bind:
             scratch._bind(hold.id, cgroup)
@@ -805,6 +807,14 @@ class GpuLedger:
         h = self._holds.get(hold_id)
         if h is not None and h.cgroup is None:
             self._holds[hold_id] = replace(h, cgroup=cgroup, until=None)
+
+    def _unchanged(self) -> LedgerChanges:
+        """A step that changes nothing: an empty ledger's, whose bounds are in force."""
+        return LedgerChanges(
+            bound=(), dropped=(), lapsed=(), granted=(), forgotten=(), settled=(), waiting=(),
+            asked={}, holds=(), bounds=self._bounds, served=self._served, stale=self._stale,
+            freed=self._freed,
+        )  # fmt: skip
 
     def _copy(self) -> GpuLedger:
         """A copy to work a step out on: its own maps (the holds, requests and answers in

@@ -255,10 +255,11 @@ class GpuService:
     def sense(
         self, now: float, pods: Callable[[GpuState], tuple[Hold, ...]] | None = None
     ) -> GpuState | None:
-        """`read`, `decide` and `apply` in one: the GPUs with the holds as decided. `now`
-        is the monotonic clock."""
+        """`read`, `decide`, `apply` and `publish` in one: the GPUs with the holds as
+        decided. `now` is the monotonic clock."""
         decided = self.decide(self.read(pods), self._spec().gpu, now)
         self.apply(decided)
+        self.publish()
         return decided.state
 
     def read(self, pods: Callable[[GpuState], tuple[Hold, ...]] | None = None) -> GpuReading:
@@ -287,11 +288,8 @@ class GpuService:
                 named[h.id] = tuple(w.path for w in workloads if names(h.container, w))
         paths = {p for found in named.values() for p in found if not _in_user_slice(p)}
         asked: dict[str, float] = {}
-        while True:
-            try:
-                rid, when = self._asked.get_nowait()
-            except queue.Empty:
-                break
+        while not self._asked.empty():  # only the loop takes from it: not empty, it has one
+            rid, when = self._asked.get_nowait()
             asked[rid] = max(when, asked.get(rid, when))
         return GpuReading(state, outside, gone, named, {p: self.uids(p) for p in paths}, asked)
 
@@ -317,7 +315,8 @@ class GpuService:
     def apply(self, decided: GpuDecisions) -> None:
         """Make the decisions so: the ledger's changes, their audit events and log lines
         (a reservation that names another user's workload, or several, said once until
-        that changes); then publish the view the API reads."""
+        that changes). The view the API reads is published by whoever applies them, once
+        it is done (the loop: with the agent's own, at the end of the tick)."""
         changes = decided.ledger
         self.ledger.commit(changes)
         for h, cgroup in changes.bound:
@@ -356,7 +355,6 @@ class GpuService:
                     action="bound to none until exactly one workload has that name",
                 )
         self.state, self.outside_holds = decided.state, decided.outside
-        self.publish()
 
     def publish(self) -> GpuView:
         """A new view for the API's reads, made on the loop's thread after each tick and

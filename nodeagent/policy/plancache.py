@@ -20,7 +20,7 @@ from nodeagent.policy.base import Assignment, Policy
 from nodeagent.policy.classify import outer_claims
 from nodeagent.policy.fairshare import is_active
 from nodeagent.policy.plan import Plan, make_plan
-from nodeagent.policy.reads import ACTIVITY, MOVING, PIPELINE, WINDOWED, Reads, inside
+from nodeagent.policy.reads import ACTIVITY, MOVING, PIPELINE, WINDOWED, Reads, Window, inside
 from nodeagent.policyfile.model import PolicySpec
 from nodeagent.snapshot import NO_NEEDS, NodeSnapshot, WorkloadState
 
@@ -101,16 +101,12 @@ class PlanCache:
     def key(self, given: PlanInputs, version: int) -> Hashable:
         """What a plan depends on, besides what moves every tick, for the policies
         `_sensed` last saw; `version`: the workloads' and the settings' (`_sensed`)."""
-        snapshot, declared = given.snapshot, self._seen.declared
+        snapshot, seen = given.snapshot, self._seen
         return (
             version,
-            tuple(KEYS[part](snapshot) for part in declared.keyed),
-            tuple(
-                inside(w, snapshot.local_seconds)
-                for p in declared.windowed
-                for w in p.windows(given.spec)
-            ),
-            usage_shares(given.usage) if declared.reads.usage else None,
+            tuple(KEYS[part](snapshot) for part in seen.declared.keyed),
+            tuple(inside(w, snapshot.local_seconds) for w in seen.windows),
+            usage_shares(given.usage) if seen.declared.reads.usage else None,
         )
 
     def _sensed(
@@ -132,11 +128,14 @@ class PlanCache:
         if seen.policies != policies:
             seen = self._seen = _Seen(policies, _Declared.of(policies), seen.version + 1)
         declared = seen.declared
-        sections = tuple(getattr(spec, s) for s in declared.settings)
-        if len(sections) != len(seen.sections) or any(
-            a is not b for a, b in zip(sections, seen.sections, strict=True)
-        ):  # a reload: every workload is looked at again under the new settings
-            seen = self._seen = _Seen(policies, declared, seen.version + 1, sections)
+        if spec is not seen.spec:  # a reload (or the first tick): which sections changed
+            sections = tuple(getattr(spec, s) for s in declared.settings)
+            if len(sections) != len(seen.sections) or any(
+                a is not b for a, b in zip(sections, seen.sections, strict=True)
+            ):  # every workload is looked at again under the new settings
+                seen = self._seen = _Seen(policies, declared, seen.version + 1, sections)
+            seen.spec = spec
+            seen.windows = tuple(w for p in declared.windowed for w in p.windows(spec))
         # which rule claims each workload, with what tenant, class and limits: a container
         # renamed or relabelled (or a pod's edit through the API watch) is claimed anew at
         # once, not at the next replan_interval; the same mapping (a steady tick) costs one
@@ -215,6 +214,10 @@ class _Seen:
     version: int = 0
     sections: tuple[object, ...] = ()
     """The sections of the policy file they read, by identity."""
+    spec: PolicySpec | None = None
+    """The policy file those sections were taken from: another object is a reload."""
+    windows: tuple[Window, ...] = ()
+    """The daily windows the policies that read the local time read, in that file."""
     states: dict[str, WorkloadState] = field(default_factory=dict)
     active: set[str] = field(default_factory=set)
     stale: set[str] = field(default_factory=set)

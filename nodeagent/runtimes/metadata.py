@@ -194,6 +194,8 @@ class RuntimeMetadata:
     def _adapter(self, identity: WorkloadIdentity) -> tuple[str, str] | None:
         """(runtime, what to ask it for), or None for what no runtime knows (services, jobs)
         or no runtime may say (a user's containers, without `user_podman`)."""
+        if identity.kind is not Kind.CONTAINER and identity.kind is not Kind.POD:
+            return None  # a service, a job, a slice: no runtime's, wherever it is
         uid = delegated_uid(identity.path)
         if uid is not None:
             return self._users(uid, identity)
@@ -227,8 +229,10 @@ class RuntimeMetadata:
     def _not_asked(self, identity: WorkloadIdentity) -> WorkloadIdentity:
         """A workload no runtime was asked about: as it came, but a user's container says why
         it has no name (once the same object each tick, as `_identity` keeps it)."""
+        if identity.kind is not Kind.CONTAINER:
+            return identity
         uid = delegated_uid(identity.path)
-        if uid is None or identity.kind is not Kind.CONTAINER:
+        if uid is None:
             return identity
         mine = (
             "agent.runtimes.podman_per_user is off"

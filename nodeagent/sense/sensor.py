@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import resource
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
@@ -218,6 +219,7 @@ class Sensor:
             tuple(vanished),
             parents,
             overwritten=overwritten,
+            local_seconds=_local_seconds(wall_time),
         )
 
     def _overwrites(
@@ -453,3 +455,9 @@ def _counters(sample: CgroupSample, at: float) -> _Counters | None:
         sample.cpu_nr_throttled or 0,
         None if sample.cpu_psi is None else sample.cpu_psi.some.total_us,
     )
+
+
+def _local_seconds(wall: float) -> float:
+    """Seconds since local midnight, for the policies' daily windows."""
+    t = time.localtime(wall)
+    return t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec + wall % 1

@@ -72,6 +72,8 @@ def test_the_decision_is_a_value_and_a_read_before_it_is_applied_sees_the_last_v
     assert call(routes, "GET", "/v1/gpus")["queue"][0]["owner"] == "next"
 
     gpus.apply(decided)
+    assert status(routes, waiting["id"])["status"] == "waiting", "applied, not yet published"
+    gpus.publish()  # the loop's, at the end of its tick
     assert status(routes, waiting["id"])["status"] == "granted"
     assert [h.owner for h in gpus.view.holds()] == ["next"]
     # the view a read held on to is as it was: the request waiting, no GPU held
