@@ -44,6 +44,8 @@ class Reachability:
         self._wall = wall
         self._lock = threading.Lock()
         self._peers: dict[str, Reach] = {}
+        self._now: tuple[Reach, ...] | None = ()
+        """`now`'s answer, kept until an exchange changes a peer (None: make it again)."""
 
     def ok(self, name: str, address: str) -> None:
         """An exchange with `name` succeeded."""
@@ -54,6 +56,7 @@ class Reachability:
                 self._peers[name] = Reach(name, address, True, now, now, None)
             else:
                 self._peers[name] = replace(was, last_ok=now)
+            self._now = None
 
     def failed(self, name: str, address: str, error: str) -> None:
         """An exchange with `name` failed with `error` (one line)."""
@@ -66,6 +69,9 @@ class Reachability:
                 self._peers[name] = Reach(name, address, False, now, was.last_ok, error)
             elif was.error != error:
                 self._peers[name] = replace(was, error=error)
+            else:
+                return
+            self._now = None
 
     def known(self, name: str) -> bool:
         """Whether `name` was ever asked, whatever the answer."""
@@ -75,4 +81,6 @@ class Reachability:
     def now(self) -> tuple[Reach, ...]:
         """Every peer's state, by name."""
         with self._lock:
-            return tuple(sorted(self._peers.values(), key=lambda r: r.name))
+            if self._now is None:
+                self._now = tuple(sorted(self._peers.values(), key=lambda r: r.name))
+            return self._now

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import structlog
 
@@ -75,6 +75,19 @@ class Feedback:
     """Workloads with a failed write: written again even on an unchanged plan."""
     read_all: bool = True
     """Read every file of every workload (at start, after a reload)."""
+
+
+class Claimed(NamedTuple):
+    """Who the rules and the jobs claim (`Reconciler.claimed`), kept while nothing it is
+    made of changes."""
+
+    assignments: dict[str, Assignment]
+    managed: list[WorkloadIdentity]
+    levels: list[WorkloadIdentity]
+    """The claimed workloads' parents (the hierarchy of fair share)."""
+    modes: dict[str, WriteMode]
+    unclaimed: frozenset[str]
+    """The workloads found that neither claims, nor are a claimed one's parent."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,12 +201,7 @@ class Reconciler:
         self._refused: set[tuple[str, str]] = set()
         """(cgroup, what a rule refused) said already."""
         self._claimed_key: object = None
-        self._claimed_value: tuple[
-            dict[str, Assignment],
-            list[WorkloadIdentity],
-            list[WorkloadIdentity],
-            dict[str, WriteMode],
-        ] = ({}, [], [], {})
+        self._claimed_value = Claimed({}, [], [], {}, frozenset())
 
     # --- what the state file keeps ------------------------------------------------------
 
@@ -276,7 +284,8 @@ class Reconciler:
         identities = self.runtimes.attach(
             self.slurm.enrich(self.registry.identities(), self.spec.agent.slurm)
         )
-        assignments, managed, levels, modes = self.claimed(identities, jobs)
+        claimed = self.claimed(identities, jobs)
+        assignments, managed, levels = claimed.assignments, claimed.managed, claimed.levels
         snapshot = self.sensor.snapshot(
             managed,
             time.time(),
@@ -288,8 +297,7 @@ class Reconciler:
         for path in snapshot.vanished:  # inotify may have missed it (a failed watch)
             self.registry.forget(path)
         gpus = self.gpus.read(self._outside(assignments, identities))
-        unclaimed = {i.path for i in identities} - {*assignments, *(i.path for i in levels)}
-        return Sensed(snapshot, gpus, assignments, modes, tuple(gone), frozenset(unclaimed))
+        return Sensed(snapshot, gpus, assignments, claimed.modes, tuple(gone), claimed.unclaimed)
 
     def decide(self, sensed: Sensed, started: float) -> Decided:
         """What to do about it, with no I/O: the GPU ledger's binds, drops, lapses and grants
@@ -298,7 +306,9 @@ class Reconciler:
         policy.plancache). `started`, the tick's monotonic start, is its clock."""
         fed, last = self.feedback, self.last
         gpus = self.gpus.decide(sensed.gpus, self.spec.gpu, started)
-        snapshot = replace(sensed.snapshot, gpus=gpus.state)
+        snapshot = sensed.snapshot
+        if gpus.state is not snapshot.gpus:  # no GPUs: neither is anything
+            snapshot = replace(snapshot, gpus=gpus.state)
         given = PlanInputs(
             snapshot,
             self.spec,
@@ -388,16 +398,17 @@ class Reconciler:
     def _outside(
         self, assignments: Mapping[str, Assignment], identities: Sequence[WorkloadIdentity]
     ) -> Callable[[GpuState], tuple[Hold, ...]]:
-        """This tick's holds outside the ledger, made once the GPUs are read."""
+        """This tick's holds outside the ledger, asked once the GPUs are read (only a node
+        with GPUs asks)."""
         kube, spec = self.kube, self.spec
-        docker = self.runtimes.adapters.get("docker")
-        dockerd = DockerGpus(docker) if isinstance(docker, DockerAdapter) else None
-        slurm = self.slurm.gpus(spec.agent.slurm)
 
         def outside(state: GpuState) -> tuple[Hold, ...]:
             """The pods' (the kubelet's device plugin), the Docker containers' given GPUs
             (`--gpus`) and the Slurm jobs' (GRES), each where it applies; each asks only about
             what those before it do not cover."""
+            docker = self.runtimes.adapters.get("docker")
+            dockerd = DockerGpus(docker) if isinstance(docker, DockerAdapter) else None
+            slurm = self.slurm.gpus(spec.agent.slurm)
             classes = {p: str(a.workload_class) for p, a in assignments.items()}
             pods = () if kube is None else kube.gpu_holds(state, spec, identities, classes)
             held = (*state.holds, *pods)
@@ -418,9 +429,7 @@ class Reconciler:
 
     def claimed(
         self, identities: list[WorkloadIdentity], jobs: Mapping[str, Assignment]
-    ) -> tuple[
-        dict[str, Assignment], list[WorkloadIdentity], list[WorkloadIdentity], dict[str, WriteMode]
-    ]:
+    ) -> Claimed:
         """Who the rules and the jobs claim, their parents and write modes: worked out again
         only when the workloads, the jobs or the policy change (a steady tick skips it)."""
         pods = self.pods()
@@ -430,7 +439,9 @@ class Reconciler:
             self._say_refused(assignments)
             managed = [i for i in identities if i.path in assignments]
             modes = {i.path: write_mode(i, self.spec.agent) for i in managed}
-            self._claimed_value = (assignments, managed, self._levels(managed), modes)
+            levels = self._levels(managed)
+            unclaimed = {i.path for i in identities} - {*assignments, *(i.path for i in levels)}
+            self._claimed_value = Claimed(assignments, managed, levels, modes, frozenset(unclaimed))
             self._claimed_key = key
         return self._claimed_value
 

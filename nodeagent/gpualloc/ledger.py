@@ -190,6 +190,10 @@ class LedgerView:
         return waiting_answer(w, i + 1)
 
 
+EMPTY_VIEW = LedgerView((), (), {})
+"""An empty ledger's view."""
+
+
 @dataclass(frozen=True, slots=True)
 class LedgerChanges:
     """One step of the loop for the ledger, decided (`GpuLedger.decide`) and not yet made
@@ -337,6 +341,8 @@ class GpuLedger:
         self._freed = 0
         """How many times something was freed: a step worked out before a free (`decide`)
         is committed with the queue still to serve again."""
+        self._nothing: LedgerChanges | None = None
+        """The last step that changed nothing (`_unchanged`)."""
 
     # --- asking -----------------------------------------------------------------------
 
@@ -566,6 +572,8 @@ class GpuLedger:
         nothing it does between the two adds a hold: no GPU it grants was taken since; a
         hold freed since (a job that ended) leaves the queue to serve again next step."""
         freed_since = self._freed != changes.freed
+        if changes is self._nothing and not freed_since:
+            return  # decided on this ledger as it is, and nothing to change
         for hold, cgroup in changes.bound:
             self._bind(hold.id, cgroup)
         for h in (*changes.dropped, *changes.lapsed):
@@ -592,6 +600,8 @@ class GpuLedger:
     def view(self) -> LedgerView:
         """The ledger as it is now, for the API's reads on their own threads: the view's
         own copies, which nothing changes."""
+        if not (self._holds or self._order or self._granted):
+            return EMPTY_VIEW  # most nodes' ledger, at every tick: the same view
         return LedgerView(
             tuple(self._holds.values()), tuple(self._order), dict(self._granted),
         )  # fmt: skip
@@ -809,12 +819,20 @@ class GpuLedger:
             self._holds[hold_id] = replace(h, cgroup=cgroup, until=None)
 
     def _unchanged(self) -> LedgerChanges:
-        """A step that changes nothing: an empty ledger's, whose bounds are in force."""
-        return LedgerChanges(
+        """A step that changes nothing: an empty ledger's, whose bounds are in force. The
+        same object while the ledger stays as it is (most nodes' every step), which
+        `commit` knows it need not look into."""
+        was = self._nothing
+        if was is not None and (was.bounds, was.served, was.stale, was.freed) == (
+            self._bounds, self._served, self._stale, self._freed,
+        ):  # fmt: skip
+            return was
+        self._nothing = LedgerChanges(
             bound=(), dropped=(), lapsed=(), granted=(), forgotten=(), settled=(), waiting=(),
             asked={}, holds=(), bounds=self._bounds, served=self._served, stale=self._stale,
             freed=self._freed,
         )  # fmt: skip
+        return self._nothing
 
     def _copy(self) -> GpuLedger:
         """A copy to work a step out on: its own maps (the holds, requests and answers in

@@ -161,6 +161,10 @@ class GpuReading:
     """Waiting requests asked about since the last read: request id -> when."""
 
 
+NOTHING_READ = GpuReading(None, (), frozenset(), {}, {}, {})
+"""A read of a node with no GPUs the agent can use, nothing held and nobody asking."""
+
+
 @dataclass(frozen=True, slots=True)
 class GpuDecisions:
     """What `GpuService.decide` decided (pure), for `apply` to make so."""
@@ -249,6 +253,10 @@ class GpuService:
         stays empty); on any node the GPUs dockerd gave a container (kind runtime)."""
         self.view = GpuView(self.ledger.view(), None, ())
         """What the API's reads answer from; `publish` replaces it whole."""
+        self._bounds: tuple[GpuSettings | None, UserBounds] = (None, UNBOUNDED)
+        """The policy's gpu section last decided under, and the bounds it sets."""
+        self._idle = GpuDecisions(self.ledger.decide(None, 0.0, 0.0), None, (), (), ())
+        """An idle step's decisions (`NOTHING_READ`), kept while the ledger gives the same."""
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -271,6 +279,8 @@ class GpuService:
         the last read. Changes nothing."""
         held = self.ledger.holds()
         state = self.sensor.read(held)
+        if state is None and not held and self._asked.empty():
+            return NOTHING_READ  # no GPUs, nothing held, nobody asking: most nodes' tick
         outside = () if state is None or pods is None else pods(state)
         gone = frozenset(
             h.cgroup for h in held
@@ -297,6 +307,14 @@ class GpuService:
         """This tick's decisions for the ledger, as a value (no I/O, no clock, nothing
         changed): reservations bound to their workloads or dropped with them, unclaimed
         holds lapsed, the queue served under the policy's `gpu` settings."""
+        if self._bounds[0] is not gpu:
+            self._bounds = (gpu, bounds(gpu))
+        if reading is NOTHING_READ:
+            changes = self.ledger.decide(None, now, gpu.claim_timeout, gpu.patience,
+                                         self._bounds[1])  # fmt: skip
+            if self._idle.ledger is not changes:
+                self._idle = GpuDecisions(changes, None, (), (), ())
+            return self._idle  # the same decisions as long as the ledger stays empty
         held = self.ledger.holds()
         bound, unowned, ambiguous = binds(held, reading)
         dropped = [
@@ -304,7 +322,7 @@ class GpuService:
             if h.kind is HoldKind.RESERVATION and h.cgroup and h.cgroup in reading.gone
         ]  # fmt: skip
         changes = self.ledger.decide(
-            node_of(reading.state), now, gpu.claim_timeout, gpu.patience, bounds(gpu),
+            node_of(reading.state), now, gpu.claim_timeout, gpu.patience, self._bounds[1],
             bind=bound, drop=dropped, asked=reading.asked,
         )  # fmt: skip
         state = reading.state
@@ -359,7 +377,13 @@ class GpuService:
     def publish(self) -> GpuView:
         """A new view for the API's reads, made on the loop's thread after each tick and
         each change of the ledger, and swapped in whole."""
-        self.view = GpuView(self.ledger.view(), self.state, self.outside_holds)
+        ledger, was = self.ledger.view(), self.view
+        if (
+            ledger is not was.ledger
+            or self.state is not was.state
+            or (self.outside_holds is not was.outside)
+        ):  # else the same three (an empty ledger, no GPUs): the same view
+            self.view = GpuView(ledger, self.state, self.outside_holds)
         return self.view
 
     def seen(self, rid: str, now: float) -> None:

@@ -272,6 +272,9 @@ class RuntimeMetadata:
         out: list[WorkloadIdentity] = []
         live: set[tuple[str, str]] = set()
         for identity in identities:
+            if identity.kind is not Kind.CONTAINER and identity.kind is not Kind.POD:
+                out.append(identity)  # a service, a job, a slice: no runtime's, as it came
+                continue
             target = self._adapter(identity)
             if target is None:
                 out.append(self._not_asked(identity))

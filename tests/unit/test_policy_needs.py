@@ -116,7 +116,7 @@ def exec_job() -> dict[str, Assignment]:
 
 
 def claimed(agent: Agent) -> tuple[dict[str, Assignment], list[WorkloadIdentity]]:
-    assignments, managed, _, _ = agent.rec.claimed(agent.rec.registry.identities(), exec_job())
+    assignments, managed, *_ = agent.rec.claimed(agent.rec.registry.identities(), exec_job())
     assert sorted(i.name for i in managed) == sorted(WORKLOADS)
     return assignments, managed
 
@@ -209,7 +209,7 @@ def test_a_deadline_job_a_rule_claims_is_read_for_its_processes_every_tick(agent
     """A rule's deadline job is 'waiting' until it holds a process: cgroup.events must be
     read every tick, or it stays waiting (and its threads uncounted) until its next full
     read, while the earlier deadlines are planned without it (seen in the VM)."""
-    assignments, managed, _, _ = agent.rec.claimed(agent.rec.registry.identities(), {})
+    assignments, managed, *_ = agent.rec.claimed(agent.rec.registry.identities(), {})
     needs = agent.rec.needs(assignments, managed)
     assert needs[f"{SLICE}/deadline-a"] == Needs(events=True, pressure=True, threads=True)
 
