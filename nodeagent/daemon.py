@@ -87,7 +87,9 @@ def open_agent(
         dry_run,
         Systemd(),  # systemd's D-Bus API, for the cgroups it owns; connected at the first write
         lambda: policy.spec.agent.systemd.without_bus,
-        guard=SelfGuard(tree, proc_root),  # the agent's cgroup and those above: never tightened
+        # the agent's cgroup and those above: never tightened (where it is read at most once
+        # a second: a burst of newcomers costs one read)
+        guard=SelfGuard(tree, proc_root, every=1.0),
     )
     gpus = GpuService(
         open_backend(spec.gpu.simulate, proc_root),

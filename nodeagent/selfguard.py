@@ -17,6 +17,8 @@ process by the number the reader's PID namespace gives it, so the agent finds it
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 
 from nodeagent.cgroupfs.subtree import own_cgroup
 from nodeagent.cgroupfs.tree import CgroupTree, CgroupVanished
@@ -29,11 +31,27 @@ agent."""
 
 
 class SelfGuard:
-    """Which cgroups hold the agent (see the module's docstring); `begin` once per apply."""
+    """Which cgroups hold the agent (see the module's docstring); `begin` once per apply.
 
-    def __init__(self, tree: CgroupTree, proc_root: str = "/proc", pid: int | None = None):
+    `every`: read where the agent is at most once in that many seconds (of `clock`), so
+    that a burst of newcomers, each its own apply on the fast path, costs one read of
+    /proc/self/cgroup, not one each. The agent moves itself only at start, before its
+    first apply; whoever else moves it is seen within `every`. 0: read at every `begin`."""
+
+    def __init__(
+        self,
+        tree: CgroupTree,
+        proc_root: str = "/proc",
+        pid: int | None = None,
+        *,
+        every: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.tree, self.proc_root = tree, proc_root
         self.pid = os.getpid() if pid is None else pid
+        self.every, self.clock = every, clock
+        self._read_at: float | None = None
+        """When `begin` last read where the agent is (on `clock`); None: never."""
         self._own: str | None = None
         """The agent's cgroup in the tree; None while only a search can tell."""
         self._namespaced = False
@@ -42,7 +60,12 @@ class SelfGuard:
         at the next `begin` instead of searched again every tick."""
 
     def begin(self) -> None:
-        """Read where the agent is now (it moves into a leaf of its own at start)."""
+        """Read where the agent is now (it moves into a leaf of its own at start), unless
+        that was read less than `every` seconds ago."""
+        now = self.clock()
+        if self._read_at is not None and now - self._read_at < self.every:
+            return
+        self._read_at = now
         try:
             own = own_cgroup(self.proc_root)
         except NodeagentError:

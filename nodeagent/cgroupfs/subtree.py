@@ -93,14 +93,18 @@ def _require_unit(tree: CgroupTree, path: str, managed_root: str) -> None:
 def own_cgroup(proc_root: str = "/proc") -> str:
     """This process's cgroup v2 path, relative to the root ('' for the root itself)."""
     path = os.path.join(proc_root, "self/cgroup")
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("0::"):
-                    return line[3:].strip().strip("/")
+    try:  # read raw, in one call: the self-guard asks at every apply, the fast path's too
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            text = os.read(fd, 1 << 16).decode()
+        finally:
+            os.close(fd)
     except (OSError, UnicodeDecodeError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise NodeagentError(f"cannot read {path}: {why}") from e
+    for line in text.splitlines():
+        if line.startswith("0::"):
+            return line[3:].strip().strip("/")
     raise NodeagentError(f"{path} has no cgroup v2 entry")
 
 

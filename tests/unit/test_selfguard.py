@@ -187,3 +187,23 @@ def test_in_a_pod_the_agents_place_once_found_costs_one_read_a_tick_until_it_mov
     guard.begin()
     assert guard.refuses(MINE) is None, "moved away: searched again"
     assert f"the agent's process {PID} runs in {moved}" in (guard.refuses(moved) or "")
+
+
+def test_where_the_agent_is_is_read_at_most_once_in_every_seconds(tmp_path: Path) -> None:
+    """A burst of newcomers (each its own apply on the fast path) costs one read of
+    /proc/self/cgroup with `every`; a move is seen once `every` has passed."""
+    moved = "system.slice/nodeagent.service/moved"
+    cg = thawed_tree(tmp_path / "cg", [AGENT, moved])
+    proc = proc_self(tmp_path / "proc", AGENT)
+    now = [100.0]
+    guard = SelfGuard(cg, proc, pid=PID, every=1.0, clock=lambda: now[0])
+    guard.begin()
+    assert guard.refuses(AGENT) is not None and guard.refuses(moved) is None
+    (tmp_path / "proc" / "self" / "cgroup").write_text(f"0::/{moved}\n")  # moved by another
+    now[0] += 0.9
+    guard.begin()
+    assert guard.refuses(moved) is None, "not read again within the second"
+    now[0] += 0.1
+    guard.begin()
+    assert guard.refuses(moved) is not None, "read again: the move is seen"
+    assert guard.refuses(AGENT) is None
