@@ -526,7 +526,7 @@ def serve_metrics(agent: Agent) -> MetricsServer | None:
         interval=lambda: agent.rec.spec.agent.interval,
     )
     if agent.rec.gpus.backend.inventory():
-        collector.watch_gpus(agent.rec.gpus.backend)
+        collector.watch_gpus(agent.rec.gpus.backend, lambda: agent.rec.gpus.view.ledger)
     settings = agent.rec.spec.agent.metrics
     server = MetricsServer.start(
         listen,

@@ -381,6 +381,18 @@ def yes_no(value: bool | None) -> str:
     return "-" if value is None else "yes" if value else "no"
 
 
+def age(seconds: float) -> str:
+    """A duration as an operator reads it: 45s, 12m 3s, 3h 12m, 2d 4h."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60}m"
+    return f"{s // 86400}d {s % 86400 // 3600}h"
+
+
 def percent(fraction: float | None) -> str:
     return "-" if fraction is None else f"{fraction * 100:.1f}%"
 

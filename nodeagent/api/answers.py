@@ -265,6 +265,19 @@ class Below(Answer):
     tenants: list[str]
 
 
+class GpuUse(Answer):
+    """The GPUs a workload holds, as `explain` shows them."""
+
+    indices: list[int]
+    expected_end: Number | None
+    """When its hold is expected back (Unix time); None: unknown, or running late."""
+    kept_for: str | None = None
+    """The head of the queue some of these GPUs are kept for (EASY backfill): this
+    workload was placed on them as expected to give them back before its start."""
+    kept_from: Number | None = None
+    """That head's expected start (Unix time); None: unknown, or none."""
+
+
 class Explanation(Planned):
     """GET /v1/explain?cgroup=...: one workload's values, trace and sensed figures."""
 
@@ -274,6 +287,8 @@ class Explanation(Planned):
     trace: list[str]
     sensed: dict[str, Any]
     """What the sensors read this tick (usage, pressure, memory events): open."""
+    gpus: GpuUse | None = None
+    """The GPUs it holds; None: none."""
 
 
 # -- /v1/jobs ---------------------------------------------------------------------------------
@@ -401,6 +416,11 @@ class Waiting(Answer):
     count: int
     workload_class: str = Field(alias="class")
     reason: str
+    kept: list[int] = Field(default_factory=list)
+    """GPUs kept for it, the head of the queue (EASY backfill); empty for the others."""
+    expected_start: float | None = None
+    """When the GPUs kept for it are expected free (Unix time); None: not the head, or a
+    hold in its way has no expected end."""
 
 
 class GpuList(_Sparse):

@@ -25,7 +25,7 @@ from nodeagent.cli.common import json_option, log_format_option
 from nodeagent.cli.output import counted, document, echo_json, renamed, report
 from nodeagent.errors import NodeagentError
 from nodeagent.policyfile.listen import DEFAULT_SOCKET
-from nodeagent.tables import fold, printable
+from nodeagent.tables import age, fold, printable
 
 if TYPE_CHECKING:
     from nodeagent.api.answers import Status
@@ -210,25 +210,13 @@ def status_document(answer: Status, now: float) -> dict[str, Any]:
     return document("AgentStatus", body)
 
 
-def _age(seconds: float) -> str:
-    """A duration as an operator reads it: 45s, 12m 3s, 3h 12m, 2d 4h."""
-    s = max(0, int(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m {s % 60}s"
-    if s < 86400:
-        return f"{s // 3600}h {s % 3600 // 60}m"
-    return f"{s // 86400}d {s % 86400 // 3600}h"
-
-
 def _at(t: float | None, now: float) -> str:
     """A Unix time in local time, to the second, with its age: '2025-01-02 10:00:00 (5m 2s
     ago)'; '?' from a daemon that does not say it."""
     if t is None:
         return "?"
     local = dt.datetime.fromtimestamp(t).astimezone().strftime("%Y-%m-%d %H:%M:%S")
-    return f"{local} ({_age(now - t)} ago)"
+    return f"{local} ({age(now - t)} ago)"
 
 
 def _reload_line(answer: Status, now: float) -> str:
@@ -236,8 +224,8 @@ def _reload_line(answer: Status, now: float) -> str:
     if r is None:
         return "none since start" if answer.version is not None else "?"
     if r.applied:
-        return f"applied {_age(now - r.at)} ago"
-    return f"refused {_age(now - r.at)} ago ({counted(len(r.problems), 'problem')}, below)"
+        return f"applied {age(now - r.at)} ago"
+    return f"refused {age(now - r.at)} ago ({counted(len(r.problems), 'problem')}, below)"
 
 
 def status_text(answer: Status, now: float, width: int | None = None) -> str:
@@ -248,7 +236,7 @@ def status_text(answer: Status, now: float, width: int | None = None) -> str:
     mode = " (dry run: writes nothing)" if answer.dry_run else ""
     tick = "none yet" if answer.tick is None else str(answer.tick)
     if answer.tick is not None and answer.tick_time is not None:
-        tick += f", {_age(now - answer.tick_time)} ago"
+        tick += f", {age(now - answer.tick_time)} ago"
     rows = [
         ("nodeagent", f"{version}, pid {answer.pid}{mode}"),
         ("started", _at(answer.started, now)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -10,10 +11,10 @@ import click
 from nodeagent.cli.common import json_option, socket_option
 from nodeagent.cli.output import document, echo_json, item_list, renamed, terminal_width
 from nodeagent.errors import NodeagentError
-from nodeagent.tables import size, table, wrap
+from nodeagent.tables import age, size, table, wrap
 
 if TYPE_CHECKING:  # the commands import the API's answers when they run
-    from nodeagent.api.answers import GpuList, Placed, Placement, Reservation
+    from nodeagent.api.answers import GpuList, Placed, Placement, Reservation, Waiting
     from nodeagent.gpu.backend import GpuBackend
     from nodeagent.gpualloc.placing import Question
 
@@ -248,16 +249,31 @@ def _gpus_table(data: GpuList, width: int | None = None) -> str:
             )
         )
     if data.queue:
-        out += ["", "waiting for GPUs:"]
+        out += ["", "waiting for GPUs (STARTS: when the GPUs kept for the first in line are"]
+        out += ["expected free):"]
+        now = time.time()
+        rows = [
+            (q.id or "-", q.owner, q.count, q.workload_class, _starts(q, now), q.reason)
+            for q in data.queue
+        ]
         out.append(
             table(
-                ("REQUEST", "FOR", "COUNT", "CLASS", "WHY"),
-                [(q.id or "-", q.owner, q.count, q.workload_class, q.reason) for q in data.queue],
+                ("REQUEST", "FOR", "COUNT", "CLASS", "STARTS", "WHY"),
+                rows,
                 width=width,
-                cut=[(4, "head"), (0, "id"), (1, "leaf")],
+                cut=[(5, "head"), (0, "id"), (1, "leaf")],
             )
         )
     return "\n".join(out)
+
+
+def _starts(q: Waiting, now: float) -> str:
+    """The head of the queue's expected start, from now; '-' for the others."""
+    if not q.kept:
+        return "-"
+    if q.expected_start is None:
+        return "unknown"
+    return "in " + age(q.expected_start - now)
 
 
 @gpus.command("reserve")

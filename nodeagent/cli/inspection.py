@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ from nodeagent.tables import (
     SHOWN,
     Fitted,
     Keep,
+    age,
     cores,
     fit,
     fittest,
@@ -433,6 +435,7 @@ def explain_text(data: Explanation | Mapping[str, Any], *, width: int | None = N
             + ")",
             4,
         ),
+        *((line, 4) for line in _explain_gpus(data, time.time())),
         ("values:", None),
     ]
     for attr in SHOWN:
@@ -451,6 +454,23 @@ def explain_text(data: Explanation | Mapping[str, Any], *, width: int | None = N
         shown = setting(w.attribute, w.old, w.new)
         lines.append((f"last tick: {w.attribute} {shown}: {w.outcome} {w.detail}", 2))
     return "\n".join(fold(printable(line), width, hang) for line, hang in lines)
+
+
+def _explain_gpus(data: Explanation, now: float) -> list[str]:
+    """The GPUs the workload holds, when they are expected back, and the head of the queue
+    they are kept for (EASY backfill)."""
+    g = data.gpus
+    if g is None:
+        return []
+    back = "unknown" if g.expected_end is None else f"in {age(float(g.expected_end) - now)}"
+    lines = [f"  gpus: {', '.join(map(str, g.indices))} (expected back: {back})"]
+    if g.kept_for is not None:
+        start = "unknown" if g.kept_from is None else f"in {age(float(g.kept_from) - now)}"
+        lines.append(
+            f"  kept for {g.kept_for}, first in line (its expected start: {start}): placed"
+            " here as expected to give them back by then"
+        )
+    return lines
 
 
 def check_cgroup_root(root: str, proc_root: str) -> None:

@@ -80,7 +80,7 @@ from nodeagent.gpualloc.placement import (
     durations,
     place,
 )
-from nodeagent.policyfile.model import WorkloadClass
+from nodeagent.policyfile.model import Backfill, WorkloadClass
 
 log = structlog.get_logger("nodeagent.gpu")
 
@@ -145,6 +145,29 @@ Queued = tuple[QueueKey, Waiting]
 """A waiting request in the queue, after its key."""
 
 
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """GPUs kept for the head of the queue (EASY backfill): the first waiting request that
+    fits nowhere now is promised the set it will get at its earliest expected start (when
+    the holds in its way are expected back), and a later request may take any of those GPUs
+    only if it is expected to give them back by then. Without that, a stream of small
+    requests that each fit would backfill in front of a big one forever."""
+
+    request: str
+    """The head's request id."""
+    key: QueueKey
+    """Its place in the queue: a request placed before it is served first."""
+    owner: str
+    uid: int
+    uuids: tuple[str, ...]
+    indices: tuple[int, ...]
+    start: float | None
+    """When the set is expected free (monotonic clock); None: a hold in its way has no
+    expected end (no declared duration, no history of its class), or runs past it."""
+    waits_for: tuple[str, ...]
+    """The holders whose holds are in its way, by name."""
+
+
 def waiting_answer(w: Waiting, position: int) -> Answer:
     return Answer(w.id, "waiting", position=position, reason=w.reason)
 
@@ -167,6 +190,8 @@ class LedgerView:
     """The queue, in order."""
     granted: Mapping[str, Answer]
     """By request id."""
+    reserved: Reserved | None = None
+    """The GPUs kept for the head of the queue."""
 
     @cached_property
     def _positions(self) -> dict[str, int]:
@@ -222,6 +247,9 @@ class LedgerChanges:
     stale: bool
     freed: int
     """The ledger's count of frees when decided."""
+    reserved: Reserved | None = None
+    """The head of the queue's GPUs, as the step leaves them."""
+    backfill: Backfill = Backfill.RESERVE
 
 
 def closest_cpus(node: NodeGpus, indices: Iterable[int]) -> tuple[int, ...]:
@@ -343,6 +371,10 @@ class GpuLedger:
         is committed with the queue still to serve again."""
         self._nothing: LedgerChanges | None = None
         """The last step that changed nothing (`_unchanged`)."""
+        self._reserved: Reserved | None = None
+        """The head of the queue's GPUs (`Reserved`), worked out at each full serve."""
+        self._backfill = Backfill.RESERVE
+        """gpu.backfill, as the last ask or step was given it."""
 
     # --- asking -----------------------------------------------------------------------
 
@@ -364,11 +396,15 @@ class GpuLedger:
         declared: float | None = None,
         patience: float = durations.PATIENCE,
         bounds: UserBounds = UNBOUNDED,
+        backfill: Backfill = Backfill.RESERVE,
     ) -> Answer:
         """A request for GPUs: granted now if a set fits, else waiting. `declared`: what its
         job declared of its duration (else its class's recent holds say); `patience`:
-        gpu.patience, for it and the others waiting; `bounds`: each uid's (root has none)."""
+        gpu.patience, for it and the others waiting; `bounds`: each uid's (root has none);
+        `backfill`: gpu.backfill."""
         self._bounds = bounds
+        if backfill is not self._backfill:
+            self._backfill, self._stale = backfill, True
         self._check_name(owner)
         if bounds.never_granted(uid, request.count):
             raise Conflict(
@@ -388,7 +424,8 @@ class GpuLedger:
             workload_class, now, expected=expected,
         )  # fmt: skip
         self._add(w)
-        if self._stale or node != self._served:
+        ahead = self._reserved is not None and w.key() < self._reserved.key
+        if self._stale or node != self._served or ahead:  # ahead: the head may change
             self._serve(node, now, claim_timeout, patience)
         else:  # every other waiter was tried against these holds: only this one can fit
             self._try([w], node, now, claim_timeout, patience)
@@ -449,14 +486,15 @@ class GpuLedger:
         bounds: UserBounds = UNBOUNDED,
     ) -> tuple[Hold, Placement] | Refusal:
         """Place and hold GPUs for a container, in one step (two callers never get the same
-        GPUs); a Refusal when none fit now, Conflict past the uid's `bounds` (root has
-        none)."""
+        GPUs), around those kept for the head of the queue (a reservation is bound to run
+        for as long as its container does); a Refusal when none fit now, Conflict past the
+        uid's `bounds` (root has none)."""
         self._check_name(owner)
         hours = request.count * max(until - now, 0.0) / 3600.0
         over = self._over(uid, request.count, hours, now, bounds)
         if over is not None:
             raise Conflict(f"reservation {owner!r} refused: {over}")
-        result = place(request, node, holdings(self._holds.values()))
+        result = _placed(request, node, holdings(self._holds.values()), self._reserved)
         if isinstance(result, Refusal):
             return result
         hold = Hold(
@@ -518,6 +556,7 @@ class GpuLedger:
         bind: Iterable[tuple[Hold, str]] = (),
         drop: Iterable[Hold] = (),
         asked: Mapping[str, float] | None = None,
+        backfill: Backfill = Backfill.RESERVE,
     ) -> LedgerChanges:
         """One step of the loop as a value, the ledger left as it is (`commit` makes it
         so). First reservations follow the workloads they name (`bind`: each with its
@@ -539,6 +578,8 @@ class GpuLedger:
         if bounds != scratch._bounds:  # a reload changed them: who may be granted changed
             scratch._bounds = bounds
             scratch._free()
+        if backfill is not scratch._backfill:  # a reload changed it: served anew under it
+            scratch._backfill, scratch._stale = backfill, True
         lapsed = [h for h in scratch._holds.values() if h.until is not None and h.until <= now]
         for h in lapsed:
             scratch._pop(h.id)
@@ -547,6 +588,9 @@ class GpuLedger:
         held = scratch._holds
         for rid in [r for r, a in scratch._granted.items() if a.hold and a.hold.id not in held]:
             del scratch._granted[rid]
+        head = scratch._reserved
+        if head is not None and head.start is not None and now >= head.start:
+            scratch._stale = True  # a hold in its way runs late: its start is worked out anew
         if node is not None and scratch._waiting and (scratch._stale or node != scratch._served):
             scratch._serve(node, now, claim_timeout, patience)
         return LedgerChanges(
@@ -565,6 +609,8 @@ class GpuLedger:
             stale=scratch._stale,
             freed=self._freed,
             asked=asked,
+            reserved=scratch._reserved,
+            backfill=scratch._backfill,
         )
 
     def commit(self, changes: LedgerChanges) -> None:
@@ -596,6 +642,9 @@ class GpuLedger:
             self._granted[a.id] = a
         self._bounds, self._served = changes.bounds, changes.served
         self._stale = changes.stale or freed_since
+        head = changes.reserved
+        self._reserved = head if head is None or head.request in self._waiting else None
+        self._backfill = changes.backfill
 
     def view(self) -> LedgerView:
         """The ledger as it is now, for the API's reads on their own threads: the view's
@@ -603,7 +652,7 @@ class GpuLedger:
         if not (self._holds or self._order or self._granted):
             return EMPTY_VIEW  # most nodes' ledger, at every tick: the same view
         return LedgerView(
-            tuple(self._holds.values()), tuple(self._order), dict(self._granted),
+            tuple(self._holds.values()), tuple(self._order), dict(self._granted), self._reserved,
         )  # fmt: skip
 
     def holds(self) -> tuple[Hold, ...]:
@@ -830,7 +879,7 @@ class GpuLedger:
         self._nothing = LedgerChanges(
             bound=(), dropped=(), lapsed=(), granted=(), forgotten=(), settled=(), waiting=(),
             asked={}, holds=(), bounds=self._bounds, served=self._served, stale=self._stale,
-            freed=self._freed,
+            freed=self._freed, reserved=None, backfill=self._backfill,
         )  # fmt: skip
         return self._nothing
 
@@ -843,6 +892,7 @@ class GpuLedger:
         c._seen = dict(self._seen)
         c._granted, c._history, c._bounds = dict(self._granted), self._history, self._bounds
         c._stale, c._served, c._freed = self._stale, self._served, self._freed
+        c._reserved, c._backfill = self._reserved, self._backfill
         return c
 
     def _add(self, w: Waiting) -> None:
@@ -853,6 +903,9 @@ class GpuLedger:
         bisect.insort(self._order, (w.key(), w))
 
     def _drop(self, rid: str) -> Waiting:
+        if self._reserved is not None and self._reserved.request == rid:
+            self._reserved = None  # its GPUs are free for the next head
+            self._stale = True
         w = self._waiting.pop(rid)
         del self._seen[rid]
         del self._waiting_names[w.owner]
@@ -863,7 +916,7 @@ class GpuLedger:
         return w
 
     def _serve(self, node: NodeGpus, now: float, claim_timeout: float, patience: float) -> None:
-        self._stale, self._served = False, node
+        self._stale, self._served, self._reserved = False, node, None
         self._try(self.queue(), node, now, claim_timeout, patience)
 
     def _try(
@@ -872,9 +925,11 @@ class GpuLedger:
         """Grant what fits, in queue order; a request shaped like one refused since the last
         grant is refused for the same reason without placing it again. One that passes a
         set over for a better one keeps the queue stale: it is tried again next step, with
-        less patience left."""
+        less patience left. The first that fits nowhere has GPUs kept for it (`Reserved`):
+        those behind it are placed around them, or on them only when expected to give them
+        back before its start."""
         held = holdings(self._holds.values(), now)
-        refused: dict[GpuRequest, Refusal] = {}
+        refused: dict[tuple[GpuRequest, bool], Refusal] = {}
         for w in waiting:
             hours = w.request.count * timeout / 3600.0
             over = self._over(w.uid, w.request.count, hours, now, self._bounds)
@@ -883,18 +938,48 @@ class GpuLedger:
                     self._update(replace(w, reason=over))
                 continue
             request = self._told(w, now, patience)
-            result = refused.get(request) or place(request, node, held)
+            head = self._reserved
+            around = None  # the head's GPUs, where `w` must leave them alone
+            if head is not None and head.request != w.id and not _gives_back_by(w, head, now):
+                around = head
+            cached = refused.get((request, around is not None))
+            result = cached or _placed(request, node, held, around)
             if isinstance(result, Placement):
                 self._grant(w, result, node, now, now + timeout)
                 held = holdings(self._holds.values(), now)
                 refused.clear()
                 continue
-            refused[request] = result
+            refused[request, around is not None] = result
             if result.better_in is not None:
                 self._stale = True  # nothing freed: tried again at the next step
+            elif head is None and self._backfill is Backfill.RESERVE and _reservable(w.request):
+                head = self._reserved = self._reserve(w, node, now)
+                if head is not None:
+                    result = Refusal(f"{result.reason}; {_kept_for(head)}")
             held_back = now if result.better_in is not None and w.held_back is None else w.held_back
             if (w.reason, w.held_back) != (result.reason, held_back):
                 self._update(replace(w, reason=result.reason, held_back=held_back))
+
+    def _reserve(self, w: Waiting, node: NodeGpus, now: float) -> Reserved | None:
+        """The set `w` would get at its earliest expected start: at each moment a hold is
+        expected back (in order), the set that fits once those holds are gone; past every
+        known moment, the one that fits with every hold gone (its start then unknown). None
+        where even that does not fit (busy GPUs no hold covers, MIG, memory in use)."""
+        request = replace(w.request, expected_duration=None, patience=0.0)
+        holds = list(self._holds.values())
+        moments = sorted({h.expected_end for h in holds if h.expected_end and h.expected_end > now})
+        for start in (*moments, None):
+            back = [h for h in holds if _back_by(h, start)]
+            kept = [h for h in holds if not _back_by(h, start)]
+            result = place(request, _freed_memory(node, back), holdings(kept))
+            if isinstance(result, Placement):
+                taken = set(result.uuids)
+                waits = sorted({h.owner for h in back if taken & set(h.uuids)})
+                return Reserved(
+                    w.id, w.key(), w.owner, w.uid, result.uuids, result.indices, start,
+                    tuple(waits),
+                )  # fmt: skip
+        return None
 
     @staticmethod
     def _told(w: Waiting, now: float, patience: float) -> GpuRequest:
@@ -941,3 +1026,74 @@ class GpuLedger:
         stays)."""
         self._waiting[w.id] = w
         self._order[self._place_of(w)] = (w.key(), w)
+
+
+def _reservable(request: GpuRequest) -> bool:
+    """Whole GPUs held alone: the requests that starve behind small ones (a shared or MIG
+    request fits in what any hold leaves)."""
+    return not request.shared and request.mig_profile is None
+
+
+def _back_by(hold: Hold, start: float | None) -> bool:
+    """Whether `hold` is expected back by `start` (None: past every known moment, when
+    every hold is counted back, of unknown end or not)."""
+    if start is None:
+        return True
+    return hold.expected_end is not None and hold.expected_end <= start
+
+
+def _freed_memory(node: NodeGpus, back: list[Hold]) -> NodeGpus:
+    """The node as the head's set is placed on: memory its holders use counts as free once
+    their holds are back (the node itself where nothing is, to keep its memoised scores)."""
+    gone = {u for h in back for u in h.uuids}
+    if not gone & node.memory_used.keys():
+        return node
+    used = {u: m for u, m in node.memory_used.items() if u not in gone}
+    return replace(node, memory_used=used)
+
+
+def _placed(
+    request: GpuRequest, node: NodeGpus, held: Holdings, around: Reserved | None
+) -> Placement | Refusal:
+    """`place`, or with `around` a set that leaves the head's GPUs alone."""
+    if around is None:
+        return place(request, node, held)
+    kept = replace(held, exclusive=held.exclusive | frozenset(around.uuids))
+    result = place(request, node, kept)
+    if isinstance(result, Refusal) and result.better_in is None:
+        return Refusal(_behind(around, result.reason))
+    return result
+
+
+def _gives_back_by(w: Waiting, head: Reserved, now: float) -> bool:
+    """Whether `w`, granted now, is expected to give its GPUs back before the head's start."""
+    return head.start is not None and w.expected is not None and now + w.expected <= head.start
+
+
+def _gpus(head: Reserved) -> tuple[str, str]:
+    """'GPU 3', 'is' or 'GPUs 0, 1', 'are': the head's kept GPUs, and the verb."""
+    if len(head.indices) == 1:
+        return f"GPU {head.indices[0]}", "is"
+    return "GPUs " + ", ".join(str(i) for i in head.indices), "are"
+
+
+def _kept_for(head: Reserved) -> str:
+    """The head's reason to wait, after why it fits nowhere (its expected start is shown
+    beside it, as a time)."""
+    gpus, are = _gpus(head)
+    whose = ", ".join(head.waits_for)
+    end = "ends" if len(head.waits_for) == 1 else "end"
+    when = (
+        f"expected free when {whose} {end}"
+        if head.start is not None
+        else f"free once {whose} {end} (a hold in the way has no expected end)"
+    )
+    return f"first in line: {gpus} {are} kept for it, {when}"
+
+
+def _behind(head: Reserved, reason: str) -> str:
+    gpus, are = _gpus(head)
+    return (
+        f"{reason}; {gpus} {are} kept for {head.owner}, first in line, and this request is"
+        " not expected to give them back before its start"
+    )

@@ -311,7 +311,7 @@ class GpuService:
             self._bounds = (gpu, bounds(gpu))
         if reading is NOTHING_READ:
             changes = self.ledger.decide(None, now, gpu.claim_timeout, gpu.patience,
-                                         self._bounds[1])  # fmt: skip
+                                         self._bounds[1], backfill=gpu.backfill)  # fmt: skip
             if self._idle.ledger is not changes:
                 self._idle = GpuDecisions(changes, None, (), (), ())
             return self._idle  # the same decisions as long as the ledger stays empty
@@ -323,7 +323,7 @@ class GpuService:
         ]  # fmt: skip
         changes = self.ledger.decide(
             node_of(reading.state), now, gpu.claim_timeout, gpu.patience, self._bounds[1],
-            bind=bound, drop=dropped, asked=reading.asked,
+            bind=bound, drop=dropped, asked=reading.asked, backfill=gpu.backfill,
         )  # fmt: skip
         state = reading.state
         if state is not None:

@@ -35,6 +35,7 @@ from nodeagent.act import Outcome, WriteResult
 from nodeagent.cgroupfs.values import Attribute, CpuMax, CpuWeight, Frozen, MemoryLimit, Value
 from nodeagent.errors import one_line
 from nodeagent.gpu.backend import GpuBackend
+from nodeagent.gpualloc.ledger import EMPTY_VIEW, LedgerView
 from nodeagent.identity import WorkloadIdentity
 from nodeagent.metrics.families import (
     FAMILIES,
@@ -155,11 +156,14 @@ class TickCollector(Collector):
         self._failed: dict[str, str] = {}
         """The parts the last scrape left out, with their errors (logged once each)."""
 
-    def watch_gpus(self, backend: GpuBackend) -> None:
+    def watch_gpus(
+        self, backend: GpuBackend, ledger: Callable[[], LedgerView] = lambda: EMPTY_VIEW
+    ) -> None:
         """Export `backend`'s GPUs from now on: each GPU's health and telemetry, and each
-        workload's GPU memory and processes, read at every scrape. The daemon calls this
-        once it has a GPU backend; until then there are no GPU series."""
-        self._gpus = GpuMetrics(backend)
+        workload's GPU memory and processes, read at every scrape, and the queue of
+        `ledger` (the view the loop publishes). The daemon calls this once it has a GPU
+        backend; until then there are no GPU series."""
+        self._gpus = GpuMetrics(backend, ledger)
 
     def observe(self, record: TickRecord | None) -> None:
         """Count one tick: its record, or None when it failed. Called by one thread at a

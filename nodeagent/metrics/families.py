@@ -404,6 +404,28 @@ FAMILIES: tuple[Family, ...] = (
     _f("nodeagent_gpu_power_limit_watts", "gauge", "Power limit in force.", *GPU),
     _f("nodeagent_gpu_temperature_celsius", "gauge", "GPU temperature.", *GPU),
     _f(
+        "nodeagent_gpu_requests_waiting",
+        "gauge",
+        "GPU requests in the daemon's queue, by the class they ask for.",
+        "class",
+    ),
+    _f(
+        "nodeagent_gpu_kept_for_queue_head",
+        "gauge",
+        "1 for each GPU kept for the first request in line that fits nowhere now (EASY"
+        " backfill): others take it only if expected to give it back before that request's"
+        " start.",
+        *GPU,
+        "owner",
+    ),
+    _f(
+        "nodeagent_gpu_queue_head_expected_start_timestamp_seconds",
+        "gauge",
+        "When the GPUs kept for the head of the queue are expected free (Unix time); absent"
+        " while a hold in its way has no expected end.",
+        "owner",
+    ),
+    _f(
         "nodeagent_gpu_violating_processes",
         "gauge",
         "Compute processes on GPUs their cgroup does not hold, this tick (gpu.violation):"

@@ -8,22 +8,28 @@ changes, and that scrape has no GPU series; the rest of the scrape is unaffected
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Mapping
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping
 
 import structlog
 
 from nodeagent.errors import one_line
 from nodeagent.gpu.backend import GpuBackend
 from nodeagent.gpu.model import Device, GpuProcess, Telemetry
+from nodeagent.gpualloc.ledger import EMPTY_VIEW, LedgerView
 from nodeagent.metrics.families import Scrape
 
 log = structlog.get_logger("nodeagent")
 
 
 class GpuMetrics:
-    def __init__(self, backend: GpuBackend) -> None:
+    def __init__(
+        self, backend: GpuBackend, ledger: Callable[[], LedgerView] = lambda: EMPTY_VIEW
+    ) -> None:
+        """`ledger`: the GPU ledger as the loop last published it (its queue)."""
         self.backend = backend
+        self.ledger = ledger
         self._error: str | None = None
 
     def render(self, out: Scrape, workloads: Mapping[str, tuple[str, ...]]) -> None:
@@ -38,11 +44,30 @@ class GpuMetrics:
                 log.warning("metrics.gpus_unreadable", error=self._error)
             return
         self._error = None
+        _queue(out, devices, self.ledger())
         for d in devices:
             _device(out, d)
         for t in telemetry:
             _telemetry(out, t)
         _by_workload(out, devices, processes, workloads)
+
+
+def _queue(out: Scrape, devices: tuple[Device, ...], ledger: LedgerView) -> None:
+    """The requests waiting, by class (0 for none), and the GPUs kept for the head of the
+    queue with their expected start."""
+    waiting = Counter(w.workload_class for w in ledger.queue())
+    for workload_class, n in sorted(waiting.items()):
+        out.add("nodeagent_gpu_requests_waiting", (workload_class,), n)
+    head = ledger.reserved
+    if head is None:
+        return
+    kept = set(head.uuids)
+    for d in devices:
+        if d.uuid in kept:
+            out.add("nodeagent_gpu_kept_for_queue_head", (str(d.index), d.uuid, head.owner), 1)
+    if head.start is not None:
+        start = time.time() + head.start - time.monotonic()
+        out.add("nodeagent_gpu_queue_head_expected_start_timestamp_seconds", (head.owner,), start)
 
 
 def _device(out: Scrape, d: Device) -> None:

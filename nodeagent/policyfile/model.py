@@ -662,6 +662,15 @@ class ViolationAction(enum.StrEnum):
     FREEZE = "freeze"
 
 
+class Backfill(enum.StrEnum):
+    """How the GPU queue lets later requests past one that fits nowhere (gpu.backfill)."""
+
+    RESERVE = "reserve"
+    """EASY backfill: GPUs are kept for the first that fits nowhere, at its expected start."""
+    GREEDY = "greedy"
+    """Any request that fits goes: the most GPUs busy now, and a big request may starve."""
+
+
 class GpuSettings(_Strict):
     """GPUs: where they come from, how jobs are pinned, and power by class."""
 
@@ -697,6 +706,11 @@ class GpuSettings(_Strict):
     """A GPU request that already waits may wait this share of its job's expected duration
     more for a set that scores clearly better and is expected free by then; 0 (the default):
     never, as GPUs left idle on estimates make more jobs wait than first fit does."""
+    backfill: Annotated[Backfill, BeforeValidator(_not_bytes)] = Backfill.RESERVE
+    """reserve (the default): the first waiting request that fits nowhere has the GPUs it
+    will get at its expected start kept for it, and a later request takes them only if it
+    is expected to give them back by then (EASY backfill: no big request starves behind a
+    stream of small ones); greedy: any request that fits goes, as before reservations."""
 
 
 class ApiServerSettings(_Strict):

@@ -18,7 +18,7 @@ from nodeagent.api import answers
 from nodeagent.api.bodies import Body
 from nodeagent.api.server import Checked, Request, Routes
 from nodeagent.errors import BadRequest, Conflict, Forbidden, NotFound
-from nodeagent.gpualloc.service import environment
+from nodeagent.gpualloc.service import GpuView, environment
 from nodeagent.jobs import FinishBody, StartBody
 from nodeagent.policyfile.model import AgentMode
 from nodeagent.reach import Reach
@@ -172,7 +172,9 @@ def agent_routes(rec: Reconciler, config_path: str | None, agent: Lifecycle) -> 
                 f"{what} match {query!r} among the workloads a rule claims;"
                 " see 'nodeagent allocations' and 'nodeagent workloads'"
             )
-        return answers.Explanation.model_validate(explain(last, found[0]))
+        return answers.Explanation.model_validate(
+            {**explain(last, found[0]), "gpus": _gpu_use(rec.gpus.view, found[0].path)}
+        )
 
     def start_job(request: Request, body: StartBody) -> answers.StartedJob:
         if rec.dry_run:
@@ -214,4 +216,23 @@ def agent_routes(rec: Reconciler, config_path: str | None, agent: Lifecycle) -> 
         "/v1/reload": {"POST": Checked(_ReloadBody, reload)},
         "/v1/allocations": {"GET": allocs},
         "/v1/explain": {"GET": explain_one},
+    }
+
+
+def _gpu_use(view: GpuView, path: str) -> dict[str, object] | None:
+    """The GPUs the workload at `path` holds, when each is expected back, and the head of the
+    queue they are kept for, if they are (times on the wall clock)."""
+    holds = [h for h in view.holds() if h.cgroup == path]
+    if not holds:
+        return None
+    offset = time.time() - time.monotonic()
+    ends = [h.expected_end for h in holds]
+    end = None if None in ends else max(e for e in ends if e is not None) + offset
+    head = view.ledger.reserved
+    kept = head is not None and any(set(h.uuids) & set(head.uuids) for h in holds)
+    return {
+        "indices": sorted({i for h in holds for i in h.indices}),
+        "expected_end": end,
+        "kept_for": head.owner if head is not None and kept else None,
+        "kept_from": head.start + offset if head is not None and kept and head.start else None,
     }

@@ -38,7 +38,7 @@ from nodeagent.api.server import Checked, Request, Routes
 from nodeagent.errors import BadRequest, Conflict, NotFound
 from nodeagent.gpu.model import GpuState
 from nodeagent.gpu.report import read_report
-from nodeagent.gpualloc.ledger import holdings
+from nodeagent.gpualloc.ledger import Reserved, holdings
 from nodeagent.gpualloc.placement import GpuRequest, NodeGpus, Refusal, impossible
 from nodeagent.gpualloc.placement.durations import declared_duration
 from nodeagent.gpualloc.placing import BadQuestion, answer, from_query
@@ -192,6 +192,7 @@ class GpuRoutes:
             declared=declared_duration(due, body.work, body.cpus),
             patience=spec.gpu.patience,
             bounds=bounds(spec.gpu),
+            backfill=spec.gpu.backfill,
         )
         if answer.status == "granted" and answer.hold is not None:
             audit_event(
@@ -306,6 +307,7 @@ class GpuRoutes:
                 if p.device_uuid in on
             ]
         uid = request.peer.uid
+        head = view.ledger.reserved
         report["queue"] = [
             {
                 # a request's id is shown to its asker and root only
@@ -315,7 +317,14 @@ class GpuRoutes:
                 "count": w.request.count,
                 "class": w.workload_class,
                 "reason": w.reason,
+                **(_kept(head) if head is not None and head.request == w.id else {}),
             }
             for w in view.ledger.queue()
         ]
         return answers.GpuList.model_validate(report)
+
+
+def _kept(head: Reserved) -> dict[str, object]:
+    """The head of the queue's GPUs and expected start, on the wall clock."""
+    start = None if head.start is None else time.time() + head.start - time.monotonic()
+    return {"kept": list(head.indices), "expected_start": start}

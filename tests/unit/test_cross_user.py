@@ -333,7 +333,10 @@ def test_an_ask_does_not_place_the_whole_queue_again(d: Daemon, monkeypatch: Any
     d.call(ROOT, "DELETE", "/v1/gpus/requests", {"id": unclaimed})  # two GPUs free up
     d.agent.tick()
     assert [h for h in d.holds() if h[1] == "request"] == [("w0", "request"), ("w1", "request")]
-    assert len(calls) <= 3, "one pass, each shape placed once per grant"
+    # one pass, each shape placed once per grant: w0 and w1 granted, w2 refused; then the
+    # GPUs kept for w2, the head (one placement: no hold has an expected end), and w3's
+    # shape placed once around them
+    assert len(calls) <= 5, calls
 
 
 # --- issue 34 item 9: whose deadline --------------------------------------------------------

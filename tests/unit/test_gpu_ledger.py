@@ -15,6 +15,7 @@ from nodeagent.gpu.model import Hold
 from nodeagent.gpu.simulated import load_simulated
 from nodeagent.gpualloc.ledger import Answer, GpuLedger, UserBounds, holdings
 from nodeagent.gpualloc.placement import GpuRequest, NodeGpus, Refusal
+from nodeagent.policyfile.model import Backfill
 
 REPO = Path(__file__).resolve().parents[2]
 PAIRS = REPO / "config" / "gpus" / "4x-a100-two-nvlink-pairs.yaml"
@@ -135,10 +136,105 @@ def test_waiting_requests_go_by_priority_then_deadline_then_fair_share(node: Nod
 
 
 def test_backfill_serves_what_fits_past_a_request_that_does_not(node: NodeGpus) -> None:
+    """Around the GPUs kept for the head of the queue: a 2-GPU request that needs the free
+    pair the 4-GPU head will get waits; a 1-GPU one expected back before the head's start
+    is granted on them."""
     ledger = GpuLedger()
-    assert ask(ledger, node, "two", 2) == "granted"
+    assert ask(ledger, node, "two", 2, declared=600.0) == "granted"
     assert ask(ledger, node, "four", 4, priority=300) == "waiting"
-    assert ask(ledger, node, "one", 1) == "granted", "fits beside the waiting big one"
+    assert ask(ledger, node, "late", 2, declared=900.0) == "waiting", "back after its start"
+    assert ask(ledger, node, "one", 1, declared=60.0) == "granted", "back before its start"
+
+
+def test_the_head_of_the_queue_has_gpus_kept_for_it_and_its_expected_start(
+    node: NodeGpus,
+) -> None:
+    """EASY backfill: the first request that fits nowhere is promised the set it will get
+    when the holds in its way are expected back, and that moment; the others are placed
+    around it, or on it only when they give the GPUs back by then."""
+    ledger = GpuLedger()
+    a = start(ledger, node, "a", 2, now=0.0, declared=100.0)
+    b = start(ledger, node, "b", 1, now=0.0, declared=300.0)
+    got = answer(ledger, node, "big", 4, now=10.0)
+    assert got.status == "waiting"
+    head = ledger.view().reserved
+    assert head is not None and head.request == got.id
+    assert (head.indices, head.start, head.waits_for) == ((0, 1, 2, 3), 300.0, ("a", "b"))
+    assert ledger.queue()[0].reason == (
+        "no 4 GPUs free now: 1 of 4 eligible (3 held); first in line: GPUs 0, 1, 2, 3 are"
+        " kept for it, expected free when a, b end"
+    )
+    small = answer(ledger, node, "small", 1, now=11.0, declared=600.0)
+    assert small.status == "waiting", "free GPU 3 is kept: it would hold it past 300 s"
+    assert "are kept for big, first in line" in small.reason or "kept for big" in (
+        ledger.queue()[1].reason
+    )
+    quick = start(ledger, node, "quick", 1, now=12.0, declared=200.0)
+    assert quick.indices == (3,), "on a kept GPU: back at 212, before the head's start"
+    # a and b give their GPUs back; the head takes all four once quick is done too
+    ledger.release_job(a.id, 1000, now=100.0)
+    ledger.release_job(b.id, 1000, now=250.0)
+    waiting = {w.id: 250.0 for w in ledger.queue()}  # their execs ask about them
+    step(ledger, node, now=250.0, claim_timeout=30, asked=waiting)
+    assert [w.owner for w in ledger.queue()] == ["big", "small"], "GPU 3 is quick's still"
+    ledger.release_job(quick.id, 1000, now=260.0)
+    step(ledger, node, now=260.0, claim_timeout=30, asked=dict.fromkeys(waiting, 260.0))
+    assert "big" in {h.owner for h in ledger.holds()}
+    head = ledger.view().reserved
+    assert head is not None and head.owner == "small", "the next one that fits nowhere"
+
+
+def test_a_stream_of_small_requests_does_not_starve_a_big_one(node: NodeGpus) -> None:
+    """Before reservations, 1-GPU jobs arriving faster than they end took every GPU freed
+    and the 4-GPU request waited for ever; now the GPUs freed are kept for it, and it
+    starts once the last job in its way ends."""
+    ledger = GpuLedger()
+    jobs = [start(ledger, node, f"s{i}", 1, now=0.0, declared=100.0 + i) for i in range(4)]
+    assert answer(ledger, node, "big", 4, now=1.0).status == "waiting"
+    for t in range(2, 110, 5):  # small ones keep asking; the held ones end by 103
+        for j in jobs:
+            if j.expected_end is not None and j.expected_end <= t and j.id in ledger._holds:
+                ledger.release_job(j.id, 1000, now=float(t))
+        ask(ledger, node, f"n{t}", 1, now=float(t), declared=1000.0)
+        asked = {w.id: float(t) for w in ledger.queue()}
+        step(ledger, node, now=float(t), claim_timeout=3600, asked=asked)
+    held = {h.owner: h for h in ledger.holds()}
+    assert "big" in held and held["big"].indices == (0, 1, 2, 3)
+    assert not [o for o in held if o.startswith("n")], "no small one took a kept GPU"
+
+
+def test_a_hold_of_unknown_end_leaves_the_heads_start_unknown(node: NodeGpus) -> None:
+    ledger = GpuLedger()
+    start(ledger, node, "a", 1, now=0.0)  # no declared duration, no class history
+    assert ask(ledger, node, "big", 4, now=1.0) == "waiting"
+    head = ledger.view().reserved
+    assert head is not None and head.start is None and head.waits_for == ("a",)
+    assert "a hold in the way has no expected end" in ledger.queue()[0].reason
+    assert ask(ledger, node, "one", 1, now=2.0, declared=5.0) == "waiting", "no start to beat"
+
+
+def test_a_request_placed_before_the_head_becomes_the_head(node: NodeGpus) -> None:
+    ledger = GpuLedger()
+    start(ledger, node, "a", 4, now=0.0, declared=100.0)
+    assert ask(ledger, node, "two", 2, now=1.0) == "waiting"
+    head = ledger.view().reserved
+    assert head is not None and head.owner == "two"
+    assert ask(ledger, node, "urgent", 3, now=2.0, priority=300) == "waiting"
+    head = ledger.view().reserved
+    assert head is not None and head.owner == "urgent"
+    assert [w.owner for w in ledger.queue()] == ["urgent", "two"]
+
+
+def test_a_head_whose_start_passes_is_worked_out_again(node: NodeGpus) -> None:
+    ledger = GpuLedger()
+    start(ledger, node, "a", 4, now=0.0, declared=100.0)
+    assert ask(ledger, node, "big", 4, now=1.0) == "waiting"
+    head = ledger.view().reserved
+    assert head is not None and head.start == 100.0
+    asked = {w.id: 150.0 for w in ledger.queue()}
+    step(ledger, node, now=150.0, claim_timeout=30, asked=asked)  # a runs late
+    head = ledger.view().reserved
+    assert head is not None and head.start is None, "nobody knows when a ends now"
 
 
 def test_a_waiter_nobody_asks_about_is_dropped(node: NodeGpus) -> None:
@@ -351,3 +447,28 @@ def test_a_restored_hold_whose_id_is_taken() -> None:
     assert logs[1]["error"] == "its id is the hold of 'web', which its job would release"
     assert ledger.release_reservation("other", 1000).uuids == (GPU[1],)
     assert [h.owner for h in ledger.holds()] == ["web"]
+
+
+def test_a_named_reservation_leaves_the_gpus_kept_for_the_head_alone(node: NodeGpus) -> None:
+    ledger = GpuLedger()
+    start(ledger, node, "a", 2, now=0.0, declared=100.0)
+    assert ask(ledger, node, "big", 4, now=1.0) == "waiting"
+    got = ledger.reserve(
+        "web", GpuRequest(1), uid=1000, tenant="research", workload_class="inference",
+        container=None, node=node, now=2.0, until=600.0,
+    )  # fmt: skip
+    assert isinstance(got, Refusal) and "kept for big, first in line" in got.reason
+
+
+def test_greedy_backfill_keeps_nothing_for_the_head(node: NodeGpus) -> None:
+    """gpu.backfill: greedy is the queue as it was before reservations: anything that fits
+    goes (the baseline of scripts/bench gpu-contention)."""
+    ledger = GpuLedger()
+    start(ledger, node, "a", 2, now=0.0, declared=100.0)
+    assert ask(ledger, node, "big", 4, now=1.0, backfill=Backfill.GREEDY) == "waiting"
+    assert ledger.view().reserved is None
+    assert ask(ledger, node, "one", 1, now=2.0, backfill=Backfill.GREEDY) == "granted"
+    # back to reserve (a reload): the next step serves the queue anew and keeps GPUs for big
+    step(ledger, node, now=3.0, claim_timeout=30, asked={w.id: 3.0 for w in ledger.queue()})
+    head = ledger.view().reserved
+    assert head is not None and head.owner == "big"

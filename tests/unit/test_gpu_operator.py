@@ -95,7 +95,8 @@ def test_requests_and_reservations_pass_over_gpus_that_other_processes_use(
     assert more["status"] == "waiting"
     assert more["reason"] == (
         "no 1 GPU free now: 0 of 4 eligible "
-        "(2 busy with compute processes outside any hold, 2 held)"
+        "(2 busy with compute processes outside any hold, 2 held); first in line: GPU 1 is"
+        " kept for it, free once train ends (a hold in the way has no expected end)"
     )
     assert {u for h in service.ledger.holds() for u in h.uuids} == {UUIDS[1], UUIDS[3]}
 

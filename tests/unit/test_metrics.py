@@ -384,6 +384,8 @@ def test_every_family_is_described_and_named_koordlet_style() -> None:
         "nodeagent_gpu_healthy",
         "nodeagent_workload_gpu_processes",
         "nodeagent_gpu_violating_processes",
+        "nodeagent_gpu_requests_waiting",
+        "nodeagent_gpu_kept_for_queue_head",
         "nodeagent_peer_up",
     }
     for f in FAMILIES:
