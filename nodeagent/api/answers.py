@@ -439,7 +439,7 @@ class GpuGrant(_Sparse):
     """POST and GET /v1/gpus/requests: a GPU request granted, or waiting (its position)."""
 
     _omitted: ClassVar[frozenset[str]] = frozenset(
-        {"uuids", "indices", "position", "score", "fraction"}
+        {"uuids", "indices", "position", "score", "fraction", "expected_start"}
     )
 
     id: str
@@ -451,6 +451,9 @@ class GpuGrant(_Sparse):
     position: int | None = None
     score: Number | None = None
     fraction: Number | None = None
+    expected_start: Number | None = None
+    """Waiting, first in line, with GPUs kept for it: when they are expected free (Unix
+    time); absent otherwise, or while a hold in its way has no expected end."""
 
 
 class Cancelled(Answer):

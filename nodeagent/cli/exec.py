@@ -146,6 +146,9 @@ def _wait_for_gpus(socket: str, want: dict[str, Any], timeout: float | None) -> 
             line = f"waiting for {want['count']} GPU(s): position {answer.position}"
             if answer.reason:
                 line += f" ({answer.reason})"
+            if answer.expected_start is not None:
+                at = time.strftime("%H:%M:%S", time.localtime(float(answer.expected_start)))
+                line += f"; expected to start at {at}"
             if line != said:
                 click.echo(f"nodeagent exec: {line}", err=True)
                 said = line

@@ -658,6 +658,11 @@ class GpuLedger:
     def holds(self) -> tuple[Hold, ...]:
         return tuple(self._holds.values())
 
+    @property
+    def reserved(self) -> Reserved | None:
+        """The GPUs kept for the head of the queue, if any (`Reserved`)."""
+        return self._reserved
+
     def queue(self) -> list[Waiting]:
         return [w for _, w in self._order]
 

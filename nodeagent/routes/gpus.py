@@ -38,7 +38,7 @@ from nodeagent.api.server import Checked, Request, Routes
 from nodeagent.errors import BadRequest, Conflict, NotFound
 from nodeagent.gpu.model import GpuState
 from nodeagent.gpu.report import read_report
-from nodeagent.gpualloc.ledger import Reserved, holdings
+from nodeagent.gpualloc.ledger import Answer, Reserved, holdings
 from nodeagent.gpualloc.placement import GpuRequest, NodeGpus, Refusal, impossible
 from nodeagent.gpualloc.placement.durations import declared_duration
 from nodeagent.gpualloc.placing import BadQuestion, answer, from_query
@@ -202,14 +202,15 @@ class GpuRoutes:
                 uuids=list(answer.hold.uuids),
                 request=answer.id,
             )
-        return answers.GpuGrant.model_validate(answer.to_json())
+        return _grant(answer, self._gpus.ledger.reserved)
 
     def _status(self, request: Request) -> answers.GpuGrant:
         rid = request.query.get("id", "")
-        got = self._gpus.view.ledger.status(rid, request.peer.uid)
+        view = self._gpus.view.ledger
+        got = view.status(rid, request.peer.uid)
         if got.status == "waiting":  # its exec still waits: keep it in the queue
             self._gpus.seen(rid, time.monotonic())
-        return answers.GpuGrant.model_validate(got.to_json())
+        return _grant(got, view.reserved)
 
     def _cancel(self, request: Request, body: IdBody) -> answers.Cancelled:
         self._gpus.ledger.cancel(body.id, request.peer.uid)
@@ -322,6 +323,14 @@ class GpuRoutes:
             for w in view.ledger.queue()
         ]
         return answers.GpuList.model_validate(report)
+
+
+def _grant(answer: Answer, head: Reserved | None) -> answers.GpuGrant:
+    """A request's answer; first in line, with when the GPUs kept for it are expected free."""
+    body = answer.to_json()
+    if head is not None and head.request == answer.id and answer.status == "waiting":
+        body["expected_start"] = _kept(head)["expected_start"]
+    return answers.GpuGrant.model_validate(body)
 
 
 def _kept(head: Reserved) -> dict[str, object]:

@@ -28,6 +28,11 @@ def test_the_head_of_the_queue_shows_its_kept_gpus_and_expected_start() -> None:
     small = call(routes, "POST", "/v1/gpus/requests", uid=1002, name="small", count=1)
     assert (six["status"], big["status"], small["status"]) == ("granted", "waiting", "waiting")
 
+    assert abs(big["expected_start"] - soon) < 5, "its ask says when it is expected to start"
+    assert small.get("expected_start") is None
+    got = call(routes, "GET", "/v1/gpus/requests", uid=1001, query={"id": big["id"]})
+    assert abs(got["expected_start"] - soon) < 5, "and so does its status"
+
     report = call(routes, "GET", "/v1/gpus", uid=1002)
     head, behind = report["queue"]
     assert (head["owner"], head["kept"]) == ("big", list(range(8)))
