@@ -29,6 +29,7 @@ so the third queue the issue asks for is not here.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from benchkit import Bench, percentile
 
 from nodeagent import logs
 from nodeagent.gpu.simulated import load_simulated
+from nodeagent.gpualloc import ledger as ledger_module
 from nodeagent.gpualloc.ledger import GpuLedger
 from nodeagent.gpualloc.placement import GpuRequest, NodeGpus
 from nodeagent.policyfile.model import Backfill
@@ -103,6 +105,20 @@ def workload(rng: random.Random, hours: float, every: float, declared: bool) -> 
 
 
 def simulate(node: NodeGpus, jobs: list[Job], backfill: Backfill, hours: float, tick: float) -> Run:
+    # requests asked in one step share its time, so the queue orders them by id: the ledger's
+    # are random (unguessable, as the API needs); here they count up, so that a seed gives
+    # the same run every time and ties go by arrival
+    counter, random_ids = itertools.count(), ledger_module.new_id
+    ledger_module.new_id = lambda: f"r{next(counter):08d}"
+    try:
+        return _simulate(node, jobs, backfill, hours, tick)
+    finally:
+        ledger_module.new_id = random_ids
+
+
+def _simulate(
+    node: NodeGpus, jobs: list[Job], backfill: Backfill, hours: float, tick: float
+) -> Run:
     ledger = GpuLedger()
     run = Run(jobs)
     waiting: list[Job] = []

@@ -11,6 +11,7 @@ import bench_gpu_contention as bench
 import pytest
 
 from nodeagent.gpu.simulated import load_simulated
+from nodeagent.gpualloc import ledger as ledger_module
 from nodeagent.gpualloc.placement import NodeGpus
 from nodeagent.policyfile.model import Backfill
 
@@ -61,3 +62,14 @@ def test_reservations_start_the_big_job_when_promised_and_greedy_starves_it(
         assert isinstance(promised, float) and isinstance(started, float)
         assert started <= promised + 2 * 10, f"seed {seed}: within a tick of its promise"
         assert r["utilisation"] >= g["utilisation"]  # type: ignore[operator]
+
+
+def test_a_seed_gives_the_same_run_and_the_ledgers_own_ids_stay_random(node: NodeGpus) -> None:
+    def run() -> dict[str, object]:
+        jobs = bench.workload(random.Random(5), 2, 150, True)
+        return bench.figures(
+            "dgx-h100", Backfill.RESERVE, 5, bench.simulate(node, jobs, Backfill.RESERVE, 2, 10), 2
+        )
+
+    assert run() == run()
+    assert len(ledger_module.new_id()) >= 20, "the bench's counting ids are its own"
